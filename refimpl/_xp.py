@@ -1,0 +1,153 @@
+r"""Array-namespace helpers: the few operations the array-API standard lacks.
+
+Every numerical function in this package starts with
+`xp = array_namespace(x, ...)` and then calls only functions of `xp`, the
+pattern SciPy uses. The same readable code therefore runs on NumPy, on CuPy
+and on `array_api_strict` (the test suite's stand-in for "some array library
+that is not NumPy").
+
+The standard has no top-k, no bincount and no scatter-add. This module gives
+each one a portable definition built from standard functions (stable sorts,
+`searchsorted`, cumulative sums), and a fast path that calls the native NumPy
+or CuPy routine when the input is one of those. Both paths return the same
+values, and the tests check that they do.
+
+Tie order is part of the contract: `topk` ranks equal values by the lower
+index first, which is the rule Eq. (13) uses to resolve ties between experts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+Array = Any  # any array of an array-API namespace (NumPy, CuPy, array_api_strict, ...)
+
+__all__ = [
+    "Array",
+    "array_namespace",
+    "bincount",
+    "compute_dtype",
+    "dtype_name",
+    "is_cupy",
+    "is_numpy",
+    "is_real_floating",
+    "to_numpy",
+    "topk",
+]
+
+
+def array_namespace(*arrays: Array) -> Any:
+    """The array-API namespace shared by `arrays` (NumPy arrays give a NumPy-compatible one)."""
+    return array_api_compat.array_namespace(*arrays)
+
+
+def is_numpy(xp: Any) -> bool:
+    """True when `xp` is NumPy's namespace (native or wrapped by array_api_compat)."""
+    return array_api_compat.is_numpy_namespace(xp)
+
+
+def is_cupy(xp: Any) -> bool:
+    """True when `xp` is CuPy's namespace."""
+    return array_api_compat.is_cupy_namespace(xp)
+
+
+def dtype_name(dtype: Any) -> str:
+    """A dtype's plain name ("float32", "bfloat16"), whatever library it comes from."""
+    return str(getattr(dtype, "name", dtype)).rsplit(".", 1)[-1]
+
+
+def is_real_floating(x: Array) -> bool:
+    """True for real floating arrays, bfloat16 (from `ml_dtypes`) included.
+
+    `bfloat16` is not a NumPy floating type (`np.issubdtype` says no and
+    `isdtype` raises), so it is recognised by name.
+    """
+    name = dtype_name(x.dtype)
+    if name == "bfloat16":
+        return True
+    return name in ("float16", "float32", "float64")
+
+
+def compute_dtype(xp: Any, *arrays: Array) -> Any:
+    """The dtype used for arithmetic: float64 if any input is float64, else float32.
+
+    Half-precision inputs (float16, bfloat16) are computed in float32 and cast
+    back by the caller, as the K3 code does for its activations.
+    """
+    if any(dtype_name(a.dtype) == "float64" for a in arrays):
+        return xp.float64
+    return xp.float32
+
+
+def to_numpy(x: Array) -> np.ndarray:
+    """Copy any array to a NumPy array on the host (explicitly, for CuPy)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "get"):  # CuPy
+        return x.get()
+    return np.asarray(x)
+
+
+def topk(x: Array, k: int) -> tuple[Array, Array]:
+    """The `k` largest entries of each row of `x` and their column indices.
+
+    Returns `(values, index)`, both `[..., k]`, sorted by value descending;
+    equal values are ordered by the lower index first, so the result is fully
+    determined by the input.
+
+    The NumPy fast path partitions instead of sorting every row: it costs
+    O(n) per row plus a sort of the k survivors. Rows where the k-th value is
+    tied with an unselected entry (where a partition may pick either) are
+    redone with a stable sort, so the tie rule holds there too.
+    """
+    xp = array_namespace(x)
+    n = x.shape[-1]
+    if not 0 <= k <= n:
+        raise ValueError(f"k must be in [0, {n}] for rows of length {n}, got k={k}")
+    if is_numpy(xp) and 0 < k < n:
+        return _topk_numpy(np.asarray(x), k)
+    # Portable definition: a stable descending sort keeps lower indices first among equals.
+    index = xp.argsort(x, axis=-1, descending=True, stable=True)[..., :k]  # [..., k]
+    values = xp.take_along_axis(x, index, axis=-1)  # [..., k]
+    return values, index
+
+
+def _topk_numpy(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])  # [rows, n]
+    # The k largest in arbitrary order, found by partitioning: [rows, k].
+    index = np.argpartition(x2, -k, axis=-1)[:, -k:]
+    values = np.take_along_axis(x2, index, axis=-1)
+    # A partition breaks ties at the k-th value arbitrarily; find the rows where that matters.
+    kth = values.min(axis=-1, keepdims=True)  # [rows, 1]
+    ambiguous = np.count_nonzero(x2 >= kth, axis=-1) > k  # [rows]
+    if ambiguous.any():
+        rows = np.flatnonzero(ambiguous)
+        index[rows] = np.argsort(-x2[rows], axis=-1, kind="stable")[:, :k]
+    # Order the survivors: by index first, then a stable sort by value descending.
+    index.sort(axis=-1)
+    values = np.take_along_axis(x2, index, axis=-1)
+    order = np.argsort(-values, axis=-1, kind="stable")
+    index = np.take_along_axis(index, order, axis=-1)
+    values = np.take_along_axis(values, order, axis=-1)
+    return values.reshape(*shape[:-1], k), index.reshape(*shape[:-1], k)
+
+
+def bincount(index: Array, n: int) -> Array:
+    """How often each of `0, ..., n-1` occurs in the integer array `index` (any shape).
+
+    Returns an `[n]` integer array. The portable path sorts the indices and
+    counts each value with two `searchsorted` calls.
+    """
+    xp = array_namespace(index)
+    flat = xp.reshape(index, (-1,))
+    if is_numpy(xp) or is_cupy(xp):
+        return xp.bincount(flat, minlength=n)[:n]
+    ordered = xp.sort(flat)
+    values = xp.arange(n, dtype=ordered.dtype)
+    left = xp.searchsorted(ordered, values, side="left")
+    right = xp.searchsorted(ordered, values, side="right")
+    return xp.astype(right - left, xp.int64)

@@ -1,0 +1,240 @@
+r"""Configuration: the numbers that define one Stable LatentMoE layer.
+
+| symbol | field | meaning | K3 |
+|---|---|---|---|
+| $d$ | `hidden_size` | model width | 7168 |
+| $\ell$ | `latent_size` | latent width of the routed path, $\ell = d/\alpha$ | 3584 |
+| $n$ | `num_experts` | routed experts | 896 |
+| $k$ | `top_k` | routed experts per token | 16 |
+| $f$ | `intermediate_size` | routed expert intermediate size | 3072 |
+| $N_s$ | `num_shared_experts` | shared experts, merged into one MLP of width $N_s f$ | 2 |
+| $\beta_1$ | `situ_beta` | SiTU gate cap | 4.0 |
+| $\beta_2$ | `situ_linear_beta` | SiTU linear (up) cap | 25.0 |
+| $\varepsilon$ | `rms_norm_eps` | RMSNorm epsilon | 1e-5 |
+
+The width reduction factor is $\alpha = d/\ell$; LatentMoE recommends 4 and K3
+uses 2. K3 has 93 layers; the first has a dense FFN and the other 92 use this
+block.
+
+Two switches turn the block back into its ancestors, so the three can be
+compared on the same inputs:
+
+* `use_latent_norm=False` drops the RMSNorm on the latent sum: the original
+  LatentMoE.
+* `use_latent_projection=False` (which needs $\ell = d$, i.e. $\alpha = 1$)
+  drops the shared down- and up-projections: an ordinary DeepSeek-style MoE
+  whose experts see the full width.
+
+`MoEConfig.from_hf_config` reads the Hugging Face configuration keys of the
+released checkpoint, so a user can build the layer from a `config.json`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+__all__ = ["ACTIVATIONS", "HF_KEYS", "MoEConfig"]
+
+#: Activations the experts may use: K3's SiTU-GLU and the SwiGLU it replaces.
+ACTIVATIONS = ("situ", "swiglu")
+
+#: Hugging Face configuration key for each field of `MoEConfig`.
+HF_KEYS: dict[str, str] = {
+    "hidden_size": "hidden_size",
+    "latent_size": "routed_expert_hidden_size",
+    "num_experts": "num_experts",
+    "top_k": "num_experts_per_token",
+    "intermediate_size": "moe_intermediate_size",
+    "num_shared_experts": "num_shared_experts",
+    "situ_beta": "activation_situ_beta",
+    "situ_linear_beta": "activation_situ_linear_beta",
+    "rms_norm_eps": "rms_norm_eps",
+    "score_function": "moe_router_activation_func",
+    "renormalize": "moe_renormalize",
+    "routed_scaling_factor": "routed_scaling_factor",
+    "use_latent_norm": "latent_moe_use_norm",
+    "topk_method": "topk_method",
+    "n_group": "num_expert_group",
+    "topk_group": "topk_group",
+    "activation": "hidden_act",
+}
+
+# HF spells SwiGLU's activation "silu" (the GLU is implied by the gate/up pair).
+_HF_ACTIVATION = {"situ": "situ", "silu": "swiglu", "swiglu": "swiglu"}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Sizes and switches of one Stable LatentMoE layer (defaults: Kimi K3).
+
+    Construct with keywords, or with `MoEConfig.k3()`, `MoEConfig.tiny()` or
+    `MoEConfig.from_hf_config(...)`. The instance is frozen and validated on
+    construction: sizes are positive integers, `top_k <= num_experts`,
+    `latent_size <= hidden_size`, and the activation and score function are
+    ones this package implements.
+    """
+
+    hidden_size: int = 7168
+    latent_size: int = 3584
+    num_experts: int = 896
+    top_k: int = 16
+    intermediate_size: int = 3072
+    num_shared_experts: int = 2
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    rms_norm_eps: float = 1e-5
+    score_function: str = "sigmoid"
+    renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    use_latent_norm: bool = True
+    use_latent_projection: bool = True
+    activation: str = "situ"
+    topk_method: str = "noaux_tc"
+    n_group: int = 1
+    topk_group: int = 1
+    num_moe_layers: int = 92
+
+    # -- the paper's symbols -------------------------------------------------
+    @property
+    def d(self) -> int:
+        """Model width $d$."""
+        return self.hidden_size
+
+    @property
+    def ell(self) -> int:
+        r"""Latent width $\ell$ of the routed path."""
+        return self.latent_size
+
+    @property
+    def n(self) -> int:
+        """Number of routed experts $n$."""
+        return self.num_experts
+
+    @property
+    def k(self) -> int:
+        """Routed experts per token $k$."""
+        return self.top_k
+
+    @property
+    def f(self) -> int:
+        """Routed expert intermediate size $f$."""
+        return self.intermediate_size
+
+    @property
+    def alpha(self) -> float:
+        r"""Width reduction factor $\alpha = d / \ell$."""
+        return self.hidden_size / self.latent_size
+
+    @property
+    def shared_size(self) -> int:
+        r"""Width $N_s f$ of the merged shared-expert MLP."""
+        return self.num_shared_experts * self.intermediate_size
+
+    # -- validation ----------------------------------------------------------
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "latent_size", "num_experts", "top_k", "intermediate_size",
+                     "n_group", "topk_group", "num_moe_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoEConfig.{name} must be a positive integer, got {value!r}")
+        shared = self.num_shared_experts
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ValueError(f"MoEConfig.num_shared_experts must be a non-negative integer, got {shared!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoEConfig.top_k must be <= num_experts={self.num_experts}, got {self.top_k}")
+        if self.latent_size > self.hidden_size:
+            raise ValueError(
+                f"MoEConfig.latent_size must be <= hidden_size={self.hidden_size}, got {self.latent_size}")
+        if not self.use_latent_projection and self.latent_size != self.hidden_size:
+            raise ValueError(
+                "MoEConfig.use_latent_projection=False needs latent_size == hidden_size (alpha = 1), "
+                f"got latent_size={self.latent_size}, hidden_size={self.hidden_size}")
+        for name in ("situ_beta", "situ_linear_beta", "rms_norm_eps", "routed_scaling_factor"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"MoEConfig.{name} must be a positive finite number, got {value!r}")
+        if self.score_function != "sigmoid":
+            raise ValueError(f"MoEConfig.score_function must be 'sigmoid', got {self.score_function!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"MoEConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.num_experts % self.n_group != 0:
+            raise ValueError(
+                f"MoEConfig.n_group must divide num_experts={self.num_experts}, got {self.n_group}")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"MoEConfig.topk_group must be <= n_group={self.n_group}, got {self.topk_group}")
+        if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(
+                f"MoEConfig.top_k={self.top_k} exceeds the {self.topk_group} x "
+                f"{self.num_experts // self.n_group} experts that group-limited routing can reach")
+
+    # -- presets -------------------------------------------------------------
+    @classmethod
+    def k3(cls) -> MoEConfig:
+        """The Kimi K3 layer: d=7168, l=3584, n=896, k=16, f=3072, two shared experts."""
+        return cls()
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> MoEConfig:
+        """A layer small enough to print: d=8, l=4, n=6, k=2, f=6, one shared expert.
+
+        Any field may be overridden by keyword.
+        """
+        fields: dict[str, Any] = dict(hidden_size=8, latent_size=4, num_experts=6, top_k=2,
+                                      intermediate_size=6, num_shared_experts=1, num_moe_layers=1)
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def small(cls, **overrides: Any) -> MoEConfig:
+        """The benchmark layer: d=1024, l=512, n=128, k=8, f=384, shared width 768."""
+        fields: dict[str, Any] = dict(hidden_size=1024, latent_size=512, num_experts=128, top_k=8,
+                                      intermediate_size=384, num_shared_experts=2, num_moe_layers=1)
+        fields.update(overrides)
+        return cls(**fields)
+
+    def replace(self, **changes: Any) -> MoEConfig:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    # -- Hugging Face keys ---------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any]) -> MoEConfig:
+        """Build a config from a Hugging Face `config.json` mapping.
+
+        Keys of `HF_KEYS` that are present are read; absent ones keep the K3
+        default; other keys are ignored. `hidden_act` may be `"situ"` or
+        `"silu"` (SwiGLU). If `routed_expert_hidden_size` is absent the layer
+        has no latent projection (a plain MoE, $\\ell = d$).
+        """
+        if not isinstance(hf, Mapping):
+            raise TypeError(f"hf must be a mapping of Hugging Face config keys, got {type(hf).__name__}")
+        fields: dict[str, Any] = {}
+        for field, key in HF_KEYS.items():
+            if key in hf:
+                fields[field] = hf[key]
+        if "activation" in fields:
+            act = fields["activation"]
+            if act not in _HF_ACTIVATION:
+                raise ValueError(f"hf['hidden_act'] must be one of {sorted(_HF_ACTIVATION)}, got {act!r}")
+            fields["activation"] = _HF_ACTIVATION[act]
+        if "latent_size" not in fields and "hidden_size" in fields:
+            fields["latent_size"] = fields["hidden_size"]
+            fields["use_latent_projection"] = False
+        if "num_hidden_layers" in hf:
+            dense = int(hf.get("first_k_dense_replace", 1))
+            fields["num_moe_layers"] = int(hf["num_hidden_layers"]) - dense
+        return cls(**fields)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The Hugging Face keys for this config (the inverse of `from_hf_config`)."""
+        values = asdict(self)
+        out = {key: values[field] for field, key in HF_KEYS.items()}
+        out["hidden_act"] = "situ" if self.activation == "situ" else "silu"
+        if not self.use_latent_projection:
+            del out["routed_expert_hidden_size"]
+        out["num_hidden_layers"] = self.num_moe_layers + 1
+        out["first_k_dense_replace"] = 1
+        return out

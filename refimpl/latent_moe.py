@@ -1,0 +1,366 @@
+r"""Eq. (11): the Stable LatentMoE forward pass.
+
+$$
+y \;=\; \sum_{j=1}^{N_s} E^{\text{shared}}_j(x)
+\;+\; W_\uparrow\,\operatorname{RMSNorm}\!\Bigl(\sum_{i \in \mathcal{T}_k(x)} p_i\,
+E^{\text{routed}}_i\bigl(W_\downarrow x\bigr)\Bigr)
+$$
+
+A K3 layer splits into two branches that see different widths.
+
+* The **shared experts** (two in K3, merged into one GLU of width
+  $N_s f = 6144$) and the **router** read the full-width token $x \in \mathbb{R}^d$.
+* The **routed experts** never see $x$. One down-projection per layer,
+  $W_\downarrow \in \mathbb{R}^{\ell \times d}$, shared by all 896 experts, maps
+  the token to a latent $z = W_\downarrow x$ of width $\ell = d/\alpha$ (3584 in
+  K3). Each expert is a three-matrix GLU on that latent,
+  $E_e(z) = \operatorname{SiTU\text{-}GLU}(G_e z, U_e z)\,D_e$, and the $k$
+  outputs are mixed **in the latent space**,
+  $u_i = \sum_{e \in \mathcal{T}_i} p_{i,e} E_e(z_i)$.
+* **Stable** addition: $v = \operatorname{RMSNorm}(u) \odot g$ before the single
+  up-projection $W_\uparrow \in \mathbb{R}^{d \times \ell}$, applied once per token
+  after the combine.
+
+Why the latent: under expert parallelism a token is sent to the ranks holding
+its $k$ experts (dispatch) and the results come back (combine). Because
+$W_\downarrow$ comes before the dispatch and $W_\uparrow$ after the combine,
+both all-to-all passes carry $\ell$-wide vectors: $k\ell$ values per token each
+way instead of $kd$, which is what pays for doubling both $n$ and $k$.
+
+Why the norm: without it (the original LatentMoE) the scale of $u$ depends
+on which experts were chosen and on their weights, and $W_\uparrow$ sees that
+scale directly. RMSNorm divides it out, so the routed branch is invariant to
+any positive rescaling of $u$ (a routed scaling factor has no effect while the
+norm is on). Under tensor or expert parallelism the partial sums of $u$ must be
+**reduced before the norm**: the norm of a sum is not the sum of norms.
+
+Switching the norm off gives the original LatentMoE; $\alpha = 1$ without the
+projections gives an ordinary DeepSeek-style MoE (see `MoEConfig`).
+
+**The computation.** `stable_latent_moe` is the fast path: it sorts the
+$m k$ token-slots by expert, runs one matrix product per expert on its
+contiguous slice, puts the results back in slot order and combines. Its loop
+runs over experts, never over tokens. `stable_latent_moe_reference` is the same
+equation written token by token, for reading and for testing; it is slow on
+purpose.
+
+Weights use the PyTorch `Linear` layout `[out, in]`, so a projection is
+`x @ W.T`, and carry the Hugging Face names of the released checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._xp import Array, array_namespace, bincount, compute_dtype, to_numpy
+from .activations import rms_norm, situ_glu, swiglu
+from .config import MoEConfig
+from .routing import route, router_scores
+from .validation import check_finite, check_float_array
+
+__all__ = [
+    "MoEOutput",
+    "MoEParams",
+    "check_params",
+    "init_params",
+    "parameter_shapes",
+    "routed_experts",
+    "shared_experts",
+    "stable_latent_moe",
+    "stable_latent_moe_reference",
+]
+
+
+# ---------------------------------------------------------------------------
+# Parameters
+# ---------------------------------------------------------------------------
+
+def parameter_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
+    """The name and shape of every parameter of one layer, HF names, `[out, in]` layout.
+
+    Projections are absent when `config.use_latent_projection` is false, and
+    the norm gain when `config.use_latent_norm` is false.
+    """
+    d, ell, n, f, s = config.d, config.ell, config.n, config.f, config.shared_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "gate.weight": (n, d),
+        "gate.e_score_correction_bias": (n,),
+    }
+    if config.use_latent_projection:
+        shapes["routed_expert_down_proj.weight"] = (ell, d)
+    if config.use_latent_norm:
+        shapes["routed_expert_norm.weight"] = (ell,)
+    if config.use_latent_projection:
+        shapes["routed_expert_up_proj.weight"] = (d, ell)
+    shapes.update({
+        "experts.w1": (n, f, ell),  # gate, per expert [f, l]
+        "experts.w3": (n, f, ell),  # up,   per expert [f, l]
+        "experts.w2": (n, ell, f),  # down, per expert [l, f]
+        "shared_experts.gate_proj.weight": (s, d),
+        "shared_experts.up_proj.weight": (s, d),
+        "shared_experts.down_proj.weight": (d, s),
+    })
+    return shapes
+
+
+class MoEParams(dict):
+    """The weights of one layer: a `dict` from HF-style names to arrays.
+
+    Any mapping with exactly the names of `parameter_shapes(config)` works
+    wherever a `MoEParams` is expected; this class only adds a readable repr.
+    """
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{name}: {list(a.shape)}" for name, a in self.items())
+        return f"MoEParams({parts})"
+
+
+def init_params(config: MoEConfig, rng: np.random.Generator | int | None = None, *,
+                dtype: Any = np.float32, bias_scale: float = 0.0) -> MoEParams:
+    r"""Random weights for `config`, as NumPy arrays of `dtype`.
+
+    Matrices are drawn from $\mathcal{N}(0, 1/\text{fan\_in})$ so activations
+    keep unit scale through each product; the norm gain is one; the router
+    bias is $\mathcal{N}(0, \text{bias\_scale}^2)$ (zero by default, as at the start of
+    training). `rng` is a NumPy `Generator` or a seed.
+    """
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    rng = np.random.default_rng(rng)
+    params = MoEParams()
+    for name, shape in parameter_shapes(config).items():
+        if name == "routed_expert_norm.weight":
+            value = np.ones(shape)
+        elif name == "gate.e_score_correction_bias":
+            value = bias_scale * rng.standard_normal(shape)
+            params[name] = value.astype(np.float32 if np.dtype(dtype).itemsize < 4 else dtype)
+            continue
+        else:
+            fan_in = shape[-1]
+            value = rng.standard_normal(shape) / np.sqrt(max(fan_in, 1))
+        params[name] = value.astype(dtype)
+    return params
+
+
+def check_params(params: Mapping[str, Array], config: MoEConfig) -> None:
+    """Raise if `params` does not have exactly the names and shapes `config` needs."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping from parameter names to arrays, got {type(params).__name__}")
+    shapes = parameter_shapes(config)
+    missing = sorted(set(shapes) - set(params))
+    extra = sorted(set(params) - set(shapes))
+    if missing or extra:
+        raise ValueError(f"params must have exactly the names {sorted(shapes)}; missing {missing}, extra {extra}")
+    for name, shape in shapes.items():
+        check_float_array(f"params[{name!r}]", params[name])
+        if tuple(params[name].shape) != shape:
+            raise ValueError(f"params[{name!r}] must have shape {list(shape)}, got {list(params[name].shape)}")
+    check_finite("params['gate.e_score_correction_bias']", params["gate.e_score_correction_bias"])
+
+
+# ---------------------------------------------------------------------------
+# The two branches
+# ---------------------------------------------------------------------------
+
+def _glu(a: Array, b: Array, config: MoEConfig) -> Array:
+    """The expert activation chosen by the config: SiTU-GLU (K3) or SwiGLU."""
+    if config.activation == "situ":
+        return situ_glu(a, b, config.situ_beta, config.situ_linear_beta)
+    return swiglu(a, b)
+
+
+def routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array, w2: Array,
+                   config: MoEConfig) -> Array:
+    r"""The routed sum $u_i = \sum_{e \in \mathcal{T}_i} p_{i,e}\,E_e(z_i)$, grouped by expert.
+
+    `z` is the latent `[m, l]`, `index` and `weights` are `[m, k]`, and the
+    expert weights are stacked: `w1`, `w3` `[n, f, l]`, `w2` `[n, l, f]`.
+    Returns `u`, `[m, l]`.
+
+    The $mk$ (token, expert) pairs are sorted by expert so that each expert's
+    tokens form one contiguous slice; each expert then runs one GLU on its
+    slice. This is the dispatch / compute / combine of an MoE kernel, on one
+    device.
+    """
+    xp = array_namespace(z, index, weights)
+    m, k = index.shape
+    n = w1.shape[0]
+    # Flatten the token-slots: slot $t = i k + r$ is the $r$-th expert of token $i$.
+    slot_expert = xp.reshape(index, (m * k,))  # [m*k]
+    # Dispatch: order the slots by expert id (stable, so tokens keep their order within an expert).
+    order = xp.argsort(slot_expert, stable=True)  # [m*k]
+    slot_token = order // k  # [m*k] token of each sorted slot
+    z_sorted = xp.take(z, slot_token, axis=0)  # [m*k, l]
+    # Expert $e$ owns sorted slots `start[e] : start[e] + count[e]`.
+    count = to_numpy(bincount(slot_expert, n))  # [n]
+    start = np.concatenate(([0], np.cumsum(count)))  # [n + 1]
+    outputs = []
+    for e in np.flatnonzero(count):
+        z_e = z_sorted[int(start[e]):int(start[e + 1]), :]  # [m_e, l]
+        # $$E_e(z) = \operatorname{SiTU\text{-}GLU}(z G_e^\top, z U_e^\top)\, D_e^\top$$
+        h = _glu(z_e @ w1[int(e), ...].T, z_e @ w3[int(e), ...].T, config)  # [m_e, f]
+        outputs.append(h @ w2[int(e), ...].T)  # [m_e, l]
+    if not outputs:  # an empty batch
+        return xp.zeros((m, w2.shape[1]), dtype=z.dtype)
+    out_sorted = xp.concat(outputs, axis=0)  # [m*k, l]
+    # Combine: undo the sort, then mix each token's k outputs with its weights.
+    out = xp.take(out_sorted, xp.argsort(order), axis=0)  # [m*k, l], slot order
+    out = xp.reshape(out, (m, k, out.shape[-1]))  # [m, k, l]
+    # $$u_i = \textstyle\sum_{r=1}^{k} p_{i,r}\, E_{\mathcal{T}_{i,r}}(z_i)$$
+    return xp.sum(weights[:, :, None] * out, axis=1)  # [m, l]
+
+
+def shared_experts(x: Array, gate_proj: Array, up_proj: Array, down_proj: Array,
+                   config: MoEConfig) -> Array:
+    r"""The shared experts on the full width: $\operatorname{SiTU\text{-}GLU}(x G_s^\top, x U_s^\top)\,D_s^\top$, `[m, d]`.
+
+    $N_s$ shared experts of width $f$ summed are one GLU of width $N_s f$,
+    which is how the checkpoint stores them.
+    """
+    xp = array_namespace(x)
+    if gate_proj.shape[0] == 0:  # no shared experts
+        return xp.zeros(x.shape, dtype=x.dtype)
+    return _glu(x @ gate_proj.T, x @ up_proj.T, config) @ down_proj.T
+
+
+# ---------------------------------------------------------------------------
+# The forward pass
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MoEOutput:
+    """The output `y` of a layer and every intermediate of Eq. (11), for teaching and tests.
+
+    Shapes: `y`, `y_shared`, `y_routed` `[m, d]`; `scores` `[m, n]`; `index`,
+    `weights` `[m, k]`; `z`, `u`, `v` `[m, l]`.
+    """
+
+    y: Array
+    scores: Array
+    index: Array
+    weights: Array
+    z: Array
+    u: Array
+    v: Array
+    y_routed: Array
+    y_shared: Array
+
+
+def _check_inputs(x: Array, params: Mapping[str, Array], config: MoEConfig) -> None:
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    check_float_array("x", x, ndim=2)
+    if x.shape[1] != config.d:
+        raise ValueError(f"x must have shape [m, {config.d}] (hidden_size), got {list(x.shape)}")
+    check_finite("x", x)
+    check_params(params, config)
+
+
+def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, *,
+                      return_intermediates: bool = False) -> Array | MoEOutput:
+    r"""Eq. (11): one Stable LatentMoE layer on a batch `x` of shape `[m, d]`.
+
+    `params` is any mapping with the names of `parameter_shapes(config)`.
+    Returns `y`, `[m, d]`, in the dtype of `x` (computed in float32, or float64
+    for float64 input); with `return_intermediates=True`, a `MoEOutput` whose
+    first field is `y`.
+    """
+    _check_inputs(x, params, config)
+    xp = array_namespace(x, *params.values())
+    dtype = compute_dtype(xp, x)
+
+    def weight(name: str) -> Array:
+        return xp.astype(params[name], dtype, copy=False)
+
+    h = xp.astype(x, dtype, copy=False)  # [m, d]
+    # 1. Router scores on the full width: $$s = \sigma(x W_r^\top)$$
+    scores = router_scores(h, weight("gate.weight"))  # [m, n]
+    # 2. Selection by $s + b$, weights from raw $s$ (Eq. 13).
+    index, weights = route(scores, params["gate.e_score_correction_bias"], config.k,
+                           renormalize=config.renormalize, scaling_factor=config.routed_scaling_factor,
+                           n_group=config.n_group, topk_group=config.topk_group)  # [m, k] each
+    weights = xp.astype(weights, dtype)
+    # 3. One down-projection for all routed experts: $$z = x W_\downarrow^\top$$
+    if config.use_latent_projection:
+        z = h @ weight("routed_expert_down_proj.weight").T  # [m, l]
+    else:
+        z = h  # alpha = 1, no projection: a plain MoE
+    # 4-5. Each token's k experts on the latent, mixed in the latent space:
+    # $$u_i = \textstyle\sum_{e \in \mathcal{T}_i} p_{i,e} E_e(z_i)$$
+    u = routed_experts(z, index, weights, weight("experts.w1"), weight("experts.w3"),
+                       weight("experts.w2"), config)  # [m, l]
+    # 6. The Stable addition: $$v = \operatorname{RMSNorm}(u) \odot g$$
+    if config.use_latent_norm:
+        v = rms_norm(u, weight("routed_expert_norm.weight"), config.rms_norm_eps)  # [m, l]
+    else:
+        v = u  # the original LatentMoE
+    # 7. One up-projection, once per token after the combine: $$y_{\text{routed}} = v W_\uparrow^\top$$
+    if config.use_latent_projection:
+        y_routed = v @ weight("routed_expert_up_proj.weight").T  # [m, d]
+    else:
+        y_routed = v
+    # 8. Shared experts on the full width, one merged GLU of width $N_s f$.
+    y_shared = shared_experts(h, weight("shared_experts.gate_proj.weight"),
+                              weight("shared_experts.up_proj.weight"),
+                              weight("shared_experts.down_proj.weight"), config)  # [m, d]
+    # 9. $$y = y_{\text{shared}} + y_{\text{routed}}$$
+    y = xp.astype(y_shared + y_routed, x.dtype)
+    if not return_intermediates:
+        return y
+    return MoEOutput(y=y, scores=scores, index=index, weights=weights, z=z, u=u, v=v,
+                     y_routed=y_routed, y_shared=y_shared)
+
+
+def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: MoEConfig) -> np.ndarray:
+    r"""Eq. (11) by hand: one token at a time, one expert at a time, in float64 NumPy.
+
+    The same layer as `stable_latent_moe`, written as directly as possible and
+    independently of the rest of the package (its own sigmoid, SiTU-GLU,
+    top-k and RMSNorm), so the two can check each other. It loops over tokens
+    in Python: use it on small inputs only.
+    """
+    _check_inputs(x, params, config)
+    p = {name: to_numpy(a).astype(np.float64) for name, a in params.items()}
+    xs = to_numpy(x).astype(np.float64)
+    b1, b2 = config.situ_beta, config.situ_linear_beta
+
+    def act(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        sig = 1.0 / (1.0 + np.exp(-a))
+        if config.activation == "situ":
+            return (b1 * np.tanh(a / b1) * sig) * (b2 * np.tanh(b / b2))
+        return a * sig * b
+
+    y = np.zeros_like(xs)
+    for i, x_i in enumerate(xs):
+        s_i = 1.0 / (1.0 + np.exp(-(p["gate.weight"] @ x_i)))  # [n]
+        biased = s_i + p["gate.e_score_correction_bias"]
+        allowed = np.ones(config.n, dtype=bool)
+        if config.n_group > 1:
+            size = config.n // config.n_group
+            group_score = [sum(sorted(biased[g * size:(g + 1) * size])[-2:]) for g in range(config.n_group)]
+            best = sorted(range(config.n_group), key=lambda g: (-group_score[g], g))[:config.topk_group]
+            allowed = np.array([j // size in best for j in range(config.n)])
+        # Top-k by biased score, ties to the lower id.
+        chosen = sorted((j for j in range(config.n) if allowed[j]), key=lambda j: (-biased[j], j))[:config.k]
+        p_i = np.array([s_i[j] for j in chosen])
+        if config.renormalize:
+            p_i = p_i / p_i.sum()
+        p_i = p_i * config.routed_scaling_factor
+        z_i = p["routed_expert_down_proj.weight"] @ x_i if config.use_latent_projection else x_i
+        u_i = np.zeros(config.ell)
+        for weight_ie, e in zip(p_i, chosen, strict=True):
+            hidden = act(p["experts.w1"][e] @ z_i, p["experts.w3"][e] @ z_i)
+            u_i += weight_ie * (p["experts.w2"][e] @ hidden)
+        if config.use_latent_norm:
+            u_i = u_i / np.sqrt(np.mean(u_i**2) + config.rms_norm_eps) * p["routed_expert_norm.weight"]
+        y_routed = p["routed_expert_up_proj.weight"] @ u_i if config.use_latent_projection else u_i
+        y_shared = np.zeros(config.d)
+        if config.shared_size:
+            hidden = act(p["shared_experts.gate_proj.weight"] @ x_i, p["shared_experts.up_proj.weight"] @ x_i)
+            y_shared = p["shared_experts.down_proj.weight"] @ hidden
+        y[i] = y_shared + y_routed
+    return y

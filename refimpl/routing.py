@@ -1,0 +1,196 @@
+r"""Eq. (13): sigmoid scores, biased selection, raw-score weights.
+
+$$
+s_{i,j} = \sigma(x_i \cdot W_r[j]),
+\qquad
+\mathcal{T}_i = \operatorname{argtopk}_k\,(s_i + b),
+\qquad
+p_{i,j} = \frac{s_{i,j}}{\sum_{r \in \mathcal{T}_i} s_{i,r}} \quad (j \in \mathcal{T}_i).
+$$
+
+The router of a K3 layer scores every expert on the **full-width** input
+$x_i$ (not on the latent) with a sigmoid, so each score lies in $(0, 1)$ and
+does not compete with the others as a softmax would.
+
+The **bias** $b \in \mathbb{R}^n$ (`e_score_correction_bias` in the checkpoint)
+is the load-balancing knob. It takes part in *selection only*: the top-$k$ is
+taken over $s_i + b$, but the mixture weights $p_{i,j}$ use the **raw** scores
+$s_{i,j}$, renormalized over the chosen set and then multiplied by the routed
+scaling factor (1.0 in K3). The bias therefore decides which experts a token
+visits and never how much each contributes; it carries no gradient from the
+language-model loss. Quantile Balancing (Eq. 14) is what sets it.
+
+Pitfalls this module guards against, each a bug seen in real routers:
+
+* **Weights from biased scores.** Using $s + b$ in $p$ leaks the balancer into
+  the forward pass. Here the weights are gathered from `scores`, never from the
+  biased array.
+* **Tie order.** `torch.topk` leaves the order of equal values unspecified, so
+  two implementations can disagree on a tie. This module resolves ties to the
+  **lower expert id**, always, on every backend.
+* **A low-precision bias.** The bias drifts far from zero during training. In
+  bfloat16 (8 significant bits) values near, say, 10 are spaced 0.0625 apart,
+  coarser than the score differences they must separate, so hundreds of
+  distinct biases collapse onto a few and most tokens' top-$k$ changes. The
+  biased scores here are formed in float32 or wider, and a bias in a half
+  dtype is rejected. Mean-centering the bias (which changes no top-$k$) also
+  keeps it near zero.
+"""
+
+from __future__ import annotations
+
+from ._xp import Array, dtype_name, array_namespace, bincount, compute_dtype, topk
+from .activations import sigmoid
+from .validation import check_finite, check_float_array, check_int, check_positive
+
+__all__ = ["biased_scores", "expert_load", "route", "router_scores", "selection_cutoff"]
+
+
+def router_scores(x: Array, router_weight: Array) -> Array:
+    r"""Router scores $s = \sigma(x W_r^\top)$, `[m, n]`, in float32 or wider.
+
+    `x` is `[m, d]` and `router_weight` ($W_r$, HF `gate.weight`) is `[n, d]`.
+    The product is formed in float32 whatever the input dtype (float64 stays
+    float64), as the K3 code does.
+    """
+    check_float_array("x", x, ndim=2)
+    check_float_array("router_weight", router_weight, ndim=2)
+    if router_weight.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"router_weight must have shape [n, {x.shape[1]}] to match x of width {x.shape[1]}, "
+            f"got {list(router_weight.shape)}")
+    xp = array_namespace(x, router_weight)
+    dtype = compute_dtype(xp, x, router_weight)
+    # $$s_{i,j} = \sigma(x_i \cdot W_r[j])$$
+    logits = xp.astype(x, dtype) @ xp.astype(router_weight, dtype).T  # [m, n]
+    return sigmoid(logits)
+
+
+def _check_scores_and_bias(scores: Array, bias: Array) -> None:
+    check_float_array("scores", scores, ndim=2)
+    check_float_array("bias", bias, ndim=1)
+    n = scores.shape[1]
+    if bias.shape[0] != n:
+        raise ValueError(f"bias must have shape [{n}] to match scores {list(scores.shape)}, got {list(bias.shape)}")
+    if dtype_name(bias.dtype) in ("float16", "bfloat16"):
+        raise TypeError(
+            f"bias must be float32 or float64, got {bias.dtype}: a half-precision bias far from zero "
+            "merges distinct values and changes the top-k (keep it in float32 and mean-centred)")
+    check_finite("scores", scores)
+    check_finite("bias", bias)
+
+
+def biased_scores(scores: Array, bias: Array) -> Array:
+    r"""The selection scores $s_i + b$, `[m, n]`, formed in float32 or wider."""
+    _check_scores_and_bias(scores, bias)
+    xp = array_namespace(scores, bias)
+    dtype = compute_dtype(xp, scores, bias)
+    return xp.astype(scores, dtype) + xp.astype(bias, dtype)[None, :]
+
+
+def _group_limited(biased: Array, n_group: int, topk_group: int) -> Array:
+    """Mask out all but the best `topk_group` of `n_group` expert groups (DeepSeek-V3 style).
+
+    A group's score is the sum of its two largest biased scores (its only
+    score when a group holds one expert). Experts outside the chosen groups get
+    $-\\infty$ and cannot be selected.
+    """
+    xp = array_namespace(biased)
+    m, n = biased.shape
+    per_group = n // n_group
+    grouped = xp.reshape(biased, (m, n_group, per_group))  # [m, G, n/G]
+    best_two, _ = topk(grouped, min(2, per_group))  # [m, G, 2]
+    group_score = xp.sum(best_two, axis=-1)  # [m, G]
+    _, chosen = topk(group_score, topk_group)  # [m, topk_group]
+    groups = xp.arange(n_group, dtype=chosen.dtype)
+    keep = xp.any(chosen[:, :, None] == groups[None, None, :], axis=1)  # [m, G]
+    masked = xp.where(keep[:, :, None], grouped, -xp.inf)  # [m, G, n/G]
+    return xp.reshape(masked, (m, n))
+
+
+def route(scores: Array, bias: Array, top_k: int, *, renormalize: bool = True,
+          scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1) -> tuple[Array, Array]:
+    r"""Eq. (13): choose `top_k` experts per token by $s + b$, weight them by raw $s$.
+
+    Parameters
+    ----------
+    scores
+        `[m, n]` sigmoid router scores $s$ (see `router_scores`).
+    bias
+        `[n]` selection bias $b$, float32 or float64.
+    top_k
+        $k$, experts per token, `1 <= top_k <= n`.
+    renormalize
+        Divide the $k$ raw scores of a token by their sum (K3: true).
+    scaling_factor
+        Multiply the weights by this (K3: 1.0).
+    n_group, topk_group
+        Optional group-limited routing: split the experts into `n_group` equal
+        groups and select only from the best `topk_group` (K3: one group).
+
+    Returns
+    -------
+    index
+        `[m, k]` integer expert ids, ordered by biased score descending,
+        ties to the lower id.
+    weights
+        `[m, k]` mixture weights $p_{i,j}$ from the raw scores, in the dtype of
+        the biased scores (float32 or float64).
+    """
+    _check_scores_and_bias(scores, bias)
+    m, n = scores.shape
+    top_k = check_int("top_k", top_k, low=1, high=n)
+    scaling_factor = check_positive("scaling_factor", scaling_factor)
+    n_group = check_int("n_group", n_group, low=1, high=n)
+    topk_group = check_int("topk_group", topk_group, low=1, high=n_group)
+    if n % n_group:
+        raise ValueError(f"n_group must divide the number of experts {n}, got {n_group}")
+    xp = array_namespace(scores, bias)
+    # Selection uses the biased scores: $$\mathcal{T}_i = \operatorname{argtopk}_k(s_i + b)$$
+    biased = biased_scores(scores, bias)  # [m, n]
+    if n_group > 1:
+        biased = _group_limited(biased, n_group, topk_group)
+    _, index = topk(biased, top_k)  # [m, k]
+    # The weights use the raw scores of the chosen experts, never the biased ones.
+    raw = xp.take_along_axis(xp.astype(scores, biased.dtype), index, axis=-1)  # [m, k]
+    if renormalize:
+        # $$p_{i,j} = s_{i,j} / \textstyle\sum_{r \in \mathcal{T}_i} s_{i,r}$$
+        raw = raw / xp.sum(raw, axis=-1, keepdims=True)
+    return index, raw * scaling_factor
+
+
+def selection_cutoff(scores: Array, bias: Array, top_k: int) -> tuple[Array, Array]:
+    r"""The top-$k$ route and each token's cutoff $\alpha_i$, from one top-$(k+1)$ of $s + b$.
+
+    $\alpha_i$ is the $(k+1)$-th largest biased score of token $i$: an expert
+    $j$ outside the route enters it exactly when $s_{i,j} + b_j$ rises above
+    $\alpha_i$. This is the first step of Quantile Balancing (Eq. 14) and of
+    the histogram estimator (Appendix D).
+
+    Returns `index` `[m, k]` (the same route as `route`) and `alpha` `[m]`, in
+    the dtype of the biased scores. Needs `top_k < n`: with $k = n$ every
+    expert is always chosen and no cutoff exists.
+    """
+    _check_scores_and_bias(scores, bias)
+    n = scores.shape[1]
+    top_k = check_int("top_k", top_k, low=1)
+    if top_k >= n:
+        raise ValueError(
+            f"top_k must be < n={n} for a cutoff to exist (the (k+1)-th score), got top_k={top_k}")
+    biased = biased_scores(scores, bias)  # [m, n]
+    # $$\alpha_i = (k{+}1)\text{-th largest of } s_i + b$$
+    values, index = topk(biased, top_k + 1)  # [m, k+1]
+    return index[:, :top_k], values[:, top_k]
+
+
+def expert_load(index: Array, n: int) -> Array:
+    """Tokens routed to each expert: `[n]` integer counts of the ids in `index` (any shape)."""
+    xp = array_namespace(index)
+    n = check_int("n", n, low=1)
+    if not xp.isdtype(index.dtype, "integral"):
+        raise TypeError(f"index must be an integer array, got dtype {index.dtype}")
+    if index.size and (int(xp.min(index)) < 0 or int(xp.max(index)) >= n):
+        raise ValueError(
+            f"index must hold expert ids in [0, {n - 1}], got values in "
+            f"[{int(xp.min(index))}, {int(xp.max(index))}]")
+    return bincount(index, n)

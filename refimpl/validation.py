@@ -1,0 +1,79 @@
+"""Input checks shared by the public functions.
+
+Each check raises `TypeError` (wrong kind of value) or `ValueError` (right
+kind, wrong shape or value) with a message that names the argument, what was
+expected and what was given. Nothing is broadcast silently.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+from ._xp import Array, array_namespace, is_real_floating
+
+__all__ = [
+    "check_finite",
+    "check_float_array",
+    "check_int",
+    "check_positive",
+    "check_shape",
+]
+
+
+def _describe(x: Any) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{type(x).__name__} of dtype {x.dtype}"
+    return type(x).__name__
+
+
+def check_float_array(name: str, x: Any, ndim: int | None = None) -> None:
+    """`x` must be a real floating array (float16/32/64 or bfloat16), of rank `ndim` if given."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an array, got {_describe(x)}")
+    if not is_real_floating(x):
+        raise TypeError(f"{name} must be a real floating array (float16/32/64 or bfloat16), got dtype {x.dtype}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+
+
+def check_shape(name: str, x: Array, expected: Sequence[int | None]) -> None:
+    """`x.shape` must equal `expected`; `None` entries match any size."""
+    shape = tuple(x.shape)
+    ok = len(shape) == len(expected) and all(e is None or e == s for e, s in zip(expected, shape, strict=False))
+    if not ok:
+        want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+        raise ValueError(f"{name} must have shape {want}, got {list(shape)}")
+
+
+def check_finite(name: str, x: Array) -> None:
+    """Every entry of `x` must be finite (no NaN, no infinity)."""
+    xp = array_namespace(x)
+    bad = ~xp.isfinite(x)
+    if bool(xp.any(bad)):
+        count = int(xp.sum(xp.astype(bad, xp.int64)))
+        raise ValueError(f"{name} must be finite, got {count} non-finite entries (NaN or inf)")
+
+
+def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
+    """`value` must be an integer (not a bool) in `[low, high]`; returns it as `int`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+    return value
+
+
+def check_positive(name: str, value: Any) -> float:
+    """`value` must be a positive finite real number; returns it as `float`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be positive and finite, got {value}")
+    return value

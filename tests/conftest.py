@@ -1,0 +1,55 @@
+"""Shared fixtures: the array backends every numerical test runs on.
+
+`xp` is parametrized over NumPy, `array_api_strict` (which refuses anything
+outside the array-API standard, so a NumPy-only call cannot slip in) and CuPy
+when a working GPU is present. Tests convert their inputs with `xp.asarray`
+and their outputs back with `refimpl._xp.to_numpy`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import array_api_strict
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("default", deadline=None, max_examples=60,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", deadline=None, max_examples=500,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", deadline=None, max_examples=40,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def _cupy_or_reason() -> tuple[object | None, str]:
+    """CuPy if it imports and runs a tiny kernel on a GPU, else the reason it cannot."""
+    try:
+        import cupy
+    except Exception as exc:  # not installed
+        return None, f"CuPy is not installed ({type(exc).__name__})"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None, "CuPy is installed but sees no GPU"
+        if int((cupy.arange(3) + 1).sum().item()) != 6:
+            return None, "CuPy's test kernel returned a wrong result"
+    except Exception as exc:
+        return None, f"CuPy is installed but no GPU is usable ({type(exc).__name__})"
+    return cupy, ""
+
+
+CUPY, CUPY_REASON = _cupy_or_reason()
+
+BACKENDS = [
+    pytest.param(np, id="numpy"),
+    pytest.param(array_api_strict, id="array_api_strict"),
+    pytest.param(CUPY, id="cupy", marks=pytest.mark.skipif(CUPY is None, reason=CUPY_REASON)),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def xp(request):
+    """An array namespace: NumPy, array_api_strict, or CuPy on a GPU machine."""
+    return request.param
