@@ -39,7 +39,7 @@ Pitfalls this module guards against, each a bug seen in real routers:
 
 from __future__ import annotations
 
-from ._xp import Array, dtype_name, array_namespace, bincount, compute_dtype, topk
+from ._xp import Array, array_namespace, bincount, compute_dtype, dtype_name, topk
 from .activations import sigmoid
 from .validation import check_finite, check_float_array, check_int, check_positive
 
