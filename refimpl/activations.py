@@ -65,13 +65,38 @@ def _upcast(xp: Any, *arrays: Array) -> tuple[Any, list[Array]]:
 
 
 def sigmoid(z: Array) -> Array:
-    r"""The logistic function $\sigma(z) = 1 / (1 + e^{-z})$, without overflow warnings.
+    r"""The logistic function $\sigma(z) = 1 / (1 + e^{-z})$, accurate on both sides and without overflow.
 
-    Written as $\tfrac12(1 + \tanh(z/2))$, which is exact and never evaluates
-    $e^{z}$ for large $|z|$.
+    With $t = e^{-|z|} \in (0, 1]$,
+    $\sigma(z) = 1/(1 + t)$ for $z \ge 0$ and $\sigma(z) = t/(1 + t)$ for $z < 0$.
+    Neither branch overflows, and the negative side keeps full relative
+    precision down to the smallest positive float. (The tempting
+    $\tfrac12(1 + \tanh(z/2))$ is exact on paper but cancels for negative $z$:
+    it returns exactly 0 below $z \approx -38$ in float64 and $-20$ in float32,
+    where the true value is tiny but positive, and a router whose chosen scores
+    are all 0 would then divide 0 by 0.)
+    Computed in float32 or wider and returned in the dtype of `z`.
     """
     xp = array_namespace(z)
-    return 0.5 * (1.0 + xp.tanh(0.5 * z))
+    _, (z32,) = _upcast(xp, z)
+    # $$t = e^{-|z|} \in (0, 1]$$
+    t = xp.exp(-xp.abs(z32))
+    # $$\sigma(z) = \begin{cases} 1/(1+t) & z \ge 0 \\ t/(1+t) & z < 0 \end{cases}$$
+    return xp.astype(xp.where(z32 >= 0, 1.0 / (1.0 + t), t / (1.0 + t)), z.dtype, copy=False)
+
+
+def _sech2(u: Array) -> Array:
+    r"""$\operatorname{sech}^2(u) = 1 - \tanh^2(u)$, without the cancellation of the second form.
+
+    `1 - tanh(u)**2` is exactly 0 as soon as $\tanh(u)$ rounds to 1 (from
+    $|u| \approx 10$ in float32, $19$ in float64), although the true value is
+    positive. With $e = e^{-2|u|}$ it equals $4e/(1+e)^2$, which stays
+    accurate until $e$ itself underflows.
+    """
+    xp = array_namespace(u)
+    e = xp.exp(-2.0 * xp.abs(u))
+    # $$\operatorname{sech}^2(u) = \frac{4 e^{-2|u|}}{(1 + e^{-2|u|})^2}$$
+    return 4.0 * e / ((1.0 + e) * (1.0 + e))
 
 
 def softcap(x: Array, beta: float) -> Array:
@@ -86,27 +111,40 @@ def softcap(x: Array, beta: float) -> Array:
 
 
 def softcap_grad(x: Array, beta: float) -> Array:
-    r"""Derivative of `softcap` in `x`: $1 - \tanh^2(x/\beta)$, positive everywhere."""
+    r"""Derivative of `softcap` in `x`: $1 - \tanh^2(x/\beta) = \operatorname{sech}^2(x/\beta)$, positive everywhere.
+
+    Evaluated as $\operatorname{sech}^2$ (see `_sech2`) so that it stays
+    non-zero, as it is mathematically, far past the cap, until the exponential
+    underflows.
+    """
     check_float_array("x", x)
     check_positive("beta", beta)
     xp = array_namespace(x)
     _, (x32,) = _upcast(xp, x)
-    t = xp.tanh(x32 / beta)
-    return xp.astype(1.0 - t * t, x.dtype)
+    # $$\frac{d}{dx}\,\beta\tanh(x/\beta) = \operatorname{sech}^2(x/\beta)$$
+    return xp.astype(_sech2(x32 / beta), x.dtype)
 
 
 def hard_clamp(x: Array, beta: float) -> Array:
-    r"""The hard cap $\min(\max(x, -\beta), \beta)$ that `softcap` replaces (for comparison)."""
+    r"""The hard cap $\min(\max(x, -\beta), \beta)$ that `softcap` replaces (for comparison).
+
+    Computed in float32 or wider and returned in the dtype of `x`, like the
+    other activations (NumPy's `clip` refuses bfloat16 directly).
+    """
     check_float_array("x", x)
+    check_positive("beta", beta)
     xp = array_namespace(x)
-    return xp.clip(x, -beta, beta)
+    _, (x32,) = _upcast(xp, x)
+    return xp.astype(xp.clip(x32, -beta, beta), x.dtype)
 
 
 def hard_clamp_grad(x: Array, beta: float) -> Array:
-    """Derivative of `hard_clamp`: 1 inside $(-\\beta, \\beta)$, exactly 0 outside."""
+    r"""Derivative of `hard_clamp`: 1 inside $(-\beta, \beta)$, exactly 0 outside."""
     check_float_array("x", x)
+    check_positive("beta", beta)
     xp = array_namespace(x)
-    return xp.astype(xp.abs(x) < beta, x.dtype)
+    _, (x32,) = _upcast(xp, x)
+    return xp.astype(xp.abs(x32) < beta, x.dtype)
 
 
 def _check_pair(gate: Array, up: Array) -> None:
@@ -141,19 +179,24 @@ def situ_glu_grad(gate: Array, up: Array, beta: float = 4.0,
 
     With $g(a) = \operatorname{softcap}(a,\beta_1)\sigma(a)$ and $h(b) = \operatorname{softcap}(b,\beta_2)$:
     $\partial_a = g'(a)\,h(b)$ where
-    $g'(a) = (1 - \tanh^2(a/\beta_1))\,\sigma(a) + \operatorname{softcap}(a,\beta_1)\,\sigma(a)(1-\sigma(a))$,
-    and $\partial_b = g(a)\,(1 - \tanh^2(b/\beta_2))$.
+    $g'(a) = \operatorname{sech}^2(a/\beta_1)\,\sigma(a) + \operatorname{softcap}(a,\beta_1)\,\sigma(a)\sigma(-a)$,
+    and $\partial_b = g(a)\,\operatorname{sech}^2(b/\beta_2)$. ($\sigma(a)\sigma(-a)$ is
+    $\sigma'(a) = \sigma(a)(1 - \sigma(a))$ written without cancellation.)
     """
     _check_pair(gate, up)
+    check_positive("beta", beta)
+    check_positive("linear_beta", linear_beta)
     xp = array_namespace(gate, up)
     _, (a, b) = _upcast(xp, gate, up)
     sig = sigmoid(a)
-    ta = xp.tanh(a / beta)
-    tb = xp.tanh(b / linear_beta)
-    g = beta * ta * sig
-    g_prime = (1.0 - ta * ta) * sig + beta * ta * sig * (1.0 - sig)
-    h = linear_beta * tb
-    h_prime = 1.0 - tb * tb
+    # $$g(a) = \beta_1 \tanh(a/\beta_1)\,\sigma(a)$$
+    capped = beta * xp.tanh(a / beta)
+    g = capped * sig
+    # $$g'(a) = \operatorname{sech}^2(a/\beta_1)\,\sigma(a) + \beta_1\tanh(a/\beta_1)\,\sigma(a)\sigma(-a)$$
+    g_prime = _sech2(a / beta) * sig + capped * sig * sigmoid(-a)
+    # $$h(b) = \beta_2 \tanh(b/\beta_2), \qquad h'(b) = \operatorname{sech}^2(b/\beta_2)$$
+    h = linear_beta * xp.tanh(b / linear_beta)
+    h_prime = _sech2(b / linear_beta)
     return xp.astype(g_prime * h, gate.dtype), xp.astype(g * h_prime, gate.dtype)
 
 
@@ -167,12 +210,13 @@ def swiglu(gate: Array, up: Array) -> Array:
 
 
 def swiglu_grad(gate: Array, up: Array) -> tuple[Array, Array]:
-    r"""Partial derivatives of `swiglu`: $(\sigma(a) + a\sigma(a)(1-\sigma(a)))\,b$ and $a\sigma(a)$."""
+    r"""Partial derivatives of `swiglu`: $(\sigma(a) + a\sigma(a)\sigma(-a))\,b$ and $a\sigma(a)$."""
     _check_pair(gate, up)
     xp = array_namespace(gate, up)
     _, (a, b) = _upcast(xp, gate, up)
     sig = sigmoid(a)
-    d_gate = (sig + a * sig * (1.0 - sig)) * b
+    # $$\partial_a = \bigl(\sigma(a) + a\,\sigma(a)(1 - \sigma(a))\bigr)\, b$$
+    d_gate = (sig + a * sig * sigmoid(-a)) * b
     d_up = a * sig
     return xp.astype(d_gate, gate.dtype), xp.astype(d_up, gate.dtype)
 
