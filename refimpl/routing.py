@@ -145,6 +145,13 @@ def route(scores: Array, bias: Array, top_k: int, *, renormalize: bool = True,
     topk_group = check_int("topk_group", topk_group, low=1, high=n_group)
     if n % n_group:
         raise ValueError(f"n_group must divide the number of experts {n}, got {n_group}")
+    # Group-limited routing can only reach the experts of `topk_group` groups;
+    # asking for more would silently pick masked-out experts.
+    reachable = topk_group * (n // n_group)
+    if top_k > reachable:
+        raise ValueError(
+            f"top_k must be <= topk_group * n / n_group = {topk_group} * {n // n_group} = {reachable} "
+            f"(the experts group-limited routing can reach), got top_k={top_k}")
     xp = array_namespace(scores, bias)
     # Selection uses the biased scores: $$\mathcal{T}_i = \operatorname{argtopk}_k(s_i + b)$$
     biased = biased_scores(scores, bias)  # [m, n]
@@ -185,6 +192,8 @@ def selection_cutoff(scores: Array, bias: Array, top_k: int) -> tuple[Array, Arr
 
 def expert_load(index: Array, n: int) -> Array:
     """Tokens routed to each expert: `[n]` integer counts of the ids in `index` (any shape)."""
+    if not (hasattr(index, "shape") and hasattr(index, "dtype")):
+        raise TypeError(f"index must be an integer array of expert ids, got {type(index).__name__}")
     xp = array_namespace(index)
     n = check_int("n", n, low=1)
     if not xp.isdtype(index.dtype, "integral"):
