@@ -32,14 +32,21 @@ released checkpoint, so a user can build the layer from a `config.json`.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-__all__ = ["ACTIVATIONS", "HF_KEYS", "MoEConfig"]
+__all__ = ["ACTIVATIONS", "HF_KEYS", "TOPK_METHODS", "MoEConfig"]
 
 #: Activations the experts may use: K3's SiTU-GLU and the SwiGLU it replaces.
 ACTIVATIONS = ("situ", "swiglu")
+
+#: Top-k methods implemented by `refimpl.routing.route`: DeepSeek-V3's `noaux_tc`
+#: (bias-corrected selection, optionally group-limited), which K3 uses. Other
+#: methods (`greedy`, `group_limited_greedy`) select without the bias, so
+#: accepting their names would silently compute something else.
+TOPK_METHODS = ("noaux_tc",)
 
 #: Hugging Face configuration key for each field of `MoEConfig`.
 HF_KEYS: dict[str, str] = {
@@ -154,8 +161,16 @@ class MoEConfig:
                 f"got latent_size={self.latent_size}, hidden_size={self.hidden_size}")
         for name in ("situ_beta", "situ_linear_beta", "rms_norm_eps", "routed_scaling_factor"):
             value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+            is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            if not (is_number and math.isfinite(value) and value > 0):
                 raise ValueError(f"MoEConfig.{name} must be a positive finite number, got {value!r}")
+        # Switches must be real booleans: a JSON string "false" is truthy and would turn the norm on.
+        for name in ("renormalize", "use_latent_norm", "use_latent_projection"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"MoEConfig.{name} must be True or False, got {type(value).__name__} {value!r}")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"MoEConfig.topk_method must be one of {TOPK_METHODS}, got {self.topk_method!r}")
         if self.score_function != "sigmoid":
             raise ValueError(f"MoEConfig.score_function must be 'sigmoid', got {self.score_function!r}")
         if self.activation not in ACTIVATIONS:
@@ -206,8 +221,10 @@ class MoEConfig:
 
         Keys of `HF_KEYS` that are present are read; absent ones keep the K3
         default; other keys are ignored. `hidden_act` may be `"situ"` or
-        `"silu"` (SwiGLU). If `routed_expert_hidden_size` is absent the layer
-        has no latent projection (a plain MoE, $\\ell = d$).
+        `"silu"` (SwiGLU). If `hidden_size` is given but `routed_expert_hidden_size`
+        is absent, the layer has no latent projection (a plain MoE, $\\ell = d$).
+        `num_hidden_layers` minus `first_k_dense_replace` (default 1) gives the
+        number of MoE layers.
         """
         if not isinstance(hf, Mapping):
             raise TypeError(f"hf must be a mapping of Hugging Face config keys, got {type(hf).__name__}")
