@@ -105,6 +105,8 @@ def topk(x: Array, k: int) -> tuple[Array, Array]:
     """
     xp = array_namespace(x)
     n = x.shape[-1]
+    if isinstance(k, bool) or not isinstance(k, int | np.integer):
+        raise TypeError(f"k must be an integer, got {type(k).__name__} {k!r}")
     if not 0 <= k <= n:
         raise ValueError(f"k must be in [0, {n}] for rows of length {n}, got k={k}")
     if is_numpy(xp) and 0 < k < n:
@@ -140,10 +142,13 @@ def bincount(index: Array, n: int) -> Array:
     """How often each of `0, ..., n-1` occurs in the integer array `index` (any shape).
 
     Returns an `[n]` integer array. The portable path sorts the indices and
-    counts each value with two `searchsorted` calls.
+    counts each value with two `searchsorted` calls. Both paths raise on a
+    negative id and ignore ids `>= n`.
     """
     xp = array_namespace(index)
     flat = xp.reshape(index, (-1,))
+    if flat.shape[0] and int(xp.min(flat)) < 0:
+        raise ValueError(f"index must hold non-negative integers, got a minimum of {int(xp.min(flat))}")
     if is_numpy(xp) or is_cupy(xp):
         return xp.bincount(flat, minlength=n)[:n]
     ordered = xp.sort(flat)
