@@ -80,7 +80,8 @@ def dispatch_payload(config: MoEConfig, bytes_per_value: float = 2.0) -> dict[st
     and the same in bytes at `bytes_per_value` (2 for bf16).
     """
     _check_config(config)
-    if not (isinstance(bytes_per_value, int | float) and bytes_per_value > 0):
+    is_number = isinstance(bytes_per_value, int | float) and not isinstance(bytes_per_value, bool)
+    if not (is_number and math.isfinite(bytes_per_value) and bytes_per_value > 0):
         raise ValueError(f"bytes_per_value must be a positive number, got {bytes_per_value!r}")
     latent = config.k * config.ell
     full = config.k * config.d
@@ -95,7 +96,8 @@ def dispatch_payload(config: MoEConfig, bytes_per_value: float = 2.0) -> dict[st
 
 def log10_binomial(n: int, k: int) -> float:
     r"""$\log_{10}\binom{n}{k}$, exact to double precision through `math.comb`."""
-    if not (isinstance(n, int) and isinstance(k, int) and 0 <= k <= n):
+    integers = all(isinstance(v, int) and not isinstance(v, bool) for v in (n, k))
+    if not (integers and 0 <= k <= n):
         raise ValueError(f"need integers 0 <= k <= n, got n={n!r}, k={k!r}")
     return math.log10(math.comb(n, k))
 
