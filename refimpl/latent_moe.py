@@ -223,7 +223,9 @@ def routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array,
 
     `z` is the latent `[m, l]`, `index` and `weights` are `[m, k]`, and the
     expert weights are stacked: `w1`, `w3` `[n, f, l]`, `w2` `[n, l, f]`.
-    Returns `u`, `[m, l]`.
+    Returns `u`, `[m, l]`, in the dtype of `z`. The stacks may be stored in
+    a narrower dtype than `z` (a float16 checkpoint): each expert's matrices
+    are cast when its turn comes, so the whole stack is never copied.
 
     The $mk$ (token, expert) pairs are sorted by expert so that each expert's
     tokens form one contiguous slice; each expert then runs one GLU on its
@@ -251,10 +253,12 @@ def routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array,
     for e in np.flatnonzero(count).tolist():
         rows = slice(int(start[e]), int(start[e + 1]))
         z_e = z_sorted[rows, :]  # [m_e, l]
+        # Expert $e$'s matrices in the dtype of `z` (free unless the stacks are stored narrower).
+        g_e, u_e, d_e = (xp.astype(w[e, ...], z.dtype, copy=False) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
         # $$h = \operatorname{SiTU\text{-}GLU}(z G_e^\top, z U_e^\top)$$
-        h = _expert_glu(z_e @ w1[e, ...].T, z_e @ w3[e, ...].T, config)  # [m_e, f]
+        h = _expert_glu(z_e @ g_e.T, z_e @ u_e.T, config)  # [m_e, f]
         # $$p_{i,e}\, E_e(z_i) = (p_{i,e}\, h_i)\, D_e^\top$$
-        out_sorted[rows, :] = (p_sorted[rows, :] * h) @ w2[e, ...].T  # [m_e, l]
+        out_sorted[rows, :] = (p_sorted[rows, :] * h) @ d_e.T  # [m_e, l]
     # Combine: undo the sort (slot order is token-major), then add each token's k weighted outputs.
     out = xp.take(out_sorted, xp.argsort(order), axis=0)  # [m*k, l]
     # $$u_i = \textstyle\sum_{r=1}^{k} p_{i,r}\, E_{\mathcal{T}_{i,r}}(z_i)$$
