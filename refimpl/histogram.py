@@ -80,8 +80,7 @@ $$\tilde b_j = (1 - f)\,\hat r_{(\lfloor q\rfloor+1),j} + f\,\hat r_{(\lfloor q\
 so each term is within one bin width of its exact counterpart and so is the
 mix. (Interpolating the cumulative count directly at the fractional target
 $q + 1$ would be off by up to the gap between the two order statistics when they fall in
-different bins.) Ranks beyond $m$, possible only when $m < n/(n-k)$, are
-clamped to $m$, the largest value. Then, as in Eq. (14), the bias is
+different bins.) Then, as in Eq. (14), the bias is
 mean-centred: $b^{(t+1)} = \tilde b - \operatorname{mean}(\tilde b)$.
 
 **The error bound, and what centring does to it.** Each $\tilde b_j$ is within
@@ -105,8 +104,12 @@ rows, so the global batch is never materialised.
   and rows still sum to $m$. A threshold read from an edge bin is then only
   known to lie at or beyond that bin.
 * *$k = n$*: every expert is in every route and no $(k+1)$-th score exists.
-  The cutoff is taken as $\alpha_i = -\infty$, every $r$ lands in the first
-  bin, and the update returns the zero bias: no bias can change any route.
+  The cutoff is taken as $\alpha_i = -\infty$, so every $r$ lands in the first
+  bin and every token is still counted; the update returns the current bias,
+  centred, as the exact update does: no bias can change any route.
+* *Too few tokens*: the rule needs the $(\lceil q\rceil + 1)$-th smallest
+  value of each column, which exists only when $m \ge n/(n-k)$. A smaller
+  global batch is a `ValueError` at read-out, as in the exact update.
 * *$B = 1$*: one bin spanning the whole range; the read-out interpolates
   inside it, and the bound (one bin width, $\max b - \min b + 2$) is loose but holds.
 * *Empty blocks* (a rank with no tokens in a micro-batch) add nothing. Reading
@@ -441,27 +444,30 @@ class BiasHistogram:
         # $$q = mk/n = \lfloor q \rfloor + f$$, in exact integer arithmetic.
         q_floor, remainder = divmod(m * self.top_k, self.n)
         f = remainder / self.n
-        # Ranks beyond m (only when m < n/(n-k)) are clamped to the largest value.
+        needed = q_floor + (2 if remainder else 1)  # the highest rank the rule reads
+        if self.top_k < self.n and needed > m:
+            raise ValueError(f"the histogram holds too few tokens: q = m*k/n = {m * self.top_k / self.n:.4g} "
+                             f"needs the {needed}-th smallest required bias of each expert, but m={m}; "
+                             f"use at least n/(n-k) = {self.n / (self.n - self.top_k):.4g} tokens")
+        # (With k = n, q = m and the rank is clamped to m; the thresholds are then all alike and unused.)
         lower = _order_statistic(self.counts, min(q_floor + 1, m), self.low, self.width)  # [n]
         if remainder == 0:
             # $$\tilde b_j = \hat r_{(q+1),j}$$
             return lower
-        upper = _order_statistic(self.counts, min(q_floor + 2, m), self.low, self.width)  # [n]
+        upper = _order_statistic(self.counts, q_floor + 2, self.low, self.width)  # [n]
         # $$\tilde b_j = (1-f)\,\hat r_{(\lfloor q\rfloor+1),j} + f\,\hat r_{(\lfloor q\rfloor+2),j}$$
         return (1.0 - f) * lower + f * upper
 
     def new_bias(self) -> Array:
         r"""The next bias $b^{(t+1)} = \tilde b - \operatorname{mean}(\tilde b)$, `[n]`, in the dtype of the bias.
 
-        With $k = n$ every expert is in every route, no bias changes any route,
-        and the zero bias is returned.
+        With $k = n$ every expert is in every route and no bias changes any
+        route: the current bias is returned, centred.
         """
         xp = array_namespace(self.counts)
+        b_tilde = self.thresholds()  # [n]; raises when no token was counted
         if self.top_k == self.n:
-            if self.tokens == 0:
-                self.thresholds()  # raises the no-token error
-            return xp.zeros((self.n,), dtype=self.bias.dtype)
-        b_tilde = self.thresholds()  # [n]
+            b_tilde = xp.astype(self.bias, xp.float64)
         # $$b^{(t+1)} = \tilde b - \tfrac{1}{n}\textstyle\sum_j \tilde b_j$$
         return xp.astype(b_tilde - xp.mean(b_tilde), self.bias.dtype)
 
@@ -489,7 +495,8 @@ def histogram_balancing_update(blocks: Iterable[Array] | Array, bias: Array, top
     Returns
     -------
     new_bias
-        `[n]` centred bias, in the dtype of `bias`. Each uncentred threshold is
+        `[n]` centred bias, in the dtype of `bias` (with $k = n$, the current
+        bias centred). Each uncentred threshold is
         within one bin width $w = (\max b - \min b + 2)/B$ of the exact Eq. (14)
         threshold of the concatenated blocks, and the result is bitwise the same
         for any split of the same tokens into blocks.
