@@ -1,0 +1,233 @@
+r"""One forward pass through a tiny layer, by hand.
+
+Eq. (11) on a layer small enough to print whole: $m = 4$ tokens of width
+$d = 8$, a latent of width $\ell = 4$ ($\alpha = 2$), $n = 6$ routed experts
+of which each token uses $k = 2$, expert width $f = 6$, and one shared
+expert. Every stage is printed with its shape and its values:
+
+1. the router scores on the full-width tokens, $s = \sigma(x W_r^\top)$;
+2. the routing decision of each token, expert by expert: the biased score
+   $s + b$ that ranks it, which $k$ win, their weights from the **raw**
+   scores, and whether the bias changed the choice;
+3. the shared down-projection to the latent, $z = x W_\downarrow^\top$;
+4. the dispatch: the $mk$ token-slots sorted by expert, so each expert owns
+   one contiguous slice;
+5. each expert's SiTU-GLU on its slice;
+6. the combine in the latent space, $u_i = \sum_e p_{i,e} E_e(z_i)$;
+7. RMSNorm, the up-projection, the shared expert and the sum.
+
+The last lines compare the hand computation with the package's grouped
+`stable_latent_moe` and its per-token `stable_latent_moe_reference`.
+With `--out DIR` the script also draws the router scores with the chosen
+experts marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from refimpl.activations import situ_glu
+from refimpl.config import MoEConfig
+from refimpl.latent_moe import init_params, stable_latent_moe, stable_latent_moe_reference
+from refimpl.routing import route, router_scores
+
+#: The seed of the weights and tokens. With it the bias changes one token's choice
+#: and one expert receives no token, two cases worth seeing.
+SEED = 8
+
+
+def show(name: str, array: np.ndarray, note: str = "") -> None:
+    """Print an array under a header giving its name and shape."""
+    shape = "[" + ", ".join(str(s) for s in array.shape) + "]"
+    print(f"{name}  {shape}{'  ' + note if note else ''}")
+    text = np.array2string(array, precision=3, floatmode="fixed", suppress_small=True, max_line_width=100)
+    print("    " + text.replace("\n", "\n    "))
+
+
+def step(title: str) -> None:
+    print()
+    print(title)
+    print("-" * len(title))
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
+    parser.add_argument("--seed", type=int, default=SEED)
+    args = parser.parse_args(argv)
+
+    config = MoEConfig.tiny()  # d=8, l=4, n=6, k=2, f=6, one shared expert
+    m, d, ell, n, k, f = 4, config.d, config.ell, config.n, config.k, config.f
+    rng = np.random.default_rng(args.seed)
+    params = init_params(config, rng, dtype=np.float64, bias_scale=0.1)
+    x = rng.standard_normal((m, d))
+    b = params["gate.e_score_correction_bias"]
+
+    print(f"Layer: m={m} tokens, d={d}, l={ell} (alpha={config.alpha:g}), n={n} experts, k={k}, f={f}, "
+          f"{config.num_shared_experts} shared expert of width {config.shared_size}")
+    print(f"SiTU-GLU caps: beta1={config.situ_beta:g}, beta2={config.situ_linear_beta:g}; "
+          f"RMSNorm eps={config.rms_norm_eps:g}")
+    show("x", x, "the tokens, full width d")
+
+    # 1. Scores on the full width.
+    step("1. Router scores on the full-width tokens: s = sigmoid(x W_r^T)")
+    show("W_r = gate.weight", params["gate.weight"], "[n, d]")
+    s = router_scores(x, params["gate.weight"])
+    show("s", s, "one score in (0, 1) per token and expert; a sigmoid, so they do not sum to 1")
+
+    # 2. Selection by s + b, weights by raw s.
+    step("2. Routing: choose by s + b, weigh by the raw s (Eq. 13)")
+    show("b = gate.e_score_correction_bias", b, "the balancing bias")
+    biased = s + b
+    show("s + b", biased, "the selection scores")
+    index, weights = route(s, b, k)
+    raw_index, _ = route(s, np.zeros_like(b), k)
+    changed = []
+    for i in range(m):
+        ranking = sorted(range(n), key=lambda j, i=i: (-biased[i, j], j))
+        print(f"token {i}: experts ranked by s + b (ties would go to the lower id):")
+        for place, j in enumerate(ranking):
+            mark = "chosen" if place < k else ""
+            print(f"    e{j}: s + b = {s[i, j]:.3f} {b[j]:+.3f} = {biased[i, j]:.3f}  {mark}")
+        chosen = index[i].tolist()
+        total = sum(s[i, j] for j in chosen)
+        terms = " + ".join(f"{s[i, j]:.3f}" for j in chosen)
+        parts = ", ".join(f"p(e{j}) = {s[i, j]:.3f} / {total:.3f} = {w:.3f}"
+                          for j, w in zip(chosen, weights[i], strict=True))
+        print(f"  T_{i} = {{{', '.join(f'e{j}' for j in chosen)}}}; the raw scores sum to {terms} = {total:.3f}")
+        print(f"  weights from the raw scores: {parts}; they sum to {weights[i].sum():.3f}")
+        if set(chosen) != set(raw_index[i].tolist()):
+            changed.append(i)
+            dropped = sorted(set(raw_index[i].tolist()) - set(chosen))
+            added = sorted(set(chosen) - set(raw_index[i].tolist()))
+            print(f"  the bias changed this choice: without it token {i} would take "
+                  f"{{{', '.join(f'e{j}' for j in raw_index[i].tolist())}}}; "
+                  f"{', '.join(f'e{j}' for j in added)} replaces {', '.join(f'e{j}' for j in dropped)}")
+        else:
+            print("  the bias did not change this choice")
+    show("index", index, "T_i, k expert ids per token")
+    show("weights", weights, "p_i, from raw scores, renormalized")
+    load = np.bincount(index.ravel(), minlength=n)
+    print(f"tokens per expert: {load.tolist()} (total m*k = {load.sum()})")
+
+    # 3. One down-projection for every routed expert.
+    step("3. Down-projection to the latent: z = x W_down^T")
+    z = x @ params["routed_expert_down_proj.weight"].T
+    show("z", z, f"[m, l]: {d} -> {ell} values per token; this is what dispatch sends")
+
+    # 4. Dispatch: sort the m*k token-slots by expert.
+    step("4. Dispatch: sort the m*k token-slots by expert")
+    slot_expert = index.reshape(-1)  # slot t = i*k + r
+    slot_token = np.repeat(np.arange(m), k)
+    print("slot t = i*k + r holds the r-th expert of token i:")
+    print("    slot:   " + " ".join(f"{t:2d}" for t in range(m * k)))
+    print("    token:  " + " ".join(f"{i:2d}" for i in slot_token))
+    print("    expert: " + " ".join(f"{e:2d}" for e in slot_expert))
+    order = np.argsort(slot_expert, kind="stable")
+    print("sorted by expert (stable, so tokens keep their order inside an expert):")
+    print("    slot:   " + " ".join(f"{t:2d}" for t in order))
+    print("    expert: " + " ".join(f"{e:2d}" for e in slot_expert[order]))
+    starts = np.concatenate(([0], np.cumsum(load)))
+    for e in range(n):
+        tokens = slot_token[order[starts[e]:starts[e + 1]]]
+        print(f"    expert {e}: sorted slots {starts[e]}:{starts[e + 1]} -> tokens {tokens.tolist()}"
+              + ("  (no token: this expert does no work in this batch)" if load[e] == 0 else ""))
+
+    # 5. Each expert runs one GLU on its contiguous slice.
+    step("5. Each expert's SiTU-GLU on its slice: E_e(z) = SiTU-GLU(z G_e^T, z U_e^T) D_e^T")
+    out_sorted = np.zeros((m * k, ell))
+    for e in np.flatnonzero(load):
+        rows = order[starts[e]:starts[e + 1]]
+        z_e = z[slot_token[rows]]  # [m_e, l]
+        gate = z_e @ params["experts.w1"][e].T  # [m_e, f]
+        up = z_e @ params["experts.w3"][e].T  # [m_e, f]
+        h = situ_glu(gate, up, config.situ_beta, config.situ_linear_beta)  # [m_e, f]
+        out_sorted[starts[e]:starts[e + 1]] = h @ params["experts.w2"][e].T  # [m_e, l]
+        print(f"expert {e} on tokens {slot_token[rows].tolist()}:")
+        show("    gate pre-activation a = z_e G_e^T", gate)
+        show("    up pre-activation   b = z_e U_e^T", up)
+        show("    h = SiTU-GLU(a, b)", h, f"|h| <= beta1*beta2 = {config.situ_beta * config.situ_linear_beta:g}")
+        show("    E_e(z_e) = h D_e^T", out_sorted[starts[e]:starts[e + 1]], "back to the latent width")
+
+    # 6. Combine: undo the sort and mix each token's k outputs in the latent space.
+    step("6. Combine in the latent space: u_i = sum_e p_(i,e) E_e(z_i)")
+    expert_out = np.empty_like(out_sorted)
+    expert_out[order] = out_sorted  # back to slot order
+    expert_out = expert_out.reshape(m, k, ell)  # [m, k, l]
+    u = np.einsum("mk,mkl->ml", weights, expert_out)
+    show("u", u, "[m, l]; what combine sends back, still l wide")
+
+    # 7. The Stable addition, then the single up-projection.
+    step("7. RMSNorm on the latent sum, then one up-projection")
+    rms = np.sqrt(np.mean(u * u, axis=1, keepdims=True) + config.rms_norm_eps)
+    show("rms(u_i) = sqrt(mean(u_i^2) + eps)", rms[:, 0])
+    v = u / rms * params["routed_expert_norm.weight"]
+    show("v = u / rms(u) * g", v, "g = routed_expert_norm.weight, all ones at initialization")
+    rms_u = np.sqrt(np.mean(u * u, axis=1))
+    rms_v = np.sqrt(np.mean(v * v, axis=1))
+    print(f"root mean square of u per token: {rms_u.min():.3f} .. {rms_u.max():.3f} "
+          f"(a factor {rms_u.max() / rms_u.min():.1f}); of v: {rms_v.min():.3f} .. {rms_v.max():.3f}")
+    y_routed = v @ params["routed_expert_up_proj.weight"].T
+    show("y_routed = v W_up^T", y_routed, f"[m, d]: {ell} -> {d}, once per token after the combine")
+
+    step("8. Shared expert on the full width, and the output")
+    gate_s = x @ params["shared_experts.gate_proj.weight"].T
+    up_s = x @ params["shared_experts.up_proj.weight"].T
+    y_shared = situ_glu(gate_s, up_s, config.situ_beta, config.situ_linear_beta) \
+        @ params["shared_experts.down_proj.weight"].T
+    show("y_shared = SiTU-GLU(x G_s^T, x U_s^T) D_s^T", y_shared)
+    y = y_shared + y_routed
+    show("y = y_shared + y_routed", y)
+
+    step("Check against the package")
+    y_fast = stable_latent_moe(x, params, config)
+    y_ref = stable_latent_moe_reference(x, params, config)
+    diff_fast = float(np.max(np.abs(y - y_fast)))
+    diff_ref = float(np.max(np.abs(y - y_ref)))
+    print(f"max |y_by_hand - stable_latent_moe(x)|           = {diff_fast:.1e}")
+    print(f"max |y_by_hand - stable_latent_moe_reference(x)| = {diff_ref:.1e}")
+    print(f"tokens whose choice the bias changed: {changed}")
+    print(f"experts with no token: {np.flatnonzero(load == 0).tolist()}")
+
+    if args.out is not None:
+        save_figure(args.out, s, b, index)
+    return dict(config=config, params=params, x=x, scores=s, bias=b, index=index, weights=weights, z=z, u=u,
+                v=v, y=y, y_fast=y_fast, y_ref=y_ref, changed=changed, load=load)
+
+
+def save_figure(out: Path, s: np.ndarray, b: np.ndarray, index: np.ndarray) -> None:
+    """The router scores, with each token's chosen experts outlined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    m, n = s.shape
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), gridspec_kw={"width_ratios": [n, 1.4]})
+    image = axes[0].imshow(s, cmap="Blues", vmin=0, vmax=1)
+    for i in range(m):
+        for j in range(n):
+            axes[0].text(j, i, f"{s[i, j]:.2f}", ha="center", va="center", fontsize=8,
+                         color="white" if s[i, j] > 0.6 else "black")
+        for j in index[i]:
+            axes[0].add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=2.2, ec="tab:orange"))
+    axes[0].set_xticks(range(n), [f"e{j}" for j in range(n)])
+    axes[0].set_yticks(range(m), [f"token {i}" for i in range(m)])
+    axes[0].set_title("raw scores s; orange: chosen by s + b")
+    fig.colorbar(image, ax=axes[0], fraction=0.04)
+    axes[1].barh(range(n), b, color=["tab:green" if v > 0 else "tab:red" for v in b])
+    axes[1].set_yticks(range(n), [f"e{j}" for j in range(n)])
+    axes[1].invert_yaxis()
+    axes[1].axvline(0, color="k", lw=0.8)
+    axes[1].set_title("bias b")
+    fig.tight_layout()
+    fig.savefig(Path(out) / "routing.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+r"""SiTU-GLU against SwiGLU and a hard clamp.
+
+Appendix B makes three claims about K3's activation
+$\operatorname{SiTU\text{-}GLU}(a, b) = [\operatorname{softcap}(a,\beta_1)\,\sigma(a)]
+\odot \operatorname{softcap}(b,\beta_2)$, with $\beta_1 = 4$, $\beta_2 = 25$ and
+$\operatorname{softcap}(z, \beta) = \beta\tanh(z/\beta)$. This example measures
+each one, and sets the smooth cap beside the obvious alternative, a hard
+clamp $\min(\max(z, -\beta), \beta)$ in the same two places:
+
+1. **bounded output**: $|\operatorname{SiTU\text{-}GLU}| < \beta_1\beta_2 = 100$ for every
+   finite input, in every precision, where SwiGLU overflows;
+2. **first-order equivalence**: $\operatorname{softcap}(z,\beta) = z - z^3/(3\beta^2) + \dots$,
+   so near 0 SiTU-GLU is SwiGLU, and as $\beta_1, \beta_2 \to \infty$ it becomes
+   SwiGLU everywhere;
+3. **smooth saturation**: the softcap's derivative never vanishes, while the
+   clamp's is exactly 0 past the bound, so a saturated unit of the clamped
+   GLU passes no gradient at all.
+
+With `--out DIR` it draws the functions, their derivatives, the bound and the
+convergence.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from refimpl.activations import (
+    hard_clamp,
+    hard_clamp_grad,
+    situ_glu,
+    situ_glu_grad,
+    softcap,
+    softcap_grad,
+    swiglu,
+    swiglu_grad,
+)
+
+BETA1, BETA2 = 4.0, 25.0
+BOUND = BETA1 * BETA2
+DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def clamped_glu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The GLU with hard clamps where SiTU-GLU has softcaps: clamp(a, b1) sigma(a) clamp(b, b2)."""
+    sig = 1.0 / (1.0 + np.exp(-np.clip(a, -700, 700)))
+    return hard_clamp(a, BETA1) * sig * hard_clamp(b, BETA2)
+
+
+def slope(x: np.ndarray, y: np.ndarray) -> float:
+    """The slope of log|y| against log x, by least squares."""
+    return float(np.polyfit(np.log(x), np.log(np.abs(y)), 1)[0])
+
+
+def extreme_inputs(dtype) -> np.ndarray:
+    """Large finite values of `dtype` (±1e30 where representable, ±max) and ordinary ones."""
+    big = float(ml_dtypes.finfo(dtype).max)
+    values = [0.0, 1.0, -1.0, 5.0, -5.0, 60.0, -60.0, 1e4, -1e4, big, -big]
+    if big > 1e30:
+        values += [1e30, -1e30]
+    return np.array(values, dtype=dtype)
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="save the figures in this folder")
+    args = parser.parse_args(argv)
+    results: dict[str, object] = {}
+
+    # 1. The bound.
+    print(f"1. The bound |SiTU-GLU| <= beta1 * beta2 = {BOUND:g}")
+    print("   every pair (a, b) of large finite inputs, computed in float32 or wider and cast back:")
+    print(f"   {'dtype':<9} {'largest input':>14} {'max |SiTU-GLU|':>15} {'max |SwiGLU|':>13}")
+    bound_rows = {}
+    for name, dtype in DTYPES.items():
+        values = extreme_inputs(dtype)
+        a, b = np.meshgrid(values, values)
+        situ = np.abs(situ_glu(a, b).astype(np.float64))
+        with np.errstate(over="ignore", invalid="ignore"):
+            swi = np.abs(swiglu(a, b).astype(np.float64))
+        bound_rows[name] = (float(situ.max()), float(np.nanmax(swi)))
+        print(f"   {name:<9} {float(values.astype(np.float64).max()):>14.3g} {situ.max():>15g} "
+              f"{np.nanmax(swi):>13.3g}")
+    results["bound"] = bound_rows
+    # In exact arithmetic the bound is strict; float64 shows it while tanh is still below 1.
+    grid = np.linspace(-60.0, 60.0, 1201)
+    a, b = np.meshgrid(grid, np.linspace(-300.0, 300.0, 1201))
+    moderate = float(np.max(np.abs(situ_glu(a, b))))
+    results["moderate_max"] = moderate
+    print(f"   over |a| <= 60, |b| <= 300 in float64: max |SiTU-GLU| = {BOUND:g} - {BOUND - moderate:.1e}, "
+          "strictly below the bound;")
+    print("   further out tanh rounds to exactly 1 and the computed value saturates at the bound itself.")
+
+    # 2. First-order equivalence near 0.
+    print("\n2. First-order equivalence with SwiGLU near 0")
+    t = np.geomspace(1e-3, 1e-1, 9)
+    cap_err = softcap(t, BETA1) - t
+    print(f"   softcap(t, 4) - t against the Taylor term -t^3 / (3 * 4^2) = -t^3 / {3 * BETA1**2:g}:")
+    for ti, ei in zip(t[::4], cap_err[::4], strict=True):
+        print(f"     t = {ti:.0e}: {ei:.4e}  vs  {-ti**3 / (3 * BETA1**2):.4e}")
+    glu_err = situ_glu(t, t) - swiglu(t, t)
+    cap_slope, glu_slope = slope(t, cap_err), slope(t, glu_err)
+    results["softcap_slope"], results["glu_slope"] = cap_slope, glu_slope
+    print(f"   log-log slope of |softcap(t) - t|: {cap_slope:.2f} (the error is third order)")
+    print(f"   log-log slope of |SiTU-GLU(t, t) - SwiGLU(t, t)|: {glu_slope:.2f} "
+          "(a product of two factors, each off at third order)")
+    for point in [(0.0, 1.0), (1.0, 0.0), (0.1, 0.1)]:
+        ga_s, gb_s = situ_glu_grad(np.array([point[0]]), np.array([point[1]]))
+        ga_w, gb_w = swiglu_grad(np.array([point[0]]), np.array([point[1]]))
+        print(f"   gradient (d/da, d/db) at (a, b) = {point}: SiTU-GLU ({ga_s[0]:.5f}, {gb_s[0]:.5f}), "
+              f"SwiGLU ({ga_w[0]:.5f}, {gb_w[0]:.5f})")
+
+    print("   convergence as the caps grow (max |SiTU-GLU - SwiGLU| over |a|, |b| <= 8):")
+    grid = np.linspace(-8.0, 8.0, 161)
+    a, b = np.meshgrid(grid, grid)
+    reference = swiglu(a, b)
+    scales = [1.0, 10.0, 100.0, 1000.0]
+    gaps = []
+    for scale in scales:
+        gap = float(np.max(np.abs(situ_glu(a, b, BETA1 * scale, BETA2 * scale) - reference)))
+        gaps.append(gap)
+        print(f"     beta1 = {BETA1 * scale:>6g}, beta2 = {BETA2 * scale:>7g}: {gap:.3e}")
+    results["convergence"] = gaps
+    print(f"   each tenfold increase of the caps divides the gap by about "
+          f"{np.exp(np.mean(np.diff(np.log(gaps[1:])) * -1)):.0f} (the 1/beta^2 of the Taylor term)")
+
+    # 3. Smooth saturation.
+    print("\n3. Derivatives past the bound: softcap against a hard clamp (beta = 4)")
+    print(f"   {'z':>6} {'softcap grad':>14} {'clamp grad':>11}")
+    z = np.array([2.0, 4.5, 6.0, 12.0, 40.0, 400.0])
+    soft, hard = softcap_grad(z, BETA1), hard_clamp_grad(z, BETA1)
+    for zi, si, hi in zip(z, soft, hard, strict=True):
+        print(f"   {zi:>6g} {si:>14.3e} {hi:>11g}")
+    results["soft_grad"], results["hard_grad"] = soft, hard
+    zz = np.linspace(-10 * BETA1, 10 * BETA1, 4001)
+    print(f"   smallest softcap derivative over |z| <= 10 beta: {softcap_grad(zz, BETA1).min():.3e} (> 0); "
+          f"the clamp's derivative is 0 on {np.mean(hard_clamp_grad(zz, BETA1) == 0):.0%} of that range")
+    # In the GLU: the gradient that reaches the up projection when b is past beta2.
+    a0, b0 = np.array([2.0]), np.array([40.0])
+    _, up_grad = situ_glu_grad(a0, b0)
+    clamp_up_grad = clamped_glu(a0, np.ones(1)) * hard_clamp_grad(b0, BETA2)
+    print(f"   d/db at (a, b) = (2, 40): SiTU-GLU {up_grad[0]:.4f}, clamped GLU {clamp_up_grad[0]:g}, "
+          f"SwiGLU {swiglu_grad(a0, b0)[1][0]:.4f}")
+
+    if args.out is not None:
+        save_figures(args.out, gaps, scales)
+    return results
+
+
+def save_figures(out: Path, gaps: list[float], scales: list[float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    styles = dict(swiglu=dict(color="tab:gray", ls="--", label="SwiGLU"),
+                  situ=dict(color="tab:blue", label="SiTU-GLU (softcap)"),
+                  clamp=dict(color="tab:red", ls=":", label="hard clamp"))
+
+    # The two factors and the product along the diagonal.
+    a = np.linspace(-10, 16, 600)
+    sig = 1.0 / (1.0 + np.exp(-a))
+    b = np.linspace(-80, 80, 600)
+    t = np.geomspace(0.1, 1e3, 400)
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    axes[0].plot(a, a * sig, **styles["swiglu"])
+    axes[0].plot(a, softcap(a, BETA1) * sig, **styles["situ"])
+    axes[0].plot(a, hard_clamp(a, BETA1) * sig, **styles["clamp"])
+    axes[0].axhline(BETA1, color="k", lw=0.6)
+    axes[0].set_title(r"gate factor $g(a)$, $\beta_1 = 4$")
+    axes[1].plot(b, b, **styles["swiglu"])
+    axes[1].plot(b, softcap(b, BETA2), **styles["situ"])
+    axes[1].plot(b, hard_clamp(b, BETA2), **styles["clamp"])
+    axes[1].set_title(r"up factor $h(b)$, $\beta_2 = 25$")
+    axes[2].loglog(t, np.abs(swiglu(t, t)), **styles["swiglu"])
+    axes[2].loglog(t, np.abs(situ_glu(t, t)), **styles["situ"])
+    axes[2].loglog(t, np.abs(clamped_glu(t, t)), **styles["clamp"])
+    axes[2].axhline(BOUND, color="k", lw=0.6)
+    axes[2].set_title(r"output on the diagonal $a = b = t$")
+    axes[2].set_xlabel("t")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "functions.png", dpi=110)
+    plt.close(fig)
+
+    # Derivatives: linear, then log scale to show that the softcap's never reaches 0.
+    z = np.linspace(-20, 20, 801)
+    zl = np.linspace(0, 100, 801)
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    axes[0].plot(z, np.ones_like(z), **styles["swiglu"])
+    axes[0].plot(z, softcap_grad(z, BETA1), **styles["situ"])
+    axes[0].plot(z, hard_clamp_grad(z, BETA1), **styles["clamp"])
+    axes[0].set_title(r"$d/dz$ of the cap, $\beta = 4$")
+    axes[1].semilogy(zl, softcap_grad(zl, BETA1), **styles["situ"])
+    axes[1].axvspan(BETA1, 100, color="tab:red", alpha=0.1, label="hard clamp: exactly 0")
+    axes[1].set_title("the same, log scale")
+    axes[1].set_xlabel("z")
+    bb = np.linspace(-100, 100, 801)
+    a0 = np.full_like(bb, 2.0)
+    axes[2].plot(bb, swiglu_grad(a0, bb)[1], **styles["swiglu"])
+    axes[2].plot(bb, situ_glu_grad(a0, bb)[1], **styles["situ"])
+    axes[2].plot(bb, clamped_glu(a0, np.ones_like(bb)) * hard_clamp_grad(bb, BETA2), **styles["clamp"])
+    axes[2].set_title(r"$\partial/\partial b$ of the GLU at $a = 2$")
+    axes[2].set_xlabel("b")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "derivatives.png", dpi=110)
+    plt.close(fig)
+
+    # The bound: the whole (a, b) plane, and the largest value within radius R.
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    ga = np.linspace(-20, 20, 401)
+    gb = np.linspace(-100, 100, 401)
+    A, B = np.meshgrid(ga, gb)
+    image = axes[0].pcolormesh(A, B, situ_glu(A, B), cmap="RdBu_r", vmin=-BOUND, vmax=BOUND, shading="auto")
+    fig.colorbar(image, ax=axes[0])
+    axes[0].set_xlabel("a (gate)")
+    axes[0].set_ylabel("b (up)")
+    axes[0].set_title(r"SiTU-GLU$(a, b)$: within $\pm\beta_1\beta_2 = \pm 100$")
+    radii = np.geomspace(1, 1e6, 25)
+    situ_max, swi_max = [], []
+    for radius in radii:
+        edge = np.concatenate([-np.geomspace(radius, 1e-3, 40), [0.0], np.geomspace(1e-3, radius, 40)])
+        EA, EB = np.meshgrid(edge, edge)
+        situ_max.append(np.max(np.abs(situ_glu(EA, EB))))
+        swi_max.append(np.max(np.abs(swiglu(EA, EB))))
+    axes[1].loglog(radii, swi_max, **styles["swiglu"])
+    axes[1].loglog(radii, situ_max, **styles["situ"])
+    axes[1].axhline(BOUND, color="k", lw=0.6, label="bound 100")
+    axes[1].set_xlabel("R")
+    axes[1].set_title(r"largest $|\cdot|$ over $|a|, |b| \leq R$")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "bound.png", dpi=110)
+    plt.close(fig)
+
+    # First-order agreement near 0, and convergence as the caps grow.
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    t = np.geomspace(1e-3, 1, 60)
+    axes[0].loglog(t, np.abs(softcap(t, BETA1) - t), label=r"$|\mathrm{softcap}(t, 4) - t|$")
+    axes[0].loglog(t, t**3 / (3 * BETA1**2), "k:", label=r"$t^3 / 48$")
+    axes[0].loglog(t, np.abs(situ_glu(t, t) - swiglu(t, t)), label=r"$|$SiTU-GLU$-$SwiGLU$|$ at $a = b = t$")
+    axes[0].set_xlabel("t")
+    axes[0].set_title("near 0: third order and smaller")
+    axes[0].legend(fontsize=8)
+    axes[1].loglog(scales, gaps, "o-")
+    axes[1].set_xlabel(r"scale of $(\beta_1, \beta_2)$")
+    axes[1].set_title(r"max $|$SiTU-GLU$-$SwiGLU$|$ on $|a|, |b| \leq 8$")
+    fig.tight_layout()
+    fig.savefig(out / "convergence.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
