@@ -1,0 +1,206 @@
+"""The benchmark scripts still run, at tiny sizes, and what they print and write makes sense.
+
+These are not timed tests: nothing here judges speed. Each script runs as a
+user would start it (a subprocess, `--smoke`, results written to a temporary
+folder), and the checks are about meaning: the FLOP count agrees with the
+parameter accounting, the stage shares add up, every agreement check inside
+the scripts passed, and the numbers are finite and positive. `benchmarks/gpu.py`
+runs with `--cpu`, so the GPU script cannot rot on machines without a GPU.
+PyTorch is optional: the comparison script is checked with it hidden, and
+also with it when it happens to be installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from refimpl.accounting import parameter_counts
+from refimpl.config import MoEConfig
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks"
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def run_script(args: list[str], *, hide_torch: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run a benchmark script from the repository root; with `hide_torch`, as if PyTorch were not installed."""
+    if hide_torch:
+        script, rest = args[0], args[1:]
+        code = ("import runpy, sys; sys.modules['torch'] = None; "
+                f"sys.path.insert(0, {str(BENCH)!r}); sys.argv = {[script, *rest]!r}; "
+                f"runpy.run_path({script!r}, run_name='__main__')")
+        cmd = [sys.executable, "-c", code]
+    else:
+        cmd = [sys.executable, *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def load_common():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCH))
+    return common
+
+
+def positive_finite(value: float) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+# ---------------------------------------------------------------------------
+# The shared helpers
+# ---------------------------------------------------------------------------
+
+def test_timing_statistics_match_hand_computation():
+    common = load_common()
+    t = common.Timing("x", [4.0, 1.0, 3.0, 2.0, 100.0])
+    assert t.median == 3.0 and t.best == 1.0 and t.worst == 100.0
+    # Inclusive quartiles of 1, 2, 3, 4, 100 are 2 and 4: spread (4 - 2) / 3.
+    assert t.spread == pytest.approx(2.0 / 3.0)
+    calls = []
+    timed = common.time_call("count", lambda: calls.append(1), repeats=3, warmup=2)
+    assert len(calls) == 5 and len(timed.runs) == 3
+    with pytest.raises(ValueError, match="repeats"):
+        common.time_call("none", lambda: None, repeats=0)
+
+
+def test_round_robin_takes_turns():
+    common = load_common()
+    order: list[str] = []
+    timings = common.time_round_robin({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+                                      repeats=2, warmup=1)
+    assert order == ["a", "b"] * 3
+    assert [len(t.runs) for t in timings.values()] == [2, 2]
+
+
+def test_forward_flops_agree_with_the_parameter_accounting():
+    common = load_common()
+    for config in (MoEConfig.small(), MoEConfig.k3(), MoEConfig.tiny()):
+        m = 37
+        flops = common.forward_flops(config, m)
+        # Two FLOPs per multiply-add, one multiply-add per activated weight and token.
+        assert sum(flops.values()) == 2 * m * parameter_counts(config)["activated_with_router"]
+
+
+def test_results_files(tmp_path):
+    common = load_common()
+    table = common.markdown_table(["name", "time"], [["a|b", "1.5 ms"], ["c", "2.0 ms"]])
+    assert table.splitlines()[1] == "|---|---:|"
+    assert "a\\|b" in table
+    results = {"machine": {"date": "2026-01-01 00:00 UTC", "cpu": "test"}, "command": "python x.py",
+               "timing": common.Timing("t", [1.0, 2.0])}
+    paths = common.write_results("demo", "Demo", results, [("Table", table)], tmp_path, notes=["A note."])
+    assert [p.name for p in paths] == ["demo.json", "demo.md"]
+    data = json.loads((tmp_path / "demo.json").read_text())
+    assert data["timing"]["median_s"] == 1.5
+    page = (tmp_path / "demo.md").read_text()
+    assert "2026-01-01" in page and "A note." in page and "### Table" in page
+    assert common.write_results("demo", "Demo", results, [], None) == []
+
+
+# ---------------------------------------------------------------------------
+# The scripts
+# ---------------------------------------------------------------------------
+
+def test_bench_forward_smoke(tmp_path):
+    proc = run_script(["benchmarks/bench_forward.py", "--smoke", "--out", str(tmp_path)])
+    assert "effective" in proc.stdout
+    data = json.loads((tmp_path / "forward.json").read_text())
+    c = data["config"]
+    config = MoEConfig.small(hidden_size=c["d"], latent_size=c["l"], num_experts=c["n"], top_k=c["k"],
+                             intermediate_size=c["f"], num_shared_experts=c["shared"] // c["f"])
+    assert sum(data["flops"].values()) == 2 * c["m"] * parameter_counts(config)["activated_with_router"]
+    assert positive_finite(data["forward"]["median_s"])
+    assert positive_finite(data["effective_gflops_median"])
+    assert positive_finite(data["gemm_peak_gflops"])
+    assert data["effective_gflops_median"] == pytest.approx(
+        sum(data["flops"].values()) / data["forward"]["median_s"] / 1e9)
+    assert set(data["stages"]) >= {"router", "routed_experts", "shared_experts"}
+    assert all(positive_finite(s["median_s"]) for s in data["stages"].values())
+    assert "forward.md" in {p.name for p in tmp_path.iterdir()}
+
+
+def test_bench_forward_smoke_writes_nothing_by_default():
+    before = sorted((REPO / "docs" / "benchmarks").glob("*")) if (REPO / "docs" / "benchmarks").exists() else []
+    before_times = [p.stat().st_mtime for p in before]
+    run_script(["benchmarks/bench_forward.py", "--smoke"])
+    after = sorted((REPO / "docs" / "benchmarks").glob("*")) if (REPO / "docs" / "benchmarks").exists() else []
+    assert after == before and [p.stat().st_mtime for p in after] == before_times
+
+
+def check_torch_compare(data: dict, with_torch: bool) -> None:
+    fwd = data["forward"]
+    assert positive_finite(fwd["timings"]["numpy"]["median_s"])
+    bal = data["balancing"]
+    if "skipped" not in bal:
+        assert positive_finite(bal["timings"]["numpy"]["median_s"])
+    if not with_torch:
+        assert set(fwd["timings"]) == {"numpy"}
+        assert data["machine"]["torch"] == "not installed"
+        return
+    assert positive_finite(fwd["timings"]["torch_grouped"]["median_s"])
+    # Both PyTorch versions compute the same layer as NumPy, to float32 rounding.
+    assert fwd["torch_grouped_rel_error"] < 1e-5
+    assert fwd["torch_per_token_rel_error"] < 1e-5
+    assert fwd["per_token_extrapolated_s"] == pytest.approx(
+        fwd["per_token_subset_s"] * fwd["m"] / fwd["per_token_subset"])
+    if "skipped" not in bal:
+        # The topk formulation gives the same bias as the project's update.
+        assert bal["max_abs_difference"] <= 1e-6 * max(1.0, bal["bias_range"])
+
+
+def test_torch_compare_smoke_without_torch(tmp_path):
+    proc = run_script(["benchmarks/torch_compare.py", "--smoke", "--out", str(tmp_path)], hide_torch=True)
+    assert "PyTorch is not installed" in proc.stdout
+    check_torch_compare(json.loads((tmp_path / "torch_compare.json").read_text()), with_torch=False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="PyTorch (the optional bench extra) is not installed")
+def test_torch_compare_smoke_with_torch(tmp_path):
+    proc = run_script(["benchmarks/torch_compare.py", "--smoke", "--out", str(tmp_path)])
+    assert "time ratio NumPy / PyTorch grouped" in proc.stdout
+    check_torch_compare(json.loads((tmp_path / "torch_compare.json").read_text()), with_torch=True)
+
+
+@pytest.mark.slow
+def test_gpu_script_on_the_cpu(tmp_path):
+    pytest_args = "tests/test_xp.py -q -k 'bincount and numpy' -p no:cacheprovider"
+    proc = run_script(["benchmarks/gpu.py", "--cpu", "--smoke", "--pytest-args", pytest_args,
+                       "--out", str(tmp_path)])
+    assert "all checks passed" in proc.stdout
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    assert data["failed"] == [] and data["cpu"] is True
+    assert data["tests"]["ok"] and data["tests"]["counts"]["passed"] > 0
+    fwd = data["forward"]
+    assert positive_finite(fwd["timing"]["median_s"]) and positive_finite(fwd["gflops"])
+    assert fwd["rel_error_vs_numpy"] <= 1e-4 and fwd["stages_vs_whole"] <= 1e-6
+    bal = data["balancing"]
+    if "skipped" not in bal:
+        assert bal["histogram_max_error"] <= 2 * bal["bin_width"]
+        assert positive_finite(bal["exact"]["median_s"]) and positive_finite(bal["histogram"]["median_s"])
+    k3 = data["k3"]
+    assert k3["rel_error_vs_float64"] <= k3["tolerance"]
+    assert k3["weight_bytes"] > 0 and positive_finite(k3["achieved_bandwidth"])
+    assert k3["achieved_bandwidth"] == pytest.approx(k3["weight_bytes"] / k3["timing"]["median_s"])
+    assert "gpu.md" in {p.name for p in tmp_path.iterdir()}
+
+
+def test_gpu_script_fails_when_the_tests_do_not_pass(tmp_path):
+    # The pytest step must not count a run with nothing passed as a success.
+    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--cpu", "--smoke", "--skip", "forward",
+                           "--skip", "balancing", "--skip", "k3", "--pytest-args",
+                           "tests/test_xp.py -q -k no_test_has_this_name", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "FAILED: tests" in proc.stdout
