@@ -347,7 +347,7 @@ def write_results(name: str, title: str, results: Mapping[str, Any], tables: Seq
     machine = results.get("machine", {})
     json_path = out_dir / f"{name}.json"
     json_path.write_text(json.dumps(_jsonable(results), indent=2) + "\n")
-    lines = [f"## {title}", ""]
+    lines = [f"# {title}", ""]
     if machine:
         facts = [(k.replace("_", " "), ", ".join(map(str, v)) if isinstance(v, list) else v)
                  for k, v in machine.items() if v is not None]
@@ -358,7 +358,7 @@ def write_results(name: str, title: str, results: Mapping[str, Any], tables: Seq
     for note in notes:
         lines += [note, ""]
     for heading, table in tables:
-        lines += [f"### {heading}", "", table, ""]
+        lines += [f"## {heading}", "", table, ""]
     md_path = out_dir / f"{name}.md"
     md_path.write_text("\n".join(lines))
     return [json_path, md_path]

@@ -29,18 +29,19 @@ BENCH = REPO / "benchmarks"
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
-def run_script(args: list[str], *, hide_torch: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run a benchmark script from the repository root; with `hide_torch`, as if PyTorch were not installed."""
-    if hide_torch:
+def run_script(args: list[str], *, hide: tuple[str, ...] = (), timeout: float = 300,
+               returncode: int = 0) -> subprocess.CompletedProcess:
+    """Run a benchmark script from the repository root, as if the modules in `hide` were not installed."""
+    if hide:
         script, rest = args[0], args[1:]
-        code = ("import runpy, sys; sys.modules['torch'] = None; "
+        code = (f"import runpy, sys; sys.modules.update(dict.fromkeys({list(hide)!r})); "
                 f"sys.path.insert(0, {str(BENCH)!r}); sys.argv = {[script, *rest]!r}; "
-                f"runpy.run_path({script!r}, run_name='__main__')")
+                f"sys.exit(runpy.run_path({script!r}, run_name='__main__').get('exit_code'))")
         cmd = [sys.executable, "-c", code]
     else:
         cmd = [sys.executable, *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == returncode, f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc
 
 
@@ -104,7 +105,7 @@ def test_results_files(tmp_path):
     data = json.loads((tmp_path / "demo.json").read_text())
     assert data["timing"]["median_s"] == 1.5
     page = (tmp_path / "demo.md").read_text()
-    assert "2026-01-01" in page and "A note." in page and "### Table" in page
+    assert "2026-01-01" in page and "A note." in page and "## Table" in page
     assert common.write_results("demo", "Demo", results, [], None) == []
 
 
@@ -160,7 +161,7 @@ def check_torch_compare(data: dict, with_torch: bool) -> None:
 
 
 def test_torch_compare_smoke_without_torch(tmp_path):
-    proc = run_script(["benchmarks/torch_compare.py", "--smoke", "--out", str(tmp_path)], hide_torch=True)
+    proc = run_script(["benchmarks/torch_compare.py", "--smoke", "--out", str(tmp_path)], hide=("torch",))
     assert "PyTorch is not installed" in proc.stdout
     check_torch_compare(json.loads((tmp_path / "torch_compare.json").read_text()), with_torch=False)
 
@@ -194,6 +195,14 @@ def test_gpu_script_on_the_cpu(tmp_path):
     assert k3["weight_bytes"] > 0 and positive_finite(k3["achieved_bandwidth"])
     assert k3["achieved_bandwidth"] == pytest.approx(k3["weight_bytes"] / k3["timing"]["median_s"])
     assert "gpu.md" in {p.name for p in tmp_path.iterdir()}
+
+
+def test_gpu_script_without_a_gpu_says_so_and_measures_nothing(tmp_path):
+    # `make bench` runs every script: without CuPy the GPU check is skipped, unless a GPU is required.
+    proc = run_script(["benchmarks/gpu.py", "--out", str(tmp_path)], hide=("cupy",))
+    assert "GPU check skipped" in proc.stdout and "CuPy" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+    run_script(["benchmarks/gpu.py", "--require-gpu", "--out", str(tmp_path)], hide=("cupy",), returncode=1)
 
 
 def test_gpu_script_fails_when_the_tests_do_not_pass(tmp_path):
