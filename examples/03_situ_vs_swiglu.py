@@ -145,6 +145,24 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"   d/db at (a, b) = (2, 40): SiTU-GLU {up_grad[0]:.4f}, clamped GLU {clamp_up_grad[0]:g}, "
           f"SwiGLU {swiglu_grad(a0, b0)[1][0]:.4f}")
 
+    # 4. Where floating point gives out, and why the module avoids two textbook formulas.
+    print("\n4. Floating-point limits (first point on a grid of step 0.01)")
+    limits = {}
+    for name, dtype in (("float64", np.float64), ("float32", np.float32)):
+        zgrid = np.arange(0, 4000, dtype=np.float64).astype(dtype) / dtype(100)
+        with np.errstate(under="ignore"):
+            tanh_one = float(zgrid[np.argmax(np.tanh(zgrid) == 1)])
+            half = dtype(0.5)
+            textbook = half * (dtype(1) + np.tanh(half * -zgrid))
+            sigmoid_zero = -float(zgrid[np.argmax(textbook == 0)])
+        limits[name] = (tanh_one, sigmoid_zero)
+        print(f"   {name}: tanh(z) == 1 for z >= {tanh_one:.2f}, so 1 - tanh(z)^2 is 0 there; "
+              f"(1 + tanh(z/2)) / 2 == 0 for z <= {sigmoid_zero:.2f}")
+    results["limits"] = limits
+    z = np.array([limits["float64"][0] * 2])
+    print(f"   at z = {z[0]:g} in float64: 1 - tanh(z)^2 = {1 - np.tanh(z[0]) ** 2:g}, "
+          f"while softcap_grad(z, 1) = {softcap_grad(z, 1.0)[0]:.3e} (the sech^2 form)")
+
     if args.out is not None:
         save_figures(args.out, gaps, scales)
     return results
