@@ -1,0 +1,163 @@
+r"""Where the histogram reads the threshold
+
+One batch of 16,384 tokens routed to $k = 4$ of $n = 64$ experts (target load
+$q = mk/n = 1024$), with the bias left by the previous step. For every pair of
+token and expert the script forms the required bias
+$r_{i,j} = \alpha_i - s_{i,j}$ (expert $j$ enters token $i$'s top-$k$ exactly
+when $b_j > r_{i,j}$), counts the values of each expert in $B = 1000$ bins,
+and reads the threshold from the cumulative counts. The exact Eq. (14)
+threshold, the $(q+1)$-th smallest $r_{:,j}$, comes from sorting each column.
+
+The table compares the two for four experts (the most and least loaded under
+the current bias, and two in between) and then over all 64. The figure shows
+the four histograms: the full range above, a zoom of a few bins around the
+threshold below, with the exact threshold, the histogram's and the old bias
+$b_j$ marked. The pile of counts at $b_j$ is the structural atom of Eq. (14):
+every token whose $(k+1)$-th biased choice is expert $j$ has $r_{i,j} = b_j$.
+
+The last lines apply both new biases to the *next* batch of the same router,
+which is how the bias is used: the loads they give are the same to within a
+few tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from refimpl.histogram import BiasHistogram, required_bias
+from refimpl.routing import expert_load, route, router_scores
+
+M, N, K, BINS, SEED = 16_384, 64, 4, 1000, 20
+
+
+def batch(step: int, m: int = M) -> np.ndarray:
+    """Scores of one batch from a fixed router in which some experts are more popular than others."""
+    rng = np.random.default_rng(SEED)
+    weight = rng.standard_normal((N, 16)).astype(np.float32) / 4
+    mean = rng.standard_normal(16).astype(np.float32)
+    x = mean + np.random.default_rng([SEED, step]).standard_normal((m, 16)).astype(np.float32)
+    return router_scores(x, weight)
+
+
+def exact_thresholds(r: np.ndarray, q_floor: int, f: float) -> np.ndarray:
+    """Eq. (14) by sorting: the (q+1)-th smallest of each column, interpolated when q is fractional."""
+    ordered = np.sort(r.astype(np.float64), axis=0)  # [m, n], column j ascending
+    return (1 - f) * ordered[q_floor] + f * ordered[min(q_floor + 1, len(ordered) - 1)]
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
+    args = parser.parse_args(argv)
+
+    # The bias the previous step left: one exact update computed on the previous batch.
+    previous = batch(step=0)
+    r_previous = required_bias(previous, np.zeros(N, np.float32), K)
+    b_tilde = exact_thresholds(r_previous, *divmod(M * K, N))
+    bias = (b_tilde - b_tilde.mean()).astype(np.float32)
+
+    scores = batch(step=1)
+    q_floor, rest = divmod(M * K, N)
+    q = M * K / N
+    r = required_bias(scores, bias, K)  # [m, n]
+    exact = exact_thresholds(r, q_floor, rest / N)
+    histogram = BiasHistogram(bias, K, BINS).add(scores)
+    estimate = histogram.thresholds()
+    w = histogram.width
+    index, _ = route(scores, bias, K)
+    load = expert_load(index, N)
+
+    print(f"batch m = {M:,} tokens, n = {N} experts, k = {K}: target load q = {q:g}")
+    print(f"bins: B = {BINS} over [min b - 1, max b + 1] = [{histogram.low:.4f}, {histogram.high:.4f}], "
+          f"width w = {w:.5f}")
+    print()
+    order = np.argsort(load, kind="stable")
+    chosen = [int(order[-1]), int(order[N // 2]), int(order[N // 4]), int(order[0])]
+    print(f"{'expert':>6} {'load':>5} {'old b_j':>9} {'exact':>9} {'histogram':>10} {'error':>9} {'error/w':>8}")
+    for j in chosen:
+        err = estimate[j] - exact[j]
+        print(f"{j:>6} {int(load[j]):>5} {bias[j]:>+9.5f} {exact[j]:>+9.5f} {estimate[j]:>+10.5f} "
+              f"{err:>+9.2e} {abs(err) / w:>8.3f}")
+    error = np.abs(estimate - exact)
+    new_exact = exact - exact.mean()
+    new_hist = np.asarray(histogram.new_bias(), dtype=np.float64)
+    centred_error = np.abs(new_hist - new_exact)
+    print()
+    print(f"all {N} experts: largest |error| = {error.max():.2e} = {error.max() / w:.3f} w "
+          f"(mean {error.mean() / w:.3f} w); after centring {centred_error.max() / w:.3f} w")
+    atom = np.abs(r - bias[None, :]) <= 1e-6
+    print(f"tokens in each expert's atom at r = b_j: {int(atom.sum(0).min())} to {int(atom.sum(0).max())} "
+          f"(m/n = {M / N:g})")
+
+    # Cutoffs held fixed, a bias b gives expert j the load #{i : r_ij < b_j}.
+    held_exact = (r < exact[None, :]).sum(0)
+    held_hist = (r < estimate[None, :]).sum(0)
+    in_atom = np.abs(exact - bias) <= 1e-6
+    print(f"loads on this batch with the cutoffs held (q = {q:g}):")
+    print(f"  all experts:        exact {held_exact.min()}..{held_exact.max()}, "
+          f"histogram {held_hist.min()}..{held_hist.max()}")
+    print(f"  {int((~in_atom).sum())} experts off the atom: exact {held_exact[~in_atom].min()}.."
+          f"{held_exact[~in_atom].max()}, histogram {held_hist[~in_atom].min()}..{held_hist[~in_atom].max()}")
+    print(f"  {int(in_atom.sum())} experts whose (q+1)-th value is in the atom: exact {held_exact[in_atom].min()}.."
+          f"{held_exact[in_atom].max()}, histogram {held_hist[in_atom].min()}..{held_hist[in_atom].max()}")
+    print("  (there the exact threshold is b_j itself and the tied tokens stay out; the histogram knows")
+    print("  only the atom's bin, and the point it reads inside it lets the whole atom in or not)")
+
+    following = batch(step=2)
+    print()
+    print("the next batch, routed with each bias (the cutoffs move, so neither is exactly q):")
+    loads = {}
+    for name, b in (("old bias", bias), ("exact Eq. (14)", new_exact.astype(np.float32)),
+                    ("histogram, B = 1000", new_hist.astype(np.float32))):
+        idx, _ = route(following, b, K)
+        loads[name] = expert_load(idx, N)
+        print(f"  {name:<20} min load {int(loads[name].min()):>5}, max load {int(loads[name].max()):>5}, "
+              f"max/q = {loads[name].max() / q:.3f}")
+    gap = np.abs(loads["exact Eq. (14)"].astype(int) - loads["histogram, B = 1000"].astype(int))
+    print(f"  per expert, exact and histogram loads differ by at most {gap.max()} tokens")
+
+    if args.out is not None:
+        plot(args.out, r, chosen, bias, exact, estimate, histogram, load)
+    return {"error_over_width": float(error.max() / w), "centred_error_over_width": float(centred_error.max() / w)}
+
+
+def plot(out: Path, r, chosen, bias, exact, estimate, histogram, load) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    edges = np.asarray(histogram.edges)
+    w = histogram.width
+    fig, axes = plt.subplots(2, len(chosen), figsize=(13, 6), constrained_layout=True)
+    for col, j in enumerate(chosen):
+        counts = np.asarray(histogram.counts[j])
+        for row, (lo, hi) in enumerate(((edges[0], edges[-1]), (exact[j] - 12 * w, exact[j] + 12 * w))):
+            ax = axes[row, col]
+            keep = (edges[1:] > lo) & (edges[:-1] < hi)
+            ax.bar(edges[:-1][keep], counts[keep], width=w, align="edge", color="#9bb7d4",
+                   edgecolor="#4a6f96" if row else "none", linewidth=0.4)
+            ax.axvline(bias[j], color="0.4", linestyle=":", label="old $b_j$ (the atom)")
+            ax.axvline(exact[j], color="black", label="exact threshold")
+            ax.axvline(estimate[j], color="#c0392b", linestyle="--", label="histogram threshold")
+            ax.set_xlim(lo, hi)
+            if row == 0:
+                ax.set_yscale("log")
+                ax.set_title(f"expert {j}: load {int(load[j])}")
+            else:
+                ax.set_xlabel("required bias $r_{i,j}$")
+        axes[0, col].set_xlim(float(np.min(r[:, j])) - 0.02, float(np.max(r[:, j])) + 0.02)
+    axes[0, 0].set_ylabel("tokens per bin (log)")
+    axes[1, 0].set_ylabel("tokens per bin (±12 bins around the exact)")
+    axes[0, 0].legend(loc="upper left", fontsize=8)
+    fig.suptitle(f"Histograms of $r = \\alpha - s$, B = {histogram.bins}, bin width {w:.4f}")
+    fig.savefig(out / "r_histograms.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
