@@ -234,7 +234,7 @@ class MoEConfig:
                 fields[field] = hf[key]
         if "activation" in fields:
             act = fields["activation"]
-            if act not in _HF_ACTIVATION:
+            if not isinstance(act, str) or act not in _HF_ACTIVATION:
                 raise ValueError(f"hf['hidden_act'] must be one of {sorted(_HF_ACTIVATION)}, got {act!r}")
             fields["activation"] = _HF_ACTIVATION[act]
         if "latent_size" not in fields and "hidden_size" in fields:

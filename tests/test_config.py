@@ -150,6 +150,8 @@ def test_from_hf_config_errors():
         MoEConfig.from_hf_config([("hidden_size", 8)])
     with pytest.raises(ValueError, match=r"hf\['hidden_act'\] must be one of .*got 'relu'"):
         MoEConfig.from_hf_config(dict(K3_HF, hidden_act="relu"))
+    with pytest.raises(ValueError, match=r"hf\['hidden_act'\] must be one of .*got \['situ'\]"):
+        MoEConfig.from_hf_config(dict(K3_HF, hidden_act=["situ"]))
     with pytest.raises(ValueError, match=r"num_experts_per_token|top_k must be <= num_experts=896, got 900"):
         MoEConfig.from_hf_config(dict(K3_HF, num_experts_per_token=900))
     with pytest.raises(TypeError, match=r"use_latent_norm must be True or False, got str 'false'"):
