@@ -1,0 +1,713 @@
+r"""Eq. (14): Quantile Balancing, and the balancer that applies it step by step.
+
+$$
+\tilde b_j^{(t+1)} = -\operatorname{quantile}_{1-k/n}\!\bigl(s_{:,j} - \alpha^{(t)}\bigr),
+\qquad
+b^{(t+1)} = \tilde b^{(t+1)} - \operatorname{mean}\bigl(\tilde b^{(t+1)}\bigr)\,\mathbf 1 .
+$$
+
+A batch holds $m$ tokens, each routed to $k$ of $n$ experts, so a perfectly
+balanced batch gives every expert the **target load** $q = mk/n$ tokens. The
+selection bias $b$ of Eq. (13) is the knob: expert $j$ is picked more often
+when $b_j$ rises. Quantile Balancing (QB) reads the bias off the batch instead
+of nudging it:
+
+1. **Cutoffs.** Route with the top-$(k+1)$ of $s_i + b^{(t)}$. The first $k$
+   are the route; the $(k+1)$-th biased score is the token's cutoff
+   $\alpha_i$, the score an expert must beat to enter token $i$'s top-$k$.
+2. **Margins.** $M_{i,j} = s_{i,j} - \alpha_i$. With the cutoffs held, token
+   $i$ picks expert $j$ under a bias $\tilde b$ exactly when
+   $s_{i,j} + \tilde b_j > \alpha_i$, i.e. when $M_{i,j} > -\tilde b_j$. For
+   exactly $q$ tokens to clear that bar, $-\tilde b_j$ must be the
+   $(q+1)$-th largest margin of column $j$ (the $(1-k/n)$ quantile).
+3. **Centering.** Adding the same constant to every $b_j$ changes no top-$k$,
+   so the mean is removed; this keeps the bias near zero, where float32 is
+   finest (see the bfloat16 pitfall in `refimpl.routing`).
+4. **Next step.** $b^{(t+1)}$ routes the *next* batch. A batch is never
+   routed with a bias computed from itself; `QuantileBalancer` enforces this
+   order. At inference the last bias is frozen and no quantile is computed.
+
+Step 1 is `refimpl.routing.selection_cutoff`. One QB update is exactly one
+$\alpha$-step followed by one $\beta$-step of coordinate descent on the dual of
+the balanced-assignment LP, with $b = -\beta$; `refimpl.dual` derives this and
+checks it against SciPy's HiGHS.
+
+## The rule for a fractional target
+
+K3's own numbers rarely give an integer $q$ (4,096 tokens give
+$q = 4096 \cdot 16 / 896 \approx 73.14$). This module reads "the $(q+1)$-th
+largest" with a fractional rank $\rho = q + 1$ by linear interpolation between
+the two neighbouring order statistics:
+
+$$
+M_{(\rho)} = M_{(\lfloor\rho\rfloor)} + (\rho - \lfloor\rho\rfloor)\,
+\bigl(M_{(\lfloor\rho\rfloor + 1)} - M_{(\lfloor\rho\rfloor)}\bigr),
+$$
+
+where $M_{(r)}$ is the $r$-th largest. With $\lfloor\rho\rfloor = \lfloor q \rfloor + 1$
+this moves from the $(\lfloor q\rfloor + 1)$-th towards the
+$(\lfloor q\rfloor + 2)$-th largest margin with weight $q - \lfloor q \rfloor$,
+and is the plain $(q+1)$-th largest when $q$ is an integer. No library's
+quantile convention is involved: `interpolated_kth_largest` spells it out, and
+the histogram estimator of Appendix D is compared against it.
+
+## Edge cases, decided
+
+* **$k = n$.** Every token takes every expert; each load is $m = q$ whatever
+  the bias, and no $(k+1)$-th score exists. The update returns the input bias,
+  centered: there is nothing to learn, and the zero-mean invariant holds.
+* **Too few tokens.** The rule needs the $(\lceil q \rceil + 1)$-th largest
+  margin of each column, so it needs $\lceil q \rceil + 1 \le m$, i.e.
+  $m \ge n/(n-k)$ tokens. A smaller batch is a `ValueError`. With $k < n$
+  the target $q = mk/n$ is always below $m$, so "$q > m$" cannot arise here;
+  it can in the LP of `refimpl.dual`, which reports it as infeasible.
+* **Ties among margins** are order statistics like any others: a value that
+  occurs $c$ times occupies $c$ consecutive ranks. The threshold is therefore
+  always one of the margins (or between two of them), never invented.
+
+## The atom of ties at $-b_j$
+
+Ties are not rare here, they are built in. For a token whose $(k+1)$-th biased
+choice is expert $j$, the cutoff is that very score, $\alpha_i = s_{i,j} + b_j$,
+so its margin is exactly $M_{i,j} = -b_j$. Each column therefore carries an
+atom of about $m/n$ equal margins at $-b_j$, separating the tokens that chose
+$j$ (above) from those that did not (below). In floating point the atom's
+members differ from $-b_j$ only by the rounding of $(s + b) - s$, a unit in the
+last place.
+
+Consider an **under-loaded** expert, $\text{load}_j < q$. Its top
+$\text{load}_j$ margins lie above the atom; if the atom holds at least
+$q + 1 - \text{load}_j$ tokens, the $(q+1)$-th largest margin *is* the atom,
+$\tilde b_j = b_j$, and the expert's bias does not move (apart from the common
+shift of centering). The reason is real, not an artefact of ties: raising
+$b_j$ by any $\varepsilon > 0$ lifts *every* atom token over its cutoff at
+once, so with the cutoffs held the load of $j$ jumps from $\text{load}_j$ to
+$\text{load}_j + |\text{atom}|$ and no bias gives exactly $q$. The exact rule
+(the default) keeps the paper's definition and lands on the atom; which of its
+members count as "above" is then decided by rounding. An over-loaded expert
+always moves, since its $(q+1)$-th margin lies above the atom.
+
+**Extension (not in the paper): leave-one-out cutoffs.** The atom exists
+because expert $j$ is compared with a cutoff that $j$ itself set. The cutoff
+that $j$ really has to beat in token $i$ is the $k$-th largest biased score
+*among the other experts*:
+
+$$
+c_{i,j} = \begin{cases} \alpha_i & j \in \mathcal{T}_i \ (\text{the other experts' } k\text{-th is the overall } (k{+}1)\text{-th}),\\
+\gamma_i & j \notin \mathcal{T}_i \ (\gamma_i = \text{the overall } k\text{-th largest}).\end{cases}
+$$
+
+With margins $s_{i,j} - c_{i,j}$ the count of tokens clearing
+$-\tilde b_j$ is the load expert $j$ would get if *only its own* bias moved,
+exactly, and the atom is gone (an atom token's margin becomes
+$s_{i,j} - \gamma_i < -b_j$). In the language of `refimpl.dual` this is an
+exact coordinate step on $\min_\alpha D(\alpha, \beta)$ rather than on
+$D(\alpha, \beta)$ with $\alpha$ frozen. `quantile_balancing_update(...,
+leave_one_out=True)` computes it from the same top-$(k+1)$; the examples
+measure what it changes.
+
+## The sign rule
+
+DeepSeek-V3's auxiliary-loss-free update moves every bias by a fixed step in
+the direction that reduces its load error,
+$b_j \leftarrow b_j + \gamma\,\operatorname{sign}(q - \text{load}_j)$.
+`sign_balancing_update` implements it with the same array conventions, and
+`SignBalancer` gives it the same step interface as `QuantileBalancer`, so the
+two are compared like for like. The sign rule keeps only the direction of the
+error and needs a step size $\gamma$; QB jumps to the quantile and has none.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from os import PathLike
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ._xp import Array, array_namespace, compute_dtype, dtype_name, is_cupy, is_numpy, to_numpy
+from .routing import expert_load, route, selection_cutoff
+from .validation import check_finite, check_float_array, check_int, check_positive, check_shape
+
+__all__ = [
+    "BalanceStep",
+    "Balancer",
+    "QuantileBalancer",
+    "SignBalancer",
+    "interpolated_kth_largest",
+    "load_ratio",
+    "margins",
+    "quantile_balancing_update",
+    "sign_balancing_update",
+    "target_load",
+]
+
+
+# ---------------------------------------------------------------------------
+# Order statistics: the one primitive Eq. (14) needs
+# ---------------------------------------------------------------------------
+
+def _kth_largest(x: Array, r: int, *, previous: bool = False, overwrite: bool = False) -> Array | tuple:
+    r"""The $r$-th largest entry of each row of `x` (`[p, L]`, $1 \le r \le L$).
+
+    With `previous=True` also returns the $(r-1)$-th largest (needs $r \ge 2$),
+    as `(r_th, previous_th)`. Ranks count equal values separately, as order
+    statistics do. `overwrite=True` allows reordering `x` in place (the
+    caller's scratch array), which saves a copy of the whole matrix.
+
+    The portable path sorts each row. NumPy and CuPy select instead of
+    sorting, $O(L)$ per row (see `_select_numpy`).
+    """
+    xp = array_namespace(x)
+    length = x.shape[-1]
+    if is_numpy(xp):
+        part = x if overwrite and x.flags.c_contiguous else np.array(x, order="C", copy=True)
+        return _select_numpy(part, r, previous)
+    if is_cupy(xp):
+        import cupy
+
+        part = cupy.partition(x, length - r, axis=-1)  # [p, L]
+        kth = part[:, length - r]
+        return (kth, part[:, length - r + 1:].min(axis=-1)) if previous else kth
+    ordered = xp.sort(x, axis=-1)  # [p, L] ascending: the r-th largest sits at position L - r
+    if previous:
+        return ordered[:, length - r], ordered[:, length - r + 1]
+    return ordered[:, length - r]
+
+
+def _partition_select(part: np.ndarray, r: int, previous: bool) -> Any:
+    """`np.partition` around position L - r (in place); the r - 1 entries right of it are the larger ones."""
+    pos = part.shape[-1] - r
+    part.partition(pos, axis=-1)
+    kth = part[:, pos].copy()  # [p]
+    return (kth, part[:, pos + 1:].min(axis=-1)) if previous else kth
+
+
+def _select_numpy(part: np.ndarray, r: int, previous: bool) -> Any:
+    r"""Row-wise selection with a sample to discard most entries first (Floyd and Rivest's idea).
+
+    Partitioning costs several nanoseconds per entry, comparing well under
+    one. When the wanted rank is near the top of long rows (Eq. 14 asks for
+    about the $mk/n$-th largest of $m$ margins, the top 2% at K3's sizes), a
+    strided sample of each row gives a value `low` that, with high
+    probability, still has at least $r$ entries above it. One comparison pass
+    keeps only the entries $\ge$ `low`, and the small candidate matrix is
+    partitioned. A row where the sample was unlucky (fewer than $r$ kept) is
+    redone with a plain partition, so the answer never depends on the sample.
+    """
+    p, length = part.shape
+    stride = 16
+    expected = r / stride  # sample entries expected among the r largest of a row
+    t = math.ceil(expected + 4.0 * math.sqrt(expected) + 4.0)  # rank in the sample, with a safety margin
+    if length < 64 * stride or t * stride > length // 4:
+        return _partition_select(part, r, previous)
+    # A lower bound for the r-th largest, from every 16th entry: [p].
+    sample = part[:, ::stride].copy()  # [p, L/16]
+    low = _partition_select(sample, t, previous=False)  # [p]
+    keep = part >= low[:, None]  # [p, L]
+    count = keep.sum(axis=1)  # [p]
+    # Pack each row's candidates to the left of a [p, width] matrix padded with -inf.
+    width = int(count.max())
+    candidates = np.full((p, width), -np.inf, dtype=part.dtype)  # [p, width]
+    row_of = np.repeat(np.arange(p), count)
+    slot = np.arange(row_of.size) - np.repeat(np.cumsum(count) - count, count)
+    candidates[row_of, slot] = part[keep]
+    result = _partition_select(candidates, r, previous)
+    # Rows with fewer than r candidates: the sample overestimated the bound; select on the full row.
+    unlucky = np.flatnonzero(count < r)
+    if unlucky.size:
+        redo = _partition_select(part[unlucky], r, previous)
+        if previous:
+            result[0][unlucky], result[1][unlucky] = redo
+        else:
+            result[unlucky] = redo
+    return result
+
+
+def _interpolated_rows(x: Array, whole: int, frac: float, *, overwrite: bool = False) -> Array:
+    r"""Row-wise $x_{(\rho)}$ for the rank $\rho = $ `whole + frac` ($0 \le$ `frac` $< 1$)."""
+    if frac == 0.0:
+        return _kth_largest(x, whole, overwrite=overwrite)
+    # The (whole+1)-th largest and, from the same partition, the whole-th largest.
+    lower, upper = _kth_largest(x, whole + 1, previous=True, overwrite=overwrite)  # [p], [p]
+    # $$x_{(\rho)} = x_{(\lfloor\rho\rfloor)} + (\rho - \lfloor\rho\rfloor)\,(x_{(\lfloor\rho\rfloor+1)} - x_{(\lfloor\rho\rfloor)})$$
+    return upper + frac * (lower - upper)
+
+
+def interpolated_kth_largest(values: Array, rank: float, *, axis: int = 0) -> Array:
+    r"""The `rank`-th largest entry along `axis`, for a real `rank` $\rho \ge 1$.
+
+    $$
+    x_{(\rho)} = x_{(\lfloor\rho\rfloor)} + (\rho - \lfloor\rho\rfloor)\,
+    \bigl(x_{(\lfloor\rho\rfloor+1)} - x_{(\lfloor\rho\rfloor)}\bigr),
+    $$
+
+    where $x_{(r)}$ is the $r$-th largest (equal values counted separately).
+    An integer rank gives the order statistic itself. Eq. (14) takes
+    $\rho = q + 1$ on each column of the margin matrix (`axis=0`), which is the
+    rule this project uses for a fractional target load $q$.
+
+    Parameters
+    ----------
+    values
+        A 1-D or 2-D real floating array.
+    rank
+        $\rho$, with $1 \le \rho \le L$ (the length along `axis`); when $\rho$ is
+        not an integer, $\lfloor\rho\rfloor + 1 \le L$ as well.
+    axis
+        The axis to rank along (0 or 1 for a 2-D array, ignored for 1-D).
+
+    Returns
+    -------
+    The order statistic, one per column (`axis=0`) or row (`axis=1`), in the
+    dtype of `values`.
+    """
+    check_float_array("values", values)
+    if values.ndim not in (1, 2):
+        raise ValueError(f"values must be 1-D or 2-D, got shape {list(values.shape)}")
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Real) or not math.isfinite(rank):
+        raise TypeError(f"rank must be a finite real number, got {rank!r}")
+    if values.ndim == 2 and axis not in (0, 1, -1, -2):
+        raise ValueError(f"axis must be 0 or 1 for a 2-D array, got {axis}")
+    xp = array_namespace(values)
+    rows = xp.reshape(values, (1, -1)) if values.ndim == 1 else (values.T if axis in (0, -2) else values)
+    length = rows.shape[-1]
+    whole = math.floor(rank)
+    frac = float(rank) - whole
+    needed = whole + (1 if frac > 0 else 0)
+    if whole < 1 or needed > length:
+        raise ValueError(
+            f"rank must lie in [1, {length}] (and its ceiling must too) for {length} values along the axis, "
+            f"got rank={rank}")
+    result = _interpolated_rows(rows, whole, frac)  # [p]
+    return result[0] if values.ndim == 1 else result
+
+
+# ---------------------------------------------------------------------------
+# Eq. (14)
+# ---------------------------------------------------------------------------
+
+def target_load(m: int, n: int, top_k: int) -> float:
+    r"""The target load $q = mk/n$: tokens per expert in a perfectly balanced batch."""
+    m = check_int("m", m, low=0)
+    n = check_int("n", n, low=1)
+    top_k = check_int("top_k", top_k, low=1, high=n)
+    return m * top_k / n
+
+
+def _check_batch(m: int, n: int, top_k: int) -> tuple[int, float]:
+    r"""Validate $k$ and the batch size; return $\lfloor q \rfloor$ and $q - \lfloor q \rfloor$, computed exactly."""
+    if m < 1:
+        raise ValueError("scores must hold at least one token (got m=0)")
+    top_k = check_int("top_k", top_k, low=1, high=n)
+    # $q = mk/n$ as an integer part and a fraction, without rounding.
+    whole, rest = divmod(m * top_k, n)
+    if top_k < n and whole + (1 if rest else 0) + 1 > m:
+        raise ValueError(
+            f"scores holds too few tokens for Eq. (14): the target load q = m*k/n = {m * top_k / n:.4g} needs "
+            f"the ({whole + (1 if rest else 0) + 1})-th largest margin of each expert, but m={m}; "
+            f"use at least n/(n-k) = {n / (n - top_k):.4g} tokens")
+    return whole, rest / n
+
+
+def _check_bias_dtype(bias: Array) -> None:
+    if dtype_name(bias.dtype) in ("float16", "bfloat16"):
+        raise TypeError(f"bias must be float32 or float64, got {bias.dtype}")
+
+
+def _biased(scores: Array, bias: Array) -> Array:
+    r"""$s + b$, `[m, n]`: the same values as `refimpl.routing.biased_scores`, for already-checked inputs.
+
+    It skips the second validation and the extra copy of `scores` (at
+    $m = 131{,}072$ tokens each copy is half a gigabyte).
+    """
+    xp = array_namespace(scores, bias)
+    dtype = compute_dtype(xp, scores, bias)
+    # $$s_i + b$$
+    return xp.astype(scores, dtype, copy=False) + xp.astype(bias, dtype, copy=False)[None, :]
+
+
+def _cutoffs(biased: Array, top_k: int, *, with_kth: bool = False) -> Array | tuple:
+    r"""$\alpha_i$, the $(k+1)$-th largest biased score of each token (and the $k$-th, $\gamma_i$, if asked).
+
+    The values equal those of `refimpl.routing.selection_cutoff`; only the
+    values are needed here, so the rows are partitioned in place instead of
+    ranked, which is cheaper. `biased` (a scratch array) is reordered.
+    """
+    # $$\alpha_i = (s_i + b)_{(k+1)}, \qquad \gamma_i = (s_i + b)_{(k)}$$
+    return _kth_largest(biased, top_k + 1, previous=with_kth, overwrite=True)
+
+
+def _expert_major_margins(scores: Array, alpha: Array, dtype: Any) -> Array:
+    r"""The margins transposed, `[n, m]`: one row per expert, so each expert's quantile is a row operation."""
+    xp = array_namespace(scores, alpha)
+    s = xp.astype(scores, dtype, copy=False)  # [m, n]
+    if is_numpy(xp):
+        return _transposed_difference_numpy(s, alpha)
+    # $$M_{i,j} = s_{i,j} - \alpha_i$$
+    return s.T - alpha[None, :]  # [n, m]
+
+
+def _transposed_difference_numpy(s: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    """`(s - alpha[:, None]).T` as a row-major `[n, m]` array, written a block of tokens at a time.
+
+    NumPy transposes element by element, and at K3's sizes that walks memory
+    so badly that it costs more than the whole update should. Blocks of 256
+    tokens fit in the cache, which makes the same copy several times faster.
+    """
+    m, n = s.shape
+    out = np.empty((n, m), dtype=np.result_type(s, alpha))  # [n, m]
+    block = 256
+    for start in range(0, m, block):
+        rows = slice(start, start + block)
+        # $$M_{i,j} = s_{i,j} - \alpha_i$$ for the tokens of this block
+        np.subtract(s[rows].T, alpha[rows], out=out[:, rows])
+    return out
+
+
+def margins(scores: Array, bias: Array, top_k: int) -> Array:
+    r"""The margin matrix $M_{i,j} = s_{i,j} - \alpha_i$, `[m, n]`, of Eq. (14).
+
+    $\alpha_i$ is token $i$'s cutoff, the $(k+1)$-th largest of $s_i + b$
+    (from `refimpl.routing.selection_cutoff`). Expert $j$ is in token $i$'s
+    top-$k$ exactly when $M_{i,j} > -b_j$; the tokens whose $(k+1)$-th choice
+    is $j$ have $M_{i,j} = -b_j$ up to rounding (the atom).
+    """
+    _, alpha = selection_cutoff(scores, bias, top_k)  # [m]
+    xp = array_namespace(scores, bias)
+    s = xp.astype(scores, alpha.dtype, copy=False)
+    # $$M_{i,j} = s_{i,j} - \alpha_i$$
+    return s - alpha[:, None]  # [m, n]
+
+
+def _threshold_bias(scores: Array, bias: Array, alpha: Array, gamma: Array | None,
+                    whole: int, frac: float) -> Array:
+    r"""$\tilde b_j = -M_{(q+1), j}$ from the cutoffs (un-centered)."""
+    xp = array_namespace(scores, bias, alpha)
+    dtype = alpha.dtype
+    margins_t = _expert_major_margins(scores, alpha, dtype)  # [n, m]
+    if gamma is not None:
+        # Leave-one-out: an expert outside token i's top-k must beat the k-th score, gamma_i, not alpha_i.
+        # $$c_{i,j} = \alpha_i \text{ if } s_{i,j} + b_j > \alpha_i \text{ else } \gamma_i$$
+        s_t = xp.astype(scores, dtype, copy=False).T  # [n, m]
+        chosen_t = (s_t + xp.astype(bias, dtype)[:, None]) > alpha[None, :]  # [n, m]
+        margins_t = xp.where(chosen_t, margins_t, s_t - gamma[None, :])  # [n, m]
+    # $$-\tilde b_j = M_{(q+1),j}$$ (the interpolated rule for a fractional q)
+    return -_interpolated_rows(margins_t, whole + 1, frac, overwrite=True)  # [n]
+
+
+def _center(b: Array) -> Array:
+    xp = array_namespace(b)
+    # $$b^{(t+1)} = \tilde b - \operatorname{mean}(\tilde b)\,\mathbf 1$$
+    return b - xp.mean(b)
+
+
+def quantile_balancing_update(scores: Array, bias: Array, top_k: int, *, center: bool = True,
+                              leave_one_out: bool = False) -> Array:
+    r"""Eq. (14), exact: the bias for the next batch, computed from this batch.
+
+    Parameters
+    ----------
+    scores
+        `[m, n]` sigmoid router scores of the current batch.
+    bias
+        `[n]` the bias that routes the current batch, float32 or float64.
+    top_k
+        $k$, experts per token, $1 \le k \le n$.
+    center
+        Subtract the mean (the paper's step 3). `False` returns $\tilde b$
+        itself, the threshold that makes $q$ margins clear the bar with the
+        cutoffs held; useful for checking the rule.
+    leave_one_out
+        Extension, not the paper's rule: compare each expert with the
+        cutoff of the *other* experts (see the module text), which removes the
+        atom of ties at $-b_j$.
+
+    Returns
+    -------
+    `[n]` new bias, in the dtype of the biased scores (float32, or float64 if
+    either input is float64). With $k = n$ it is the centered input bias.
+
+    Raises
+    ------
+    ValueError
+        Non-finite scores or bias, mismatched shapes, $k > n$, or fewer than
+        $n/(n-k)$ tokens (the needed order statistic does not exist).
+    """
+    check_float_array("scores", scores, ndim=2)
+    check_float_array("bias", bias, ndim=1)
+    check_shape("bias", bias, (scores.shape[1],))
+    _check_bias_dtype(bias)
+    m, n = scores.shape
+    whole, frac = _check_batch(m, n, top_k)
+    check_finite("scores", scores)
+    check_finite("bias", bias)
+    xp = array_namespace(scores, bias)
+    if top_k == n:
+        # Every expert is always chosen: the bias cannot change any load, so it is kept (centered).
+        b = xp.astype(bias, compute_dtype(xp, scores, bias))
+        return _center(b) if center else b
+    # Step 1: the cutoffs, from the top-(k+1) of the biased scores.
+    cut = _cutoffs(_biased(scores, bias), top_k, with_kth=leave_one_out)
+    alpha, gamma = cut if leave_one_out else (cut, None)  # [m], [m] or None
+    # Step 2: the interpolated (q+1)-th largest margin of each expert, negated.
+    b_tilde = _threshold_bias(scores, bias, alpha, gamma, whole, frac)  # [n]
+    # Step 3: remove the mean, which changes no top-k.
+    return _center(b_tilde) if center else b_tilde
+
+
+def _update_from_cutoffs(scores: Array, bias: Array, top_k: int, alpha: Array, *,
+                         leave_one_out: bool = False) -> Array:
+    """Eq. (14) when the router has already produced the cutoffs (the balancer's path)."""
+    m, n = scores.shape
+    whole, frac = _check_batch(m, n, top_k)
+    gamma = None
+    if leave_one_out:
+        _, gamma = _cutoffs(_biased(scores, bias), top_k, with_kth=True)  # the k-th largest, [m]
+    return _center(_threshold_bias(scores, bias, alpha, gamma, whole, frac))
+
+
+# ---------------------------------------------------------------------------
+# The sign rule (DeepSeek-V3)
+# ---------------------------------------------------------------------------
+
+def sign_balancing_update(load: Array, bias: Array, rate: float) -> Array:
+    r"""DeepSeek-V3's auxiliary-loss-free step: $b_j \leftarrow b_j + \gamma\,\operatorname{sign}(q - \text{load}_j)$.
+
+    $q$ is the mean load, $\sum_j \text{load}_j / n = mk/n$. The sign is
+    computed in integers, as $\operatorname{sign}(\sum_r \text{load}_r - n\,\text{load}_j)$,
+    so an expert exactly on target does not move. The result is not centered
+    (the original rule is not); a common shift changes no top-$k$ anyway.
+
+    Parameters
+    ----------
+    load
+        `[n]` integer token counts of the batch just routed (`refimpl.routing.expert_load`).
+    bias
+        `[n]` the bias that routed it, float32 or float64.
+    rate
+        $\gamma > 0$, the step size (Megatron-Core's default is 1e-3).
+
+    Returns
+    -------
+    `[n]` new bias in the dtype of `bias`.
+    """
+    check_float_array("bias", bias, ndim=1)
+    _check_bias_dtype(bias)
+    check_finite("bias", bias)
+    rate = check_positive("rate", rate)
+    xp = array_namespace(load, bias)
+    if not xp.isdtype(load.dtype, "integral"):
+        raise TypeError(f"load must be an integer array of token counts, got dtype {load.dtype}")
+    check_shape("load", load, tuple(bias.shape))
+    n = load.shape[0]
+    counts = xp.astype(load, xp.int64)  # [n]
+    # $$\operatorname{sign}(q - \text{load}_j) = \operatorname{sign}\bigl(\textstyle\sum_r \text{load}_r - n\,\text{load}_j\bigr)$$
+    direction = xp.sign(xp.sum(counts) - n * counts)  # [n] in {-1, 0, 1}
+    # $$b_j \leftarrow b_j + \gamma\,\operatorname{sign}(q - \text{load}_j)$$
+    return bias + rate * xp.astype(direction, bias.dtype)
+
+
+def load_ratio(load: Array) -> float:
+    """The max/min load of a step (1.0 is perfect balance; infinity when some expert got no token)."""
+    values = to_numpy(load)
+    low, high = int(values.min()), int(values.max())
+    return math.inf if low == 0 else high / low
+
+
+# ---------------------------------------------------------------------------
+# The balancer: route with the bias held, then compute the next one
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BalanceStep:
+    """What one balancer step did.
+
+    `index` `[m, k]` is the route of the batch, made with `bias` `[n]` (the
+    bias held *before* the batch was seen); `load` `[n]` counts its tokens per
+    expert and `ratio` is max/min of `load`; `next_bias` `[n]` is the bias
+    computed from this batch, which will route the next one.
+    """
+
+    step: int
+    index: Array
+    load: np.ndarray
+    ratio: float
+    bias: np.ndarray
+    next_bias: np.ndarray
+
+
+class Balancer:
+    """A stateful balancer: the one place where the bias lives between steps.
+
+    `step(scores)` routes the batch with the bias it holds, records the loads,
+    and only then computes the bias for the next batch from this one. The
+    bias is kept as a NumPy array in float32 (or the `dtype` given), as K3
+    keeps it; each batch may come from any array namespace. `save` writes the
+    state to an `.npz` file and `Balancer.restore` reads it back bit for bit,
+    so a resumed run routes exactly as an uninterrupted one.
+
+    History: `loads` (one `[n]` array per step), `ratios` (max/min per step)
+    and `biases` (the bias that routed each step).
+
+    Subclasses set the update rule: `QuantileBalancer` (Eq. 14) and
+    `SignBalancer` (DeepSeek-V3).
+    """
+
+    kind: ClassVar[str] = ""
+
+    def __init__(self, num_experts: int, top_k: int, *, bias: Array | None = None,
+                 dtype: Any = np.float32) -> None:
+        self.num_experts = check_int("num_experts", num_experts, low=1)
+        self.top_k = check_int("top_k", top_k, low=1, high=self.num_experts)
+        dtype = np.dtype(dtype)
+        if dtype not in (np.float32, np.float64):
+            raise TypeError(f"dtype must be float32 or float64, got {dtype}")
+        if bias is None:
+            self._bias = np.zeros(self.num_experts, dtype=dtype)
+        else:
+            held = np.array(to_numpy(bias), dtype=dtype, copy=True)
+            if held.shape != (self.num_experts,):
+                raise ValueError(f"bias must have shape [{self.num_experts}], got {list(held.shape)}")
+            if not np.isfinite(held).all():
+                raise ValueError("bias must be finite")
+            self._bias = held
+        self.step_count = 0
+        self.loads: list[np.ndarray] = []
+        self.ratios: list[float] = []
+        self.biases: list[np.ndarray] = []
+
+    @property
+    def bias(self) -> np.ndarray:
+        """A copy of the bias that will route the next batch."""
+        return self._bias.copy()
+
+    def _route_and_update(self, scores: Array, bias: Array) -> tuple[Array, Array]:
+        raise NotImplementedError
+
+    def step(self, scores: Array) -> BalanceStep:
+        """Route `scores` (`[m, n]`) with the held bias, then compute the next bias from them."""
+        check_float_array("scores", scores, ndim=2)
+        check_shape("scores", scores, (None, self.num_experts))
+        xp = array_namespace(scores)
+        used = self._bias.copy()  # fixed before the batch is looked at
+        index, new_bias = self._route_and_update(scores, xp.asarray(used))
+        load = to_numpy(expert_load(index, self.num_experts)).astype(np.int64)
+        ratio = load_ratio(load)
+        self._bias = to_numpy(new_bias).astype(self._bias.dtype)
+        self.step_count += 1
+        self.loads.append(load)
+        self.ratios.append(ratio)
+        self.biases.append(used)
+        return BalanceStep(self.step_count, index, load, ratio, used, self._bias.copy())
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def save(self, path: str | PathLike) -> None:
+        """Write the state (bias, step count, settings and history) to an `.npz` file."""
+        n = self.num_experts
+        np.savez(
+            path,
+            kind=np.array(self.kind),
+            num_experts=np.int64(n),
+            top_k=np.int64(self.top_k),
+            step_count=np.int64(self.step_count),
+            bias=self._bias,
+            loads=np.array(self.loads, dtype=np.int64).reshape(-1, n),
+            ratios=np.array(self.ratios, dtype=np.float64),
+            biases=np.array(self.biases, dtype=self._bias.dtype).reshape(-1, n),
+            **self._extra_state(),
+        )
+
+    @classmethod
+    def restore(cls, path: str | PathLike) -> Balancer:
+        """Read a balancer written by `save`; the result continues the run bit for bit."""
+        with np.load(path, allow_pickle=False) as data:
+            kind = str(data["kind"])
+            kinds = {sub.kind: sub for sub in (QuantileBalancer, SignBalancer)}
+            if kind not in kinds:
+                raise ValueError(f"{path} holds an unknown balancer kind {kind!r}")
+            sub = kinds[kind]
+            options = sub._options_from(data)
+            balancer = sub(int(data["num_experts"]), int(data["top_k"]), bias=data["bias"],
+                           dtype=data["bias"].dtype, **options)
+            balancer.step_count = int(data["step_count"])
+            balancer.loads = [row.copy() for row in data["loads"]]
+            balancer.ratios = [float(r) for r in data["ratios"]]
+            balancer.biases = [row.copy() for row in data["biases"]]
+        return balancer
+
+    @classmethod
+    def _options_from(cls, data: Any) -> dict[str, Any]:
+        return {}
+
+
+class QuantileBalancer(Balancer):
+    """Eq. (14) step by step: route with the held bias, then jump to the quantile bias of this batch.
+
+    One top-$(k+1)$ of the biased scores gives both the route and the cutoffs
+    $\\alpha$, so the update costs one extra pass over the margins.
+
+    Two options belong to the extension, not to the paper (both off by
+    default): `leave_one_out=True` uses the leave-one-out cutoffs described in
+    the module text, and `damping` $\\eta < 1$ moves only a fraction $\\eta$ of
+    the way to the new bias. Together they let repeated steps on one fixed
+    batch reach the LP optimum, which the plain rule does not (see
+    `refimpl.dual`).
+    """
+
+    kind = "quantile"
+
+    def __init__(self, num_experts: int, top_k: int, *, bias: Array | None = None,
+                 dtype: Any = np.float32, leave_one_out: bool = False, damping: float = 1.0) -> None:
+        super().__init__(num_experts, top_k, bias=bias, dtype=dtype)
+        self.leave_one_out = bool(leave_one_out)
+        self.damping = check_positive("damping", damping)
+        if self.damping > 1.0:
+            raise ValueError(f"damping must be in (0, 1], got {self.damping}")
+
+    def _route_and_update(self, scores: Array, bias: Array) -> tuple[Array, Array]:
+        if self.top_k == self.num_experts:
+            index, _ = route(scores, bias, self.top_k)
+            return index, quantile_balancing_update(scores, bias, self.top_k)
+        # Step 1 routes and yields the cutoffs at once; steps 2-3 use them.
+        index, alpha = selection_cutoff(scores, bias, self.top_k)  # [m, k], [m]
+        jump = _update_from_cutoffs(scores, bias, self.top_k, alpha, leave_one_out=self.leave_one_out)
+        if self.damping == 1.0:
+            return index, jump
+        # Extension: move only part of the way, $$b \leftarrow b + \eta\,(b^{\text{QB}} - b)$$, then center.
+        xp = array_namespace(jump)
+        return index, _center(bias + self.damping * (jump - xp.astype(bias, jump.dtype)))
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"leave_one_out": np.bool_(self.leave_one_out), "damping": np.float64(self.damping)}
+
+    @classmethod
+    def _options_from(cls, data: Any) -> dict[str, Any]:
+        return {"leave_one_out": bool(data["leave_one_out"]), "damping": float(data["damping"])}
+
+
+class SignBalancer(Balancer):
+    r"""DeepSeek-V3's sign rule with the same step interface: $b \leftarrow b + \gamma\,\operatorname{sign}(q - \text{load})$."""
+
+    kind = "sign"
+
+    def __init__(self, num_experts: int, top_k: int, *, rate: float = 1e-3, bias: Array | None = None,
+                 dtype: Any = np.float32) -> None:
+        super().__init__(num_experts, top_k, bias=bias, dtype=dtype)
+        self.rate = check_positive("rate", rate)
+
+    def _route_and_update(self, scores: Array, bias: Array) -> tuple[Array, Array]:
+        index, _ = route(scores, bias, self.top_k)  # [m, k]
+        load = expert_load(index, self.num_experts)  # [n]
+        return index, sign_balancing_update(load, bias, self.rate)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"rate": np.float64(self.rate)}
+
+    @classmethod
+    def _options_from(cls, data: Any) -> dict[str, Any]:
+        return {"rate": float(data["rate"])}
