@@ -1,0 +1,116 @@
+r"""Test your own router: the conformance kit.
+
+A production MoE layer is rewritten many times: in PyTorch for training, in
+Triton or CUDA for speed, in JAX, in an inference engine. Each rewrite can
+get Eq. (13) and Eq. (14) subtly wrong in ways a loss curve hides for weeks: the
+bias leaks into the mixture weights, a bias stored in bfloat16 drifts away
+from zero and stops separating the experts, a quantile is read one rank off.
+`refimpl.testing` tests such code directly against this reference and
+against the invariants the paper implies.
+
+```python
+import numpy as np
+from refimpl.testing import check_router
+
+def my_router(scores, bias, top_k):           # NumPy in, NumPy out
+    biased = scores + bias
+    index = np.argsort(-biased, axis=1, kind="stable")[:, :top_k]
+    raw = np.take_along_axis(scores, index, axis=1)
+    return index, raw / raw.sum(axis=1, keepdims=True)
+
+check_router(my_router, tie_order="lower_id")  # raises AssertionError with a report if wrong
+```
+
+Put that call in a test function and pytest runs it like any other test.
+
+## What the kit checks
+
+Each check takes a callable with the signature of the matching reference
+function. Inputs and outputs are NumPy arrays, so code in any framework fits
+behind a few lines that convert them (the section at the end of this page
+adapts a PyTorch router).
+
+| check | your callable | compared with | invariants beyond agreement |
+|---|---|---|---|
+| `check_router` | `fn(scores, bias, top_k) -> (index, weights)` | `route` | distinct ids; weights from the raw scores, summing to the scaling factor; a common shift of the bias changes nothing; a valid top-$k$ under ties; lower id first on ties (if you declare it) |
+| `check_balancing_update` | `fn(scores, bias, top_k) -> new_bias` | `quantile_balancing_update` | centred; bias-shift invariant; token-permutation invariant; expert-permutation equivariant |
+| `check_histogram_update` | `fn(blocks, bias, top_k) -> new_bias` | Eq. (14), within one bin | the same, plus the same bias for any split of the batch over ranks and micro-batches |
+| `check_balancer` | `make(initial_bias, top_k) -> step`, `step(scores) -> index` | `route` with the biases of Eq. (14) | no look-ahead: a batch is routed with a bias fixed before it was seen |
+| `check_forward` | `fn(x, params, config) -> y` | `stable_latent_moe` | within the `rtol`/`atol` you choose for your dtype |
+
+Why invariants and not only agreement: a disagreement says *that* something
+is wrong; a broken invariant often says *what*. A router that subtracts the
+bias instead of adding it still passes the bias-shift invariance and fails
+only the selection; a router that stores its bias in bfloat16 picks the right
+experts while the bias sits near zero and fails as soon as the same bias is
+shifted by 10. The catalogue below shows each one.
+
+## How a check runs
+
+Every invariant is a separate [Hypothesis](https://hypothesis.readthedocs.io)
+property. Hypothesis draws small inputs (a few tokens, a few experts) from the
+strategies of `refimpl.testing.strategies`, and when an input breaks the
+invariant it **shrinks** it to the simplest input that still does. The check
+runs every invariant, collects the ones that broke and raises `CheckFailure`,
+an `AssertionError` whose message lists each broken invariant with
+
+* why it must hold (the equation or section it comes from),
+* what broke, in words, with the expected and the actual values,
+* the largest absolute and relative error where numbers are compared,
+* the shrunk input, printed as NumPy code you can paste to reproduce it.
+
+The inputs are built so that a correct float32 implementation never fails
+on rounding alone: routing inputs have no two biased scores closer than
+$2^{-14}$ (without rejecting any example; see `strategies.routing_cases`),
+and the forward check leaves out tokens whose routing is ambiguous at the
+user's precision.
+
+## Settings
+
+`settings` takes a profile name or any `hypothesis.settings`:
+
+* `"quick"` (the default): 50 examples per invariant, the same every run,
+  a few seconds per check;
+* `"thorough"`: 300 random examples per invariant, for CI.
+
+The environment variable `REFIMPL_TESTING_PROFILE=thorough` switches the
+default for a whole test session. The profiles never write an example
+database into your directory and never time out a slow first call.
+
+## Your own properties
+
+The strategies are public: `strategies.routing_cases()`, `scores()`,
+`biases()`, `bias_shifts()`, `configs()`, `token_batches()`,
+`forward_cases()`, `partitions()`, `batch_sequences()`. Use them with
+`@given` for properties of your own, for example that your fused kernel and
+your eager code agree on inputs with no near-ties.
+"""
+
+from . import strategies
+from ._report import CheckFailure, CheckResult
+from .checks import (
+    PROFILES,
+    QUICK,
+    THOROUGH,
+    check_balancer,
+    check_balancing_update,
+    check_forward,
+    check_histogram_update,
+    check_router,
+    profile,
+)
+
+__all__ = [
+    "PROFILES",
+    "QUICK",
+    "THOROUGH",
+    "CheckFailure",
+    "CheckResult",
+    "check_balancer",
+    "check_balancing_update",
+    "check_forward",
+    "check_histogram_update",
+    "check_router",
+    "profile",
+    "strategies",
+]

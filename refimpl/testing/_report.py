@@ -1,0 +1,310 @@
+"""The machinery behind the checks: run one invariant as a Hypothesis property, format what broke.
+
+A check is a list of `Invariant`s. Each invariant is run as its own
+Hypothesis property, so each one that fails is shrunk on its own to the
+simplest input that breaks *it*. The body of an invariant raises `Violation`
+with the details a person needs (what was expected, what came back, how far
+apart); the runner keeps the violation of the shrunk example and the check
+gathers every failed invariant into one `CheckFailure`.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, Phase, Verbosity, given
+from hypothesis import settings as Settings
+from hypothesis.errors import Flaky
+from hypothesis.strategies import SearchStrategy
+
+from .._xp import dtype_name
+
+__all__ = [
+    "Code",
+    "CheckFailure",
+    "CheckResult",
+    "Invariant",
+    "Violation",
+    "call_user",
+    "describe_inputs",
+    "errors",
+    "format_array",
+    "run_check",
+]
+
+
+# ---------------------------------------------------------------------------
+# Values
+# ---------------------------------------------------------------------------
+
+class Violation(AssertionError):
+    """One invariant broken on one input.
+
+    `summary` is one sentence; `details` are further lines (expected against
+    actual, error sizes); `inputs` maps argument names to the values to
+    print so the failure can be reproduced.
+    """
+
+    def __init__(self, summary: str, details: Sequence[str] = (), inputs: dict[str, Any] | None = None):
+        super().__init__(summary)
+        self.summary = summary
+        self.details = list(details)
+        self.inputs = dict(inputs or {})
+        self.invariant: Invariant | None = None
+
+
+class Code(str):
+    """A piece of Python shown as is in a report (its repr has no quotes)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+@dataclass(frozen=True)
+class Invariant:
+    """A named property: `body(case)` raises `Violation` when the user's code breaks it.
+
+    `why` says in one line what the paper requires and where (SPEC section or
+    equation). `strategy` draws the cases; `describe(case)` names the inputs
+    to print when the body's violation does not (for instance when the
+    user's function raised).
+    """
+
+    name: str
+    why: str
+    strategy: SearchStrategy
+    body: Callable[[Any], None]
+    basic: bool = False  # when a basic invariant fails, the others are not run
+    describe: Callable[[Any], dict[str, Any]] | None = None  # the inputs to print, if the body gave none
+
+
+@dataclass
+class CheckResult:
+    """What a check that passed ran: its name and the invariants it verified."""
+
+    check: str
+    passed: list[str]
+    max_examples: int
+
+    def __str__(self) -> str:
+        lines = [f"{self.check}: all {len(self.passed)} invariants hold "
+                 f"(up to {self.max_examples} examples each)"]
+        lines += [f"  [passed] {name}" for name in self.passed]
+        return "\n".join(lines)
+
+
+class CheckFailure(AssertionError):
+    """Raised by a check when at least one invariant fails; `str()` is the full report.
+
+    `failed` lists the names of the broken invariants, `passed` the ones that
+    held, `skipped` those not run because a basic invariant (the form of the
+    output) already failed, and `violations` the shrunk `Violation` of each
+    broken one.
+    """
+
+    def __init__(self, check: str, violations: list[Violation], passed: list[str],
+                 skipped: list[str] | None = None):
+        self.check = check
+        self.violations = violations
+        self.passed = passed
+        self.skipped = list(skipped or [])
+        super().__init__(self.report())
+
+    @property
+    def failed(self) -> list[str]:
+        """Names of the invariants that failed, in the order they were run."""
+        return [v.invariant.name for v in self.violations if v.invariant is not None]
+
+    def report(self) -> str:
+        """The readable report: every broken invariant with its shrunk input, then the others."""
+        total = len(self.violations) + len(self.passed) + len(self.skipped)
+        head = (f"{self.check}: {len(self.violations)} of {total} invariants failed: "
+                + "; ".join(self.failed) + ".")
+        parts = [head]
+        for number, v in enumerate(self.violations, 1):
+            parts.append(_format_violation(number, v))
+        if self.passed:
+            parts.append("Invariants that held: " + "; ".join(self.passed) + ".")
+        if self.skipped:
+            parts.append("Not run (they need a well-formed output): " + "; ".join(self.skipped) + ".")
+        return "\n\n".join(parts)
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+def _format_violation(number: int, v: Violation) -> str:
+    inv = v.invariant
+    name = inv.name if inv else "?"
+    lines = [f"[{number}] FAILED: {name}"]
+    if inv is not None:
+        lines.append(_indent(f"why: {inv.why}"))
+    lines.append(_indent(f"what broke: {v.summary}"))
+    lines += [_indent(line) for line in v.details]
+    if v.inputs:
+        lines.append(_indent("input (the simplest one Hypothesis found):"))
+        lines += [_indent(line, 2) for line in describe_inputs(v.inputs)]
+    return "\n".join(lines)
+
+
+def _indent(text: str, level: int = 1) -> str:
+    return textwrap.indent(text, "    " * level)
+
+
+# ---------------------------------------------------------------------------
+# Formatting numbers
+# ---------------------------------------------------------------------------
+
+def format_array(a: Any, *, prefix: str = "", max_entries: int = 400) -> str:
+    """`a` as a NumPy expression that rebuilds it: `np.array([...], dtype=np.float32)`.
+
+    Floats are printed with the fewest digits that round-trip, so a copied
+    failure reproduces the exact input. `prefix` is the text that will stand
+    before the expression on its first line, so that rows line up.
+    """
+    a = np.asarray(a)
+    name = dtype_name(a.dtype)
+    options = dict(separator=", ", floatmode="unique", threshold=max_entries, max_line_width=110,
+                   prefix=prefix + "np.array(")
+    if name == "bfloat16":
+        body = np.array2string(a.astype(np.float32), **options)
+        return f"np.array({body}, dtype=np.float32).astype(ml_dtypes.bfloat16)"
+    return f"np.array({np.array2string(a, **options)}, dtype=np.{name})"
+
+
+def describe_inputs(inputs: dict[str, Any]) -> list[str]:
+    """One `name = value` line (or block) per input, arrays as rebuildable NumPy expressions."""
+    lines = []
+    for name, value in inputs.items():
+        if isinstance(value, np.ndarray):
+            shape = ", ".join(str(s) for s in value.shape)
+            lines.append(f"{name} = {format_array(value, prefix=f'{name} = ')}  # [{shape}]")
+        elif isinstance(value, list) and value and all(isinstance(b, np.ndarray) for b in value):
+            lines.append(f"{name} = [")
+            for b in value:
+                shape = ", ".join(str(s) for s in b.shape)
+                lines.append(f"    {format_array(b, prefix='    ')},  # [{shape}]")
+            lines.append("]")
+        else:
+            lines.append(f"{name} = {value!r}")
+    return [piece for line in lines for piece in line.split("\n")]
+
+
+def errors(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
+    r"""The largest absolute difference, and the same relative to the largest expected magnitude.
+
+    The relative error is taken against $\max |e|$ rather than entry by
+    entry, so an expected value of zero does not make it infinite.
+    """
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    if a.size == 0:
+        return 0.0, 0.0
+    abs_err = float(np.max(np.abs(a - e)))
+    size = float(np.max(np.abs(e)))
+    return abs_err, (abs_err / size if size > 0 else (0.0 if abs_err == 0 else np.inf))
+
+
+# ---------------------------------------------------------------------------
+# Calling the user's code
+# ---------------------------------------------------------------------------
+
+def call_user(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call the user's function; an exception it raises becomes a `Violation` naming it.
+
+    The arguments are copied first, so a function that writes into its inputs
+    cannot corrupt the reference computed from them afterwards.
+    """
+    args = tuple(_copy(a) for a in args)
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # the user's code failed: report it as a broken invariant
+        raise Violation(f"the function raised {type(exc).__name__}: {exc}") from exc
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    return value
+
+
+# ---------------------------------------------------------------------------
+# Running the invariants
+# ---------------------------------------------------------------------------
+
+def resolved_settings(user: Settings | None, default: Settings) -> Settings:
+    """The settings a property runs with: the user's (or the default), one bug per property."""
+    base = user if user is not None else default
+    return Settings(base, report_multiple_bugs=False)
+
+
+def _run_one(invariant: Invariant, settings: Settings) -> Violation | None:
+    """Run one invariant as a Hypothesis property; the shrunk violation, or None if it held."""
+
+    @settings
+    @given(invariant.strategy)
+    def prop(case: Any) -> None:
+        try:
+            invariant.body(case)
+        except Violation as v:
+            if not v.inputs and invariant.describe is not None:
+                v.inputs = invariant.describe(case)
+            raise
+
+    try:
+        prop()
+    except Violation as v:
+        v.invariant = invariant
+        return v
+    except Flaky as exc:
+        # Hypothesis saw a failure it could not reproduce; the failure itself is inside the group.
+        inner = next((e for e in getattr(exc, "exceptions", ()) if isinstance(e, Violation)), None)
+        details = ([f"on one of the calls: {inner.summary}", *inner.details] if inner is not None
+                   else [f"Hypothesis reported: {type(exc).__name__}"])
+        v = Violation("the result changed between two calls with the same input (the function is not "
+                      "deterministic, or keeps state between calls)", details,
+                      inner.inputs if inner is not None else None)
+        v.invariant = invariant
+        return v
+    return None
+
+
+def run_check(check: str, invariants: Sequence[Invariant], settings: Settings) -> CheckResult:
+    """Run every invariant; raise `CheckFailure` listing all that broke, else return a `CheckResult`.
+
+    The basic invariants (marked `basic=True`, listed first) check the form of
+    the output; once one fails, the rest are reported as not run, since they
+    would only repeat that the output is malformed.
+    """
+    violations: list[Violation] = []
+    passed: list[str] = []
+    skipped: list[str] = []
+    for invariant in invariants:
+        if any(v.invariant.basic for v in violations):
+            skipped.append(invariant.name)
+            continue
+        v = _run_one(invariant, settings)
+        if v is None:
+            passed.append(invariant.name)
+        else:
+            violations.append(v)
+    if violations:
+        raise CheckFailure(check, violations, passed, skipped)
+    return CheckResult(check, passed, settings.max_examples)
+
+
+# Settings shared by the profiles: no deadline (the first call of a framework can be slow),
+# no example database (a check must not write files into the user's directory), and the
+# health checks that complain about slow or large inputs switched off.
+_COMMON = dict(deadline=None, database=None, verbosity=Verbosity.quiet,
+               phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                      HealthCheck.filter_too_much, HealthCheck.large_base_example])
