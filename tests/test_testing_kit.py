@@ -1,0 +1,389 @@
+"""Tests of the conformance kit `refimpl.testing`: it passes correct code and names the mistake in wrong code.
+
+Three kinds of evidence:
+
+* **Correct implementations pass every check**: the reference functions
+  themselves, and the independent float32 NumPy implementations of
+  `examples/30_test_your_router.py` (written with full sorts, `np.add.at`
+  and a two-rank forward pass, not with the reference's code), and the
+  PyTorch router there when PyTorch is installed.
+* **Every deliberate mistake is caught, by the invariant that describes it**:
+  the catalogue of `examples/31_mistakes_the_kit_catches.py` is run and each
+  report must name the expected invariant.
+* **The machinery does what the reports promise**: the strategies produce
+  what their docstrings say (checked by sorting and counting), a printed
+  input reproduces the failure when pasted back, a function that raises or
+  returns the wrong shape is reported as such, and the kit imports without
+  the balancing modules.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import refimpl.testing as kit
+from refimpl.testing import strategies as rst
+from refimpl.testing.checks import PROFILES, QUICK, THOROUGH, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_example(stem: str):
+    """An example script imported as a module (examples/ is not a package)."""
+    path = ROOT / "examples" / f"{stem}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+good = load_example("30_test_your_router")
+mistakes = load_example("31_mistakes_the_kit_catches")
+
+
+def failure_of(check, fn, **options) -> kit.CheckFailure:
+    """The CheckFailure a check raises (the test fails if the check passes)."""
+    with pytest.raises(kit.CheckFailure) as info:
+        check(fn, **options)
+    return info.value
+
+
+# ---------------------------------------------------------------------------
+# Correct implementations pass
+# ---------------------------------------------------------------------------
+
+
+class TestCorrectCodePasses:
+    def test_reference_functions_pass_their_own_checks(self):
+        """The reference route, Eq. (14) update, histogram update, balancer and forward pass pass every check."""
+        from refimpl.balancing import QuantileBalancer, quantile_balancing_update
+        from refimpl.histogram import histogram_balancing_update
+        from refimpl.latent_moe import stable_latent_moe
+        from refimpl.routing import route
+
+        def make(initial_bias, top_k):
+            balancer = QuantileBalancer(initial_bias.shape[0], top_k, bias=initial_bias)
+            return lambda scores: balancer.step(scores).index
+
+        results = [
+            kit.check_router(route, tie_order="lower_id"),
+            kit.check_balancing_update(quantile_balancing_update),
+            kit.check_histogram_update(histogram_balancing_update),
+            kit.check_balancer(make),
+            kit.check_forward(stable_latent_moe),
+        ]
+        assert [len(r.passed) for r in results] == [8, 6, 7, 2, 2]
+
+    def test_independent_numpy_implementations_pass(self):
+        """The float32 implementations of example 30 (own sorts, own histogram, two ranks) pass every check."""
+        assert len(kit.check_router(good.router, tie_order="lower_id").passed) == 8
+        assert len(kit.check_balancing_update(good.qb_update).passed) == 6
+        assert len(kit.check_histogram_update(good.histogram_update).passed) == 7
+        assert len(kit.check_balancer(good.make_balancer).passed) == 2
+        assert len(kit.check_forward(good.forward).passed) == 2
+
+    def test_histogram_with_few_bins_passes_with_its_bin_count(self):
+        """With B = 7 bins the tolerance is one (wide) bin, and a correct estimator still passes."""
+        kit.check_histogram_update(functools.partial(good.histogram_update, bins=7), bins=7)
+
+    def test_renormalize_false_and_scaling_factor(self):
+        """A router without renormalization, scaled by 2.5, passes when the check is told so."""
+        from refimpl.routing import route
+
+        def fn(scores, bias, top_k):
+            return route(scores, bias, top_k, renormalize=False, scaling_factor=2.5)
+
+        result = kit.check_router(fn, renormalize=False, scaling_factor=2.5)
+        assert "weights sum to the scaling factor" not in result.passed
+        # The same router fails when the check expects K3's renormalized weights.
+        assert "weights from raw scores" in failure_of(kit.check_router, fn).failed
+
+    def test_forward_in_bfloat16_with_a_loose_tolerance(self):
+        """Inputs in bfloat16: the reference at the same rounded inputs agrees within a bfloat16 tolerance."""
+        from refimpl.latent_moe import stable_latent_moe
+
+        kit.check_forward(stable_latent_moe, dtype=ml_dtypes.bfloat16, rtol=2e-2, atol=2e-2)
+
+    def test_docstring_example_runs_and_passes(self):
+        """The example at the top of the kit's page is real code that passes."""
+        block = re.search(r"```python\n(.*?)```", kit.__doc__, re.S).group(1)
+        exec(compile(block, "refimpl.testing docstring", "exec"), {})
+
+    @pytest.mark.slow
+    def test_examples_run(self, capsys):
+        """Both example scripts run to the end and report what the docs show."""
+        good.main([])
+        out = capsys.readouterr().out
+        assert out.count("all ") >= 5 and "FAILED" not in out
+        mistakes.main([])
+        out = capsys.readouterr().out
+        assert "NOT CAUGHT" not in out and out.count("FAILED:") >= len(mistakes.MISTAKES)
+
+
+# ---------------------------------------------------------------------------
+# Mistakes are caught, by the right invariant
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mistake", mistakes.MISTAKES, ids=[m.slug for m in mistakes.MISTAKES])
+def test_each_mistake_is_caught_by_its_invariant(mistake):
+    """Each deliberate mistake fails its check, and the report names the expected invariant."""
+    failure = mistake.run()
+    assert failure is not None, f"{mistake.slug} passed {mistake.check.__name__}"
+    assert isinstance(failure, AssertionError)
+    assert mistake.caught_by in failure.failed
+    report = str(failure)
+    assert f"FAILED: {mistake.caught_by}" in report
+    assert "input (the simplest one Hypothesis found):" in report
+    assert "why:" in report and "what broke:" in report
+
+
+class TestWhatTheReportsSay:
+    def test_subtracted_bias_still_passes_shift_invariance(self):
+        """-b shifts with b, so only the selection invariants can see the sign error."""
+        failure = failure_of(kit.check_router, mistakes.bias_subtracted)
+        assert "bias-shift invariance" in failure.passed
+        assert "selection is the top-k of s + b" in failure.failed
+
+    def test_biased_weights_are_recognised(self):
+        """The report says the weights are those of the biased scores."""
+        failure = failure_of(kit.check_router, mistakes.weights_from_biased_scores)
+        assert "the weights returned are those of the BIASED scores" in str(failure)
+
+    def test_look_ahead_is_named(self):
+        """The balancer report recognises routes made with the batch's own bias."""
+        report = str(failure_of(kit.check_balancer, mistakes.make_look_ahead_balancer))
+        assert "these are the experts chosen with the bias computed from this very batch" in report
+
+    def test_printed_input_reproduces_the_failure(self):
+        """The shrunk input, pasted back as NumPy code, makes the mistaken router choose wrongly."""
+        failure = failure_of(kit.check_router, mistakes.bias_subtracted)
+        violation = failure.violations[failure.failed.index("selection is the top-k of s + b")]
+        section = str(failure).split("FAILED: selection is the top-k of s + b")[1].split("[2] FAILED")[0]
+        code = section.split("input (the simplest one Hypothesis found):")[1]
+        code = code.split("Invariants that held")[0]
+        namespace = {"np": np, "ml_dtypes": ml_dtypes}
+        exec(compile("\n".join(line.strip() for line in code.strip().splitlines() if line.strip())
+                     .replace(",\n", ", "), "report", "exec"), namespace)
+        np.testing.assert_array_equal(namespace["scores"], violation.inputs["scores"])
+        scores, bias, k = namespace["scores"], namespace["bias"], namespace["top_k"]
+        index, _ = mistakes.bias_subtracted(scores, bias, k)
+        # Independent expectation: the k largest s + b by a Python sort, ties to the lower id.
+        expected = [sorted(range(scores.shape[1]), key=lambda j: (-(row[j] + bias[j]), j))[:k] for row in scores]
+        assert any(set(i) != set(e) for i, e in zip(index.tolist(), expected, strict=True))
+
+    def test_a_function_that_raises_is_reported_with_its_input(self):
+        """An exception inside the user's code becomes a failure that names it and shows the input."""
+        def broken(scores, bias, top_k):
+            raise RuntimeError("kernel launch failed")
+
+        failure = failure_of(kit.check_router, broken)
+        assert failure.failed == ["output shape and dtype"]
+        report = str(failure)
+        assert "RuntimeError: kernel launch failed" in report and "scores = np.array(" in report
+        # The other invariants would only repeat it: they are listed as not run.
+        assert "Not run" in report and "selection is the top-k of s + b" in failure.skipped
+
+    def test_wrong_shapes_are_reported(self):
+        """Transposed outputs fail the basic invariant with the expected and actual shapes."""
+        def transposed(scores, bias, top_k):
+            index, weights = good.router(scores, bias, top_k)
+            return index.T, weights.T
+
+        failure = failure_of(kit.check_router, transposed)
+        assert "must both have shape [m, k]" in str(failure)
+
+    def test_a_stateful_function_is_reported_as_not_deterministic(self):
+        """A router whose answer changes from call to call is reported, not silently accepted."""
+        calls = {"n": 0}
+
+        def drifting(scores, bias, top_k):
+            calls["n"] += 1
+            index, weights = good.router(scores, bias, top_k)
+            if calls["n"] % 3 == 0:
+                weights = weights * 1.01
+            return index, weights
+
+        report = str(failure_of(kit.check_router, drifting))
+        assert "not deterministic" in report and "scores = np.array(" in report
+
+    def test_an_uncentred_update_fails_centring(self):
+        """Eq. (14) without step 3 fails the centring invariant."""
+        from refimpl.balancing import quantile_balancing_update
+
+        def uncentred(scores, bias, top_k):
+            return quantile_balancing_update(scores, bias, top_k, center=False)
+
+        assert "centred" in failure_of(kit.check_balancing_update, uncentred).failed
+
+
+# ---------------------------------------------------------------------------
+# Settings profiles
+# ---------------------------------------------------------------------------
+
+
+class TestProfiles:
+    def test_named_profiles(self, monkeypatch):
+        """Names map to the two profiles; the environment variable picks the default."""
+        assert profile("quick") is QUICK and profile("thorough") is THOROUGH
+        assert set(PROFILES) == {"quick", "thorough"}
+        assert QUICK.derandomize and QUICK.database is None and QUICK.deadline is None
+        assert THOROUGH.max_examples > QUICK.max_examples
+        monkeypatch.setenv("REFIMPL_TESTING_PROFILE", "thorough")
+        assert profile() is THOROUGH
+        monkeypatch.delenv("REFIMPL_TESTING_PROFILE")
+        assert profile() is QUICK
+
+    def test_settings_object_and_bad_name(self):
+        """A hypothesis.settings is used as given; an unknown name is a ValueError that lists the names."""
+        custom = settings(QUICK, max_examples=5)
+        assert profile(custom) is custom
+        result = kit.check_router(good.router, settings=custom)
+        assert result.max_examples == 5
+        with pytest.raises(ValueError, match="quick"):
+            profile("slow")
+
+    def test_bad_tie_order_is_rejected(self):
+        with pytest.raises(ValueError, match="tie_order"):
+            kit.check_router(good.router, tie_order="higher_id")
+
+
+# ---------------------------------------------------------------------------
+# The strategies keep their promises
+# ---------------------------------------------------------------------------
+
+
+class TestStrategies:
+    @settings(max_examples=200, deadline=None)
+    @given(rst.routing_cases(distinct=True, max_tokens=16, max_experts=12), rst.bias_shifts())
+    def test_distinct_cases_have_no_near_ties_even_after_a_shift(self, case, c):
+        """Within a token, biased scores differ by at least 2**-14, also after adding c in float32."""
+        assert np.all((case.scores > 0) & (case.scores < 1))
+        for bias in (case.bias, (case.bias + c).astype(np.float32)):
+            biased = np.sort(case.scores.astype(np.float32) + bias.astype(np.float32), axis=1)
+            if case.n > 1:
+                assert np.diff(biased, axis=1).min() >= 2.0**-14 * 0.9
+
+    @settings(max_examples=100, deadline=None)
+    @given(rst.routing_cases(ties=True))
+    def test_tie_cases_are_exact_eighths(self, case):
+        """Tie cases lie on a grid of eighths, exactly representable in bfloat16."""
+        for a in (case.scores, case.bias):
+            np.testing.assert_array_equal(a * 8, np.round(a * 8))
+            np.testing.assert_array_equal(a.astype(ml_dtypes.bfloat16).astype(np.float64), a)
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.integers(1, 20).flatmap(lambda m: st.tuples(st.just(m), rst.partitions(m))))
+    def test_partitions_cover_every_token_once(self, drawn):
+        m, part = drawn
+        ids = np.concatenate([ids for rank in part.blocks for ids in rank])
+        np.testing.assert_array_equal(np.sort(ids), np.arange(m))
+        assert len({len(rank) for rank in part.blocks}) == 1  # same micro-batch count on every rank
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.integers(1, 20).flatmap(lambda m: st.tuples(st.just(m), rst.partitions(m, allow_empty=False))))
+    def test_partitions_without_empty_blocks(self, drawn):
+        m, part = drawn
+        assert all(len(ids) > 0 for rank in part.blocks for ids in rank)
+
+    @pytest.mark.parametrize("integer_q", [False, True])
+    def test_min_tokens_for_update_is_the_smallest_valid_batch(self, integer_q):
+        """Checked against the definition ceil(mk/n) + 1 <= m by brute force over m."""
+        for n in range(2, 12):
+            for k in range(1, n):
+                m = rst.min_tokens_for_update(n, k, integer_q=integer_q)
+                ok = [t for t in range(1, 200)
+                      if -(-t * k // n) + 1 <= t and (not integer_q or t * k % n == 0)]
+                assert m == ok[0]
+
+    @settings(max_examples=100, deadline=None)
+    @given(rst.routing_sizes(integer_q=True, for_update=True))
+    def test_update_sizes(self, sizes):
+        m, n, k = sizes
+        assert 1 <= k < n and m * k % n == 0 and -(-m * k // n) + 1 <= m
+
+    @settings(max_examples=30, deadline=None)
+    @given(rst.forward_cases())
+    def test_forward_cases_rebuild_their_parameters(self, case):
+        """The parameters of a case are a pure function of its seed."""
+        a, b = case.params(), case.params()
+        assert a.keys() == b.keys() and all(np.array_equal(a[name], b[name]) for name in a)
+        assert case.x.shape[1] == case.config.d
+
+    @settings(max_examples=30, deadline=None)
+    @given(rst.balancer_cases())
+    def test_balancer_cases_are_valid_for_the_update(self, case):
+        low = rst.min_tokens_for_update(case.n, case.top_k)
+        assert all(batch.shape[0] >= low and batch.shape[1] == case.n for batch in case.batches)
+        assert not any(np.array_equal(case.batches[0], b) for b in case.batches[1:])
+
+
+# ---------------------------------------------------------------------------
+# Packaging
+# ---------------------------------------------------------------------------
+
+
+def test_kit_imports_without_the_balancing_modules():
+    """The kit loads (and check_router runs) even where the balancing and histogram modules are absent."""
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name in ('refimpl.balancing', 'refimpl.histogram'):\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import numpy as np\n"
+        "from refimpl.testing import check_router\n"
+        "from refimpl.routing import route\n"
+        "from hypothesis import settings\n"
+        "from refimpl.testing.checks import QUICK\n"
+        "check_router(route, settings=settings(QUICK, max_examples=3))\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+# ---------------------------------------------------------------------------
+# PyTorch (optional)
+# ---------------------------------------------------------------------------
+
+
+class TestPyTorch:
+    def test_torch_router_passes(self):
+        """The PyTorch router of example 30, behind its NumPy adapter, passes every router invariant."""
+        pytest.importorskip("torch")
+        assert len(kit.check_router(good.torch_router, tie_order="lower_id").passed) == 8
+
+    def test_torch_router_with_a_bfloat16_bias_is_caught(self):
+        """The same router with `bias.to(torch.bfloat16)` fails the bias-shift invariance."""
+        torch = pytest.importorskip("torch")
+
+        def torch_bf16_bias(scores, bias, top_k):
+            b = torch.from_numpy(bias).to(torch.bfloat16).float()
+            return good.torch_router(scores, b.numpy(), top_k)
+
+        assert "bias-shift invariance" in failure_of(kit.check_router, torch_bf16_bias).failed
+
+    def test_the_docs_example_runs_and_passes(self):
+        """The PyTorch example of the kit's docs page is real code: its test passes."""
+        pytest.importorskip("torch")
+        text = (ROOT / "docs" / "sections" / "testing.md").read_text(encoding="utf-8")
+        section = text.split("## A complete example: a PyTorch router")[1]
+        block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+        namespace: dict = {}
+        exec(compile(block, "docs/sections/testing.md", "exec"), namespace)
+        namespace["test_router_conforms"]()
