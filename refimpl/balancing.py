@@ -79,13 +79,18 @@ Consider an **under-loaded** expert, $\text{load}_j < q$. Its top
 $\text{load}_j$ margins lie above the atom; if the atom holds at least
 $q + 1 - \text{load}_j$ tokens, the $(q+1)$-th largest margin *is* the atom,
 $\tilde b_j = b_j$, and the expert's bias does not move (apart from the common
-shift of centering). The reason is real, not an artefact of ties: raising
-$b_j$ by any $\varepsilon > 0$ lifts *every* atom token over its cutoff at
-once, so with the cutoffs held the load of $j$ jumps from $\text{load}_j$ to
-$\text{load}_j + |\text{atom}|$ and no bias gives exactly $q$. The exact rule
-(the default) keeps the paper's definition and lands on the atom; which of its
-members count as "above" is then decided by rounding. An over-loaded expert
-always moves, since its $(q+1)$-th margin lies above the atom.
+shift of centering). Here the margin model itself is wrong. It treats an atom
+token as sitting exactly on its bar, so that any raise of $b_j$, however
+small, would seem to bring in the whole atom at once, overshooting $q$; the
+exact quantile therefore stays where it is. In truth $j$ is that token's
+$(k+1)$-th choice and must overtake its $k$-th, which lies $\kappa_i - \alpha_i$
+higher, so a small raise brings in nobody. The exact rule (the default) keeps
+the paper's definition and lands on the atom; which of its members count as
+"above" is decided by rounding. An over-loaded expert always moves, since its
+$(q+1)$-th margin lies above the atom. In the dual of `refimpl.dual` the atom
+is a kink of $D$ in $\beta_j$ at which the $\beta$-step is exactly minimal,
+although a joint move of $\beta_j$ and of the atom tokens' $\alpha_i$ would
+lower $D$: this is where repeated updates on one batch stall.
 
 **Extension (not in the paper): leave-one-out cutoffs.** The atom exists
 because expert $j$ is compared with a cutoff that $j$ itself set. The cutoff
@@ -94,17 +99,20 @@ that $j$ really has to beat in token $i$ is the $k$-th largest biased score
 
 $$
 c_{i,j} = \begin{cases} \alpha_i & j \in \mathcal{T}_i \ (\text{the other experts' } k\text{-th is the overall } (k{+}1)\text{-th}),\\
-\gamma_i & j \notin \mathcal{T}_i \ (\gamma_i = \text{the overall } k\text{-th largest}).\end{cases}
+\kappa_i & j \notin \mathcal{T}_i \ (\kappa_i = \text{the overall } k\text{-th largest}).\end{cases}
 $$
 
 With margins $s_{i,j} - c_{i,j}$ the count of tokens clearing
 $-\tilde b_j$ is the load expert $j$ would get if *only its own* bias moved,
 exactly, and the atom is gone (an atom token's margin becomes
-$s_{i,j} - \gamma_i < -b_j$). In the language of `refimpl.dual` this is an
+$s_{i,j} - \kappa_i < -b_j$). In the language of `refimpl.dual` this is an
 exact coordinate step on $\min_\alpha D(\alpha, \beta)$ rather than on
 $D(\alpha, \beta)$ with $\alpha$ frozen. `quantile_balancing_update(...,
-leave_one_out=True)` computes it from the same top-$(k+1)$; the examples
-measure what it changes.
+leave_one_out=True)` computes it from the same top-$(k+1)$. Taken for all
+experts at once the steps can overshoot (two under-loaded experts may chase
+the same tokens), so for repeated steps on one batch `QuantileBalancer` also
+offers a `damping` $\eta$: $b \leftarrow b + \eta\,(b^{\text{QB}} - b)$. The
+examples measure what each change does.
 
 ## The sign rule
 
@@ -330,13 +338,13 @@ def _biased(scores: Array, bias: Array) -> Array:
 
 
 def _cutoffs(biased: Array, top_k: int, *, with_kth: bool = False) -> Array | tuple:
-    r"""$\alpha_i$, the $(k+1)$-th largest biased score of each token (and the $k$-th, $\gamma_i$, if asked).
+    r"""$\alpha_i$, the $(k+1)$-th largest biased score of each token (and the $k$-th, $\kappa_i$, if asked).
 
     The values equal those of `refimpl.routing.selection_cutoff`; only the
     values are needed here, so the rows are partitioned in place instead of
     ranked, which is cheaper. `biased` (a scratch array) is reordered.
     """
-    # $$\alpha_i = (s_i + b)_{(k+1)}, \qquad \gamma_i = (s_i + b)_{(k)}$$
+    # $$\alpha_i = (s_i + b)_{(k+1)}, \qquad \kappa_i = (s_i + b)_{(k)}$$
     return _kth_largest(biased, top_k + 1, previous=with_kth, overwrite=True)
 
 
@@ -382,18 +390,18 @@ def margins(scores: Array, bias: Array, top_k: int) -> Array:
     return s - alpha[:, None]  # [m, n]
 
 
-def _threshold_bias(scores: Array, bias: Array, alpha: Array, gamma: Array | None,
+def _threshold_bias(scores: Array, bias: Array, alpha: Array, kappa: Array | None,
                     whole: int, frac: float) -> Array:
     r"""$\tilde b_j = -M_{(q+1), j}$ from the cutoffs (un-centered)."""
     xp = array_namespace(scores, bias, alpha)
     dtype = alpha.dtype
     margins_t = _expert_major_margins(scores, alpha, dtype)  # [n, m]
-    if gamma is not None:
-        # Leave-one-out: an expert outside token i's top-k must beat the k-th score, gamma_i, not alpha_i.
-        # $$c_{i,j} = \alpha_i \text{ if } s_{i,j} + b_j > \alpha_i \text{ else } \gamma_i$$
+    if kappa is not None:
+        # Leave-one-out: an expert outside token i's top-k must beat the k-th score, kappa_i, not alpha_i.
+        # $$c_{i,j} = \alpha_i \text{ if } s_{i,j} + b_j > \alpha_i \text{ else } \kappa_i$$
         s_t = xp.astype(scores, dtype, copy=False).T  # [n, m]
         chosen_t = (s_t + xp.astype(bias, dtype)[:, None]) > alpha[None, :]  # [n, m]
-        margins_t = xp.where(chosen_t, margins_t, s_t - gamma[None, :])  # [n, m]
+        margins_t = xp.where(chosen_t, margins_t, s_t - kappa[None, :])  # [n, m]
     # $$-\tilde b_j = M_{(q+1),j}$$ (the interpolated rule for a fractional q)
     return -_interpolated_rows(margins_t, whole + 1, frac, overwrite=True)  # [n]
 
@@ -451,9 +459,9 @@ def quantile_balancing_update(scores: Array, bias: Array, top_k: int, *, center:
         return _center(b) if center else b
     # Step 1: the cutoffs, from the top-(k+1) of the biased scores.
     cut = _cutoffs(_biased(scores, bias), top_k, with_kth=leave_one_out)
-    alpha, gamma = cut if leave_one_out else (cut, None)  # [m], [m] or None
+    alpha, kappa = cut if leave_one_out else (cut, None)  # [m], [m] or None
     # Step 2: the interpolated (q+1)-th largest margin of each expert, negated.
-    b_tilde = _threshold_bias(scores, bias, alpha, gamma, whole, frac)  # [n]
+    b_tilde = _threshold_bias(scores, bias, alpha, kappa, whole, frac)  # [n]
     # Step 3: remove the mean, which changes no top-k.
     return _center(b_tilde) if center else b_tilde
 
@@ -463,10 +471,10 @@ def _update_from_cutoffs(scores: Array, bias: Array, top_k: int, alpha: Array, *
     """Eq. (14) when the router has already produced the cutoffs (the balancer's path)."""
     m, n = scores.shape
     whole, frac = _check_batch(m, n, top_k)
-    gamma = None
+    kappa = None
     if leave_one_out:
-        _, gamma = _cutoffs(_biased(scores, bias), top_k, with_kth=True)  # the k-th largest, [m]
-    return _center(_threshold_bias(scores, bias, alpha, gamma, whole, frac))
+        _, kappa = _cutoffs(_biased(scores, bias), top_k, with_kth=True)  # the k-th largest, [m]
+    return _center(_threshold_bias(scores, bias, alpha, kappa, whole, frac))
 
 
 # ---------------------------------------------------------------------------
@@ -646,14 +654,14 @@ class Balancer:
 
 
 class QuantileBalancer(Balancer):
-    """Eq. (14) step by step: route with the held bias, then jump to the quantile bias of this batch.
+    r"""Eq. (14) step by step: route with the held bias, then jump to the quantile bias of this batch.
 
     One top-$(k+1)$ of the biased scores gives both the route and the cutoffs
-    $\\alpha$, so the update costs one extra pass over the margins.
+    $\alpha$, so the update costs one extra pass over the margins.
 
     Two options belong to the extension, not to the paper (both off by
     default): `leave_one_out=True` uses the leave-one-out cutoffs described in
-    the module text, and `damping` $\\eta < 1$ moves only a fraction $\\eta$ of
+    the module text, and `damping` $\eta < 1$ moves only a fraction $\eta$ of
     the way to the new bias. Together they let repeated steps on one fixed
     batch reach the LP optimum, which the plain rule does not (see
     `refimpl.dual`).

@@ -504,8 +504,9 @@ def subgradient_check(scores: Array, bias: Array, top_k: int, *, step: float = 1
         finite_difference[j] = (dual_objective(s, alpha, moved, top_k) - base) / step
     index, _ = route(s, -beta, top_k)
     load = expert_load(index, n)
-    # With b = -beta, the sign rule's change of beta is minus its change of b.
-    sign_step = -(sign_balancing_update(load, -beta, 1.0) + beta)
+    # The sign rule's step does not depend on b; applied to b = 0 it is the step itself. With b = -beta
+    # the change of beta is minus the change of b.
+    sign_step = -sign_balancing_update(load, xp.zeros_like(beta), 1.0)
     return SubgradientCheck(
         load=to_numpy(load), q_minus_load=to_numpy(beta_subgradient(s, alpha, beta, top_k)),
         finite_difference=finite_difference, sign_rule_step=to_numpy(sign_step))
