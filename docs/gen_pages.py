@@ -82,6 +82,10 @@ COMPARE_EXAMPLE = "40_compare_variants"
 #: How long one example may run before the build gives up on it (seconds).
 EXAMPLE_TIMEOUT = 600
 
+#: Whole-model totals as the technical report states them (the landing page compares the layer's share).
+K3_TOTAL_PARAMETERS = 2.78e12
+K3_ACTIVATED_PARAMETERS = 104.2e9
+
 log = logging.getLogger(f"mkdocs.plugins.{__name__}")
 
 
@@ -127,11 +131,16 @@ def normalize_display_math(text: str) -> str:
     out: list[str] = []
     in_math = False
     in_code = False
+    in_item = False  # after a formula was moved into a list item, its later lines must follow it
     for line in text.split("\n"):
         stripped = line.strip()
         indent = line[: len(line) - len(line.lstrip())]
-        if 0 < len(indent) < 4 and not stripped.startswith(("*", "-", "+")):
+        if not indent or re.match(r"([*+-]|\d+\.)\s", stripped):
+            in_item = False
+        if 0 < len(indent) < 4 and not re.match(r"([*+-]|\d+\.)\s", stripped):
             indent = "    "  # a list item's continuation needs four spaces in Python-Markdown
+            if in_item and not in_math and not in_code:
+                line = indent + stripped
         if stripped.startswith(("```", "~~~")):
             in_code = not in_code
             out.append(line)
@@ -163,6 +172,7 @@ def normalize_display_math(text: str) -> str:
                     out.append(f"{indent}{piece.strip()}")
             else:
                 out += ["", f"{indent}$$", f"{indent}{piece.strip()}", f"{indent}$$", ""]
+                in_item = in_item or bool(indent)
         if len(pieces) % 2 == 0:
             out += ["", f"{indent}$$"]
             if pieces[-1].strip():
@@ -879,8 +889,12 @@ def k3_numbers() -> str:
          f"{counts['activated']:,}"),
         ("… of which the two latent projections, $2 d \\ell$", f"{counts['projections']:,}"),
         ("router weight, $n d$ (on top)", f"{counts['router_weight']:,}"),
+        (f"routed experts' share of K3's {K3_TOTAL_PARAMETERS / 1e12:.2f} T parameters",
+         f"{counts['routed_all_layers'] / K3_TOTAL_PARAMETERS:.0%}"),
         (f"activated per token over {layers} layers",
          f"{counts['activated_all_layers']:,} ({counts['activated_all_layers'] / 1e9:.1f} B)"),
+        (f"… their share of K3's {K3_ACTIVATED_PARAMETERS / 1e9:.1f} B activated parameters",
+         f"{counts['activated_all_layers'] / K3_ACTIVATED_PARAMETERS:.0%}"),
         ("values sent per token per all-to-all pass, $k\\ell$ (full width: $kd$)",
          f"{payload['latent_values']:,} ({payload['full_width_values']:,})"),
         ("bytes per token per pass in bfloat16", f"{payload['latent_bytes']:,.0f}"),
@@ -945,7 +959,11 @@ def main() -> None:
     exported = reexports()
 
     example_paths = sorted(p for p in EXAMPLES.glob("[0-9][0-9]_*.py") if parse_ok(p)) if EXAMPLES.is_dir() else []
+    start = time.perf_counter()
     runs = run_examples(example_paths)
+    fresh = [p.name for p, r in runs.items() if not r.cached]
+    log.info("examples: %d reused from .cache/examples, %d run (%s) in %.1f s", len(runs) - len(fresh),
+             len(fresh), ", ".join(fresh) or "none", time.perf_counter() - start)
     example_titles: dict[Path, str] = {}
     for path, run in runs.items():
         if run.returncode != 0:

@@ -1,0 +1,268 @@
+"""The built site in a real browser: every page, as a reader opens it, with no network.
+
+The site built by `test_docs_build.py` is served on 127.0.0.1 from a thread,
+and headless Chromium, driven by Playwright, opens every page. Each page must
+answer 200, log no console error, request nothing outside 127.0.0.1, render
+every formula with KaTeX and no error, load every image, and link only to pages
+and anchors that exist. The reading path is followed from the landing page to
+its last page with the "next" links, search is tried offline, and printing is
+checked. Screenshots of the landing page and of the Eq. (11) page, and a PDF
+print of the latter, are saved into the build output (`<site>/screenshots/`).
+
+Chromium is looked for in `$CHROMIUM`, then as Debian's `/usr/bin/chromium`,
+then on the `PATH`; when there is none, these tests skip and say why.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+from test_docs_build import build_site
+
+pytestmark = pytest.mark.slow
+
+#: Flags that keep Chromium from reaching for the network or the GPU on its own.
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--disable-default-apps", "--disable-extensions"]
+
+
+def find_chromium() -> str | None:
+    """A Chromium (or Chrome) executable, or None."""
+    candidates = [os.environ.get("CHROMIUM"), "/usr/bin/chromium", "/usr/bin/chromium-browser"]
+    candidates += [shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome",
+                                                   "google-chrome-stable")]
+    for candidate in candidates:
+        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+CHROMIUM = find_chromium()
+if CHROMIUM is None:
+    pytest.skip("no Chromium executable found (install Debian's `chromium` package, e.g. "
+                "`apt-get install chromium`, or set CHROMIUM=/path/to/chrome): browser tests skipped",
+                allow_module_level=True)
+
+from playwright.sync_api import sync_playwright  # noqa: E402  (only once Chromium is known to exist)
+
+
+class QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002  (the base class's parameter name)
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory):
+    """The built site served on 127.0.0.1 from a thread: (base URL, site folder)."""
+    site = build_site(request.config, tmp_path_factory).require()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(site)))
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/", site
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+        yield chromium
+        chromium.close()
+
+
+class Visitor:
+    """One browser tab that records, per page, everything the tests look at."""
+
+    def __init__(self, browser, base: str):
+        self.base = base
+        self.context = browser.new_context(viewport={"width": 1280, "height": 900})
+        self.outside: list[str] = []
+        self.console: list[str] = []
+        self.context.route("**/*", self._route)
+        self.page = self.context.new_page()
+        self.page.on("console", lambda m: self.console.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.console.append(f"uncaught: {e}"))
+
+    def _route(self, route):
+        url = route.request.url
+        if urlsplit(url).hostname == "127.0.0.1":
+            route.continue_()
+        else:
+            self.outside.append(url)
+            route.abort()
+
+    def visit(self, path: str) -> dict:
+        """Open a page and report what a reader would have seen."""
+        self.outside.clear()
+        self.console.clear()
+        response = self.page.goto(self.base + path, wait_until="load")
+        try:  # KaTeX typesets on Material's `document$`, just after the load event
+            self.page.wait_for_function(
+                "() => [...document.querySelectorAll('.arithmatex')].every(e => e.querySelector('.katex'))",
+                timeout=10_000)
+        except Exception:
+            pass  # reported below as unrendered formulas
+        report = self.page.evaluate("""() => ({
+            formulas: document.querySelectorAll('.arithmatex').length,
+            unrendered: [...document.querySelectorAll('.arithmatex')]
+                .filter(e => !e.querySelector('.katex')).map(e => e.textContent.slice(0, 80)),
+            math_errors: [...document.querySelectorAll('.katex-error, mjx-merror')]
+                .map(e => e.getAttribute('title') || e.textContent.slice(0, 80)),
+            images: document.images.length,
+            broken_images: [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src),
+            links: [...document.querySelectorAll('a[href]')].map(a => a.href),
+            ids: [...document.querySelectorAll('[id]')].map(e => e.id),
+            h1: (document.querySelector('h1') || {}).textContent || '',
+        })""")
+        report.update(path=path, status=response.status if response else None,
+                      console=list(self.console), outside=list(self.outside))
+        return report
+
+
+def site_pages(site: Path) -> list[str]:
+    """Every page of the site as a URL path relative to its root (404.html is for the host, not a page)."""
+    pages = []
+    for html in sorted(site.rglob("*.html")):
+        rel = html.relative_to(site).as_posix()
+        if rel == "404.html" or rel.startswith("screenshots/"):
+            continue
+        pages.append(rel[: -len("index.html")] if rel.endswith("index.html") else rel)
+    return pages
+
+
+@pytest.fixture(scope="module")
+def visits(server, browser):
+    """Every page of the site, opened once."""
+    base, site = server
+    visitor = Visitor(browser, base)
+    reports = {path: visitor.visit(path) for path in site_pages(site)}
+    visitor.context.close()
+    return reports
+
+
+def html_ids(path: Path) -> set[str]:
+    return set(re.findall(r"""\b(?:id|name)=["']([^"']+)["']""", path.read_text(encoding="utf-8")))
+
+
+def test_every_page_answers_200(visits):
+    assert len(visits) > 10
+    assert {p: r["status"] for p, r in visits.items() if r["status"] != 200} == {}
+
+
+def test_no_page_logs_a_console_error(visits):
+    assert {p: r["console"] for p, r in visits.items() if r["console"]} == {}
+
+
+def test_no_page_requests_anything_outside_127_0_0_1(visits):
+    assert {p: r["outside"] for p, r in visits.items() if r["outside"]} == {}
+
+
+def test_every_formula_is_rendered_without_error(visits):
+    assert {p: r["unrendered"] for p, r in visits.items() if r["unrendered"]} == {}
+    assert {p: r["math_errors"] for p, r in visits.items() if r["math_errors"]} == {}
+    assert visits[""]["formulas"] > 10 and visits["paper/latent_moe/"]["formulas"] > 10
+
+
+def test_every_image_loads(visits):
+    assert {p: r["broken_images"] for p, r in visits.items() if r["broken_images"]} == {}
+    assert visits[""]["images"] >= 1  # the block diagram
+
+
+def test_internal_links_and_anchors_resolve(visits, server):
+    base, site = server
+    ids_cache: dict[Path, set[str]] = {}
+    broken: list[str] = []
+    for path, report in visits.items():
+        for link in report["links"]:
+            if not link.startswith(base):
+                continue  # the repository host and other sites are links, not requests
+            parts = urlsplit(link)
+            target = site / unquote(parts.path[len(urlsplit(base).path):])
+            if target.is_dir() or parts.path.endswith("/"):
+                target = target / "index.html"
+            if not target.is_file():
+                broken.append(f"{path} -> {link} (no such file)")
+                continue
+            fragment = unquote(parts.fragment)
+            if not fragment:
+                continue
+            if target == site / (path + "index.html" if path.endswith("/") or not path else path):
+                known = set(report["ids"])  # the live page, after its scripts ran
+            else:
+                known = ids_cache.setdefault(target, html_ids(target)) if target.suffix == ".html" else set()
+            if target.suffix == ".html" and fragment not in known:
+                broken.append(f"{path} -> {link} (no anchor #{fragment})")
+    assert broken == []
+
+
+def test_the_reading_path_leads_from_the_landing_page_to_its_end(server, browser):
+    """Follow the footer's "next" link from the landing page; the paper's pages come in reading order."""
+    base, site = server
+    visitor = Visitor(browser, base)
+    visitor.visit("")
+    seen = [""]
+    for _ in range(60):
+        nxt = visitor.page.query_selector("a.md-footer__link--next")
+        if nxt is None:
+            break
+        nxt.click()
+        visitor.page.wait_for_load_state("load")
+        seen.append(visitor.page.url[len(base):])
+        assert visitor.console == [] and visitor.outside == []
+    visitor.context.close()
+    order = ["config", "activations", "routing", "latent_moe", "accounting", "balancing", "dual", "histogram",
+             "testing"]
+    expected = [f"paper/{m}/" for m in order if (site / "paper" / m / "index.html").is_file()]
+    assert [p for p in seen if p in expected] == expected
+    if (site / "paper" / "histogram" / "index.html").is_file():
+        assert "paper/histogram/" in seen
+
+
+def test_search_works_offline(server, browser):
+    base, _ = server
+    visitor = Visitor(browser, base)
+    visitor.visit("")
+    visitor.page.click("input.md-search__input")
+    visitor.page.keyboard.type("RMSNorm")
+    visitor.page.wait_for_selector(".md-search-result__item", timeout=15_000)
+    hits = visitor.page.eval_on_selector_all(".md-search-result__item a", "links => links.map(a => a.href)")
+    assert hits and all(hit.startswith(base) for hit in hits)
+    assert visitor.outside == [] and visitor.console == []
+    visitor.context.close()
+
+
+def test_screenshots_and_print(server, browser):
+    """Screenshots of the landing and Eq. (11) pages; the Eq. (11) page prints without navigation, code wrapped."""
+    base, site = server
+    shots = site / "screenshots"
+    shots.mkdir(exist_ok=True)
+    visitor = Visitor(browser, base)
+    visitor.visit("")
+    visitor.page.screenshot(path=str(shots / "landing.png"), full_page=True)
+    report = visitor.visit("paper/latent_moe/")
+    assert "Eq. (11)" in report["h1"]
+    visitor.page.screenshot(path=str(shots / "eq11-latent_moe.png"), full_page=True)
+    visitor.page.emulate_media(media="print")
+    printed = visitor.page.evaluate("""() => ({
+        sidebars: [...document.querySelectorAll('.md-sidebar, .md-header, .md-footer')]
+            .filter(e => getComputedStyle(e).display !== 'none').length,
+        clipped_code: [...document.querySelectorAll('pre > code')]
+            .filter(e => e.scrollWidth > e.clientWidth + 1).length,
+    })""")
+    assert printed == {"sidebars": 0, "clipped_code": 0}
+    visitor.page.pdf(path=str(shots / "eq11-latent_moe.pdf"), format="A4")
+    visitor.context.close()
+    for name in ("landing.png", "eq11-latent_moe.png", "eq11-latent_moe.pdf"):
+        assert (shots / name).stat().st_size > 10_000

@@ -1,0 +1,389 @@
+"""The documentation site: the page generator's rules, and a strict build that contains every promised page.
+
+The generator (`docs/gen_pages.py`) is tested first on small made-up inputs,
+where the expected Markdown is known by hand. Then the whole site is built
+once with `mkdocs build --strict` (any warning fails it) into a temporary
+folder, and the build is inspected: every module, example and test file has its
+page, the literate pages carry rendered code and math, the K3 numbers on the
+landing page are right, and nothing is loaded from outside the site. The
+browser tests (`test_browser.py`) reuse the same build.
+"""
+
+from __future__ import annotations
+
+import ast
+import html
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+READING_ORDER = ["config", "activations", "routing", "latent_moe", "accounting", "balancing", "dual",
+                 "histogram", "testing"]
+
+
+# ---------------------------------------------------------------------------
+# The build, shared with the browser tests
+# ---------------------------------------------------------------------------
+
+class SiteBuild:
+    """One run of `mkdocs build --strict`: where it went and what it printed."""
+
+    def __init__(self, site: Path, returncode: int, output: str):
+        self.site = site
+        self.returncode = returncode
+        self.output = output
+
+    def require(self) -> Path:
+        """The site folder, or a test failure that shows the build's output."""
+        if self.returncode != 0:
+            pytest.fail(f"mkdocs build --strict failed (exit {self.returncode}):\n{self.output[-6000:]}")
+        return self.site
+
+
+def build_site(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> SiteBuild:
+    """Build the site once per test session (cached on the pytest config, so every test file shares it)."""
+    cached = getattr(config, "_refimpl_site_build", None)
+    if cached is not None:
+        return cached
+    site = tmp_path_factory.mktemp("docs") / "site"
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1", DISABLE_MKDOCS_2_WARNING="true")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    build = SiteBuild(site, proc.returncode, proc.stdout + proc.stderr)
+    config._refimpl_site_build = build
+    return build
+
+
+@pytest.fixture(scope="session")
+def site_build(request, tmp_path_factory) -> SiteBuild:
+    return build_site(request.config, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def site(site_build) -> Path:
+    return site_build.require()
+
+
+# ---------------------------------------------------------------------------
+# What the repository says the site must contain
+# ---------------------------------------------------------------------------
+
+def existing_modules() -> list[str]:
+    """Modules and subpackages of `refimpl/`, found by looking at the files."""
+    names = [p.stem for p in (ROOT / "refimpl").glob("*.py") if p.stem != "__init__"]
+    names += [p.parent.name for p in (ROOT / "refimpl").glob("*/__init__.py")]
+    return sorted(names)
+
+
+def module_docstring(name: str) -> str:
+    path = ROOT / "refimpl" / f"{name}.py"
+    if not path.is_file():
+        path = ROOT / "refimpl" / name / "__init__.py"
+    return ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+
+
+def examples() -> list[Path]:
+    return sorted((ROOT / "examples").glob("[0-9][0-9]_*.py"))
+
+
+def sources_of_tests() -> list[Path]:
+    return sorted((ROOT / "tests").glob("test_*.py"))
+
+
+def page(site: Path, *parts: str) -> str:
+    return (site.joinpath(*parts) / "index.html").read_text(encoding="utf-8")
+
+
+def visible_text(markup: str) -> str:
+    """The text of an HTML fragment, tags removed, entities decoded, whitespace collapsed."""
+    return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", markup))).strip()
+
+
+# ---------------------------------------------------------------------------
+# The generator's rules, on made-up inputs
+# ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gen():
+    """`docs/gen_pages.py`, imported without running it."""
+    spec = importlib.util.spec_from_file_location("refimpl_docs_gen_pages", ROOT / "docs" / "gen_pages.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+SAMPLE = textwrap.dedent('''\
+    r"""Eq. (99): a sample module.
+
+    Prose of the module, with $x^2$.
+    """
+
+    import math
+
+    # ---------------------------------------------------------------------------
+    # Helpers
+    # ---------------------------------------------------------------------------
+
+    def double(x: float) -> float:
+        """Twice `x`.
+
+        Parameters
+        ----------
+        x : float
+            The value.
+        """
+        # The factor: $$y = 2x$$
+        y = 2 * x  # a trailing comment stays in the code
+        return y
+
+
+    def _private(z):
+        return math.sqrt(z)
+    ''')
+
+
+def test_literate_title_and_intro_come_from_the_module_docstring(gen):
+    page = gen.literate(SAMPLE)
+    assert page.title == "Eq. (99): a sample module"
+    assert "Prose of the module, with $x^2$." in page.intro
+
+
+def test_literate_standalone_comments_become_prose_and_display_math(gen):
+    body = gen.literate(SAMPLE).body
+    assert "The factor:\n\n$$\ny = 2x\n$$" in body
+    code_blocks = re.findall(r"```python\n(.*?)```", body, flags=re.S)
+    assert any("y = 2 * x  # a trailing comment stays in the code" in block for block in code_blocks)
+    assert not any("The factor" in block for block in code_blocks)
+
+
+def test_literate_ruler_comments_become_a_section_heading(gen):
+    body = gen.literate(SAMPLE).body
+    assert "## Helpers" in body
+    assert "# ----" not in body
+
+
+def test_literate_docstrings_become_prose_under_a_linkable_heading(gen):
+    body = gen.literate(SAMPLE).body
+    heading = body.index("### `double` { #double }")
+    prose = body.index("Twice `x`.")
+    code = body.index("def double(x: float) -> float:")
+    assert heading < prose < code
+    assert '"""Twice' not in body
+    assert "**Parameters**" in body and "- `x` (*float*): The value." in body
+    assert "_private" in body and "### `_private`" not in body  # private names get no heading
+
+
+def test_literate_test_methods_get_class_qualified_anchors(gen):
+    source = textwrap.dedent('''\
+        class TestThing:
+            def test_one(self):
+                """One holds."""
+                assert 1
+        ''')
+    body = gen.literate(source, test_file=True).body
+    assert "#### `TestThing.test_one` { #TestThing-test_one }" in body
+
+
+def test_display_math_inside_a_list_item_stays_in_the_item(gen):
+    text = "* a point:\n  $$a = b$$\n  more."
+    assert gen.normalize_display_math(text) == "* a point:\n\n    $$\n    a = b\n    $$\n\n    more."
+
+
+def test_multiline_display_math_gets_blank_lines_around_it(gen):
+    text = "Text before\n$$\nx = 1\n$$\nText after"
+    assert gen.normalize_display_math(text) == "Text before\n\n$$\nx = 1\n$$\n\nText after"
+
+
+def test_fence_outgrows_backticks_in_the_text(gen):
+    assert gen.fence("a ```b``` c", "text").startswith("````text\n")
+
+
+def test_test_cases_are_listed_with_their_first_docstring_line(gen, tmp_path):
+    path = tmp_path / "test_sample.py"
+    path.write_text('def test_a():\n    """A holds.\n\n    More."""\n\ndef test_b_c():\n    pass\n\n'
+                    'class TestX:\n    def test_y(self):\n        pass\n', encoding="utf-8")
+    cases = [(c.qualname, c.anchor, c.summary) for c in gen.cases_in(path)]
+    assert cases == [("test_a", "test_a", "A holds."), ("test_b_c", "test_b_c", "B c"),
+                     ("TestX.test_y", "TestX-test_y", "Y")]
+
+
+def test_examples_are_cached_by_source_and_package(gen, tmp_path, monkeypatch):
+    """A second build reuses the run; a change to the package re-runs it."""
+    package, scripts, cache = tmp_path / "refimpl", tmp_path / "examples", tmp_path / "cache"
+    package.mkdir()
+    scripts.mkdir()
+    (package / "core.py").write_text("X = 1\n", encoding="utf-8")
+    script = scripts / "01_hello.py"
+    script.write_text(textwrap.dedent('''\
+        """Hello."""
+        import sys
+        from pathlib import Path
+        out = Path(sys.argv[sys.argv.index("--out") + 1])
+        (out / "plot.png").write_bytes(b"png")
+        print("hello")
+        '''), encoding="utf-8")
+    for name, value in (("ROOT", tmp_path), ("PACKAGE", package), ("EXAMPLES", scripts), ("CACHE", cache)):
+        monkeypatch.setattr(gen, name, value)
+    first = gen.run_example(script)
+    assert (first.returncode, first.stdout, first.cached, first.figures) == (0, "hello\n", False, {"plot.png": b"png"})
+    second = gen.run_example(script)
+    assert (second.stdout, second.cached, second.figures) == ("hello\n", True, {"plot.png": b"png"})
+    (package / "core.py").write_text("X = 2\n", encoding="utf-8")
+    third = gen.run_example(script)
+    assert not third.cached and third.stdout == "hello\n"
+    assert len(list((cache / "01_hello").iterdir())) == 1  # only the newest run is kept
+
+
+def test_a_failing_example_is_reported_and_not_cached(gen, tmp_path, monkeypatch):
+    package, scripts, cache = tmp_path / "refimpl", tmp_path / "examples", tmp_path / "cache"
+    package.mkdir()
+    scripts.mkdir()
+    script = scripts / "02_broken.py"
+    script.write_text('"""Broken."""\nraise SystemExit("no luck")\n', encoding="utf-8")
+    for name, value in (("ROOT", tmp_path), ("PACKAGE", package), ("EXAMPLES", scripts), ("CACHE", cache)):
+        monkeypatch.setattr(gen, name, value)
+    run = gen.run_example(script)
+    assert run.returncode != 0 and "no luck" in run.stderr
+    assert not any(cache.rglob("run.json"))
+
+
+def test_docstrings_have_no_escape_accidents():
+    """LaTeX in a docstring needs a raw string: in a plain one `\\alpha` becomes a bell character and `lpha`."""
+    accidents = []
+    for path in sorted([*(ROOT / "refimpl").rglob("*.py"), *(ROOT / "examples").glob("*.py")]):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                doc = ast.get_docstring(node, clean=False) or ""
+                if re.search(r"[\x07\x08\x0b\x0c]", doc):
+                    accidents.append(f"{path.relative_to(ROOT)}: {getattr(node, 'name', 'module docstring')}")
+    assert accidents == []
+
+
+def test_benchmark_json_becomes_tables(gen):
+    text = gen.json_to_markdown({"machine": "box", "runs": [{"m": 1, "s": 0.5}, {"m": 2, "s": 0.25}]})
+    assert "| machine | box |" in text
+    assert "| m | s |" in text and "| 2 | 0.25 |" in text
+
+
+# ---------------------------------------------------------------------------
+# The built site
+# ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_site_builds_with_no_warning(site_build):
+    site_build.require()
+    warnings = [line for line in site_build.output.splitlines() if re.match(r"^(WARNING|ERROR)\s+-", line)]
+    assert warnings == []
+
+
+@pytest.mark.slow
+def test_every_expected_page_exists(site):
+    modules = existing_modules()
+    expected = ["", "examples", "reference", "benchmark-results"]
+    expected += [f"paper/{m.lstrip('_')}" for m in modules] + [f"reference/{m.lstrip('_')}" for m in modules]
+    expected += [f"examples/{p.stem}" for p in examples()] + [f"tests/{p.stem}" for p in sources_of_tests()]
+    missing = [p for p in expected if not (site / p / "index.html").is_file()]
+    assert missing == []
+    assert (site / "404.html").is_file()
+    index = json.loads((site / "search" / "search_index.json").read_text(encoding="utf-8"))
+    assert {"paper/latent_moe/", "paper/routing/"} <= {doc["location"].split("#")[0] for doc in index["docs"]}
+
+
+@pytest.mark.slow
+def test_the_navigation_follows_the_reading_order(site):
+    markup = page(site, "")
+    present = [m for m in READING_ORDER if m in existing_modules()]
+    positions = [markup.index(f'href="paper/{m}/"') for m in present]
+    assert positions == sorted(positions)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", [m for m in existing_modules()])
+def test_literate_pages_show_prose_code_and_math(site, module):
+    markup = page(site, "paper", module.lstrip("_"))
+    doc = module_docstring(module)
+    title = doc.split("\n")[0].strip().rstrip(".")
+    h1 = re.search(r"<h1[^>]*>(.*?)</h1>", markup, flags=re.S)
+    assert h1 and visible_text(h1.group(1)).rstrip("¶").strip() == visible_text(html.escape(title)) or not title
+    assert 'class="language-python highlight"' in markup or '<div class="language-python highlight">' in markup
+    if "$" in doc:
+        assert 'class="arithmatex"' in markup
+
+
+@pytest.mark.slow
+def test_module_pages_link_every_test_to_its_anchor(site):
+    for module in existing_modules():
+        slug = module.lstrip("_")
+        for path in sorted({*(ROOT / "tests").glob(f"test_{slug}.py"), *(ROOT / "tests").glob(f"test_{slug}_*.py")}):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")]
+            markup = page(site, "paper", slug)
+            target = page(site, "tests", path.stem)
+            assert "Properties the tests check" in markup
+            for name in names:
+                assert f'href="../../tests/{path.stem}/#{name}"' in markup, (module, name)
+                assert f'id="{name}"' in target, (path.name, name)
+
+
+@pytest.mark.slow
+def test_section_fragments_are_appended_to_their_module_page(site):
+    for fragment in sorted((ROOT / "docs" / "sections").glob("*.md")):
+        module = fragment.stem
+        if module not in {m.lstrip("_") for m in existing_modules()}:
+            continue
+        headings = re.findall(r"^#{1,6} (.+)$", fragment.read_text(encoding="utf-8"), flags=re.M)
+        markup = visible_text(page(site, "paper", module))
+        for heading in headings[:3]:
+            words = re.sub(r"[`*_$\\{}]", "", heading).split()[:4]
+            assert " ".join(words) in re.sub(r"[`*_$\\{}]", "", markup), (fragment.name, heading)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", examples(), ids=lambda p: p.stem)
+def test_example_pages_show_output_and_every_figure(site, script):
+    markup = page(site, "examples", script.stem)
+    assert 'id="output"' in markup and 'class="language-text highlight"' in markup
+    assert "This example failed" not in markup
+    figures = sorted(p.name for p in (site / "examples" / script.stem).glob("*.png"))
+    for name in figures:
+        assert f'src="{name}"' in markup, name
+    if script.stem == "40_compare_variants":
+        assert figures == ["half_precision.png", "output_scale.png"]
+
+
+@pytest.mark.slow
+def test_landing_page_numbers_are_the_k3_numbers(site):
+    """Checked against the arithmetic of the configuration, done here by hand."""
+    d, ell, n, k, f, shared, layers = 7168, 3584, 896, 16, 3072, 2 * 3072, 92
+    expert = 3 * ell * f
+    activated = k * expert + 3 * d * shared + 2 * d * ell
+    text = visible_text(page(site, ""))
+    for value in (expert, n * expert, layers * n * expert, activated, n * d, k * ell, 2 * k * ell):
+        assert f"{value:,}" in text, value
+    assert "33.86 vs. 33.15" in text
+    assert 'src="assets/stable-latent-moe.svg"' in page(site, "")
+
+
+@pytest.mark.slow
+def test_the_site_loads_nothing_from_outside(site):
+    """No script, style, font or image comes from another host; the KaTeX fonts are all there."""
+    external = re.compile(r"""<(?:script|img|iframe|source)\b[^>]*\bsrc=["'](?:https?:)?//|"""
+                          r"""<link\b(?![^>]*rel="canonical")[^>]*\bhref=["'](?:https?:)?//""", re.I)
+    offenders = [str(p.relative_to(site)) for p in site.rglob("*.html")
+                 if external.search(p.read_text(encoding="utf-8"))]
+    assert offenders == []
+    for css in site.rglob("*.css"):
+        assert not re.search(r"url\(\s*[\"']?(?:https?:)?//", css.read_text(encoding="utf-8")), css
+    katex_css = (site / "assets" / "katex" / "katex.min.css").read_text(encoding="utf-8")
+    fonts = set(re.findall(r"url\((fonts/[^)]+)\)", katex_css))
+    assert fonts and all((site / "assets" / "katex" / font).is_file() for font in fonts)
