@@ -35,10 +35,11 @@ all: test
 # A Python without ensurepip (Debian's python3 without python3-venv) still gets a
 # working venv: create it without pip, then bootstrap pip from its wheel on PyPI.
 define BOOTSTRAP_PIP
-import hashlib, json, pathlib, subprocess, sys, tempfile, urllib.request
-release = json.load(urllib.request.urlopen("https://pypi.org/pypi/pip/json"))
+import hashlib, json, pathlib, subprocess, sys, tempfile, urllib.parse, urllib.request
+api = "https://pypi.org/pypi/pip/json"
+release = json.load(urllib.request.urlopen(api))
 wheel = next(u for u in release["urls"] if u["filename"].endswith(".whl"))
-data = urllib.request.urlopen(wheel["url"]).read()
+data = urllib.request.urlopen(urllib.parse.urljoin(api, wheel["url"])).read()
 assert hashlib.sha256(data).hexdigest() == wheel["digests"]["sha256"], "pip wheel checksum mismatch"
 path = pathlib.Path(tempfile.mkdtemp()) / wheel["filename"]
 path.write_bytes(data)
