@@ -249,6 +249,7 @@ def check_router(fn: Callable[[np.ndarray, np.ndarray, int], tuple[Any, Any]], *
         index, weights = run(case)
         s = case.scores.astype(dtype).astype(np.float64)
         raw = np.take_along_axis(s, index, axis=1)  # [m, k]
+        # $$p_{i,j} = c\, s_{i,j} \big/ \textstyle\sum_{r \in T_i} s_{i,r}$$ over the router's own choice $T_i$
         expected = raw / raw.sum(axis=1, keepdims=True) if renormalize else raw
         expected = expected * scaling_factor
         bad = np.flatnonzero(~np.all(_within(weights, expected, rtol, atol), axis=1))
@@ -279,6 +280,7 @@ def check_router(fn: Callable[[np.ndarray, np.ndarray, int], tuple[Any, Any]], *
 
     def shift_invariance(drawn: tuple[rst.RoutingCase, float]) -> None:
         case, c = drawn
+        # $$\operatorname{argtopk}_k(s_i + b + c) = \operatorname{argtopk}_k(s_i + b)$$
         shifted_bias = (case.bias.astype(np.float64) + c).astype(dtype)
         ids, w = _sorted_route(*run(case))
         ids_c, w_c = _sorted_route(*run(case, shifted_bias))
@@ -319,6 +321,7 @@ def check_router(fn: Callable[[np.ndarray, np.ndarray, int], tuple[Any, Any]], *
         sb = biased(case)
         chosen = np.zeros(sb.shape, dtype=bool)
         np.put_along_axis(chosen, index, True, axis=1)
+        # $$\min_{j \in T_i} (s_{i,j} + b_j) \ge \max_{j \notin T_i} (s_{i,j} + b_j)$$
         low = np.where(chosen, sb, np.inf).min(axis=1)  # lowest chosen biased score, [m]
         high = np.where(chosen, -np.inf, sb).max(axis=1)  # highest unchosen one, [m]
         bad = np.flatnonzero(low < high)
@@ -578,7 +581,7 @@ def _bias_invariants(new_bias: Callable[[rst.RoutingCase, np.ndarray | None], np
                   output_form, basic=True, describe=inputs),
         Invariant("centred", "Eq. (14) step 3: b(t+1) = b~ - mean(b~)", cases, centred, describe=inputs),
         Invariant(reference_name, reference_why, cases, reference_body or matches, describe=inputs),
-        Invariant("bias-shift invariance", "a common shift of the current bias changes no cutoff margin",
+        Invariant("bias-shift invariance", "a shift c of b moves every cutoff and threshold by c; centring removes it",
                   st.tuples(cases, rst.bias_shifts(max_abs=10.0)), shift, describe=with_extra("shift_c")),
         Invariant("token-permutation invariance", "a quantile does not depend on the order of the tokens",
                   cases.flatmap(token_perms), tokens, describe=with_extra("token_order")),
@@ -700,6 +703,7 @@ def check_histogram_update(fn: Callable[[list[np.ndarray], np.ndarray, int], Any
     def within_bin(case: rst.RoutingCase) -> None:
         new = new_bias(case, None)
         exact = reference(case)
+        # Each threshold within w of the exact one, up to a common shift: $$\max_j d_j - \min_j d_j \le 2w$$
         d = new - exact
         w = width(case.bias.astype(dtype))
         spread = float(d.max() - d.min())
