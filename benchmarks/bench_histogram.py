@@ -53,20 +53,20 @@ class SeededRouter:
 
     def __init__(self, n: int, width: int, seed: int) -> None:
         rng = np.random.default_rng(seed)
-        self.weight = (rng.standard_normal((n, width)) / np.sqrt(width)).astype(np.float32)  # [n, d]
+        weight = (rng.standard_normal((n, width)) / np.sqrt(width)).astype(np.float32)  # [n, d]
+        self.negated_weight = -weight  # so that one product gives -z directly
         self.mean = (0.5 * rng.standard_normal(width)).astype(np.float32)  # makes some experts popular
         self.seed = seed
 
     def scores(self, rank: int, micro_batch: int, out: np.ndarray, rows: int = 8192) -> np.ndarray:
         """Fill `out` `[m_b, n]` with the scores of one micro-batch, a slab of rows at a time."""
         rng = np.random.default_rng([self.seed, rank, micro_batch])
-        width = self.weight.shape[1]
+        width = self.negated_weight.shape[1]
         for start in range(0, out.shape[0], rows):
             slab = out[start:start + rows]
             x = rng.standard_normal((slab.shape[0], width), dtype=np.float32) + self.mean
-            np.matmul(x, self.weight.T, out=slab)
+            np.matmul(x, self.negated_weight.T, out=slab)  # -z
             # $$s = \sigma(z) = 1 / (1 + e^{-z})$$, in place
-            np.negative(slab, out=slab)
             np.exp(slab, out=slab)
             slab += 1.0
             np.reciprocal(slab, out=slab)
