@@ -21,7 +21,9 @@ referee:
   it gives. The duality gap $D(\alpha_t, \beta_t) - \text{LP}$ is plotted.
 
 What to look for: whether the gap reaches zero. The page of Appendix C
-discusses the answer.
+discusses the answer. The last table measures the subgradient of $D$ in
+$\beta$ by finite differences and sets it beside $q - \text{load}$ and the
+sign rule's step.
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl.dual import coordinate_descent, dual_objective, separating_dual, solve_assignment_lp
+from refimpl.dual import (
+    coordinate_descent,
+    dual_objective,
+    separating_dual,
+    solve_assignment_lp,
+    subgradient_check,
+)
 from refimpl.routing import expert_load, route
 
 INSTANCES = [(256, 16, 2), (384, 32, 4), (512, 64, 8)]  # (m, n, k): q = 32, 48, 64
@@ -102,6 +110,19 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print("D(alpha_t, beta_t) - LP by iteration (the first instance):")
     first = results[0]["trace"].objective - results[0]["lp"].objective
     print("  " + "  ".join(f"t={t}: {g:.4f}" for t, g in enumerate(first[:10])))
+
+    print()
+    rng = np.random.default_rng(SEED)
+    small = skewed_scores(64, 8, SEED)
+    bias = rng.normal(scale=0.05, size=8)
+    check = subgradient_check(small, bias, 2)
+    print("the subgradient of D in beta is q - load (m = 64, n = 8, k = 2, q = 16, a random bias b = -beta):")
+    print("  expert                     " + "".join(f"{j:>8}" for j in range(8)))
+    print("  load                       " + "".join(f"{v:>8}" for v in check.load))
+    print("  q - load                   " + "".join(f"{v:>8.0f}" for v in check.q_minus_load))
+    print("  (D(beta + h e_j) - D) / h  " + "".join(f"{v:>8.3f}" for v in check.finite_difference))
+    print("  sign-rule step of beta     " + "".join(f"{v:>8.0f}" for v in check.sign_rule_step))
+    print("  (the sign rule moves beta against the sign of the subgradient: SignSGD on D, with b = -beta)")
 
     if args.out is not None:
         plot(args.out, results)

@@ -176,7 +176,7 @@ def plot(out: Path, atom: dict, run: dict) -> None:
     ax.axvline(q, color="black", linestyle=":", linewidth=0.8)
     ax.set_xlabel("load under the old bias")
     ax.set_ylabel("tokens clearing the new threshold, cutoffs held")
-    ax.set_title(f"One update, m = {atom['m']:,}: the atom keeps some experts below q")
+    ax.set_title(f"One update, m = {atom['m']:,}: the atom holds experts below q")
     ax.legend(fontsize=8)
     floor = np.median([load_ratio(x) for x in run["floor"]])
     for name, balancer in run["balancers"].items():
