@@ -509,3 +509,54 @@ def test_fixed_batch_extension_reaches_exact_balance():
     final = expert_load(route(s, remedy.bias, k)[0], n)
     np.testing.assert_array_equal(final, np.full(n, 16))
     assert not np.array_equal(expert_load(route(s, plain.bias, k)[0], n), np.full(n, 16))
+
+
+# ---------------------------------------------------------------------------
+# The worked examples run, and what they print holds
+# ---------------------------------------------------------------------------
+
+
+def load_example(stem: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{stem}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_png(path) -> None:
+    assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.slow
+def test_example_10_qb_by_hand(tmp_path, capsys):
+    result = load_example("10_qb_by_hand").main(["--out", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert result["held"] == [6, 6, 6, 6]  # with the cutoffs held, every expert clears exactly q = 6
+    assert sum(result["load"]) == sum(result["again"]) == 24
+    assert abs(sum(result["b_new"])) < 1e-12
+    assert "inside the atom" in text
+    assert_png(tmp_path / "margins_and_loads.png")
+
+
+@pytest.mark.slow
+def test_example_11_k3_balancing_small(tmp_path, capsys):
+    result = load_example("11_k3_balancing").main(["--out", str(tmp_path), "--tokens", "2048", "--steps", "6"])
+    ratios = result["ratios"]["QB (Eq. 14)"]
+    assert ratios[1] < ratios[0] / 3  # one update removes most of the router's skew
+    assert min(result["floor"]) >= 1.0
+    assert "noise floor" in capsys.readouterr().out
+    assert_png(tmp_path / "max_min_load.png")
+
+
+@pytest.mark.slow
+def test_example_14_fresh_batch_noise_small(tmp_path, capsys):
+    result = load_example("14_fresh_batch_noise").main(
+        ["--out", str(tmp_path), "--atom-tokens", "8192", "--tokens", "2048", "--steps", "6"])
+    stuck = result["atom"]
+    assert stuck["Eq. (14)"]["stuck"] > 10 * max(1, stuck["leave-one-out (extension)"]["stuck"])
+    assert "predicted" in capsys.readouterr().out
+    assert_png(tmp_path / "atom_and_noise.png")
