@@ -434,3 +434,29 @@ def test_benchmark_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "histogram pass" in proc.stdout and "peak resident memory" in proc.stdout
     assert {p.name for p in tmp_path.iterdir()} == {"histogram.json", "histogram.md"}
+
+
+# ---------------------------------------------------------------------------
+# Against the package's exact update (refimpl.balancing)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(4096, 32, 4), (4099, 32, 5), (700, 12, 12)])
+def test_against_the_exact_quantile_balancing_update(m, n, k):
+    from refimpl.balancing import quantile_balancing_update
+
+    scores = router_batch(m, n, seed=3 * m + k)
+    bias = balanced_bias(scores, min(k, n - 1))
+    h = BiasHistogram(bias, k).add(scores)
+    if k < n:
+        uncentred = quantile_balancing_update(scores, bias, k, center=False)
+        assert np.abs(h.thresholds() - uncentred).max() <= h.width + 1e-5
+    exact = quantile_balancing_update(scores, bias, k)
+    assert np.abs(h.new_bias() - exact).max() <= 2 * h.width + 1e-5
+    if k == n:  # both keep the current bias, centred
+        np.testing.assert_allclose(h.new_bias(), exact, atol=1e-7)
+    too_few = scores[: -(-n // (n - k)) - 1] if k < n else scores[:0]
+    with pytest.raises(ValueError):
+        quantile_balancing_update(too_few, bias, k)
+    with pytest.raises(ValueError):
+        BiasHistogram(bias, k).add(too_few).new_bias()
