@@ -216,8 +216,9 @@ def _select_numpy(part: np.ndarray, r: int, previous: bool) -> Any:
     low = _partition_select(sample, t, previous=False)  # [p]
     keep = part >= low[:, None]  # [p, L]
     count = keep.sum(axis=1)  # [p]
-    # Pack each row's candidates to the left of a [p, width] matrix padded with -inf.
-    width = int(count.max())
+    # Pack each row's candidates to the left of a [p, width] matrix padded with -inf (at least r wide, so
+    # that the selection below is defined even where every row was unlucky).
+    width = max(int(count.max()), r)
     candidates = np.full((p, width), -np.inf, dtype=part.dtype)  # [p, width]
     row_of = np.repeat(np.arange(p), count)
     slot = np.arange(row_of.size) - np.repeat(np.cumsum(count) - count, count)

@@ -291,6 +291,14 @@ def test_sampled_selection_equals_sort_on_long_rows(previous):
             np.testing.assert_array_equal(got, desc[:, r - 1])
 
 
+def test_sampled_selection_when_every_row_is_unlucky():
+    x = np.zeros((3, 4096))
+    x[:, ::16] = 1.0  # the sample sees only the 256 ones; the bound is 1.0 and keeps 256 < 300 entries
+    for previous in (False, True):
+        got = _select_numpy(x.copy(), 300, previous)
+        np.testing.assert_array_equal(got[0] if previous else got, np.zeros(3))
+
+
 def test_kth_largest_portable_path_matches(xp):
     rng = np.random.default_rng(2)
     x = rng.normal(size=(4, 50))
