@@ -87,7 +87,6 @@ your eager code agree on inputs with no near-ties.
 """
 
 from . import strategies
-from ._report import CheckFailure, CheckResult
 from .checks import (
     PROFILES,
     QUICK,
@@ -99,6 +98,7 @@ from .checks import (
     check_router,
     profile,
 )
+from .report import CheckFailure, CheckResult
 
 __all__ = [
     "PROFILES",

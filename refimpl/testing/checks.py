@@ -38,7 +38,7 @@ from ..config import MoEConfig
 from ..latent_moe import routed_experts, stable_latent_moe
 from ..routing import route
 from . import strategies as rst
-from ._report import (
+from .report import (
     _COMMON,
     CheckFailure,
     CheckResult,

@@ -81,7 +81,7 @@ __all__ = [
 # The values the strategies produce
 # ---------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RoutingCase:
     """One routing input: scores `[m, n]` in (0, 1), a bias `[n]` and `top_k`."""
 
@@ -104,7 +104,7 @@ class RoutingCase:
         return RoutingCase(self.scores.astype(dtype), self.bias.astype(dtype), self.top_k)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Partition:
     """How the tokens of a batch are spread over ranks and micro-batches.
 
@@ -134,7 +134,7 @@ class Partition:
         return f"Partition({rows})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ForwardCase:
     """One forward-pass input: a config, a batch `x` `[m, d]` and the seed of its parameters.
 
@@ -159,7 +159,7 @@ class ForwardCase:
                 for name, value in params.items()}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BalancerCase:
     """A stream of batches for a stateful balancer: `batches[t]` is `[m_t, n]`."""
 

@@ -1,4 +1,4 @@
-"""The machinery behind the checks: run one invariant as a Hypothesis property, format what broke.
+"""Reports: how a check runs each invariant as a Hypothesis property and tells what broke.
 
 A check is a list of `Invariant`s. Each invariant is run as its own
 Hypothesis property, so each one that fails is shrunk on its own to the
