@@ -5,7 +5,8 @@ K3 layer: a router, the exact Quantile Balancing update, the histogram
 estimator, a stateful balancer and a forward pass whose experts are split
 over two "ranks". None of it calls the reference; it is written the way a
 production port would be, in float32 NumPy. If PyTorch is installed, a
-PyTorch router is checked too, through a five-line adapter.
+PyTorch router is checked too, behind an adapter that turns the NumPy inputs
+into tensors and the tensors it returns back into NumPy arrays.
 
 Each implementation goes through its check of `refimpl.testing`, and every
 check passes. The companion example,
