@@ -18,7 +18,7 @@ cache; every page below exists only inside the build:
 * `tests/<file>.md`: the test files, rendered the same literate way, one anchor
   per test so the module pages can link to each property.
 * `benchmark-results/index.md`: the results the benchmark scripts saved under
-  `docs/benchmarks/` (`*.md` verbatim, `*.json` as tables).
+  `docs/benchmarks/` (`*.md` verbatim, `*.json` as tables), then `docs/sections/benchmarks.md`.
 * `index.md`: the hand-written landing page with its computed parts filled in
   (the K3 numbers and the reading path).
 * `SUMMARY.md`: the navigation, read by mkdocs-literate-nav.
@@ -74,13 +74,21 @@ READING_PATH: list[tuple[str, str]] = [
 ]
 
 #: Helper modules every other module uses; they come after the reading path.
-INTERNALS = ("_xp", "validation")
+INTERNALS = {"_xp": "Array helpers (_xp)", "validation": "Input checks"}
 
 #: The example shown as its own page, "Compare the variants".
 COMPARE_EXAMPLE = "40_compare_variants"
 
 #: How long one example may run before the build gives up on it (seconds).
 EXAMPLE_TIMEOUT = 600
+
+#: Files an example saves with `--out` that are shown as figures (other files can be embedded by markers).
+IMAGE_SUFFIXES = (".png", ".svg", ".jpg", ".jpeg")
+
+#: Markers a hand-written page or fragment may contain, replaced by an example's cached results:
+#: `<!-- refimpl:example-output NN_slug -->` (what it printed) and
+#: `<!-- refimpl:example-file NN_slug/name.txt -->` (a file it saved with `--out`; `.md` files are inserted as is).
+_MARKER = re.compile(r"<!--\s*refimpl:(?P<kind>example-output|example-file)\s+(?P<arg>[^\s]+)\s*-->")
 
 #: Whole-model totals as the technical report states them (the landing page compares the layer's share).
 K3_TOTAL_PARAMETERS = 2.78e12
@@ -697,7 +705,7 @@ def example_page(path: Path, run: ExampleRun) -> str:
               f"What `python {rel}` printed when this page was built "
               f"({run.seconds:.1f} s{', cached' if run.cached else ''}):\n",
               fence(run.stdout or "(no output)", "text")]
-    pngs = [name for name in run.figures if name.lower().endswith((".png", ".svg"))]
+    pngs = [name for name in run.figures if name.lower().endswith(IMAGE_SUFFIXES)]
     if pngs:
         parts.append("## Figures\n")
         for name in pngs:
@@ -743,6 +751,33 @@ def json_to_markdown(data: object, level: int = 3) -> str:
     return "\n".join(parts)
 
 
+#: The example runs of this build, by script name (filled by `main` before any page is written).
+EXAMPLE_RUNS: dict[str, ExampleRun] = {}
+
+
+def hand_written(path: Path) -> str:
+    """A hand-written page or fragment, with its example markers expanded."""
+    return expand_markers(path.read_text(encoding="utf-8"), EXAMPLE_RUNS, str(path.relative_to(ROOT)))
+
+
+def expand_markers(text: str, runs: dict[str, ExampleRun], where: str) -> str:
+    """Replace the example markers of a hand-written page by the cached results they name."""
+
+    def replace(match: re.Match) -> str:
+        kind, arg = match.group("kind"), match.group("arg")
+        stem, _, name = arg.partition("/")
+        run = runs.get(stem)
+        if run is None or (kind == "example-file" and name not in run.figures):
+            log.warning("%s: %s names no result of the examples (%s)", where, match.group(0), arg)
+            return ""
+        if kind == "example-output":
+            return fence(run.stdout or "(no output)", "text")
+        data = run.figures[name].decode("utf-8", errors="replace")
+        return data if name.endswith(".md") else fence(data, "text")
+
+    return _MARKER.sub(replace, text)
+
+
 def benchmarks_page() -> tuple[str, dict[str, bytes]]:
     """The benchmark results page and the images it shows."""
     folder = DOCS / "benchmarks"
@@ -775,6 +810,9 @@ def benchmarks_page() -> tuple[str, dict[str, bytes]]:
     for path in files:
         if path.suffix.lower() in {".png", ".svg"}:
             images[path.name] = path.read_bytes()
+    fragment = DOCS / "sections" / "benchmarks.md"
+    if fragment.is_file():
+        parts.append(hand_written(fragment).strip() + "\n")
     return "\n".join(parts), images
 
 
@@ -801,7 +839,7 @@ def module_page(module: Module, examples: list[tuple[Path, str]], tests: dict[Pa
     for sub in module.files[1:]:
         part = literate(sub.read_text(encoding="utf-8"))
         subrel = sub.relative_to(ROOT).as_posix()
-        parts += [f"## `{subrel}`: {part.title}\n" if part.title else f"## `{subrel}`\n", part.intro + "\n",
+        parts += [f"## `{subrel}`\n", f"**{part.title}.**\n" if part.title else "", part.intro + "\n",
                   re.sub(r"^(#{2,5}) ", r"#\1 ", part.body, flags=re.M)]
     if tests:
         parts.append("## Properties the tests check\n")
@@ -815,7 +853,7 @@ def module_page(module: Module, examples: list[tuple[Path, str]], tests: dict[Pa
         parts.append("\n".join(f"- [{title}](../examples/{path.stem}.md)" for path, title in examples) + "\n")
     fragment = DOCS / "sections" / f"{module.slug}.md"
     if fragment.is_file():
-        parts.append(fragment.read_text(encoding="utf-8").strip() + "\n")
+        parts.append(hand_written(fragment).strip() + "\n")
     return "\n".join(parts)
 
 
@@ -931,7 +969,7 @@ def landing_page(modules: dict[str, Module], compare: bool) -> str | None:
     index = DOCS / "index.md"
     if not index.is_file():
         return None
-    text = index.read_text(encoding="utf-8")
+    text = hand_written(index)
     text = text.replace("<!-- refimpl:k3-numbers -->", k3_numbers())
     return text.replace("<!-- refimpl:reading-path -->", reading_path(modules, compare))
 
@@ -961,6 +999,7 @@ def main() -> None:
     example_paths = sorted(p for p in EXAMPLES.glob("[0-9][0-9]_*.py") if parse_ok(p)) if EXAMPLES.is_dir() else []
     start = time.perf_counter()
     runs = run_examples(example_paths)
+    EXAMPLE_RUNS.update({path.stem: run for path, run in runs.items()})
     fresh = [p.name for p, r in runs.items() if not r.cached]
     log.info("examples: %d reused from .cache/examples, %d run (%s) in %.1f s", len(runs) - len(fresh),
              len(fresh), ", ".join(fresh) or "none", time.perf_counter() - start)
@@ -971,8 +1010,9 @@ def main() -> None:
                         (run.stderr or run.stdout).strip()[-3000:])
         write(f"examples/{path.stem}.md", example_page(path, run), edit=f"examples/{path.name}")
         for name, data in run.figures.items():
-            with mkdocs_gen_files.open(f"examples/{path.stem}/{name}", "wb") as handle:
-                handle.write(data)
+            if name.lower().endswith(IMAGE_SUFFIXES):
+                with mkdocs_gen_files.open(f"examples/{path.stem}/{name}", "wb") as handle:
+                    handle.write(data)
         example_titles[path] = example_title(path)[0]
     uses = {path: modules_used(path.read_text(encoding="utf-8"), exported) for path in example_paths}
 
@@ -1000,6 +1040,13 @@ def main() -> None:
         examples_index.append(f"| {path.stem[:2]} | [{example_titles[path]}]({path.stem}.md) | {used} |")
     if not example_paths:
         examples_index.append("| | (none yet) | |")
+    fragment = DOCS / "sections" / "examples.md"
+    if fragment.is_file():
+        examples_index += ["", hand_written(fragment).strip()]
+    pages_with_fragments = {m.slug for m in all_modules} | {"benchmarks", "examples"}
+    for fragment in sorted((DOCS / "sections").glob("*.md")):
+        if fragment.stem not in pages_with_fragments:
+            log.info("docs/sections/%s is not shown: no module or page is called %r", fragment.name, fragment.stem)
     write("examples/index.md", "\n".join(examples_index) + "\n")
 
     text, images = benchmarks_page()
@@ -1028,7 +1075,7 @@ def main() -> None:
     nav.append("* [Benchmark results](benchmark-results/index.md)")
     if internals:
         nav.append("* Internals")
-        nav += [f"    * [{literate_title(m)}](paper/{m.slug}.md)" for m in internals]
+        nav += [f"    * [{INTERNALS[m.name]}](paper/{m.slug}.md)" for m in internals]
     nav.append("* API reference")
     nav.append("    * [Overview](reference/index.md)")
     nav += [f"    * [{m.dotted}](reference/{m.slug}.md)" for m in all_modules]

@@ -269,6 +269,14 @@ def test_docstrings_have_no_escape_accidents():
     assert accidents == []
 
 
+def test_markers_embed_cached_example_results(gen):
+    run = gen.ExampleRun("printed\n", "", 0, 0.1, {"table.md": b"| a |\n|---|\n", "log.txt": b"x"})
+    text = ("A <!-- refimpl:example-output 09_demo --> B <!-- refimpl:example-file 09_demo/table.md --> "
+            "C <!-- refimpl:example-file 09_demo/log.txt -->")
+    out = gen.expand_markers(text, {"09_demo": run}, "page.md")
+    assert out == "A ```text\nprinted\n```\n B | a |\n|---|\n C ```text\nx\n```\n"
+
+
 def test_benchmark_json_becomes_tables(gen):
     text = gen.json_to_markdown({"machine": "box", "runs": [{"m": 1, "s": 0.5}, {"m": 2, "s": 0.25}]})
     assert "| machine | box |" in text
