@@ -383,7 +383,11 @@ class BiasHistogram:
         if scores.shape[1] != self.n:
             raise ValueError(f"scores must have shape [m, {self.n}] to match the bias of {self.n} experts, "
                              f"got {list(scores.shape)}")
-        xp = array_namespace(scores, self.bias)
+        try:
+            xp = array_namespace(scores, self.bias)
+        except TypeError:
+            raise TypeError(f"scores ({type(scores).__name__}) must come from the same array library as the "
+                            f"bias ({type(self.bias).__name__})") from None
         m = scores.shape[0]
         dtype = compute_dtype(xp, scores, self.bias)
         if cutoff is not None:

@@ -364,6 +364,8 @@ def test_bad_input_raises_clear_errors():
         BiasHistogram(bias, 1).add(np.ones((2, 4), dtype=np.int64))
     with pytest.raises(ValueError, match=r"cutoff must have shape \[10\]"):
         BiasHistogram(bias, 1).add(scores, cutoff=np.zeros(9, np.float32))
+    with pytest.raises(TypeError, match="same array library"):
+        BiasHistogram(bias, 1).add(array_api_strict.asarray(scores))
 
 
 def test_failed_block_leaves_the_counts_unchanged():
