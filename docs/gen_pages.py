@@ -60,7 +60,7 @@ CACHE = ROOT / ".cache" / "examples"
 #: Bump to invalidate every cached example run.
 GENERATOR_VERSION = "1"
 
-#: The reading path: module, navigation label, what the page covers.
+#: The reading path: module and navigation label, in reading order.
 READING_PATH: list[tuple[str, str]] = [
     ("config", "Configuration"),
     ("activations", "Eq. (12) & App. B: SiTU-GLU"),
@@ -94,7 +94,7 @@ _MARKER = re.compile(r"<!--\s*refimpl:(?P<kind>example-output|example-file)\s+(?
 K3_TOTAL_PARAMETERS = 2.78e12
 K3_ACTIVATED_PARAMETERS = 104.2e9
 
-log = logging.getLogger(f"mkdocs.plugins.{__name__}")
+log = logging.getLogger("mkdocs.plugins.gen_pages")
 
 
 # ---------------------------------------------------------------------------
