@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
     print("Router, bias and tokens are shared, so every variant picks the same experts.\n")
 
     print("1. Routed output scale while the bias moves tokens toward loud experts")
-    print("   (mean RMS of y_routed per token; in brackets its spread across tokens, std / mean)")
+    print("   (mean over tokens of RMS(y_routed); in brackets the spread")
+    print("   across tokens, std / mean)")
     scale_rows = output_scale(x, configs, params, gains, [-0.4, -0.2, 0.0, 0.2, 0.4])
     print_table(["bias shift", "mean gain", *configs],
                 [[f"{r['shift']:+.1f}", f"{r['mean gain']:.2f}",
