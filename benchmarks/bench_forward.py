@@ -28,6 +28,7 @@ from common import (
     fmt_seconds,
     forward_flops,
     gemm_work,
+    load_average,
     machine_info,
     markdown_table,
     output_dir,
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         set_blas_threads(args.threads)
 
+    machine = machine_info()
     params = init_params(config, 0, dtype=np.float32)
     x = np.random.default_rng(1).standard_normal((m, config.d)).astype(np.float32)
     flops = forward_flops(config, m)
@@ -109,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"Stable LatentMoE forward, float32: d={config.d} l={config.ell} n={config.n} k={config.k} "
           f"f={config.f} shared={config.shared_size} m={m}")
-    print(f"machine: {machine_info()}")
+    machine.update(load_average_at_end=load_average(), float32_gemm_gflops=round(peak, 1))
+    print(f"machine: {machine}")
     print(f"float32 GEMM {gemm_size}^3 in the same rounds: median {peak:.1f} GFLOP/s "
           f"(best {gemm_flops / gemm_timing.best / 1e9:.1f}, spread {100 * gemm_timing.spread:.1f} %)")
     print(forward)
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     results = {
         "command": command_line(),
-        "machine": machine_info(float32_gemm_gflops=round(peak, 1)),
+        "machine": machine,
         "config": {"d": config.d, "l": config.ell, "n": config.n, "k": config.k, "f": config.f,
                    "shared": config.shared_size, "m": m, "dtype": "float32"},
         "flops": flops,

@@ -42,6 +42,7 @@ __all__ = [
     "forward_flops",
     "gemm_peak",
     "gemm_work",
+    "load_average",
     "machine_info",
     "markdown_table",
     "set_blas_threads",
@@ -240,12 +241,17 @@ def machine_info(**extra: Any) -> dict[str, Any]:
         "blas": _blas_name(),
         "blas_threads": blas_threads(),
     }
-    try:
-        info["load_average_1_5_15min"] = [round(v, 2) for v in os.getloadavg()]
-    except OSError:
-        pass
+    info["load_average_at_start"] = load_average()
     info.update(extra)
     return info
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (runnable processes; above the CPU count means a busy machine)."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
 
 
 # ---------------------------------------------------------------------------

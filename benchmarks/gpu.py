@@ -54,6 +54,7 @@ from common import (
     command_line,
     fmt_seconds,
     forward_flops,
+    load_average,
     machine_info,
     markdown_table,
     time_call,
@@ -499,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - run_start
     results["step_seconds"] = step_time
     results["total_seconds"] = total
+    machine["load_average_at_end"] = load_average()
     failed = [name for name in ("tests", "forward", "balancing", "k3")
               if name in results and not results[name].get("ok", False)]
     results["failed"] = failed

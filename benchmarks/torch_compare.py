@@ -39,6 +39,7 @@ from common import (
     fmt_seconds,
     forward_flops,
     gemm_work,
+    load_average,
     machine_info,
     markdown_table,
     output_dir,
@@ -295,6 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
             bal_rows.append(_row("PyTorch topk formulation", bt["torch_topk"], bt["numpy"],
                                  f"max |difference| {bal['max_abs_difference']:.1e}"))
 
+    machine["load_average_at_end"] = load_average()
     results = {"command": command_line(), "machine": machine, "threads": threads,
                "forward": {"config": {"d": config.d, "l": config.ell, "n": config.n, "k": config.k,
                                       "f": config.f, "shared": config.shared_size, "m": m}, **fwd},
