@@ -103,12 +103,16 @@ def measure_update(m: int, n: int, k: int, repeats: int, *, skip_baseline: bool)
     """Time the exact update (and the baseline), and trace its peak extra memory."""
     scores = skewed_scores(m, n, seed=0)
     bias = (0.01 * np.random.default_rng(1).standard_normal(n)).astype(np.float32)
+    start = time.perf_counter()
+    quantile_balancing_update(scores, bias, k)  # the first call of the process, which maps fresh memory
+    first = time.perf_counter() - start
     exact = time_call("quantile_balancing_update", lambda: quantile_balancing_update(scores, bias, k),
-                      repeats=repeats)
+                      repeats=repeats, warmup=0)
     cpu = cpu_seconds(lambda: quantile_balancing_update(scores, bias, k), repeats)
     extra = peak_extra_memory(lambda: quantile_balancing_update(scores, bias, k))
     ratio = extra / scores.nbytes
     print(f"exact Eq. (14) update, n = {n}, k = {k}, m = {m:,}, float32 ({scores.nbytes / 2**20:,.0f} MiB of scores)")
+    print(f"  first call of the process: {fmt_seconds(first)}")
     print(f"  {exact}")
     print(f"  CPU time of the process: median {fmt_seconds(float(np.median(cpu)))} (best {fmt_seconds(min(cpu))})")
     print(f"  peak extra memory {extra / 2**20:,.0f} MiB = {ratio:.2f} x the score matrix")
@@ -119,7 +123,7 @@ def measure_update(m: int, n: int, k: int, repeats: int, *, skip_baseline: bool)
         gap = np.abs(straightforward_update(scores, bias, k) - quantile_balancing_update(scores, bias, k)).max()
         print(f"  {baseline}; largest difference from the update: {gap:.1e}")
         assert gap <= 1e-6, "the straightforward update disagrees"
-    return exact, cpu, extra, ratio, baseline
+    return exact, cpu, first, extra, ratio, baseline
 
 
 def lp_case(m: int, n: int, k: int, seed: int, iterations: int) -> dict:
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     iterations = 5 if args.smoke else 30
 
     # 1. The exact update.
-    exact, cpu, extra, ratio, baseline = measure_update(m, n, k, repeats, skip_baseline=args.skip_baseline)
+    exact, cpu, first, extra, ratio, baseline = measure_update(m, n, k, repeats, skip_baseline=args.skip_baseline)
 
     # 2. The LP.
     sizes = [(128, 16, 2), (256, 32, 4)] if args.smoke else [(512, 32, 4), (2048, 64, 8), (8192, 128, 8),
@@ -185,30 +189,31 @@ def main(argv: list[str] | None = None) -> dict:
         print("targets: not judged (smoke sizes)")
 
     results = {"command": command_line(), "machine": machine_info(),
-               "update": {"n": n, "k": k, "m": m, "timing": exact, "cpu_seconds": cpu, "peak_extra_bytes": extra,
+               "update": {"n": n, "k": k, "m": m, "timing": exact, "cpu_seconds": cpu, "first_call_seconds": first, "peak_extra_bytes": extra,
                           "peak_extra_over_scores": ratio,
                           "baseline": baseline},
                "lp": cases, "targets": targets, "smoke": args.smoke}
-    update_rows = [["quantile_balancing_update", fmt_seconds(exact.median), fmt_seconds(exact.best),
-                    f"{100 * exact.spread:.0f} %", fmt_seconds(float(np.median(cpu))), f"{ratio:.2f} x"]]
+    update_rows = [["quantile_balancing_update", fmt_seconds(first), fmt_seconds(exact.median),
+                    fmt_seconds(exact.best), f"{100 * exact.spread:.0f} %", fmt_seconds(float(np.median(cpu))),
+                    f"{ratio:.2f} x"]]
     if baseline is not None:
-        update_rows.append(["straightforward np.partition", fmt_seconds(baseline.median), fmt_seconds(baseline.best),
-                            f"{100 * baseline.spread:.0f} %", "-", "-"])
+        update_rows.append(["straightforward np.partition", "-", fmt_seconds(baseline.median),
+                            fmt_seconds(baseline.best), f"{100 * baseline.spread:.0f} %", "-", "-"])
     lp_rows = [[c["m"], c["n"], c["k"], c["q"], fmt_seconds(c["seconds"]), f"{c['residual']:+.1e}",
                 f"{c['integrality']:.1e}", f"{c['cd_gap']:.4f}", f"{c['cd_experts_off']} of {c['n']}"] for c in cases]
     written = write_results(
         "balancing", "Quantile Balancing: the exact update and the LP cross-check", results,
-        [("The exact update (Eq. 14)", markdown_table(["implementation", "median (wall)", "best (wall)", "spread",
-                                                       "median (CPU)", "peak extra memory / scores"],
-                                                      update_rows)),
+        [("The exact update (Eq. 14)", markdown_table(["implementation", "first call", "median (wall)",
+                                                       "best (wall)", "spread", "median (CPU)",
+                                                       "peak extra memory / scores"], update_rows)),
          ("The LP (Appendix C), HiGHS", markdown_table(
              ["m", "n", "k", "q", "solve", "D(α*, β*) − LP", "max |x − round(x)|",
               f"iterated Eq. (14): D − LP ({iterations} updates at most)", "experts off q"], lp_rows)),
          ("Targets", markdown_table(["target", "result"], [[t, "met" if ok else "missed"]
                                                            for t, ok in targets.items()]))],
         output_dir(args),
-        notes=[f"Exact update: n = {n}, k = {k}, m = {m:,} float32 scores; median of {repeats} runs after a "
-               "warm-up; memory traced in a separate run."])
+        notes=[f"Exact update: n = {n}, k = {k}, m = {m:,} float32 scores; median of {repeats} runs after the "
+               "first call of the process (reported apart); memory traced in a separate run."])
     for path in written:
         print(f"wrote {path}")
     return results

@@ -338,42 +338,75 @@ def _biased(scores: Array, bias: Array) -> Array:
     return xp.astype(scores, dtype, copy=False) + xp.astype(bias, dtype, copy=False)[None, :]
 
 
-def _cutoffs(biased: Array, top_k: int, *, with_kth: bool = False) -> Array | tuple:
+#: Tokens per block on NumPy. The cutoffs read 4096 tokens' biased scores at a time, so the whole [m, n]
+#: matrix of them is never allocated; the margins are transposed 256 tokens at a time, which keeps both
+#: the rows read and the columns written in the cache.
+_CUTOFF_BLOCK = 4096
+_TRANSPOSE_BLOCK = 256
+
+
+def _blocks(xp: Any, size: int, block: int) -> list[slice]:
+    """Slices covering `range(size)`: blocks of `block` on NumPy, one slice elsewhere.
+
+    Blocking changes no value, only how much memory is touched at once:
+    NumPy transposes element by element and pays for every fresh page of a
+    half-gigabyte temporary, and at K3's sizes either costs more than the
+    arithmetic. Other libraries get the plain whole-array code.
+    """
+    step = block if is_numpy(xp) else max(size, 1)
+    return [slice(first, min(size, first + step)) for first in range(0, size, step)]
+
+
+def _cutoffs(scores: Array, bias: Array, top_k: int, *, with_kth: bool = False) -> Array | tuple:
     r"""$\alpha_i$, the $(k+1)$-th largest biased score of each token (and the $k$-th, $\kappa_i$, if asked).
 
-    The values equal those of `refimpl.routing.selection_cutoff`; only the
-    values are needed here, so the rows are partitioned in place instead of
-    ranked, which is cheaper. `biased` (a scratch array) is reordered.
+    The values equal those of `refimpl.routing.selection_cutoff` (a test
+    checks it bit for bit); only the values are needed here, so each row is
+    partitioned instead of ranked, which is cheaper.
     """
-    # $$\alpha_i = (s_i + b)_{(k+1)}, \qquad \kappa_i = (s_i + b)_{(k)}$$
-    return _kth_largest(biased, top_k + 1, previous=with_kth, overwrite=True)
+    xp = array_namespace(scores, bias)
+    alphas, kappas = [], []
+    for rows in _blocks(xp, scores.shape[0], _CUTOFF_BLOCK):
+        # $$\alpha_i = (s_i + b)_{(k+1)}, \qquad \kappa_i = (s_i + b)_{(k)}$$
+        cut = _kth_largest(_biased(scores[rows, :], bias), top_k + 1, previous=with_kth, overwrite=True)
+        alphas.append(cut[0] if with_kth else cut)
+        kappas.append(cut[1] if with_kth else None)
+    alpha = xp.concat(alphas)  # [m]
+    return (alpha, xp.concat(kappas)) if with_kth else alpha
 
 
-def _expert_major_margins(scores: Array, alpha: Array, dtype: Any) -> Array:
-    r"""The margins transposed, `[n, m]`: one row per expert, so each expert's quantile is a row operation."""
+def _expert_major_margins(scores: Array, alpha: Array, *, bias: Array | None = None,
+                          kappa: Array | None = None) -> Array:
+    r"""The margins transposed, `[n, m]`: one row per expert, so that each expert's quantile is a row operation.
+
+    With `bias` and `kappa` given, the leave-one-out margins of the extension.
+    """
     xp = array_namespace(scores, alpha)
-    s = xp.astype(scores, dtype, copy=False)  # [m, n]
-    if is_numpy(xp):
-        return _transposed_difference_numpy(s, alpha)
-    # $$M_{i,j} = s_{i,j} - \alpha_i$$
-    return s.T - alpha[None, :]  # [n, m]
-
-
-def _transposed_difference_numpy(s: np.ndarray, alpha: np.ndarray) -> np.ndarray:
-    """`(s - alpha[:, None]).T` as a row-major `[n, m]` array, written a block of tokens at a time.
-
-    NumPy transposes element by element, and at K3's sizes that walks memory
-    so badly that it costs more than the whole update should. Blocks of 256
-    tokens fit in the cache, which makes the same copy several times faster.
-    """
-    m, n = s.shape
-    out = np.empty((n, m), dtype=np.result_type(s, alpha))  # [n, m]
-    block = 256
-    for start in range(0, m, block):
-        rows = slice(start, start + block)
-        # $$M_{i,j} = s_{i,j} - \alpha_i$$ for the tokens of this block
-        np.subtract(s[rows].T, alpha[rows], out=out[:, rows])
+    m, n = scores.shape
+    s = xp.astype(scores, alpha.dtype, copy=False)  # [m, n]
+    out = xp.empty((n, m), dtype=alpha.dtype)  # [n, m]
+    for rows in _blocks(xp, m, _TRANSPOSE_BLOCK):
+        s_t = s[rows, :].T  # [n, block]
+        # $$M_{i,j} = s_{i,j} - \alpha_i$$
+        margin_t = s_t - alpha[rows][None, :]  # [n, block]
+        if kappa is not None:
+            # Leave-one-out: an expert outside token i's top-k must beat the k-th score, kappa_i, not alpha_i.
+            # $$c_{i,j} = \alpha_i \text{ if } s_{i,j} + b_j > \alpha_i \text{ else } \kappa_i$$
+            chosen_t = (s_t + xp.astype(bias, alpha.dtype)[:, None]) > alpha[rows][None, :]  # [n, block]
+            margin_t = xp.where(chosen_t, margin_t, s_t - kappa[rows][None, :])  # [n, block]
+        out[:, rows] = margin_t
     return out
+
+
+def _quantile_thresholds(scores: Array, alpha: Array, whole: int, frac: float, *,
+                         bias: Array | None = None, kappa: Array | None = None) -> Array:
+    r"""$M_{(q+1), j}$ for every expert: the interpolated $(q+1)$-th largest margin of each column, `[n]`.
+
+    Eq. (14) negates it; the $\beta$-step of `refimpl.dual` is this value itself.
+    """
+    margins_t = _expert_major_margins(scores, alpha, bias=bias, kappa=kappa)  # [n, m]
+    # $$M_{(q+1),j}$$, with the interpolation rule for a fractional q
+    return _interpolated_rows(margins_t, whole + 1, frac, overwrite=True)  # [n]
 
 
 def margins(scores: Array, bias: Array, top_k: int) -> Array:
@@ -389,22 +422,6 @@ def margins(scores: Array, bias: Array, top_k: int) -> Array:
     s = xp.astype(scores, alpha.dtype, copy=False)
     # $$M_{i,j} = s_{i,j} - \alpha_i$$
     return s - alpha[:, None]  # [m, n]
-
-
-def _threshold_bias(scores: Array, bias: Array, alpha: Array, kappa: Array | None,
-                    whole: int, frac: float) -> Array:
-    r"""$\tilde b_j = -M_{(q+1), j}$ from the cutoffs (un-centered)."""
-    xp = array_namespace(scores, bias, alpha)
-    dtype = alpha.dtype
-    margins_t = _expert_major_margins(scores, alpha, dtype)  # [n, m]
-    if kappa is not None:
-        # Leave-one-out: an expert outside token i's top-k must beat the k-th score, kappa_i, not alpha_i.
-        # $$c_{i,j} = \alpha_i \text{ if } s_{i,j} + b_j > \alpha_i \text{ else } \kappa_i$$
-        s_t = xp.astype(scores, dtype, copy=False).T  # [n, m]
-        chosen_t = (s_t + xp.astype(bias, dtype)[:, None]) > alpha[None, :]  # [n, m]
-        margins_t = xp.where(chosen_t, margins_t, s_t - kappa[None, :])  # [n, m]
-    # $$-\tilde b_j = M_{(q+1),j}$$ (the interpolated rule for a fractional q)
-    return -_interpolated_rows(margins_t, whole + 1, frac, overwrite=True)  # [n]
 
 
 def _center(b: Array) -> Array:
@@ -459,10 +476,11 @@ def quantile_balancing_update(scores: Array, bias: Array, top_k: int, *, center:
         b = xp.astype(bias, compute_dtype(xp, scores, bias))
         return _center(b) if center else b
     # Step 1: the cutoffs, from the top-(k+1) of the biased scores.
-    cut = _cutoffs(_biased(scores, bias), top_k, with_kth=leave_one_out)
+    cut = _cutoffs(scores, bias, top_k, with_kth=leave_one_out)
     alpha, kappa = cut if leave_one_out else (cut, None)  # [m], [m] or None
     # Step 2: the interpolated (q+1)-th largest margin of each expert, negated.
-    b_tilde = _threshold_bias(scores, bias, alpha, kappa, whole, frac)  # [n]
+    # $$	ilde b_j = -M_{(q+1),j}$$
+    b_tilde = -_quantile_thresholds(scores, alpha, whole, frac, bias=bias, kappa=kappa)  # [n]
     # Step 3: remove the mean, which changes no top-k.
     return _center(b_tilde) if center else b_tilde
 
@@ -474,8 +492,9 @@ def _update_from_cutoffs(scores: Array, bias: Array, top_k: int, alpha: Array, *
     whole, frac = _check_batch(m, n, top_k)
     kappa = None
     if leave_one_out:
-        _, kappa = _cutoffs(_biased(scores, bias), top_k, with_kth=True)  # the k-th largest, [m]
-    return _center(_threshold_bias(scores, bias, alpha, kappa, whole, frac))
+        _, kappa = _cutoffs(scores, bias, top_k, with_kth=True)  # the k-th largest, [m]
+    # $$\tilde b_j = -M_{(q+1),j}$$
+    return _center(-_quantile_thresholds(scores, alpha, whole, frac, bias=bias, kappa=kappa))
 
 
 # ---------------------------------------------------------------------------

@@ -76,7 +76,7 @@ import scipy.optimize
 import scipy.sparse
 
 from ._xp import Array, array_namespace, compute_dtype, to_numpy
-from .balancing import _check_batch, _expert_major_margins, _interpolated_rows, _kth_largest
+from .balancing import _check_batch, _kth_largest, _quantile_thresholds
 from .routing import expert_load, route
 from .validation import check_finite, check_float_array, check_int, check_shape
 
@@ -158,9 +158,8 @@ def beta_step(scores: Array, alpha: Array, top_k: int) -> Array:
     _check_vector("alpha", alpha, m)
     xp = array_namespace(scores, alpha)
     dtype = compute_dtype(xp, scores, alpha)
-    margins_t = _expert_major_margins(scores, xp.astype(alpha, dtype), dtype)  # [n, m]
     # $$\beta_j = (s_{:,j} - \alpha)_{(q+1)}$$
-    return _interpolated_rows(margins_t, whole + 1, frac, overwrite=True)
+    return _quantile_thresholds(xp.astype(scores, dtype), xp.astype(alpha, dtype), whole, frac)
 
 
 def beta_subgradient(scores: Array, alpha: Array, beta: Array, top_k: int) -> Array:

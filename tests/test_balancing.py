@@ -98,6 +98,31 @@ def test_update_on_every_backend(xp, batch):
     np.testing.assert_allclose(out, reference_update(s, b, k), rtol=0, atol=1e-15)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_update_across_blocks_equals_sort_reference(dtype):
+    # Large enough for several blocks of tokens and of experts, and for the sampled selection.
+    rng = np.random.default_rng(21)
+    m, n, k = 9000, 130, 3
+    s = (1.0 / (1.0 + np.exp(-rng.normal(size=(m, n)) - rng.normal(size=n)))).astype(dtype)
+    b = (0.1 * rng.normal(size=n)).astype(dtype)
+    expected = reference_update(s.astype(np.float64), b.astype(np.float64), k)
+    tolerance = 1e-6 if dtype == np.float32 else 1e-15
+    np.testing.assert_allclose(quantile_balancing_update(s, b, k), expected, rtol=0, atol=tolerance)
+
+
+def test_leave_one_out_across_blocks_equals_reference():
+    rng = np.random.default_rng(22)
+    m, n, k = 4500, 70, 2
+    s = 1.0 / (1.0 + np.exp(-rng.normal(size=(m, n))))
+    b = 0.1 * rng.normal(size=n)
+    q = m * k / n
+    desc = -np.sort(-reference_leave_one_out_margins(s, b, k), axis=0)
+    lo = math.floor(q)
+    expected = -((1 - (q - lo)) * desc[lo] + (q - lo) * desc[lo + 1])
+    np.testing.assert_allclose(quantile_balancing_update(s, b, k, center=False, leave_one_out=True), expected,
+                               rtol=0, atol=1e-15)
+
+
 @given(batches())
 def test_new_bias_has_zero_mean(batch):
     s, b, k = batch
@@ -240,13 +265,13 @@ def test_margins_use_the_routing_cutoff(batch):
 
 
 def test_fast_cutoff_equals_selection_cutoff_bit_for_bit():
-    from refimpl.balancing import _biased, _cutoffs
+    from refimpl.balancing import _cutoffs
 
     rng = np.random.default_rng(5)
     s = rng.random((300, 64), dtype=np.float32)
     b = (rng.normal(size=64) * 0.1).astype(np.float32)
     _, alpha = selection_cutoff(s, b, 7)
-    np.testing.assert_array_equal(_cutoffs(_biased(s, b), 7), alpha)
+    np.testing.assert_array_equal(_cutoffs(s, b, 7), alpha)
 
 
 @given(st.integers(1, 30), st.integers(0, 10**6), st.sampled_from([0.0, 0.25, 0.5, 0.99]))
