@@ -132,16 +132,22 @@ def plot(out: Path, ratios: dict[str, np.ndarray], floor: np.ndarray, q: float, 
     out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(9, 4.8), constrained_layout=True)
     colours = iter(["black", "#1f77b4", "#2ca02c", "#d62728"])
+    cap = 500.0  # steps where some expert got no token (max/min infinite) are marked with x at this height
     for name, r in ratios.items():
         steps = np.arange(1, r.size + 1)
-        ax.plot(steps, np.where(np.isfinite(r), r, np.nan), color=next(colours),
+        colour = next(colours)
+        ax.plot(steps, np.where(np.isfinite(r), r, np.nan), color=colour,
                 linewidth=2.0 if name.startswith("QB") else 1.2, label=name)
+        empty = ~np.isfinite(r)
+        ax.scatter(steps[empty], np.full(int(empty.sum()), cap), color=colour, marker="x", s=18)
+    ax.text(1, cap * 1.15, "x: some expert got no token", fontsize=8, va="bottom")
     ax.axhspan(floor.min(), floor.max(), color="0.85", label="noise floor (uniform router)")
     ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("max / min load (log; gaps: some expert got no token)")
+    ax.set_ylabel("max / min load (log)")
+    ax.set_ylim(top=cap * 2)
     ax.set_title(f"n = 896, k = 16, {m:,} fresh tokens per step (q = {q:.1f})")
-    ax.legend(loc="upper right", fontsize=9)
+    ax.legend(loc="center right", fontsize=9)
     fig.savefig(out / "max_min_load.png", dpi=110)
     plt.close(fig)
 
