@@ -418,17 +418,17 @@ def separating_dual(scores: Array, x: Array) -> SeparatingDual:
     r"""The optimal dual of largest separation for an optimal assignment `x` (a second, small LP).
 
     A simplex solver returns a *vertex* of the dual optimal set, and a vertex
-    sits on its boundary: some entries have $s_{i,j} - lpha_i - eta_j = 0$
-    exactly, so the top-$k$ of $s_i - eta^*$ has ties at its edge, and the
-    tie rule (lower id first), not the LP, decides those tokens. Any $(lpha,
-    eta)$ with $s - lpha - eta \ge 0$ on the chosen entries and $\le 0$ on
-    the others is also optimal (then $D(lpha, eta) = \sum s \cdot x$). This
+    sits on its boundary: some entries have $s_{i,j} - \alpha_i - \beta_j = 0$
+    exactly, so the top-$k$ of $s_i - \beta^*$ has ties at its edge, and the
+    tie rule (lower id first), not the LP, decides those tokens. Any $(\alpha,
+    \beta)$ with $s - \alpha - \beta \ge 0$ on the chosen entries and $\le 0$ on
+    the others is also optimal (then $D(\alpha, \beta) = \sum s \cdot x$). This
     function asks HiGHS for the one that maximizes the smallest gap $t$:
 
     $$
-    \max_{lpha, eta, t \le 1} t \quad	ext{s.t.}\quad
-    lpha_i + eta_j + t \le s_{i,j} \;(x_{i,j} = 1), \qquad
-    -lpha_i - eta_j + t \le -s_{i,j} \;(x_{i,j} = 0).
+    \max_{\alpha, \beta, t \le 1} t \quad	ext{s.t.}\quad
+    \alpha_i + \beta_j + t \le s_{i,j} \;(x_{i,j} = 1), \qquad
+    -\alpha_i - \beta_j + t \le -s_{i,j} \;(x_{i,j} = 0).
     $$
 
     It has $mn$ inequality rows, so it is meant for the cross-check sizes
