@@ -143,7 +143,7 @@ from typing import Any
 import numpy as np
 
 from ._xp import Array, array_namespace, bincount, compute_dtype, dtype_name, is_numpy
-from .routing import selection_cutoff
+from .balancing import _cutoffs
 from .validation import check_finite, check_float_array, check_int
 
 __all__ = [
@@ -191,8 +191,8 @@ def _cutoff(scores: Array, bias: Array, top_k: int) -> Array:
     m, n = scores.shape
     if top_k == n:
         return xp.full((m,), -xp.inf, dtype=compute_dtype(xp, scores, bias))
-    _, alpha = selection_cutoff(scores, bias, top_k)  # [m]
-    return alpha
+    # The same values as `selection_cutoff`, from Eq. (14)'s values-only selection (no ranking of ids).
+    return _cutoffs(scores, bias, top_k)  # [m]
 
 
 def required_bias(scores: Array, bias: Array, top_k: int) -> Array:
