@@ -3,16 +3,26 @@
 The public API re-exported here follows the paper section by section:
 
 * configuration: `MoEConfig`;
-* Eq. (12) and Appendix B: `softcap`, `situ_glu`, `swiglu`, `rms_norm`;
-* Eq. (13): `router_scores`, `route`, `expert_load`;
-* Eq. (11): `init_params`, `MoEParams`, `stable_latent_moe`;
-* accounting: `parameter_counts`, `dispatch_payload`, `combinatorial_sparsity`.
+* Eq. (12) and Appendix B: `softcap`, `situ_glu`, `swiglu`, their derivatives, `rms_norm`;
+* Eq. (13): `router_scores`, `route`, `selection_cutoff`, `expert_load`;
+* Eq. (11): `init_params`, `MoEParams`, `stable_latent_moe`, `stable_latent_moe_reference`;
+* accounting: `parameter_counts`, `dispatch_payload`, `combinatorial_sparsity`;
+* Eq. (14): `quantile_balancing_update`, `sign_balancing_update`, the stateful balancers;
+* Appendix C: `dual_objective`, the coordinate steps, `solve_assignment_lp`;
+* Appendix D: `histogram_balancing_update`, `BiasHistogram`;
+* the conformance kit: the subpackage `refimpl.testing` (imported on first use,
+  since it needs Hypothesis).
 """
 
-from .accounting import combinatorial_sparsity, dispatch_payload, parameter_counts
+from importlib import import_module
+from typing import Any
+
+from .accounting import combinatorial_sparsity, dispatch_payload, log10_binomial, parameter_counts
 from .activations import (
     hard_clamp,
+    hard_clamp_grad,
     rms_norm,
+    sigmoid,
     situ_glu,
     situ_glu_grad,
     softcap,
@@ -20,40 +30,107 @@ from .activations import (
     swiglu,
     swiglu_grad,
 )
+from .balancing import (
+    Balancer,
+    BalanceStep,
+    QuantileBalancer,
+    SignBalancer,
+    interpolated_kth_largest,
+    load_ratio,
+    margins,
+    quantile_balancing_update,
+    sign_balancing_update,
+    target_load,
+)
 from .config import MoEConfig
+from .dual import (
+    AssignmentLP,
+    DescentTrace,
+    SeparatingDual,
+    SubgradientCheck,
+    alpha_step,
+    beta_step,
+    beta_subgradient,
+    coordinate_descent,
+    dual_objective,
+    separating_dual,
+    solve_assignment_lp,
+    subgradient_check,
+)
+from .histogram import BiasHistogram, histogram_balancing_update, histogram_range, required_bias
 from .latent_moe import (
     MoEOutput,
     MoEParams,
+    check_params,
     init_params,
     parameter_shapes,
     stable_latent_moe,
     stable_latent_moe_reference,
 )
-from .routing import biased_scores, expert_load, route, router_scores
+from .routing import biased_scores, expert_load, route, router_scores, selection_cutoff
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> Any:
+    """Import the conformance kit `refimpl.testing` lazily: it needs Hypothesis, the rest does not."""
+    if name == "testing":
+        return import_module(".testing", __name__)
+    raise AttributeError(f"module 'refimpl' has no attribute {name!r}")
+
+
 __all__ = [
+    "AssignmentLP",
+    "BalanceStep",
+    "Balancer",
+    "BiasHistogram",
+    "DescentTrace",
     "MoEConfig",
     "MoEOutput",
     "MoEParams",
+    "QuantileBalancer",
+    "SeparatingDual",
+    "SignBalancer",
+    "SubgradientCheck",
+    "alpha_step",
+    "beta_step",
+    "beta_subgradient",
     "biased_scores",
+    "check_params",
     "combinatorial_sparsity",
+    "coordinate_descent",
     "dispatch_payload",
+    "dual_objective",
     "expert_load",
     "hard_clamp",
+    "hard_clamp_grad",
+    "histogram_balancing_update",
+    "histogram_range",
     "init_params",
+    "interpolated_kth_largest",
+    "load_ratio",
+    "log10_binomial",
+    "margins",
     "parameter_counts",
     "parameter_shapes",
+    "quantile_balancing_update",
+    "required_bias",
     "rms_norm",
     "route",
     "router_scores",
+    "selection_cutoff",
+    "separating_dual",
+    "sigmoid",
+    "sign_balancing_update",
     "situ_glu",
     "situ_glu_grad",
     "softcap",
     "softcap_grad",
+    "solve_assignment_lp",
     "stable_latent_moe",
     "stable_latent_moe_reference",
+    "subgradient_check",
     "swiglu",
     "swiglu_grad",
+    "target_load",
 ]
