@@ -228,14 +228,21 @@ def routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array,
     are cast when its turn comes, so the whole stack is never copied.
 
     The $mk$ (token, expert) pairs are sorted by expert so that each expert's
-    tokens form one contiguous slice; each expert then runs one GLU on its
-    slice. This is the dispatch / compute / combine of an MoE kernel, on one
-    device. Two choices keep it fast without changing the arithmetic's
-    meaning: the mixture weight $p_{i,e}$ multiplies the expert's hidden
-    activation (width $f$) before the down-projection rather than its output
-    (width $\ell$), since $(p\,h) D^\top = p\,(h D^\top)$; and the combine
-    is a gather by the inverse permutation followed by a plain sum over the
-    $k$ slots of each token, the portable form of a scatter-add.
+    tokens form one contiguous slice; each expert gathers its tokens'
+    latents, runs one GLU on them and writes its outputs to its slice. This
+    is the dispatch / compute / combine of an MoE kernel, on one device.
+    Choices that keep it fast without changing the arithmetic's meaning:
+
+    * the mixture weight $p_{i,e}$ multiplies the expert's hidden activation
+      (width $f$) before the down-projection rather than its output (width
+      $\ell$), since $(p\,h) D^\top = p\,(h D^\top)$;
+    * each expert gathers only its own tokens, a block that is used at once
+      while it is in cache, instead of one sorted copy of all $mk$ latents;
+    * the combine, the portable form of a scatter-add, takes one routing slot
+      at a time: the $r$-th outputs of all tokens are gathered from the
+      sorted rows and added, so no unsorted copy of the $mk$ outputs is made.
+      (Fewer large temporaries also means fewer page faults, which on a CPU
+      cost as much as the copies themselves.)
     """
     xp = array_namespace(z, index, weights)
     m, k = index.shape
@@ -244,7 +251,7 @@ def routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array,
     slot_expert = xp.reshape(index, (m * k,))  # [m*k]
     # Dispatch: order the slots by expert id (stable, so tokens keep their order within an expert).
     order = xp.argsort(slot_expert, stable=True)  # [m*k]
-    z_sorted = xp.take(z, order // k, axis=0)  # [m*k, l], row t is the latent of sorted slot t's token
+    token_sorted = order // k  # [m*k], the token of each sorted slot
     p_sorted = xp.take(xp.reshape(weights, (m * k,)), order)[:, None]  # [m*k, 1]
     # Expert $e$ owns sorted slots `start[e] : start[e + 1]`.
     count = to_numpy(bincount(slot_expert, n))  # [n]
@@ -252,17 +259,20 @@ def routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array,
     out_sorted = xp.empty((m * k, ell), dtype=z.dtype)  # [m*k, l]
     for e in np.flatnonzero(count).tolist():
         rows = slice(int(start[e]), int(start[e + 1]))
-        z_e = z_sorted[rows, :]  # [m_e, l]
+        z_e = xp.take(z, token_sorted[rows], axis=0)  # [m_e, l], the latents of expert e's tokens
         # Expert $e$'s matrices in the dtype of `z` (free unless the stacks are stored narrower).
         g_e, u_e, d_e = (xp.astype(w[e, ...], z.dtype, copy=False) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
         # $$h = \operatorname{SiTU\text{-}GLU}(z G_e^\top, z U_e^\top)$$
         h = _expert_glu(z_e @ g_e.T, z_e @ u_e.T, config)  # [m_e, f]
         # $$p_{i,e}\, E_e(z_i) = (p_{i,e}\, h_i)\, D_e^\top$$
         out_sorted[rows, :] = (p_sorted[rows, :] * h) @ d_e.T  # [m_e, l]
-    # Combine: undo the sort (slot order is token-major), then add each token's k weighted outputs.
-    out = xp.take(out_sorted, xp.argsort(order), axis=0)  # [m*k, l]
-    # $$u_i = \textstyle\sum_{r=1}^{k} p_{i,r}\, E_{\mathcal{T}_{i,r}}(z_i)$$
-    return xp.sum(xp.reshape(out, (m, k, ell)), axis=1)  # [m, l]
+    # Combine: slot $t = i k + r$ sits at sorted position `position[i, r]` (the inverse permutation).
+    position = xp.reshape(xp.argsort(order), (m, k))  # [m, k]
+    u = xp.zeros((m, ell), dtype=z.dtype)  # [m, l]
+    for r in range(k):
+        # $$u_i \mathrel{+}= p_{i,r}\, E_{\mathcal{T}_{i,r}}(z_i)$$ for every token $i$ at once
+        u += xp.take(out_sorted, position[:, r], axis=0)  # [m, l]
+    return u
 
 
 def shared_experts(x: Array, gate_proj: Array, up_proj: Array, down_proj: Array,
