@@ -29,7 +29,6 @@ Run: `python benchmarks/torch_compare.py` (writes `docs/benchmarks/torch_compare
 from __future__ import annotations
 
 import sys
-import time
 
 import numpy as np
 from common import (
@@ -44,6 +43,7 @@ from common import (
     markdown_table,
     output_dir,
     set_blas_threads,
+    time_call,
     time_round_robin,
     write_results,
 )
@@ -171,12 +171,12 @@ def compare_forward(config: MoEConfig, m: int, subset: int, repeats: int) -> dic
             sub = tx[:subset]
             y_loop = torch_per_token_forward(sub, tp, config).numpy()
             result["torch_per_token_rel_error"] = relative_error(y_loop, y_numpy[:subset])
-            start = time.perf_counter()
-            torch_per_token_forward(sub, tp, config)
-            loop_subset_s = time.perf_counter() - start
+            loop = time_call("torch_per_token", lambda: torch_per_token_forward(sub, tp, config),
+                             repeats=min(repeats, 3), warmup=0)
         result["per_token_subset"] = subset
-        result["per_token_subset_s"] = loop_subset_s
-        result["per_token_extrapolated_s"] = loop_subset_s * m / subset
+        result["per_token_subset_timing"] = loop
+        result["per_token_subset_s"] = loop.median
+        result["per_token_extrapolated_s"] = loop.median * m / subset
     else:
         timings = time_round_robin(work, repeats=repeats)
     result["gemm_gflops"] = gemm_flops / timings.pop("GEMM").median / 1e9
@@ -272,12 +272,13 @@ def main(argv: list[str] | None = None) -> dict:
         fwd_rows.append(_row("PyTorch, same grouped algorithm", tg, numpy_t,
                              f"{fwd['flops'] / tg.median / 1e9:.1f} GFLOP/s"))
         loop = fwd["per_token_extrapolated_s"]
-        print(f"  per-token gather loop (PyTorch): {fmt_seconds(fwd['per_token_subset_s'])} for {subset} tokens, "
+        print(f"  per-token gather loop (PyTorch): median {fmt_seconds(fwd['per_token_subset_s'])} for {subset} tokens, "
               f"extrapolated to {m} tokens: {fmt_seconds(loop)} ({loop / numpy_t.median:.0f}x NumPy); "
               f"agrees to {fwd['torch_per_token_rel_error']:.1e}")
         fwd_rows.append(["per-token gather loop (PyTorch), extrapolated", fmt_seconds(loop), "-", "-", "-",
                          f"{loop / numpy_t.median:.1f}",
-                         f"timed once on {subset} tokens ({fmt_seconds(fwd['per_token_subset_s'])}), x {m}/{subset}"])
+                         f"median of {len(fwd['per_token_subset_timing'].runs)} runs on {subset} tokens "
+                         f"({fmt_seconds(fwd['per_token_subset_s'])}), times {m}/{subset}"])
 
     bal = {"skipped": "--skip-balancing"} if args.skip_balancing else compare_balancing(n_b, k_b, m_b, repeats)
     bal_rows = []
