@@ -177,12 +177,12 @@ def run_tests(pytest_args: str, timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pytest", *shlex.split(pytest_args)]
     env = dict(os.environ)
     env.setdefault("HYPOTHESIS_PROFILE", "ci")
-    print(f"$ {' '.join(cmd)}  (HYPOTHESIS_PROFILE={env['HYPOTHESIS_PROFILE']})", flush=True)
+    print(f"$ {shlex.join(cmd)}  (HYPOTHESIS_PROFILE={env['HYPOTHESIS_PROFILE']})", flush=True)
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"command": " ".join(cmd), "ok": False, "summary": f"timed out after {timeout:.0f} s",
+        return {"command": shlex.join(cmd), "ok": False, "summary": f"timed out after {timeout:.0f} s",
                 "seconds": time.perf_counter() - start}
     seconds = time.perf_counter() - start
     lines = (proc.stdout + proc.stderr).strip().splitlines()
@@ -192,7 +192,7 @@ def run_tests(pytest_args: str, timeout: float) -> dict[str, Any]:
     counts = {word: int(num) for num, word in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)",
                                                           summary)}
     ok = proc.returncode == 0 and counts.get("passed", 0) > 0
-    return {"command": " ".join(cmd), "returncode": proc.returncode, "summary": summary, "counts": counts,
+    return {"command": shlex.join(cmd), "returncode": proc.returncode, "summary": summary, "counts": counts,
             "ok": ok, "seconds": seconds}
 
 
