@@ -285,7 +285,7 @@ def shared_experts(x: Array, gate_proj: Array, up_proj: Array, down_proj: Array,
     xp = array_namespace(x)
     if gate_proj.shape[0] == 0:  # no shared experts
         return xp.zeros(x.shape, dtype=x.dtype)
-    return _glu(x @ gate_proj.T, x @ up_proj.T, config) @ down_proj.T
+    return _expert_glu(x @ gate_proj.T, x @ up_proj.T, config) @ down_proj.T
 
 
 # ---------------------------------------------------------------------------
@@ -352,8 +352,10 @@ def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, 
         z = h  # alpha = 1, no projection: a plain MoE
     # 4-5. Each token's k experts on the latent, mixed in the latent space:
     # $$u_i = \textstyle\sum_{e \in \mathcal{T}_i} p_{i,e} E_e(z_i)$$
-    u = routed_experts(z, index, weights, weight("experts.w1"), weight("experts.w3"),
-                       weight("experts.w2"), config)  # [m, l]
+    # The expert stacks go in as stored: `routed_experts` casts one expert at a time, so a
+    # float16 checkpoint of K3's 896 experts is never copied whole.
+    u = routed_experts(z, index, weights, params["experts.w1"], params["experts.w3"],
+                       params["experts.w2"], config)  # [m, l]
     # 6. The Stable addition: $$v = \operatorname{RMSNorm}(u) \odot g$$
     if config.use_latent_norm:
         v = rms_norm(u, weight("routed_expert_norm.weight"), config.rms_norm_eps)  # [m, l]

@@ -62,7 +62,7 @@ def router_scores(x: Array, router_weight: Array) -> Array:
     xp = array_namespace(x, router_weight)
     dtype = compute_dtype(xp, x, router_weight)
     # $$s_{i,j} = \sigma(x_i \cdot W_r[j])$$
-    logits = xp.astype(x, dtype) @ xp.astype(router_weight, dtype).T  # [m, n]
+    logits = xp.astype(x, dtype, copy=False) @ xp.astype(router_weight, dtype, copy=False).T  # [m, n]
     return sigmoid(logits)
 
 
