@@ -5,8 +5,9 @@ streamed through 8 simulated ranks, each taking 4 micro-batches of scores from
 a seeded router. Each rank keeps one `BiasHistogram`; at the end the 8 count
 matrices are summed (the all-reduce) and the bias is read out. Every micro-batch
 is cut into chunks of rows; for each chunk the script times the cutoff pass
-(`selection_cutoff`, the top-(k+1) of routing) and the histogram pass
-(`BiasHistogram.add` with those cutoffs) separately, and it reports:
+(`refimpl.balancing.cutoffs`, the values-only (k+1)-th largest biased score that
+`BiasHistogram.add` uses by itself) and the histogram pass (`BiasHistogram.add`
+with those cutoffs) separately, and it reports:
 
 * wall time of each phase and end to end, and nanoseconds per margin
   (one margin = one token-expert pair; 3,758,096,384 of them);
@@ -14,8 +15,9 @@ is cut into chunks of rows; for each chunk the script times the cutoff pass
   programs on a shared machine);
 * the peak resident memory;
 * two side measurements on the first rank's micro-batches, taken in the same
-  rounds and not counted in the streamed run: the cutoff pass with a
-  values-only `np.partition` instead (bitwise the same cutoffs, checked), and a
+  rounds and not counted in the streamed run: the cutoff pass through
+  routing's `selection_cutoff` instead, which also ranks the expert ids of the
+  route (bitwise the same cutoffs, checked), and a
   straightforward histogram pass (whole-chunk array expressions and one
   `np.bincount`, the same counts, checked).
 
@@ -44,6 +46,7 @@ from common import (
     write_results,
 )
 
+from refimpl.balancing import cutoffs
 from refimpl.histogram import BiasHistogram
 from refimpl.routing import selection_cutoff
 
@@ -75,10 +78,10 @@ class SeededRouter:
         return out
 
 
-def values_only_cutoff(scores: np.ndarray, bias: np.ndarray, top_k: int) -> np.ndarray:
-    """The (k+1)-th largest of s + b per row, by a values-only partition (the proposed fast path)."""
-    n = scores.shape[1]
-    return np.partition(scores + bias, n - top_k - 1, axis=1)[:, n - top_k - 1]
+def routing_cutoff(scores: np.ndarray, bias: np.ndarray, top_k: int) -> np.ndarray:
+    """The same cutoffs through routing's top-(k+1), which also ranks the route's expert ids."""
+    _, alpha = selection_cutoff(scores, bias, top_k)
+    return alpha
 
 
 def straightforward_counts(chunk: np.ndarray, alpha: np.ndarray, low: float, high: float, bins: int) -> np.ndarray:
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
             for first in range(0, per_block, rows):
                 chunk = block[first:first + rows]
                 t0, c0 = time.perf_counter(), time.process_time()
-                _, alpha = selection_cutoff(chunk, bias, k)
+                alpha = cutoffs(chunk, bias, k)
                 t1, c1 = time.perf_counter(), time.process_time()
                 histogram.add(chunk, cutoff=alpha)
                 t2, c2 = time.perf_counter(), time.process_time()
@@ -140,9 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
                 wall["histogram pass"] += t2 - t1
                 cpu["cutoff pass"] += c1 - c0
                 cpu["histogram pass"] += c2 - c1
-                if rank == 0:  # the values-only alternative, on the first rank's micro-batches
+                if rank == 0:  # routing's index-returning top-(k+1), on the first rank's micro-batches
                     t3, c3 = time.perf_counter(), time.process_time()
-                    other = values_only_cutoff(chunk, bias, k)
+                    other = routing_cutoff(chunk, bias, k)
                     alternative["seconds"] += time.perf_counter() - t3
                     alternative["cpu"] += time.process_time() - c3
                     alternative["margins"] += chunk.size
@@ -190,13 +193,13 @@ def main(argv: list[str] | None = None) -> dict:
         table.append([name, f"{wall[name]:.2f}", f"{ns(wall[name]):.2f}", f"{cpu[name]:.2f}", f"{ns(cpu[name]):.2f}"])
     print(f"{'end to end':>20} {elapsed:8.2f} {ns(elapsed):10.2f} {elapsed_cpu:8.2f} {ns(elapsed_cpu):10.2f}")
     table.append(["end to end", f"{elapsed:.2f}", f"{ns(elapsed):.2f}", f"{elapsed_cpu:.2f}", f"{ns(elapsed_cpu):.2f}"])
-    print(f"(values-only cutoff, measured on rank 0's {alternative['margins']:,} margins and not counted above: "
+    print(f"(routing's index-returning cutoff, measured on rank 0's {alternative['margins']:,} margins and not counted above: "
           f"{alternative_wall_rate * 1e9:.2f} ns/margin wall, {alternative_cpu_rate * 1e9:.2f} CPU)")
     print(f"(straightforward histogram, whole-chunk expressions and one np.bincount, same margins: "
           f"{baseline_wall_rate * 1e9:.2f} ns/margin wall, {baseline_cpu_rate * 1e9:.2f} CPU)")
     projected = elapsed - wall["cutoff pass"] + alternative_wall_rate * margins
     projected_cpu = elapsed_cpu - cpu["cutoff pass"] + alternative_cpu_rate * margins
-    print(f"end to end with the values-only cutoff instead, projected: {projected:.1f} s wall, "
+    print(f"end to end with routing's cutoff instead, projected: {projected:.1f} s wall, "
           f"{projected_cpu:.1f} s CPU")
     print()
     print(f"peak resident memory: {peak_mb:,.0f} MB")
@@ -219,10 +222,10 @@ def main(argv: list[str] | None = None) -> dict:
         "wall_seconds": wall, "cpu_seconds": cpu, "end_to_end_seconds": elapsed, "end_to_end_cpu_seconds": elapsed_cpu,
         "ns_per_margin_wall": {name: ns(v) for name, v in wall.items()},
         "ns_per_margin_cpu": {name: ns(v) for name, v in cpu.items()},
-        "values_only_cutoff_ns_per_margin": {"wall": alternative_wall_rate * 1e9, "cpu": alternative_cpu_rate * 1e9,
+        "routing_cutoff_ns_per_margin": {"wall": alternative_wall_rate * 1e9, "cpu": alternative_cpu_rate * 1e9,
                                              "margins": alternative["margins"]},
-        "projected_end_to_end_with_values_only_cutoff": projected,
-        "projected_end_to_end_cpu_with_values_only_cutoff": projected_cpu,
+        "projected_end_to_end_with_routing_cutoff": projected,
+        "projected_end_to_end_cpu_with_routing_cutoff": projected_cpu,
         "straightforward_histogram_ns_per_margin": {"wall": baseline_wall_rate * 1e9, "cpu": baseline_cpu_rate * 1e9,
                                                     "margins": alternative["margins"]},
         "peak_rss_mb": peak_mb,
@@ -234,9 +237,9 @@ def main(argv: list[str] | None = None) -> dict:
         ["peak resident memory", f"{peak_mb:,.0f} MB"],
         ["histogram pass", f"{ns(wall['histogram pass']):.2f} ns/margin"],
         ["straightforward np.bincount histogram (first rank)", f"{baseline_wall_rate * 1e9:.2f} ns/margin"],
-        ["cutoff pass (selection_cutoff)", f"{ns(wall['cutoff pass']):.2f} ns/margin"],
-        ["cutoff pass, values-only np.partition", f"{alternative_wall_rate * 1e9:.2f} ns/margin"],
-        ["end to end with the values-only cutoff (projected)", f"{projected:.1f} s ({projected_cpu:.1f} s CPU)"],
+        ["cutoff pass (values-only, refimpl.balancing.cutoffs)", f"{ns(wall['cutoff pass']):.2f} ns/margin"],
+        ["cutoff pass through routing's selection_cutoff", f"{alternative_wall_rate * 1e9:.2f} ns/margin"],
+        ["end to end with routing's cutoff (projected)", f"{projected:.1f} s ({projected_cpu:.1f} s CPU)"],
         *[[name, "met" if ok else "missed"] for name, ok in targets.items()]])
     written = write_results(
         "histogram", f"Histogram estimator, {m:,} tokens", results,

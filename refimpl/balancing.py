@@ -144,6 +144,7 @@ __all__ = [
     "Balancer",
     "QuantileBalancer",
     "SignBalancer",
+    "cutoffs",
     "interpolated_kth_largest",
     "load_ratio",
     "margins",
@@ -409,6 +410,24 @@ def _quantile_thresholds(scores: Array, alpha: Array, whole: int, frac: float, *
     return _interpolated_rows(margins_t, whole + 1, frac, overwrite=True)  # [n]
 
 
+def cutoffs(scores: Array, bias: Array, top_k: int) -> Array:
+    r"""Each token's cutoff $\alpha_i$, `[m]`: the $(k+1)$-th largest of $s_i + b$, values only.
+
+    The same values as `refimpl.routing.selection_cutoff(scores, bias, top_k)[1]`,
+    bit for bit, without ranking expert ids: the cheaper pass that Eq. (14) and
+    the histogram estimator (Appendix D) need when the route itself is not.
+    """
+    check_float_array("scores", scores, ndim=2)
+    check_float_array("bias", bias, ndim=1)
+    check_shape("bias", bias, (scores.shape[1],))
+    _check_bias_dtype(bias)
+    n = scores.shape[1]
+    top_k = check_int("top_k", top_k, low=1, high=n - 1)
+    check_finite("scores", scores)
+    check_finite("bias", bias)
+    return _cutoffs(scores, bias, top_k)  # [m]
+
+
 def margins(scores: Array, bias: Array, top_k: int) -> Array:
     r"""The margin matrix $M_{i,j} = s_{i,j} - \alpha_i$, `[m, n]`, of Eq. (14).
 
@@ -479,7 +498,7 @@ def quantile_balancing_update(scores: Array, bias: Array, top_k: int, *, center:
     cut = _cutoffs(scores, bias, top_k, with_kth=leave_one_out)
     alpha, kappa = cut if leave_one_out else (cut, None)  # [m], [m] or None
     # Step 2: the interpolated (q+1)-th largest margin of each expert, negated.
-    # $$	ilde b_j = -M_{(q+1),j}$$
+    # $$\tilde b_j = -M_{(q+1),j}$$
     b_tilde = -_quantile_thresholds(scores, alpha, whole, frac, bias=bias, kappa=kappa)  # [n]
     # Step 3: remove the mean, which changes no top-k.
     return _center(b_tilde) if center else b_tilde

@@ -20,6 +20,7 @@ from refimpl.balancing import (
     SignBalancer,
     _kth_largest,
     _select_numpy,
+    cutoffs,
     interpolated_kth_largest,
     load_ratio,
     margins,
@@ -593,3 +594,21 @@ def test_example_14_fresh_batch_noise_small(tmp_path, capsys):
     assert stuck["Eq. (14)"]["stuck"] > 10 * max(1, stuck["leave-one-out (extension)"]["stuck"])
     assert "predicted" in capsys.readouterr().out
     assert_png(tmp_path / "atom_and_noise.png")
+
+
+@given(st.integers(2, 40), st.integers(3, 12), st.data())
+def test_cutoffs_equal_the_k_plus_first_sorted_biased_score(m, n, data):
+    """`cutoffs` is the (k+1)-th largest of s + b per token, as a full sort says, and equals `selection_cutoff`."""
+    top_k = data.draw(st.integers(1, n - 1))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    scores = rng.random((m, n))
+    bias = 0.1 * rng.standard_normal(n)
+    expected = np.sort(scores + bias, axis=1)[:, n - top_k - 1]
+    np.testing.assert_array_equal(cutoffs(scores, bias, top_k), expected)
+    np.testing.assert_array_equal(cutoffs(scores, bias, top_k), selection_cutoff(scores, bias, top_k)[1])
+
+
+def test_cutoffs_reject_k_equal_to_n():
+    """With k = n no (k+1)-th score exists: a clear error naming top_k."""
+    with pytest.raises(ValueError, match="top_k"):
+        cutoffs(np.full((4, 3), 0.5), np.zeros(3), 3)
