@@ -426,7 +426,7 @@ def separating_dual(scores: Array, x: Array) -> SeparatingDual:
     function asks HiGHS for the one that maximizes the smallest gap $t$:
 
     $$
-    \max_{\alpha, \beta, t \le 1} t \quad	ext{s.t.}\quad
+    \max_{\alpha, \beta, t \le 1} t \quad\text{s.t.}\quad
     \alpha_i + \beta_j + t \le s_{i,j} \;(x_{i,j} = 1), \qquad
     -\alpha_i - \beta_j + t \le -s_{i,j} \;(x_{i,j} = 0).
     $$
