@@ -133,6 +133,22 @@ def _sorted_route(index: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, n
     return np.take_along_axis(index, order, axis=1), np.take_along_axis(weights, order, axis=1)
 
 
+def _float_output(name: str, out: Any, shape: tuple[int, ...], shape_text: str) -> np.ndarray:
+    """Validate a user's floating output (its shape, a real floating dtype, finite) and return it as float64.
+
+    `shape_text` names the expected shape in symbols, e.g. `"[m, d]"`, for the report.
+    """
+    out = np.asarray(out)
+    if out.shape != shape:
+        raise Violation(f"{name} must have shape {shape_text} = {list(shape)}, got {list(out.shape)}")
+    if not _is_float(out):
+        raise Violation(f"{name} must be a real floating array, got dtype {out.dtype}")
+    out = out.astype(np.float64)
+    if not np.all(np.isfinite(out)):
+        raise Violation(f"{name} must be finite, got {int(np.sum(~np.isfinite(out)))} NaN or inf entries")
+    return out
+
+
 def _route_output(out: Any, m: int, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Validate a router's `(index, weights)` and return them as int64 and float64 arrays."""
     if not (isinstance(out, tuple | list) and len(out) == 2):
@@ -143,11 +159,7 @@ def _route_output(out: Any, m: int, n: int, k: int) -> tuple[np.ndarray, np.ndar
                         f"got {list(index.shape)} and {list(weights.shape)}")
     if not np.issubdtype(index.dtype, np.integer):
         raise Violation(f"index must be an integer array, got dtype {index.dtype}")
-    if not _is_float(weights):
-        raise Violation(f"weights must be a real floating array, got dtype {weights.dtype}")
-    weights = weights.astype(np.float64)
-    if not np.all(np.isfinite(weights)):
-        raise Violation(f"weights must be finite, got {int(np.sum(~np.isfinite(weights)))} NaN or inf entries")
+    weights = _float_output("weights", weights, (m, k), "[m, k]")
     if index.size and (index.min() < 0 or index.max() >= n):
         raise Violation(f"expert ids must lie in [0, {n - 1}], got values in [{index.min()}, {index.max()}]")
     return index.astype(np.int64), weights
@@ -155,15 +167,7 @@ def _route_output(out: Any, m: int, n: int, k: int) -> tuple[np.ndarray, np.ndar
 
 def _bias_output(out: Any, n: int) -> np.ndarray:
     """Validate an update's new bias `[n]` and return it as float64."""
-    new = np.asarray(out)
-    if new.shape != (n,):
-        raise Violation(f"the new bias must have shape [n] = [{n}], got {list(new.shape)}")
-    if not _is_float(new):
-        raise Violation(f"the new bias must be a real floating array, got dtype {new.dtype}")
-    new = new.astype(np.float64)
-    if not np.all(np.isfinite(new)):
-        raise Violation(f"the new bias must be finite, got {int(np.sum(~np.isfinite(new)))} NaN or inf entries")
-    return new
+    return _float_output("the new bias", out, (n,), "[n]")
 
 
 def _count(number: int, one: str, many: str | None = None) -> str:
@@ -433,16 +437,8 @@ def check_forward(fn: Callable[[np.ndarray, dict[str, np.ndarray], MoEConfig], A
     cases = rst.forward_cases(config=configs, max_tokens=max_tokens)
 
     def run(case: rst.ForwardCase) -> np.ndarray:
-        out = np.asarray(call_user(fn, case.x.astype(dtype), case.params(dtype), case.config))
-        m, d = case.x.shape
-        if out.shape != (m, d):
-            raise Violation(f"y must have shape [m, d] = [{m}, {d}], got {list(out.shape)}")
-        if not _is_float(out):
-            raise Violation(f"y must be a real floating array, got dtype {out.dtype}")
-        y = out.astype(np.float64)
-        if not np.all(np.isfinite(y)):
-            raise Violation(f"y must be finite, got {int(np.sum(~np.isfinite(y)))} NaN or inf entries")
-        return y
+        out = call_user(fn, case.x.astype(dtype), case.params(dtype), case.config)
+        return _float_output("y", out, case.x.shape, "[m, d]")
 
     def inputs(case: rst.ForwardCase) -> dict[str, Any]:
         return {"config": _ConfigRepr(case.config), "x": case.x.astype(dtype),
