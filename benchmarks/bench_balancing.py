@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
                             fmt_seconds(baseline.best), f"{100 * baseline.spread:.0f} %", "-", "-"])
     lp_rows = [[c["m"], c["n"], c["k"], c["q"], fmt_seconds(c["seconds"]), f"{c['residual']:+.1e}",
                 f"{c['integrality']:.1e}", f"{c['cd_gap']:.4f}", f"{c['cd_experts_off']} of {c['n']}"] for c in cases]
-    written = write_results(
+    write_results(
         "balancing", "Quantile Balancing: the exact update and the LP cross-check", results,
         [("The exact update (Eq. 14)", markdown_table(["implementation", "first call", "median (wall)",
                                                        "best (wall)", "spread", "median (CPU)",
@@ -214,8 +214,6 @@ def main(argv: list[str] | None = None) -> dict:
         output_dir(args),
         notes=[f"Exact update: n = {n}, k = {k}, m = {m:,} float32 scores; median of {repeats} runs after the "
                "first call of the process (reported apart); memory traced in a separate run."])
-    for path in written:
-        print(f"wrote {path}")
     return results
 
 

@@ -162,13 +162,11 @@ def main(argv: list[str] | None = None) -> dict:
          ["ratio to GEMM peak", f"{100 * effective / peak:.0f} %"],
          [f"target >= {TARGET_GFLOPS:.0f} GFLOP/s", verdict]])
     stage_table = markdown_table(["stage", "median", "share", "GFLOP/s", "spread"], rows)
-    written = write_results(
+    write_results(
         "forward", f"Forward pass, float32, m = {m}", results,
         [("Whole pass", summary), ("Time per stage (each timed alone)", stage_table)], output_dir(args),
         notes=[f"Layer d = {config.d}, l = {config.ell}, n = {config.n}, k = {config.k}, f = {config.f}, "
                f"shared width {config.shared_size}. Only matrix products count as necessary FLOPs."])
-    for path in written:
-        print(f"wrote {path}")
     return results
 
 

@@ -241,15 +241,13 @@ def main(argv: list[str] | None = None) -> dict:
         ["cutoff pass through routing's selection_cutoff", f"{alternative_wall_rate * 1e9:.2f} ns/margin"],
         ["end to end with routing's cutoff (projected)", f"{projected:.1f} s ({projected_cpu:.1f} s CPU)"],
         *[[name, "met" if ok else "missed"] for name, ok in targets.items()]])
-    written = write_results(
+    write_results(
         "histogram", f"Histogram estimator, {m:,} tokens", results,
         [("Summary", summary),
          ("Phases", markdown_table(["phase", "wall s", "ns/margin", "CPU s", "ns/margin (CPU)"], table))],
         output_dir(args),
         notes=[f"n = {n}, k = {k}, B = {bins}; {args.ranks} simulated ranks x {args.micro_batches} micro-batches; "
                f"{margins:,} margins. Wall time is what the targets refer to."])
-    for path in written:
-        print(f"wrote {path}")
     return results
 
 

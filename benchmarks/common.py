@@ -344,7 +344,7 @@ def write_results(name: str, title: str, results: Mapping[str, Any], tables: Seq
     """Write `<name>.json` (all results) and `<name>.md` (dated page: machine, notes, tables) to `out_dir`.
 
     `tables` is a sequence of `(heading, markdown_table)`. Nothing is written when `out_dir` is None.
-    Returns the paths written.
+    Prints and returns the paths written.
     """
     if out_dir is None:
         return []
@@ -367,6 +367,8 @@ def write_results(name: str, title: str, results: Mapping[str, Any], tables: Seq
         lines += [f"## {heading}", "", table, ""]
     md_path = out_dir / f"{name}.md"
     md_path.write_text("\n".join(lines))
+    for path in (json_path, md_path):
+        print(f"wrote {path}")
     return [json_path, md_path]
 
 

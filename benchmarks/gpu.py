@@ -507,8 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal {fmt_seconds(total)}; " + ("all checks passed" if not failed else f"FAILED: {', '.join(failed)}"))
 
     out = args.out if args.out is not None else (None if args.cpu else RESULTS_DIR)
-    for path in write_results("gpu", f"GPU check on {backend.device}", results, _tables(results), out):
-        print(f"wrote {path}")
+    write_results("gpu", f"GPU check on {backend.device}", results, _tables(results), out)
     return 1 if failed else 0
 
 

@@ -310,9 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
     notes = [f"Same process, {threads} threads for NumPy's BLAS and for PyTorch; timings take turns. "
              "NumPy's element-wise functions run on one thread, PyTorch's on all of them. "
              f"Float32 GEMM peak in the same rounds: {fwd['gemm_gflops']:.1f} GFLOP/s."]
-    for path in write_results("torch_compare", "NumPy against PyTorch (CPU)", results, tables,
-                              output_dir(args), notes=notes):
-        print(f"wrote {path}")
+    write_results("torch_compare", "NumPy against PyTorch (CPU)", results, tables, output_dir(args), notes=notes)
     return results
 
 
