@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -271,6 +272,26 @@ class TestProfiles:
     def test_bad_tie_order_is_rejected(self):
         with pytest.raises(ValueError, match="tie_order"):
             kit.check_router(good.router, tie_order="higher_id")
+
+
+def test_without_hypothesis_the_kit_says_what_to_install():
+    """The kit alone needs Hypothesis: without it the import fails naming the package and the extra,
+    while the rest of refimpl imports and runs."""
+    script = (
+        "import sys\n"
+        "sys.modules['hypothesis'] = None  # makes `import hypothesis` raise ImportError\n"
+        "import refimpl\n"
+        "assert refimpl.route is not None\n"
+        "try:\n"
+        "    import refimpl.testing\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+        "else:\n"
+        "    raise SystemExit('imported without Hypothesis')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "Hypothesis" in done.stdout and "refimpl[testing]" in done.stdout
 
 
 # ---------------------------------------------------------------------------

@@ -86,6 +86,14 @@ The strategies are public: `strategies.routing_cases()`, `scores()`,
 your eager code agree on inputs with no near-ties.
 """
 
+try:
+    import hypothesis  # noqa: F401  (the one dependency of the kit that the rest of refimpl lacks)
+except ImportError as exc:
+    raise ImportError(
+        "refimpl.testing runs its checks with Hypothesis, which is not installed; "
+        "install it with: pip install 'refimpl[testing]' (or: pip install hypothesis)"
+    ) from exc
+
 from . import strategies
 from .checks import (
     PROFILES,
