@@ -26,7 +26,7 @@ SITE_SOURCES := mkdocs.yml pyproject.toml \
 	$(shell find docs refimpl examples tests benchmarks -type f \
 		-not -path '*/__pycache__/*' -not -name '*.pyc' 2>/dev/null)
 
-.PHONY: all serve test docs bench clean distclean venv
+.PHONY: all serve test docs bench gpu clean distclean venv
 
 all: test
 
@@ -81,6 +81,13 @@ bench: $(STAMP)
 		case "$$script" in */_*|*/common.py) continue;; esac; \
 		echo "== $$script"; $(BIN)/python "$$script" || exit 1; \
 	done
+
+# The GPU check (needs an NVIDIA GPU): add CuPy to .venv, then run every step of benchmarks/gpu.py
+# and record its results in docs/benchmarks/gpu.md. CUDA 12 wheels; on a machine without the CUDA
+# toolkit, `$(BIN)/pip install 'cupy-cuda12x[ctk]'` first brings the runtime compiler CuPy needs.
+gpu: $(STAMP)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[gpu]'
+	$(BIN)/python benchmarks/gpu.py --require-gpu
 
 # --- cleaning --------------------------------------------------------------
 

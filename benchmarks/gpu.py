@@ -459,8 +459,10 @@ def main(argv: list[str] | None = None) -> int:
         backend = Backend(args.cpu)
     except NoGPU as exc:
         # `make bench` runs every script; on a machine without a GPU this one has nothing to measure.
-        print(f"GPU check skipped: {exc}. Nothing was measured or written; `--cpu` runs the same steps "
-              "with NumPy.")
+        # `make gpu` asks for a GPU (--require-gpu), so there its absence is an error.
+        outcome = "GPU check failed" if args.require_gpu else "GPU check skipped"
+        print(f"{outcome}: {exc}. Nothing was measured or written; `--cpu` runs the same steps with NumPy.",
+              file=sys.stderr if args.require_gpu else sys.stdout)
         return 1 if args.require_gpu else 0
     machine = machine_info(backend=backend.name, device=backend.device)
     if not args.cpu:

@@ -202,7 +202,10 @@ def test_gpu_script_without_a_gpu_says_so_and_measures_nothing(tmp_path):
     proc = run_script(["benchmarks/gpu.py", "--out", str(tmp_path)], hide=("cupy",))
     assert "GPU check skipped" in proc.stdout and "CuPy" in proc.stdout
     assert list(tmp_path.iterdir()) == []
-    run_script(["benchmarks/gpu.py", "--require-gpu", "--out", str(tmp_path)], hide=("cupy",), returncode=1)
+    proc = run_script(["benchmarks/gpu.py", "--require-gpu", "--out", str(tmp_path)], hide=("cupy",),
+                      returncode=1)
+    assert "GPU check failed" in proc.stderr and "CuPy" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_gpu_script_fails_when_the_tests_do_not_pass(tmp_path):
