@@ -111,6 +111,27 @@ def test_update_across_blocks_equals_sort_reference(dtype):
     np.testing.assert_allclose(quantile_balancing_update(s, b, k), expected, rtol=0, atol=tolerance)
 
 
+@pytest.mark.parametrize("leave_one_out", [False, True])
+def test_float32_update_on_every_backend(xp, leave_one_out):
+    """In float32, on a batch large enough for the selection paths of NumPy and CuPy, every backend
+    agrees with the float64 sort reference to float32 rounding (the extension's variant too)."""
+    rng = np.random.default_rng(23)
+    m, n, k = 3000, 40, 3
+    s = (1.0 / (1.0 + np.exp(-rng.normal(size=(m, n)) - rng.normal(size=n)))).astype(np.float32)
+    b = (0.1 * rng.normal(size=n)).astype(np.float32)
+    s64, b64 = s.astype(np.float64), b.astype(np.float64)
+    if leave_one_out:
+        q = m * k / n
+        desc = -np.sort(-reference_leave_one_out_margins(s64, b64, k), axis=0)
+        lo = math.floor(q)
+        expected = -((1 - (q - lo)) * desc[lo] + (q - lo) * desc[lo + 1])
+    else:
+        expected = reference_update(s64, b64, k, center=False)
+    out = quantile_balancing_update(xp.asarray(s), xp.asarray(b), k, center=False, leave_one_out=leave_one_out)
+    assert str(out.dtype).endswith("float32")
+    np.testing.assert_allclose(to_numpy(out), expected, rtol=0, atol=2e-7)
+
+
 def test_leave_one_out_across_blocks_equals_reference():
     rng = np.random.default_rng(22)
     m, n, k = 4500, 70, 2

@@ -234,6 +234,27 @@ def test_steps_on_every_backend(xp, instance):
     np.testing.assert_array_equal(to_numpy(beta_step(xp.asarray(s), xp.asarray(alpha), k)), beta_step(s, alpha, k))
 
 
+def test_lp_tools_take_arrays_of_every_backend(xp):
+    """HiGHS, the separating dual, coordinate descent and the subgradient check accept any backend's
+    arrays (moving them to the host themselves) and give what they give for NumPy input."""
+    s = sigmoid_scores(np.random.default_rng(5), 12, 4)
+    k = 2
+    bias = np.array([0.02, -0.01, 0.0, -0.01])
+    lp, lp_xp = solve_assignment_lp(s, k), solve_assignment_lp(xp.asarray(s), k)
+    np.testing.assert_array_equal(lp_xp.x, lp.x)
+    assert lp_xp.objective == pytest.approx(lp.objective, rel=1e-12)
+    sep, sep_xp = separating_dual(s, lp.x), separating_dual(xp.asarray(s), xp.asarray(lp.x))
+    for name in ("alpha", "beta"):
+        np.testing.assert_allclose(to_numpy(getattr(sep_xp, name)), getattr(sep, name), rtol=0, atol=1e-12)
+    trace, trace_xp = coordinate_descent(s, k, iterations=5), coordinate_descent(xp.asarray(s), k, iterations=5)
+    for name in ("objective", "loads", "index", "beta"):
+        np.testing.assert_allclose(to_numpy(getattr(trace_xp, name)), getattr(trace, name), rtol=1e-12, atol=1e-15)
+    check, check_xp = subgradient_check(s, bias, k), subgradient_check(xp.asarray(s), xp.asarray(bias), k)
+    for name in ("load", "q_minus_load", "sign_rule_step"):
+        np.testing.assert_array_equal(to_numpy(getattr(check_xp, name)), getattr(check, name))
+    np.testing.assert_allclose(to_numpy(check_xp.finite_difference), check.finite_difference, rtol=1e-9, atol=1e-12)
+
+
 @settings(max_examples=20, deadline=None)
 @given(lp_instances())
 def test_coordinate_descent_never_increases_d_and_stays_above_the_lp(instance):
