@@ -7,6 +7,7 @@ over experts, routing with `refimpl.routing.route` to count what a bias does.
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -344,6 +345,31 @@ def test_sampled_selection_when_every_row_is_unlucky():
     for previous in (False, True):
         got = _select_numpy(x.copy(), 300, previous)
         np.testing.assert_array_equal(got[0] if previous else got, np.zeros(3))
+
+
+def test_cupy_branch_of_the_update_with_numpy_standing_in(monkeypatch):
+    """The code CuPy runs, checked without a GPU: the balancing module is told its arrays are CuPy's
+    (one block, `cupy.partition` for the selection) and NumPy's `partition`, which has the same
+    contract, stands in for CuPy's. A slip in that branch's ranks fails here, not first on a GPU."""
+    import types
+
+    import refimpl.balancing as balancing
+
+    monkeypatch.setattr(balancing, "is_numpy", lambda xp: False)
+    monkeypatch.setattr(balancing, "is_cupy", lambda xp: True)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(partition=np.partition))
+    rng = np.random.default_rng(24)
+    for m, n, k in ((2000, 24, 3), (2001, 24, 5), (40, 6, 2)):
+        s = 1.0 / (1.0 + np.exp(-rng.normal(size=(m, n)) - rng.normal(size=n)))
+        b = 0.1 * rng.normal(size=n)
+        np.testing.assert_allclose(quantile_balancing_update(s, b, k), reference_update(s, b, k),
+                                   rtol=0, atol=1e-15)
+        q = m * k / n
+        desc = -np.sort(-reference_leave_one_out_margins(s, b, k), axis=0)
+        lo = math.floor(q)
+        expected = -((1 - (q - lo)) * desc[lo] + (q - lo) * desc[lo + 1])
+        np.testing.assert_allclose(quantile_balancing_update(s, b, k, center=False, leave_one_out=True),
+                                   expected, rtol=0, atol=1e-15)
 
 
 def test_kth_largest_portable_path_matches(xp):
