@@ -21,8 +21,10 @@ The steps, each printed with its time:
    shared width 6144; 29.6 B routed parameters, about 59 GB in float16, made
    directly on the device. The forward pass on 4,096 float16 tokens: time,
    achieved bandwidth (weight bytes over time) against the device's memory
-   bandwidth (its specification and a measured copy), and a check of a sample
-   of tokens against a float64 computation on the host.
+   bandwidth (its specification and a measured copy), the arithmetic rate
+   against a float32 matrix product on the same device (the layer computes
+   in float32), the time of each stage alone, and a check of a sample of
+   tokens against a float64 computation on the host.
 
 Step 4 calls the stages of Eq. (11) one by one (`forward_by_stages`) instead
 of `stable_latent_moe`, which casts every weight to the compute dtype (float32)
@@ -44,6 +46,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,7 @@ import numpy as np
 from common import (
     REPO,
     RESULTS_DIR,
+    Timing,
     command_line,
     fmt_seconds,
     forward_flops,
@@ -88,16 +92,16 @@ def sizes(cpu: bool, smoke: bool) -> dict[str, Any]:
                     balance=(32, 4, 2048), balance_check_m=512, blocks=4,
                     k3=MoEConfig.k3().replace(hidden_size=64, latent_size=32, num_experts=16, top_k=4,
                                               intermediate_size=24, num_shared_experts=2),
-                    k3_m=64, sample=2, repeats=1, copy_bytes=1 << 22)
+                    k3_m=64, sample=2, repeats=1, copy_bytes=1 << 22, gemm=64)
     if cpu:
         return dict(forward=MoEConfig.small(), forward_m=1024,
                     balance=(896, 16, 65_536), balance_check_m=16_384, blocks=8,
                     k3=MoEConfig.k3().replace(hidden_size=896, latent_size=448, num_experts=112,
                                               intermediate_size=384),
-                    k3_m=512, sample=4, repeats=3, copy_bytes=1 << 28)
+                    k3_m=512, sample=4, repeats=3, copy_bytes=1 << 28, gemm=1024)
     return dict(forward=MoEConfig.small(), forward_m=4096,
                 balance=(896, 16, 1_048_576), balance_check_m=131_072, blocks=8,
-                k3=MoEConfig.k3(), k3_m=4096, sample=4, repeats=3, copy_bytes=1 << 32)
+                k3=MoEConfig.k3(), k3_m=4096, sample=4, repeats=3, copy_bytes=1 << 32, gemm=8192)
 
 
 # ---------------------------------------------------------------------------
@@ -157,6 +161,12 @@ class Backend:
         if not self.cpu:
             self.mod.get_default_memory_pool().free_all_blocks()
 
+    def gemm_rate(self, size: int, repeats: int) -> float:
+        """FLOP/s of a square float32 matrix product: the ceiling for the layer's float32 arithmetic."""
+        a, b = self.normal((size, size), 11), self.normal((size, size), 12)
+        t = time_call("float32 GEMM", lambda: a @ b, repeats=repeats, sync=self.sync)
+        return 2.0 * size**3 / t.median
+
     def copy_bandwidth(self, nbytes: int, repeats: int) -> float:
         """Bytes per second of a plain copy (each byte read once and written once)."""
         a = self.mod.ones(nbytes // 4, dtype=self.mod.float32)
@@ -200,34 +210,58 @@ def run_tests(pytest_args: str, timeout: float) -> dict[str, Any]:
 # Step 2: the scaled forward pass
 # ---------------------------------------------------------------------------
 
-def forward_by_stages(x: Any, params: Any, config: MoEConfig) -> Any:
+def forward_by_stages(x: Any, params: Any, config: MoEConfig,
+                      stage: Callable[[str, Callable[[], Any]], Any] | None = None) -> Any:
     """Eq. (11) stage by stage with the library's functions, leaving the expert stacks in their stored dtype.
 
     The same computation as `stable_latent_moe` (step 2 checks it), except
     that `experts.w1/w3/w2` are handed to `routed_experts` as stored, which
     casts one expert at a time; the other weights, a few hundred MB even for
-    K3, are cast up front as `stable_latent_moe` does.
+    K3, are cast as `stable_latent_moe` casts them. `stage(name, work)` runs
+    each stage (a `StageClock` times them); by default they simply run.
+    Returns `(y, index)`.
     """
     xp = array_namespace(x)
     dtype = compute_dtype(xp, x)
+    run = stage if stage is not None else (lambda name, work: work())
 
     def weight(name: str) -> Any:
         return xp.astype(params[name], dtype, copy=False)
 
     h = xp.astype(x, dtype, copy=False)  # [m, d]
-    scores = router_scores(h, weight("gate.weight"))  # [m, n]
-    index, weights = route(scores, params["gate.e_score_correction_bias"], config.k,
-                           renormalize=config.renormalize, scaling_factor=config.routed_scaling_factor,
-                           n_group=config.n_group, topk_group=config.topk_group)  # [m, k]
+    scores = run("router", lambda: router_scores(h, weight("gate.weight")))  # [m, n]
+    index, weights = run("route (top-k, weights)", lambda: route(
+        scores, params["gate.e_score_correction_bias"], config.k, renormalize=config.renormalize,
+        scaling_factor=config.routed_scaling_factor, n_group=config.n_group,
+        topk_group=config.topk_group))  # [m, k]
     weights = xp.astype(weights, dtype)
-    z = h @ weight("routed_expert_down_proj.weight").T  # [m, l]
-    u = routed_experts(z, index, weights, params["experts.w1"], params["experts.w3"], params["experts.w2"],
-                       config)  # [m, l]
-    v = rms_norm(u, weight("routed_expert_norm.weight"), config.rms_norm_eps) if config.use_latent_norm else u
-    y_routed = v @ weight("routed_expert_up_proj.weight").T  # [m, d]
-    y_shared = shared_experts(h, weight("shared_experts.gate_proj.weight"), weight("shared_experts.up_proj.weight"),
-                              weight("shared_experts.down_proj.weight"), config)  # [m, d]
-    return xp.astype(y_shared + y_routed, x.dtype), index
+    z = run("down_projection", lambda: h @ weight("routed_expert_down_proj.weight").T)  # [m, l]
+    u = run("routed_experts", lambda: routed_experts(z, index, weights, params["experts.w1"], params["experts.w3"],
+                                                     params["experts.w2"], config))  # [m, l]
+    v = (run("rms_norm", lambda: rms_norm(u, weight("routed_expert_norm.weight"), config.rms_norm_eps))
+         if config.use_latent_norm else u)  # [m, l]
+    y_routed = run("up_projection", lambda: v @ weight("routed_expert_up_proj.weight").T)  # [m, d]
+    y_shared = run("shared_experts", lambda: shared_experts(
+        h, weight("shared_experts.gate_proj.weight"), weight("shared_experts.up_proj.weight"),
+        weight("shared_experts.down_proj.weight"), config))  # [m, d]
+    y = run("output sum", lambda: xp.astype(y_shared + y_routed, x.dtype))  # [m, d]
+    return y, index
+
+
+class StageClock:
+    """A `stage` runner for `forward_by_stages` that times each stage, waiting for the device around it."""
+
+    def __init__(self, sync: Callable[[], None]):
+        self.sync = sync
+        self.timings: dict[str, Timing] = {}
+
+    def __call__(self, name: str, work: Callable[[], Any]) -> Any:
+        self.sync()
+        start = time.perf_counter()
+        out = work()
+        self.sync()
+        self.timings.setdefault(name, Timing(name)).runs.append(time.perf_counter() - start)
+        return out
 
 
 def relative_error(a: np.ndarray, b: np.ndarray) -> float:
@@ -385,7 +419,7 @@ def host_reference(x: np.ndarray, params: dict[str, Any], config: MoEConfig) -> 
 
 
 def step_k3(backend: Backend, config: MoEConfig, m: int, sample: int, repeats: int,
-            copy_bytes: int) -> dict[str, Any]:
+            copy_bytes: int, gemm_size: int) -> dict[str, Any]:
     dtype = backend.mod.float16
     start = time.perf_counter()
     params = device_params(backend, config, dtype)
@@ -399,9 +433,16 @@ def step_k3(backend: Backend, config: MoEConfig, m: int, sample: int, repeats: i
     timing = time_call("K3 layer forward", lambda: forward_by_stages(x, params, config), repeats=repeats,
                        sync=backend.sync)
     y, index = forward_by_stages(x, params, config)
-    flops = sum(forward_flops(config, m).values())
+    stage_flops = forward_flops(config, m)
+    flops = sum(stage_flops.values())
     bandwidth = weight_bytes / timing.median
+    # Where the time goes: each stage timed alone (the device waited for before and after it).
+    clock = StageClock(backend.sync)
+    for _ in range(repeats):
+        forward_by_stages(x, params, config, stage=clock)
+    stages = {name: {"timing": t, "flops": stage_flops.get(name, 0.0)} for name, t in clock.timings.items()}
     copy = backend.copy_bandwidth(copy_bytes, repeats=max(repeats, 3))
+    gemm = backend.gemm_rate(gemm_size, repeats=max(repeats, 3))
     # The float64 check on the host, for a sample of tokens spread over the batch.
     rows = np.linspace(0, m - 1, sample).astype(int)
     x_host = to_numpy(x)[rows]
@@ -412,6 +453,7 @@ def step_k3(backend: Backend, config: MoEConfig, m: int, sample: int, repeats: i
     result = {"m": m, "dtype": "float16", "weights_made_s": made_s, "weight_bytes": weight_bytes,
               "routed_parameters": routed, "timing": timing, "gflops": flops / timing.median / 1e9,
               "achieved_bandwidth": bandwidth, "copy_bandwidth": copy, "spec_bandwidth": backend.spec_bandwidth,
+              "gemm_size": gemm_size, "gemm_flops": gemm, "stages": stages,
               "sample_tokens": int(sample), "sample_routing_differs": int(sample - same.sum()),
               "rel_error_vs_float64": error, "tolerance": 2 * FLOAT16_EPS}
     result["ok"] = error <= 2 * FLOAT16_EPS and same.sum() > 0
@@ -421,6 +463,13 @@ def step_k3(backend: Backend, config: MoEConfig, m: int, sample: int, repeats: i
     print(f"  {flops / 1e12:.2f} TFLOP necessary -> {result['gflops'] / 1e3:.2f} TFLOP/s; weights read at "
           f"{bandwidth / 1e9:.1f} GB/s = {100 * bandwidth / copy:.1f} % of a measured copy "
           f"({copy / 1e9:.0f} GB/s){spec}")
+    print(f"  the arithmetic runs in float32: {100 * flops / timing.median / gemm:.1f} % of a {gemm_size}^3 "
+          f"float32 matrix product's {gemm / 1e12:.2f} TFLOP/s on the same device")
+    stage_sum = sum(s["timing"].median for s in stages.values())
+    for name, s in stages.items():
+        rate = f"{s['flops'] / s['timing'].median / 1e12:8.2f} TFLOP/s" if s["flops"] else ""
+        print(f"    {name:24s} {fmt_seconds(s['timing'].median):>10s} {100 * s['timing'].median / stage_sum:5.1f} %"
+              f" {rate}")
     print(f"  {sample} sampled tokens against float64 on the host: max relative error {error:.1e} "
           f"(tolerance 2 float16 eps = {2 * FLOAT16_EPS:.1e}); {result['sample_routing_differs']} routed "
           "differently by near ties")
@@ -497,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     kc, km = size["k3"], size["k3_m"]
     run("k3", f"K3-shaped layer, float16, d={kc.d} l={kc.ell} n={kc.n} k={kc.k} f={kc.f} "
               f"shared={kc.shared_size}, m={km:,}",
-        lambda: step_k3(backend, kc, km, size["sample"], repeats, size["copy_bytes"]))
+        lambda: step_k3(backend, kc, km, size["sample"], repeats, size["copy_bytes"], size["gemm"]))
 
     total = time.perf_counter() - run_start
     results["step_seconds"] = step_time
@@ -537,9 +586,21 @@ def _tables(results: dict[str, Any]) -> list[tuple[str, str]]:
         bw = f"{r['achieved_bandwidth'] / 1e9:.0f} GB/s of weights ({100 * r['achieved_bandwidth'] / r['copy_bandwidth']:.1f} % of copy" + \
              (f", {100 * r['achieved_bandwidth'] / spec:.1f} % of spec)" if spec else ")")
         rows.append([f"K3-shaped layer, float16, m = {r['m']:,}, {r['weight_bytes'] / 1e9:.1f} GB of weights",
-                     f"{bw}; vs float64 {r['rel_error_vs_float64']:.1e}",
+                     f"{bw}; {100 * r['gflops'] * 1e9 / r['gemm_flops']:.1f} % of a float32 GEMM; "
+                     f"vs float64 {r['rel_error_vs_float64']:.1e}",
                      fmt_seconds(r["timing"].median), "ok" if r["ok"] else "FAILED"])
-    return [("Steps", markdown_table(["step", "result", "median time", "check"], rows))]
+    tables = [("Steps", markdown_table(["step", "result", "median time", "check"], rows))]
+    if "k3" in results:
+        r = results["k3"]
+        stage_sum = sum(s["timing"].median for s in r["stages"].values())
+        stage_rows = [[name, fmt_seconds(s["timing"].median), f"{100 * s['timing'].median / stage_sum:.1f} %",
+                       f"{s['flops'] / s['timing'].median / 1e12:.2f}" if s["flops"] else "-"]
+                      for name, s in r["stages"].items()]
+        stage_rows.append(["float32 GEMM yardstick", f"{r['gemm_size']}^3", "",
+                           f"{r['gemm_flops'] / 1e12:.2f}"])
+        tables.append(("K3-shaped layer, time per stage (each timed alone)",
+                       markdown_table(["stage", "median", "share", "TFLOP/s"], stage_rows)))
+    return tables
 
 
 if __name__ == "__main__":

@@ -194,6 +194,13 @@ def test_gpu_script_on_the_cpu(tmp_path):
     assert k3["rel_error_vs_float64"] <= k3["tolerance"]
     assert k3["weight_bytes"] > 0 and positive_finite(k3["achieved_bandwidth"])
     assert k3["achieved_bandwidth"] == pytest.approx(k3["weight_bytes"] / k3["timing"]["median_s"])
+    # Every stage of Eq. (11) is timed, and the FLOPs are attributed to the stages that do them.
+    stages = k3["stages"]
+    assert list(stages) == ["router", "route (top-k, weights)", "down_projection", "routed_experts", "rms_norm",
+                            "up_projection", "shared_experts", "output sum"]
+    assert all(positive_finite(s["timing"]["median_s"]) for s in stages.values())
+    assert sum(s["flops"] for s in stages.values()) == pytest.approx(k3["gflops"] * 1e9 * k3["timing"]["median_s"])
+    assert positive_finite(k3["gemm_flops"])
     assert "gpu.md" in {p.name for p in tmp_path.iterdir()}
 
 
