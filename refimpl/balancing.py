@@ -166,8 +166,9 @@ def _kth_largest(x: Array, r: int, *, previous: bool = False, overwrite: bool = 
     statistics do. `overwrite=True` allows reordering `x` in place (the
     caller's scratch array), which saves a copy of the whole matrix.
 
-    The portable path sorts each row. NumPy and CuPy select instead of
-    sorting, $O(L)$ per row (see `_select_numpy`).
+    The portable path sorts each row. NumPy selects instead of sorting,
+    $O(L)$ per row (see `_select_numpy`); CuPy selects with its own kernel
+    when $r$ is small (the cutoffs, $r = k + 1$) and sorts otherwise.
     """
     xp = array_namespace(x)
     length = x.shape[-1]
@@ -177,9 +178,12 @@ def _kth_largest(x: Array, r: int, *, previous: bool = False, overwrite: bool = 
     if is_cupy(xp):
         import cupy
 
-        part = cupy.partition(x, length - r, axis=-1)  # [p, L]
-        kth = part[:, length - r]
-        return (kth, part[:, length - r + 1:].min(axis=-1)) if previous else kth
+        # CuPy's partition runs a selection kernel only when the position it is asked for is small (it
+        # sorts whole rows otherwise), and the r-th largest sits near the end of a row. So it selects
+        # the r-th *smallest* of -x instead: the r smallest of -x come first, the r-th at position r - 1.
+        part = cupy.partition(-x, r - 1, axis=-1)  # [p, L]
+        kth = -part[:, r - 1]
+        return (kth, -part[:, :r - 1].max(axis=-1)) if previous else kth
     ordered = xp.sort(x, axis=-1)  # [p, L] ascending: the r-th largest sits at position L - r
     if previous:
         return ordered[:, length - r], ordered[:, length - r + 1]

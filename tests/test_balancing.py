@@ -370,6 +370,13 @@ def test_cupy_branch_of_the_update_with_numpy_standing_in(monkeypatch):
         expected = -((1 - (q - lo)) * desc[lo] + (q - lo) * desc[lo + 1])
         np.testing.assert_allclose(quantile_balancing_update(s, b, k, center=False, leave_one_out=True),
                                    expected, rtol=0, atol=1e-15)
+    # The public order statistic, along either axis (a transposed view on the way in) and for a fractional rank.
+    v = rng.normal(size=(300, 7))
+    for axis, rank in ((0, 5), (0, 17.25), (1, 2), (1, 3.5)):
+        desc = -np.sort(-(v if axis == 1 else v.T), axis=1)
+        whole, frac = math.floor(rank), rank - math.floor(rank)
+        expected = desc[:, whole - 1] + (frac * (desc[:, whole] - desc[:, whole - 1]) if frac else 0.0)
+        np.testing.assert_allclose(interpolated_kth_largest(v, rank, axis=axis), expected, rtol=0, atol=1e-15)
 
 
 def test_kth_largest_portable_path_matches(xp):
