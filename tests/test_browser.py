@@ -52,7 +52,10 @@ if CHROMIUM is None:
                 "`apt-get install chromium`, or set CHROMIUM=/path/to/chrome): browser tests skipped",
                 allow_module_level=True)
 
-from playwright.sync_api import sync_playwright  # noqa: E402  (only once Chromium is known to exist)
+# Playwright drives Chromium; it comes with the `browser` extra, which `make test` installs.
+sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (the `browser` extra: "
+                               "pip install -e '.[browser]'): browser tests skipped")
+sync_playwright = sync_api.sync_playwright
 
 
 class QuietHandler(SimpleHTTPRequestHandler):
