@@ -252,7 +252,9 @@ def test_lp_tools_take_arrays_of_every_backend(xp):
     check, check_xp = subgradient_check(s, bias, k), subgradient_check(xp.asarray(s), xp.asarray(bias), k)
     for name in ("load", "q_minus_load", "sign_rule_step"):
         np.testing.assert_array_equal(to_numpy(getattr(check_xp, name)), getattr(check, name))
-    np.testing.assert_allclose(to_numpy(check_xp.finite_difference), check.finite_difference, rtol=1e-9, atol=1e-12)
+    # A difference quotient with h = 1e-6 carries the rounding of D divided by h, about 1e-9 here, and a
+    # device may sum D in another order than NumPy: the two quotients agree to that, not to the last bit.
+    np.testing.assert_allclose(to_numpy(check_xp.finite_difference), check.finite_difference, rtol=0, atol=1e-6)
 
 
 @settings(max_examples=20, deadline=None)
