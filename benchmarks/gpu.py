@@ -46,6 +46,7 @@ import shlex
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,13 @@ class Backend:
 
     def asarray(self, a: Any) -> Any:
         return self.mod.asarray(a)
+
+    def free_memory(self) -> int | None:
+        """Bytes free on the device (after returning the pool's cached blocks), or None on the host."""
+        if self.cpu:
+            return None
+        self.free()
+        return int(self.mod.cuda.runtime.memGetInfo()[0])
 
     def sync(self) -> None:
         if not self.cpu:
@@ -418,8 +426,34 @@ def host_reference(x: np.ndarray, params: dict[str, Any], config: MoEConfig) -> 
     return y_shared + y_routed, chosen
 
 
+def k3_memory_needed(config: MoEConfig, m: int) -> dict[str, int]:
+    """Device bytes the K3 step needs: float16 weights, and the float32 work of a forward pass on `m` tokens.
+
+    The work is the largest set of arrays alive at once: the float32 copies of
+    the non-expert weights, the routed path's `[mk, l]` sorted outputs with a
+    gather of the same size, one expert's matrices in float32, the shared
+    GLU's three `[m, N_s f]` arrays, and a few `[m, d]` activations.
+    """
+    shapes = parameter_shapes(config)
+    weights = 2 * sum(math.prod(shape) for shape in shapes.values())
+    non_expert = sum(math.prod(shape) for name, shape in shapes.items() if not name.startswith("experts."))
+    d, ell, f, k, shared = config.d, config.ell, config.f, config.k, config.shared_size
+    work = 4 * (non_expert + 2 * m * k * ell + 3 * f * ell + 3 * m * shared + 4 * m * d)
+    return {"weights": weights, "work": work, "total": weights + work}
+
+
 def step_k3(backend: Backend, config: MoEConfig, m: int, sample: int, repeats: int,
             copy_bytes: int, gemm_size: int) -> dict[str, Any]:
+    need = k3_memory_needed(config, m)
+    free = backend.free_memory()
+    print(f"  needs about {need['total'] / 1e9:.1f} GB on the device ({need['weights'] / 1e9:.1f} GB of float16 "
+          f"weights, {need['work'] / 1e9:.1f} GB of float32 work)"
+          + (f"; {free / 1e9:.1f} GB are free" if free is not None else ""))
+    if free is not None and need["total"] > 0.95 * free:
+        reason = (f"the layer needs about {need['total'] / 1e9:.1f} GB and the device has {free / 1e9:.1f} GB free; "
+                  "an 80 GB or larger GPU holds it")
+        print(f"  skipped: {reason}")
+        return {"skipped": reason, "ok": True, "memory_needed": need}
     dtype = backend.mod.float16
     start = time.perf_counter()
     params = device_params(backend, config, dtype)
@@ -450,7 +484,8 @@ def step_k3(backend: Backend, config: MoEConfig, m: int, sample: int, repeats: i
     y_dev = to_numpy(y)[rows].astype(np.float64)
     same = np.all(np.sort(chosen, axis=1) == np.sort(to_numpy(index)[rows], axis=1), axis=1)
     error = relative_error(y_dev[same], y_ref[same])
-    result = {"m": m, "dtype": "float16", "weights_made_s": made_s, "weight_bytes": weight_bytes,
+    result = {"m": m, "dtype": "float16", "memory_needed": need, "weights_made_s": made_s,
+              "weight_bytes": weight_bytes,
               "routed_parameters": routed, "timing": timing, "gflops": flops / timing.median / 1e9,
               "achieved_bandwidth": bandwidth, "copy_bandwidth": copy, "spec_bandwidth": backend.spec_bandwidth,
               "gemm_size": gemm_size, "gemm_flops": gemm, "stages": stages,
@@ -480,11 +515,18 @@ def step_k3(backend: Backend, config: MoEConfig, m: int, sample: int, repeats: i
 # Main
 # ---------------------------------------------------------------------------
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="NumPy on the host at reduced sizes")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (for the test suite)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement")
+    parser.add_argument("--repeats", type=_positive_int, default=None, help="timed runs per measurement")
     parser.add_argument("--pytest-args", default=None,
                         help="arguments for the pytest step (default: the CuPy backend of the whole suite, "
                              "or the NumPy backend of the fast tests with --cpu)")
@@ -528,7 +570,11 @@ def main(argv: list[str] | None = None) -> int:
             return
         print(f"\n[{name}] {title}", flush=True)
         start = time.perf_counter()
-        results[name] = fn()
+        try:
+            results[name] = fn()
+        except Exception as exc:  # one broken step must not cost the others their numbers
+            traceback.print_exc()
+            results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         backend.free()  # the step's device arrays are gone with its frame; return their memory
         step_time[name] = time.perf_counter() - start
         print(f"  step time {fmt_seconds(step_time[name])}", flush=True)
@@ -564,15 +610,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _tables(results: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
-    if "tests" in results:
+    if "tests" in results and "summary" in results["tests"]:
         r = results["tests"]
         rows.append(["tests", r["summary"], fmt_seconds(r["seconds"]), "ok" if r["ok"] else "FAILED"])
-    if "forward" in results:
+    if "forward" in results and "timing" in results["forward"]:
         r = results["forward"]
         rows.append([f"forward pass, small layer, m = {r['m']:,}, float32",
                      f"{r['gflops']:.1f} GFLOP/s; vs NumPy {r['rel_error_vs_numpy']:.1e}",
                      fmt_seconds(r["timing"].median), "ok" if r["ok"] else "FAILED"])
-    if "balancing" in results and "skipped" not in results["balancing"]:
+    if "balancing" in results and "exact" in results["balancing"]:
         r = results["balancing"]
         rows.append([f"exact update (Eq. 14), n = {r['n']}, k = {r['k']}, m = {r['m']:,}",
                      f"device vs NumPy on {r['check_m']:,} tokens: {r['device_vs_numpy_max_diff']:.1e}",
@@ -580,7 +626,11 @@ def _tables(results: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append([f"histogram update (App. D), {r['bins']} bins",
                      f"vs exact: {r['histogram_max_error'] / r['bin_width']:.2f} bin widths",
                      fmt_seconds(r["histogram"].median), "ok" if r["ok"] else "FAILED"])
-    if "k3" in results:
+    for name, r in results.items():
+        if isinstance(r, dict) and ("error" in r or "skipped" in r) and name in ("tests", "forward", "balancing", "k3"):
+            rows.append([name, r.get("error") or f"skipped: {r['skipped']}", "-",
+                         "FAILED" if "error" in r else "skipped"])
+    if "k3" in results and "timing" in results["k3"]:
         r = results["k3"]
         spec = r["spec_bandwidth"]
         bw = f"{r['achieved_bandwidth'] / 1e9:.0f} GB/s of weights ({100 * r['achieved_bandwidth'] / r['copy_bandwidth']:.1f} % of copy" + \
@@ -590,7 +640,7 @@ def _tables(results: dict[str, Any]) -> list[tuple[str, str]]:
                      f"vs float64 {r['rel_error_vs_float64']:.1e}",
                      fmt_seconds(r["timing"].median), "ok" if r["ok"] else "FAILED"])
     tables = [("Steps", markdown_table(["step", "result", "median time", "check"], rows))]
-    if "k3" in results:
+    if "k3" in results and "timing" in results["k3"]:
         r = results["k3"]
         stage_sum = sum(s["timing"].median for s in r["stages"].values())
         stage_rows = [[name, fmt_seconds(s["timing"].median), f"{100 * s['timing'].median / stage_sum:.1f} %",

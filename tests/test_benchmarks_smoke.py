@@ -223,3 +223,58 @@ def test_gpu_script_fails_when_the_tests_do_not_pass(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "FAILED: tests" in proc.stdout
+
+
+def load_gpu_script():
+    """benchmarks/gpu.py as a module, for the checks that need its functions rather than its output."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("gpu_check", BENCH / "gpu.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+def test_gpu_script_memory_estimate_of_the_k3_layer():
+    gpu = load_gpu_script()
+    k3 = MoEConfig.k3()
+    need = gpu.k3_memory_needed(k3, 4096)
+    # Every parameter of the layer in float16, from the accounting: 59.6 GB, the issue's "about 59 GB".
+    assert need["weights"] == 2 * parameter_counts(k3)["total"]
+    assert 59e9 < need["weights"] < 60e9
+    # The float32 work of 4096 tokens is a few GB: the layer fits an 80 GB device and an H200 easily.
+    assert 1e9 < need["work"] < 6e9
+    assert need["total"] == need["weights"] + need["work"] < 0.95 * 80e9
+
+
+def test_gpu_script_skips_the_k3_layer_on_a_device_too_small(capsys):
+    gpu = load_gpu_script()
+    backend = gpu.Backend(cpu=True)
+    backend.free_memory = lambda: 10**5  # a device with 100 kB free; this layer needs about 340 kB
+    config = MoEConfig.k3().replace(hidden_size=64, latent_size=32, num_experts=16, top_k=4,
+                                    intermediate_size=24, num_shared_experts=2)
+    result = gpu.step_k3(backend, config, 64, sample=2, repeats=1, copy_bytes=1 << 20, gemm_size=32)
+    assert result["ok"] and "needs about" in result["skipped"] and "free" in result["skipped"]
+    assert result["memory_needed"]["total"] > 10**5
+    assert "timing" not in result  # nothing was made or run
+    assert "skipped: the layer needs about" in capsys.readouterr().out
+
+
+def test_gpu_script_records_a_broken_step_and_runs_the_others(tmp_path, monkeypatch):
+    gpu = load_gpu_script()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of device memory (simulated)")
+
+    monkeypatch.setattr(gpu, "step_balancing", broken)
+    monkeypatch.syspath_prepend(str(BENCH))
+    code = gpu.main(["--cpu", "--smoke", "--skip", "tests", "--out", str(tmp_path)])
+    assert code == 1
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    assert data["failed"] == ["balancing"]
+    assert data["balancing"]["error"] == "RuntimeError: out of device memory (simulated)"
+    assert data["forward"]["ok"] and data["k3"]["ok"]  # the steps before and after still ran
+    page = (tmp_path / "gpu.md").read_text()
+    assert "out of device memory (simulated)" in page and "FAILED" in page
