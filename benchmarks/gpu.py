@@ -454,6 +454,10 @@ def step_k3(backend: Backend, config: MoEConfig, m: int, sample: int, repeats: i
                   "an 80 GB or larger GPU holds it")
         print(f"  skipped: {reason}")
         return {"skipped": reason, "ok": True, "memory_needed": need}
+    # The yardsticks first, while the device is empty: a plain copy and a float32 matrix product.
+    copy = backend.copy_bandwidth(copy_bytes, repeats=max(repeats, 3))
+    gemm = backend.gemm_rate(gemm_size, repeats=max(repeats, 3))
+    backend.free()
     dtype = backend.mod.float16
     start = time.perf_counter()
     params = device_params(backend, config, dtype)
@@ -475,8 +479,6 @@ def step_k3(backend: Backend, config: MoEConfig, m: int, sample: int, repeats: i
     for _ in range(repeats):
         forward_by_stages(x, params, config, stage=clock)
     stages = {name: {"timing": t, "flops": stage_flops.get(name, 0.0)} for name, t in clock.timings.items()}
-    copy = backend.copy_bandwidth(copy_bytes, repeats=max(repeats, 3))
-    gemm = backend.gemm_rate(gemm_size, repeats=max(repeats, 3))
     # The float64 check on the host, for a sample of tokens spread over the batch.
     rows = np.linspace(0, m - 1, sample).astype(int)
     x_host = to_numpy(x)[rows]
