@@ -83,11 +83,22 @@ def compute_dtype(xp: Any, *arrays: Array) -> Any:
 
 
 def to_numpy(x: Array) -> np.ndarray:
-    """Copy any array to a NumPy array on the host (explicitly, for CuPy)."""
+    """Any array as a NumPy array on the host, by an explicit transfer.
+
+    CuPy copies from the device with `.get()`; a library that refuses
+    implicit conversion (CuPy does) is never handed to `np.asarray`. Other
+    arrays on the CPU come through DLPack, the array API's exchange protocol,
+    and only what supports neither falls back to `np.asarray`.
+    """
     if isinstance(x, np.ndarray):
         return x
     if hasattr(x, "get"):  # CuPy
         return x.get()
+    if hasattr(x, "__dlpack__"):
+        try:
+            return np.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError, ValueError):
+            pass  # on another device, or a dtype DLPack lacks: let np.asarray try, or say why not
     return np.asarray(x)
 
 

@@ -49,7 +49,21 @@ BACKENDS = [
 ]
 
 
+def _refuse_implicit_conversion(self, *args, **kwargs):
+    raise TypeError("array_api_strict arrays are not converted to NumPy implicitly in the tests (CuPy's rule); "
+                    "use refimpl._xp.to_numpy")
+
+
 @pytest.fixture(params=BACKENDS)
-def xp(request):
-    """An array namespace: NumPy, array_api_strict, or CuPy on a GPU machine."""
+def xp(request, monkeypatch):
+    """An array namespace: NumPy, array_api_strict, or CuPy on a GPU machine.
+
+    With array_api_strict, `np.asarray(x)` on its arrays raises, as it does on
+    CuPy's: a test or a function that converts implicitly fails here, on every
+    machine, rather than only where a GPU is present.
+    """
+    if request.param is array_api_strict:
+        # NumPy reaches for the buffer protocol first (Python 3.12 and later), then for __array__.
+        for method in ("__buffer__", "__array__"):
+            monkeypatch.setattr(array_api_strict._array_object.Array, method, _refuse_implicit_conversion)
     return request.param

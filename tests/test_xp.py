@@ -201,3 +201,15 @@ def test_namespace_predicates_and_to_numpy(xp):
     assert not is_cupy(ns) or xp.__name__ == "cupy"
     out = to_numpy(a)
     assert isinstance(out, np.ndarray) and out.tolist() == [1.0, 2.0]
+
+
+def test_no_backend_but_numpy_converts_implicitly_and_to_numpy_still_works(xp):
+    """The test backends keep CuPy's rule: `np.asarray` on a non-NumPy array raises, so nothing in the
+    tests or the library may lean on it; `to_numpy` is the explicit way to the host."""
+    x = xp.asarray([1.0, 2.0, 3.0])
+    if xp is not np:
+        with pytest.raises(TypeError):
+            np.asarray(x)
+    out = to_numpy(x)
+    assert isinstance(out, np.ndarray) and out.tolist() == [1.0, 2.0, 3.0]
+    assert to_numpy(xp.asarray(5.0)).shape == ()
