@@ -2,9 +2,11 @@ r"""Array-namespace helpers: the few operations the array-API standard lacks.
 
 Every numerical function in this package starts with
 `xp = array_namespace(x, ...)` and then calls only functions of `xp`, the
-pattern SciPy uses. The same readable code therefore runs on NumPy, on CuPy
-and on `array_api_strict` (the test suite's stand-in for "some array library
-that is not NumPy").
+pattern SciPy uses. The same readable code is therefore meant for NumPy,
+CuPy and any other array-API library; the tests run it on NumPy and on
+`array_api_strict` (their stand-in for "some array library that is not
+NumPy", which, like CuPy, refuses implicit conversion to NumPy) everywhere,
+and on CuPy where a GPU is present.
 
 The standard has no top-k, no bincount and no scatter-add. This module gives
 each one a portable definition built from standard functions (stable sorts,
