@@ -43,16 +43,36 @@ def reference_margins(s: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
     return s - alpha[:, None]
 
 
-def reference_update(s: np.ndarray, b: np.ndarray, k: int, center: bool = True) -> np.ndarray:
-    """Eq. (14) by sorting every margin column, with the interpolation rule written out."""
+def reference_leave_one_out_margins(s: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
+    """s_ij minus the k-th largest biased score among the other experts, by deleting column j and sorting."""
     m, n = s.shape
-    desc = -np.sort(-reference_margins(s, b, k), axis=0)  # each column descending; row r is the (r+1)-th largest
+    out = np.empty((m, n))
+    for j in range(n):
+        others = np.delete(s + b, j, axis=1)
+        out[:, j] = s[:, j] - np.sort(others, axis=1)[:, n - 1 - k]
+    return out
+
+
+def reference_threshold(margins: np.ndarray, k: int) -> np.ndarray:
+    """-M_(q+1),j for each column, q = mk/n: a full sort, with the interpolation rule written out."""
+    m, n = margins.shape
+    desc = -np.sort(-margins, axis=0)  # each column descending; row r is the (r+1)-th largest
     q = m * k / n
     lo = math.floor(q)
     w = q - lo
     threshold = desc[lo] if w == 0 else (1 - w) * desc[lo] + w * desc[lo + 1]
-    b_tilde = -threshold
+    return -threshold
+
+
+def reference_update(s: np.ndarray, b: np.ndarray, k: int, center: bool = True) -> np.ndarray:
+    """Eq. (14) by sorting every margin column."""
+    b_tilde = reference_threshold(reference_margins(s, b, k), k)
     return b_tilde - b_tilde.mean() if center else b_tilde
+
+
+def reference_leave_one_out_update(s: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
+    """The leave-one-out extension's threshold (uncentred), from the margins made by deleting columns."""
+    return reference_threshold(reference_leave_one_out_margins(s, b, k), k)
 
 
 @st.composite
@@ -122,10 +142,7 @@ def test_float32_update_on_every_backend(xp, leave_one_out):
     b = (0.1 * rng.normal(size=n)).astype(np.float32)
     s64, b64 = s.astype(np.float64), b.astype(np.float64)
     if leave_one_out:
-        q = m * k / n
-        desc = -np.sort(-reference_leave_one_out_margins(s64, b64, k), axis=0)
-        lo = math.floor(q)
-        expected = -((1 - (q - lo)) * desc[lo] + (q - lo) * desc[lo + 1])
+        expected = reference_leave_one_out_update(s64, b64, k)
     else:
         expected = reference_update(s64, b64, k, center=False)
     out = quantile_balancing_update(xp.asarray(s), xp.asarray(b), k, center=False, leave_one_out=leave_one_out)
@@ -138,12 +155,8 @@ def test_leave_one_out_across_blocks_equals_reference():
     m, n, k = 4500, 70, 2
     s = 1.0 / (1.0 + np.exp(-rng.normal(size=(m, n))))
     b = 0.1 * rng.normal(size=n)
-    q = m * k / n
-    desc = -np.sort(-reference_leave_one_out_margins(s, b, k), axis=0)
-    lo = math.floor(q)
-    expected = -((1 - (q - lo)) * desc[lo] + (q - lo) * desc[lo + 1])
-    np.testing.assert_allclose(quantile_balancing_update(s, b, k, center=False, leave_one_out=True), expected,
-                               rtol=0, atol=1e-15)
+    np.testing.assert_allclose(quantile_balancing_update(s, b, k, center=False, leave_one_out=True),
+                               reference_leave_one_out_update(s, b, k), rtol=0, atol=1e-15)
 
 
 @given(batches())
@@ -364,12 +377,8 @@ def test_cupy_branch_of_the_update_with_numpy_standing_in(monkeypatch):
         b = 0.1 * rng.normal(size=n)
         np.testing.assert_allclose(quantile_balancing_update(s, b, k), reference_update(s, b, k),
                                    rtol=0, atol=1e-15)
-        q = m * k / n
-        desc = -np.sort(-reference_leave_one_out_margins(s, b, k), axis=0)
-        lo = math.floor(q)
-        expected = -((1 - (q - lo)) * desc[lo] + (q - lo) * desc[lo + 1])
         np.testing.assert_allclose(quantile_balancing_update(s, b, k, center=False, leave_one_out=True),
-                                   expected, rtol=0, atol=1e-15)
+                                   reference_leave_one_out_update(s, b, k), rtol=0, atol=1e-15)
     # The public order statistic, along either axis (a transposed view on the way in) and for a fractional rank.
     v = rng.normal(size=(300, 7))
     for axis, rank in ((0, 5), (0, 17.25), (1, 2), (1, 3.5)):
@@ -416,16 +425,6 @@ def test_the_atom_holds_an_under_loaded_expert_in_place():
     assert loo[2] == pytest.approx(0.25, abs=1e-15)  # minus the 3rd largest
     # Any bias strictly between minus the 3rd and minus the 2nd largest gives expert 2 exactly q = 2 tokens.
     assert expert_load(route(s, np.array([0.0, 0.0, 0.225]), 1)[0], 3)[2] == 2
-
-
-def reference_leave_one_out_margins(s: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
-    """s_ij minus the k-th largest biased score among the other experts, by deleting column j and sorting."""
-    m, n = s.shape
-    out = np.empty((m, n))
-    for j in range(n):
-        others = np.delete(s + b, j, axis=1)
-        out[:, j] = s[:, j] - np.sort(others, axis=1)[:, n - 1 - k]
-    return out
 
 
 @given(integer_q_batches(max_n=6, max_multiple=4))
