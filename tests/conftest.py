@@ -8,7 +8,11 @@ and their outputs back with `refimpl._xp.to_numpy`.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import array_api_strict
 import numpy as np
@@ -67,3 +71,27 @@ def xp(request, monkeypatch):
         for method in ("__buffer__", "__array__"):
             monkeypatch.setattr(array_api_strict._array_object.Array, method, _refuse_implicit_conversion)
     return request.param
+
+
+# ---------------------------------------------------------------------------
+# Scripts (examples, benchmarks, the page generator) imported as modules
+# ---------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """Import the script at `path` as the module `name` (examples/, benchmarks/ and docs/ are not packages).
+
+    The module is registered in `sys.modules`, where dataclasses and pickling look it up.
+    """
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_example(stem: str) -> ModuleType:
+    """`examples/<stem>.py` as a module."""
+    return load_script(ROOT / "examples" / f"{stem}.py", f"example_{stem}")

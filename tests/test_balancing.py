@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import load_example
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -601,17 +602,6 @@ def test_fixed_batch_extension_reaches_exact_balance():
 # ---------------------------------------------------------------------------
 # The worked examples run, and what they print holds
 # ---------------------------------------------------------------------------
-
-
-def load_example(stem: str):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / f"{stem}.py"
-    spec = importlib.util.spec_from_file_location(f"example_{stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def assert_png(path) -> None:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 from refimpl.accounting import parameter_counts
 from refimpl.config import MoEConfig
@@ -229,9 +230,7 @@ def load_gpu_script():
     """benchmarks/gpu.py as a module, for the checks that need its functions rather than its output."""
     sys.path.insert(0, str(BENCH))
     try:
-        spec = importlib.util.spec_from_file_location("gpu_check", BENCH / "gpu.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = load_script(BENCH / "gpu.py", "gpu_check")
     finally:
         sys.path.remove(str(BENCH))
     return module

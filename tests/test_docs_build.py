@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import html
-import importlib.util
 import json
 import os
 import re
@@ -23,6 +22,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 READING_ORDER = ["config", "activations", "routing", "latent_moe", "accounting", "balancing", "dual",
@@ -114,11 +114,7 @@ def visible_text(markup: str) -> str:
 @pytest.fixture(scope="module")
 def gen():
     """`docs/gen_pages.py`, imported without running it."""
-    spec = importlib.util.spec_from_file_location("refimpl_docs_gen_pages", ROOT / "docs" / "gen_pages.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "docs" / "gen_pages.py", "refimpl_docs_gen_pages")
 
 
 SAMPLE = textwrap.dedent('''\

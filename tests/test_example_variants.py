@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
-import sys
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import load_script
 from scipy.special import expit
 
 from refimpl.latent_moe import stable_latent_moe
@@ -21,11 +20,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "40_compare_variant
 @pytest.fixture(scope="module")
 def example():
     """The example script, imported as a module."""
-    spec = importlib.util.spec_from_file_location("example_40_compare_variants", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE, "example_40_compare_variants")
 
 
 @pytest.fixture(scope="module")

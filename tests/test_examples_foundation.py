@@ -9,7 +9,6 @@ figures are checked to be PNG files. One slow test also runs each script as
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import load_example
 
 from refimpl.latent_moe import stable_latent_moe_reference
 
@@ -26,16 +26,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def load(stem: str):
-    spec = importlib.util.spec_from_file_location(f"example_{stem}", EXAMPLES / f"{stem}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def run(stem: str, tmp_path: Path, capsys) -> tuple[str, dict, Path]:
     out = tmp_path / stem
-    result = load(stem).main(["--out", str(out)])
+    result = load_example(stem).main(["--out", str(out)])
     return capsys.readouterr().out, result, out
 
 

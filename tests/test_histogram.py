@@ -11,6 +11,7 @@ from __future__ import annotations
 import array_api_strict
 import numpy as np
 import pytest
+from conftest import load_example
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -398,20 +399,9 @@ def test_merging_histograms_of_different_steps_is_refused():
 # ---------------------------------------------------------------------------
 
 
-def _example(name: str):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_example_histogram_of_r(tmp_path, capsys):
-    result = _example("20_histogram_of_r").main(["--out", str(tmp_path)])
+    result = load_example("20_histogram_of_r").main(["--out", str(tmp_path)])
     assert result["error_over_width"] < 1.0
     assert result["centred_error_over_width"] < 2.0
     assert (tmp_path / "r_histograms.png").stat().st_size > 10_000
@@ -420,7 +410,7 @@ def test_example_histogram_of_r(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_example_bins_and_traffic(tmp_path):
-    sweeps = _example("21_bins_and_traffic").main(["--out", str(tmp_path)])["sweeps"]
+    sweeps = load_example("21_bins_and_traffic").main(["--out", str(tmp_path)])["sweeps"]
     for rows in sweeps.values():
         assert all(error <= width + 1e-5 for _, width, error, _ in rows)
         assert rows[-1][2] < rows[0][2] / 100

@@ -10,7 +10,6 @@ checks that all ranks agree and exits non-zero otherwise.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import load_script
 
 from refimpl.histogram import histogram_balancing_update
 
@@ -30,10 +30,7 @@ TIMEOUT = 180
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("mpi_allreduce_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE, "mpi_allreduce_example")
 
 
 def example_args() -> list[str]:

@@ -20,7 +20,6 @@ Three kinds of evidence:
 from __future__ import annotations
 
 import functools
-import importlib.util
 import re
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import load_example
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -38,15 +38,6 @@ from refimpl.testing.checks import PROFILES, QUICK, THOROUGH, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def load_example(stem: str):
-    """An example script imported as a module (examples/ is not a package)."""
-    path = ROOT / "examples" / f"{stem}.py"
-    spec = importlib.util.spec_from_file_location(f"example_{stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 good = load_example("30_test_your_router")
