@@ -23,8 +23,10 @@ The steps, each printed with its time:
    achieved bandwidth (weight bytes over time) against the device's memory
    bandwidth (its specification and a measured copy), the arithmetic rate
    against a float32 matrix product on the same device (the layer computes
-   in float32), the time of each stage alone, and a check of a sample of
-   tokens against a float64 computation on the host.
+   in float32), the time of each stage alone (timed in turns with the whole
+   pass), one expert's turn in the routed experts piece by piece (the host's
+   time to issue each piece and the device's time to run it), and a check of
+   a sample of tokens against a float64 computation on the host.
 
 Step 4 calls the stages of Eq. (11) one by one (`forward_by_stages`) instead
 of `stable_latent_moe`, which casts every weight to the compute dtype (float32)
@@ -63,11 +65,12 @@ from common import (
     machine_info,
     markdown_table,
     time_call,
+    time_round_robin,
     write_results,
 )
 
 from refimpl._xp import array_namespace, compute_dtype, to_numpy
-from refimpl.activations import rms_norm, sigmoid
+from refimpl.activations import rms_norm, sigmoid, situ_glu
 from refimpl.config import MoEConfig
 from refimpl.latent_moe import (
     init_params,
@@ -427,6 +430,64 @@ def host_reference(x: np.ndarray, params: dict[str, Any], config: MoEConfig) -> 
     return y_shared + y_routed, chosen
 
 
+def host_and_device_time(backend: Backend, fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """Median seconds (host, device) of `fn`: the host's time to issue it and the device's time to run it.
+
+    On CuPy, `cupyx.profiler.benchmark` reads the host's clock around the call
+    and CUDA events around its work; the device time includes any wait for the
+    host to issue the next kernel, so when the two are close, issuing sets the
+    pace. On NumPy both are the wall time.
+    """
+    if backend.cpu:
+        t = time_call("piece", fn, repeats=repeats).median
+        return t, t
+    from cupyx.profiler import benchmark
+
+    result = benchmark(fn, n_repeat=repeats, n_warmup=3)
+    return float(np.median(result.cpu_times)), float(np.median(result.gpu_times[0]))
+
+
+def expert_pieces(backend: Backend, params: dict[str, Any], config: MoEConfig, m: int,
+                  repeats: int) -> dict[str, Any]:
+    """One expert's turn in `routed_experts`, piece by piece, on its average share of tokens `mk/n`.
+
+    The same operations as the loop body of `routed_experts` on expert 0's
+    float16 matrices: cast them to float32, gather the tokens' latents, the
+    gate and up products, SiTU-GLU, and the weighted down product written to
+    the sorted outputs. Each piece is timed alone, many times.
+    """
+    xp = backend.mod
+    m_e = max(1, round(m * config.k / config.n))
+    stored = [params[name][0] for name in ("experts.w1", "experts.w3", "experts.w2")]  # float16 [f,l] [f,l] [l,f]
+    g, u, d = (w.astype(xp.float32) for w in stored)
+    z = backend.normal((m, config.ell), 21)  # [m, l]
+    rows = xp.asarray(np.random.default_rng(22).choice(m, m_e, replace=False))  # [m_e]
+    z_e = xp.take(z, rows, axis=0)  # [m_e, l]
+    p = xp.full((m_e, 1), 1.0 / config.k, dtype=xp.float32)  # [m_e, 1]
+    a, b = z_e @ g.T, z_e @ u.T  # [m_e, f]
+    h = situ_glu(a, b, config.situ_beta, config.situ_linear_beta)  # [m_e, f]
+    out = xp.empty((m_e, config.ell), dtype=xp.float32)
+
+    def down() -> None:
+        out[...] = (p * h) @ d.T
+
+    gemm_flops = 2.0 * m_e * config.ell * config.f
+    pieces = {
+        "cast 3 matrices to float32": (lambda: [w.astype(xp.float32) for w in stored], 0.0),
+        "gather latents": (lambda: xp.take(z, rows, axis=0), 0.0),
+        "gate and up products": (lambda: (z_e @ g.T, z_e @ u.T), 2 * gemm_flops),
+        "SiTU-GLU": (lambda: situ_glu(a, b, config.situ_beta, config.situ_linear_beta), 0.0),
+        "weighted down product": (down, gemm_flops),
+    }
+    timed = {}
+    for name, (fn, flops) in pieces.items():
+        host_s, device_s = host_and_device_time(backend, fn, repeats)
+        timed[name] = {"host_s": host_s, "device_s": device_s, "flops": flops}
+    return {"tokens_per_expert": m_e, "pieces": timed,
+            "host_s": sum(t["host_s"] for t in timed.values()),
+            "device_s": sum(t["device_s"] for t in timed.values())}
+
+
 def k3_memory_needed(config: MoEConfig, m: int) -> dict[str, int]:
     """Device bytes the K3 step needs: float16 weights, and the float32 work of a forward pass on `m` tokens.
 
@@ -469,17 +530,21 @@ def step_k3(backend: Backend, config: MoEConfig, m: int, sample: int, repeats: i
     routed = sum(int(params[name].size) for name in ("experts.w1", "experts.w3", "experts.w2"))
     print(f"  weights made on the device in {fmt_seconds(made_s)}: {routed / 1e9:.2f} B routed parameters, "
           f"{weight_bytes / 1e9:.1f} GB in all ({weight_bytes / 2**30:.1f} GiB)")
-    timing = time_call("K3 layer forward", lambda: forward_by_stages(x, params, config), repeats=repeats,
-                       sync=backend.sync)
-    y, index = forward_by_stages(x, params, config)
+    y, index = forward_by_stages(x, params, config)  # also the warm-up
+    # The whole pass, and the pass with each stage timed alone (the device waited for before and after
+    # it), in turns: a drift in the device's speed touches both alike.
+    clock = StageClock(backend.sync)
+    turns = time_round_robin({"K3 layer forward": lambda: forward_by_stages(x, params, config),
+                              "stage by stage": lambda: forward_by_stages(x, params, config, stage=clock)},
+                             repeats=repeats, warmup=0, sync=backend.sync)
+    timing, staged = turns["K3 layer forward"], turns["stage by stage"]
     stage_flops = forward_flops(config, m)
     flops = sum(stage_flops.values())
     bandwidth = weight_bytes / timing.median
-    # Where the time goes: each stage timed alone (the device waited for before and after it).
-    clock = StageClock(backend.sync)
-    for _ in range(repeats):
-        forward_by_stages(x, params, config, stage=clock)
     stages = {name: {"timing": t, "flops": stage_flops.get(name, 0.0)} for name, t in clock.timings.items()}
+    # Inside the routed experts: one expert's turn, piece by piece.
+    pieces = expert_pieces(backend, params, config, m, repeats=max(20, repeats))
+    active = int(np.unique(to_numpy(index)).size)  # experts that received tokens
     # The float64 check on the host, for a sample of tokens spread over the batch.
     rows = np.linspace(0, m - 1, sample).astype(int)
     x_host = to_numpy(x)[rows]
@@ -491,7 +556,8 @@ def step_k3(backend: Backend, config: MoEConfig, m: int, sample: int, repeats: i
               "weight_bytes": weight_bytes,
               "routed_parameters": routed, "timing": timing, "gflops": flops / timing.median / 1e9,
               "achieved_bandwidth": bandwidth, "copy_bandwidth": copy, "spec_bandwidth": backend.spec_bandwidth,
-              "gemm_size": gemm_size, "gemm_flops": gemm, "stages": stages,
+              "gemm_size": gemm_size, "gemm_flops": gemm, "stages": stages, "stage_by_stage": staged,
+              "expert_pieces": pieces, "active_experts": active,
               "sample_tokens": int(sample), "sample_routing_differs": int(sample - same.sum()),
               "rel_error_vs_float64": error, "tolerance": 2 * FLOAT16_EPS}
     result["ok"] = error <= 2 * FLOAT16_EPS and same.sum() > 0
@@ -508,6 +574,14 @@ def step_k3(backend: Backend, config: MoEConfig, m: int, sample: int, repeats: i
         rate = f"{s['flops'] / s['timing'].median / 1e12:8.2f} TFLOP/s" if s["flops"] else ""
         print(f"    {name:24s} {fmt_seconds(s['timing'].median):>10s} {100 * s['timing'].median / stage_sum:5.1f} %"
               f" {rate}")
+    print(f"  stage by stage, in turns with the whole pass: {staged}")
+    print(f"  one expert's turn on {pieces['tokens_per_expert']} tokens (host time to issue, device time to run):")
+    for name, t in pieces["pieces"].items():
+        rate = f"{t['flops'] / t['device_s'] / 1e12:8.2f} TFLOP/s" if t["flops"] else ""
+        print(f"    {name:28s} {fmt_seconds(t['host_s']):>10s} {fmt_seconds(t['device_s']):>10s} {rate}")
+    print(f"    {'sum':28s} {fmt_seconds(pieces['host_s']):>10s} {fmt_seconds(pieces['device_s']):>10s}; "
+          f"x {active} experts used = {fmt_seconds(active * pieces['device_s'])} of device time, against "
+          f"{fmt_seconds(stages['routed_experts']['timing'].median)} for routed_experts")
     print(f"  {sample} sampled tokens against float64 on the host: max relative error {error:.1e} "
           f"(tolerance 2 float16 eps = {2 * FLOAT16_EPS:.1e}); {result['sample_routing_differs']} routed "
           "differently by near ties")
@@ -651,8 +725,24 @@ def _tables(results: dict[str, Any]) -> list[tuple[str, str]]:
                       for name, s in r["stages"].items()]
         stage_rows.append(["float32 GEMM yardstick", f"{r['gemm_size']}^3", "",
                            f"{r['gemm_flops'] / 1e12:.2f}"])
+        if "stage_by_stage" in r:
+            stage_rows.append(["whole pass, stages timed alone", fmt_seconds(r["stage_by_stage"].median), "", ""])
+            stage_rows.append(["whole pass, in turns with the above", fmt_seconds(r["timing"].median), "", ""])
         tables.append(("K3-shaped layer, time per stage (each timed alone)",
                        markdown_table(["stage", "median", "share", "TFLOP/s"], stage_rows)))
+    if "k3" in results and "expert_pieces" in results["k3"]:
+        r = results["k3"]
+        pieces = r["expert_pieces"]
+        piece_rows = [[name, fmt_seconds(t["host_s"]), fmt_seconds(t["device_s"]),
+                       f"{t['flops'] / t['device_s'] / 1e12:.2f}" if t["flops"] else "-"]
+                      for name, t in pieces["pieces"].items()]
+        piece_rows.append(["one expert's turn", fmt_seconds(pieces["host_s"]), fmt_seconds(pieces["device_s"]), ""])
+        piece_rows.append([f"x {r['active_experts']} experts used", "",
+                           fmt_seconds(r["active_experts"] * pieces["device_s"]), ""])
+        piece_rows.append(["routed_experts, measured", "", fmt_seconds(r["stages"]["routed_experts"]["timing"].median),
+                           ""])
+        tables.append((f"K3-shaped layer, one expert's turn on {pieces['tokens_per_expert']} tokens (mk/n)",
+                       markdown_table(["piece", "host (issue)", "device (run)", "TFLOP/s"], piece_rows)))
     return tables
 
 

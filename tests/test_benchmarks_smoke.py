@@ -202,6 +202,15 @@ def test_gpu_script_on_the_cpu(tmp_path):
     assert all(positive_finite(s["timing"]["median_s"]) for s in stages.values())
     assert sum(s["flops"] for s in stages.values()) == pytest.approx(k3["gflops"] * 1e9 * k3["timing"]["median_s"])
     assert positive_finite(k3["gemm_flops"])
+    assert positive_finite(k3["stage_by_stage"]["median_s"])
+    # One expert's turn: its pieces, on its average share of the tokens, mk/n, and the experts that were used.
+    pieces = k3["expert_pieces"]
+    assert pieces["tokens_per_expert"] == round(k3["m"] * 4 / 16)  # the smoke layer's k = 4, n = 16
+    assert list(pieces["pieces"]) == ["cast 3 matrices to float32", "gather latents", "gate and up products",
+                                      "SiTU-GLU", "weighted down product"]
+    assert all(positive_finite(t["device_s"]) and positive_finite(t["host_s"]) for t in pieces["pieces"].values())
+    assert pieces["device_s"] == pytest.approx(sum(t["device_s"] for t in pieces["pieces"].values()))
+    assert 1 <= k3["active_experts"] <= 16
     assert "gpu.md" in {p.name for p in tmp_path.iterdir()}
 
 
