@@ -209,8 +209,9 @@ def run_tests(pytest_args: str, timeout: float) -> dict[str, Any]:
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     summary = next((line.strip("= ") for line in reversed(lines)
                     if re.search(r"\d+ (passed|failed|error|skipped|deselected)", line)), "no summary")
-    # All of it when something failed (every failure's report), else the summary lines.
-    print("\n".join(lines if proc.returncode != 0 else lines[-12:]))
+    # All of it when something failed (every failure's report), else the summary and the skips' reasons.
+    print("\n".join(lines if proc.returncode != 0 else
+                    [line for line in lines[-40:] if "SKIPPED" in line] + lines[-2:]))
     counts = {word: int(num) for num, word in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)",
                                                           summary)}
     ok = proc.returncode == 0 and counts.get("passed", 0) > 0
@@ -656,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
         step_time[name] = time.perf_counter() - start
         print(f"  step time {fmt_seconds(step_time[name])}", flush=True)
 
-    default_tests = ("tests -q -rfE -k cupy -p no:cacheprovider" if not args.cpu
+    default_tests = ("tests -q -rfEs -k cupy -p no:cacheprovider" if not args.cpu
                      else "tests -q -x -k numpy -m 'not slow' -p no:cacheprovider")
     run("tests", "test suite", lambda: run_tests(args.pytest_args or default_tests, args.pytest_timeout))
     fc, fm = size["forward"], size["forward_m"]
