@@ -59,9 +59,14 @@ __all__ = [
 
 
 def _upcast(xp: Any, *arrays: Array) -> tuple[Any, list[Array]]:
-    """Cast every array to the compute dtype (float32, or float64 when an input is float64)."""
+    """Cast every array to the compute dtype (float32, or float64 when an input is float64).
+
+    An array already in that dtype is returned as it is, not copied: the
+    callers only read these arrays, and on a GPU each needless copy is one
+    more kernel to launch.
+    """
     dtype = compute_dtype(xp, *arrays)
-    return dtype, [xp.astype(a, dtype) for a in arrays]
+    return dtype, [xp.astype(a, dtype, copy=False) for a in arrays]
 
 
 def sigmoid(z: Array) -> Array:
@@ -109,7 +114,7 @@ def softcap(x: Array, beta: float) -> Array:
     _, (x32,) = _upcast(xp, x)
     # $$\beta \tanh(x / \beta)$$
     out = beta * xp.tanh(x32 / beta)
-    return xp.astype(out, x.dtype)
+    return xp.astype(out, x.dtype, copy=False)
 
 
 def softcap_grad(x: Array, beta: float) -> Array:
@@ -124,7 +129,7 @@ def softcap_grad(x: Array, beta: float) -> Array:
     xp = array_namespace(x)
     _, (x32,) = _upcast(xp, x)
     # $$\frac{d}{dx}\,\beta\tanh(x/\beta) = \operatorname{sech}^2(x/\beta)$$
-    return xp.astype(_sech2(x32 / beta), x.dtype)
+    return xp.astype(_sech2(x32 / beta), x.dtype, copy=False)
 
 
 def hard_clamp(x: Array, beta: float) -> Array:
@@ -137,7 +142,7 @@ def hard_clamp(x: Array, beta: float) -> Array:
     check_positive("beta", beta)
     xp = array_namespace(x)
     _, (x32,) = _upcast(xp, x)
-    return xp.astype(xp.clip(x32, -beta, beta), x.dtype)
+    return xp.astype(xp.clip(x32, -beta, beta), x.dtype, copy=False)
 
 
 def hard_clamp_grad(x: Array, beta: float) -> Array:
@@ -146,7 +151,7 @@ def hard_clamp_grad(x: Array, beta: float) -> Array:
     check_positive("beta", beta)
     xp = array_namespace(x)
     _, (x32,) = _upcast(xp, x)
-    return xp.astype(xp.abs(x32) < beta, x.dtype)
+    return xp.astype(xp.abs(x32) < beta, x.dtype, copy=False)
 
 
 def _check_pair(gate: Array, up: Array) -> None:
@@ -172,7 +177,7 @@ def situ_glu(gate: Array, up: Array, beta: float = 4.0, linear_beta: float = 25.
     capped_gate = beta * xp.tanh(a / beta) * sigmoid(a)
     # The capped linear branch: $$\operatorname{softcap}(b, \beta_2) \in (-\beta_2, \beta_2)$$
     capped_up = linear_beta * xp.tanh(b / linear_beta)
-    return xp.astype(capped_gate * capped_up, gate.dtype)
+    return xp.astype(capped_gate * capped_up, gate.dtype, copy=False)
 
 
 def situ_glu_grad(gate: Array, up: Array, beta: float = 4.0,
@@ -199,7 +204,7 @@ def situ_glu_grad(gate: Array, up: Array, beta: float = 4.0,
     # $$h(b) = \beta_2 \tanh(b/\beta_2), \qquad h'(b) = \operatorname{sech}^2(b/\beta_2)$$
     h = linear_beta * xp.tanh(b / linear_beta)
     h_prime = _sech2(b / linear_beta)
-    return xp.astype(g_prime * h, gate.dtype), xp.astype(g * h_prime, gate.dtype)
+    return xp.astype(g_prime * h, gate.dtype, copy=False), xp.astype(g * h_prime, gate.dtype, copy=False)
 
 
 def swiglu(gate: Array, up: Array) -> Array:
@@ -208,7 +213,7 @@ def swiglu(gate: Array, up: Array) -> Array:
     xp = array_namespace(gate, up)
     _, (a, b) = _upcast(xp, gate, up)
     # $$\operatorname{Swish}(a) \odot b = a\,\sigma(a)\, b$$
-    return xp.astype(a * sigmoid(a) * b, gate.dtype)
+    return xp.astype(a * sigmoid(a) * b, gate.dtype, copy=False)
 
 
 def swiglu_grad(gate: Array, up: Array) -> tuple[Array, Array]:
@@ -220,7 +225,7 @@ def swiglu_grad(gate: Array, up: Array) -> tuple[Array, Array]:
     # $$\partial_a = \bigl(\sigma(a) + a\,\sigma(a)(1 - \sigma(a))\bigr)\, b$$
     d_gate = (sig + a * sig * sigmoid(-a)) * b
     d_up = a * sig
-    return xp.astype(d_gate, gate.dtype), xp.astype(d_up, gate.dtype)
+    return xp.astype(d_gate, gate.dtype, copy=False), xp.astype(d_up, gate.dtype, copy=False)
 
 
 def rms_norm(x: Array, weight: Array, eps: float = 1e-5) -> Array:
@@ -242,4 +247,4 @@ def rms_norm(x: Array, weight: Array, eps: float = 1e-5) -> Array:
     _, (x32, g) = _upcast(xp, x, weight)
     # $$\operatorname{rms}(x) = \sqrt{\tfrac{1}{\ell}\textstyle\sum_c x_c^2 + \varepsilon}$$
     rms = xp.sqrt(xp.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # [..., 1]
-    return xp.astype(x32 / rms * g, x.dtype)
+    return xp.astype(x32 / rms * g, x.dtype, copy=False)

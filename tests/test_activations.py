@@ -373,3 +373,25 @@ def test_bad_input(xp):
         rms_norm(x, xp.asarray([1.0, 1.0, 1.0], dtype=xp.float64))
     with pytest.raises(ValueError, match=r"eps must be positive and finite, got 0.0"):
         rms_norm(x, x, 0.0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_outputs_never_share_memory_with_inputs(dtype):
+    # Inputs already in the compute dtype are not copied on the way in, so a result that is the input
+    # itself (or a view of it) would let a caller's later in-place update change the other.
+    rng = np.random.default_rng(5)
+    a, b = (rng.standard_normal((6, 5)).astype(dtype) for _ in range(2))
+    gain = np.ones(5, dtype=dtype)
+    a_before, b_before = a.copy(), b.copy()
+    outputs = {
+        "sigmoid": [sigmoid(a)], "softcap": [softcap(a, 4.0)], "softcap_grad": [softcap_grad(a, 4.0)],
+        "hard_clamp": [hard_clamp(a, 100.0)], "hard_clamp_grad": [hard_clamp_grad(a, 4.0)],
+        "situ_glu": [situ_glu(a, b)], "situ_glu_grad": list(situ_glu_grad(a, b)),
+        "swiglu": [swiglu(a, b)], "swiglu_grad": list(swiglu_grad(a, b)), "rms_norm": [rms_norm(a, gain)],
+    }
+    for name, outs in outputs.items():
+        for out in outs:
+            assert out.dtype == dtype, name
+            assert not np.shares_memory(out, a) and not np.shares_memory(out, b), name
+    np.testing.assert_array_equal(a, a_before)
+    np.testing.assert_array_equal(b, b_before)
