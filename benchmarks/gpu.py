@@ -262,18 +262,29 @@ def forward_by_stages(x: Any, params: Any, config: MoEConfig,
 
 
 class StageClock:
-    """A `stage` runner for `forward_by_stages` that times each stage, waiting for the device around it."""
+    """A `stage` runner for `forward_by_stages` that times each stage, waiting for the device around it.
+
+    `timings` holds each stage's time until the device has finished it;
+    `issued` the host's time until the stage's Python code returned, having
+    queued its work on the device (including any wait inside the stage, such as
+    a copy of counts to the host). When the two are close, the device was
+    waiting for the host: issuing the work, not running it, set the pace.
+    On NumPy they are the same.
+    """
 
     def __init__(self, sync: Callable[[], None]):
         self.sync = sync
         self.timings: dict[str, Timing] = {}
+        self.issued: dict[str, Timing] = {}
 
     def __call__(self, name: str, work: Callable[[], Any]) -> Any:
         self.sync()
         start = time.perf_counter()
         out = work()
+        issued = time.perf_counter()
         self.sync()
         self.timings.setdefault(name, Timing(name)).runs.append(time.perf_counter() - start)
+        self.issued.setdefault(name, Timing(name)).runs.append(issued - start)
         return out
 
 
@@ -542,7 +553,8 @@ def step_k3(backend: Backend, config: MoEConfig, m: int, sample: int, repeats: i
     stage_flops = forward_flops(config, m)
     flops = sum(stage_flops.values())
     bandwidth = weight_bytes / timing.median
-    stages = {name: {"timing": t, "flops": stage_flops.get(name, 0.0)} for name, t in clock.timings.items()}
+    stages = {name: {"timing": t, "issued": clock.issued[name], "flops": stage_flops.get(name, 0.0)}
+              for name, t in clock.timings.items()}
     # Inside the routed experts: one expert's turn, piece by piece.
     pieces = expert_pieces(backend, params, config, m, repeats=max(20, repeats))
     active = int(np.unique(to_numpy(index)).size)  # experts that received tokens
@@ -574,7 +586,7 @@ def step_k3(backend: Backend, config: MoEConfig, m: int, sample: int, repeats: i
     for name, s in stages.items():
         rate = f"{s['flops'] / s['timing'].median / 1e12:8.2f} TFLOP/s" if s["flops"] else ""
         print(f"    {name:24s} {fmt_seconds(s['timing'].median):>10s} {100 * s['timing'].median / stage_sum:5.1f} %"
-              f" {rate}")
+              f"  host issued it in {fmt_seconds(s['issued'].median):>10s} {rate}")
     print(f"  stage by stage, in turns with the whole pass: {staged}")
     print(f"  one expert's turn on {pieces['tokens_per_expert']} tokens (host time to issue, device time to run):")
     for name, t in pieces["pieces"].items():
@@ -721,16 +733,18 @@ def _tables(results: dict[str, Any]) -> list[tuple[str, str]]:
     if "k3" in results and "timing" in results["k3"]:
         r = results["k3"]
         stage_sum = sum(s["timing"].median for s in r["stages"].values())
-        stage_rows = [[name, fmt_seconds(s["timing"].median), f"{100 * s['timing'].median / stage_sum:.1f} %",
+        stage_rows = [[name, fmt_seconds(s["timing"].median),
+                       fmt_seconds(s["issued"].median) if "issued" in s else "-",
+                       f"{100 * s['timing'].median / stage_sum:.1f} %",
                        f"{s['flops'] / s['timing'].median / 1e12:.2f}" if s["flops"] else "-"]
                       for name, s in r["stages"].items()]
-        stage_rows.append(["float32 GEMM yardstick", f"{r['gemm_size']}^3", "",
+        stage_rows.append(["float32 GEMM yardstick", f"{r['gemm_size']}^3", "", "",
                            f"{r['gemm_flops'] / 1e12:.2f}"])
         if "stage_by_stage" in r:
-            stage_rows.append(["whole pass, stages timed alone", fmt_seconds(r["stage_by_stage"].median), "", ""])
-            stage_rows.append(["whole pass, in turns with the above", fmt_seconds(r["timing"].median), "", ""])
+            stage_rows.append(["whole pass, stages timed alone", fmt_seconds(r["stage_by_stage"].median), "", "", ""])
+            stage_rows.append(["whole pass, in turns with the above", fmt_seconds(r["timing"].median), "", "", ""])
         tables.append(("K3-shaped layer, time per stage (each timed alone)",
-                       markdown_table(["stage", "median", "share", "TFLOP/s"], stage_rows)))
+                       markdown_table(["stage", "median", "host issued it in", "share", "TFLOP/s"], stage_rows)))
     if "k3" in results and "expert_pieces" in results["k3"]:
         r = results["k3"]
         pieces = r["expert_pieces"]

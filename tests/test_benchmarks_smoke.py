@@ -200,6 +200,9 @@ def test_gpu_script_on_the_cpu(tmp_path):
     assert list(stages) == ["router", "route (top-k, weights)", "down_projection", "routed_experts", "rms_norm",
                             "up_projection", "shared_experts", "output sum"]
     assert all(positive_finite(s["timing"]["median_s"]) for s in stages.values())
+    # The host's time to issue a stage is part of the stage's time, run by run.
+    assert all(0 < i <= t for s in stages.values()
+               for i, t in zip(s["issued"]["runs_s"], s["timing"]["runs_s"], strict=True))
     assert sum(s["flops"] for s in stages.values()) == pytest.approx(k3["gflops"] * 1e9 * k3["timing"]["median_s"])
     assert positive_finite(k3["gemm_flops"])
     assert positive_finite(k3["stage_by_stage"]["median_s"])
