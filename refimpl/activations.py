@@ -23,14 +23,23 @@ worked example:
 1. **First-order equivalence.** $\operatorname{softcap}(z,\beta) = z - z^3/(3\beta^2) + O(z^5/\beta^4)$,
    so near zero, where training starts, SiTU-GLU *is* SwiGLU, and as
    $\beta_1, \beta_2 \to \infty$ it converges to SwiGLU pointwise.
-2. **Bounded output.** $|\operatorname{softcap}(a,\beta_1)\,\sigma(a)| < \beta_1$ and
+2. **Bounded output, when both branches are capped.** $|\operatorname{softcap}(a,\beta_1)\,\sigma(a)| < \beta_1$ and
    $|\operatorname{softcap}(b,\beta_2)| < \beta_2$, so every coordinate obeys
    $|\operatorname{SiTU\text{-}GLU}| < \beta_1\beta_2 = 100$. (In floating point
    $\tanh$ rounds to exactly 1 for large arguments, so the computed value can
-   reach the bound itself; it never exceeds it.)
+   reach the bound itself; it never exceeds it.) With the up branch uncapped
+   (`linear_beta=None`, below) only the gate factor is bounded, $|\cdot| < \beta_1 |b|$,
+   and the output grows linearly in $b$ like SwiGLU's.
 3. **Smooth saturation.** $\frac{d}{dz}\operatorname{softcap}(z,\beta) = 1 - \tanh^2(z/\beta) > 0$
    everywhere, so a saturated unit still passes gradient, whereas a hard clamp
    $\min(\max(z,-\beta),\beta)$ has derivative exactly zero past the bound.
+
+**The uncapped up branch.** The reference modeling code caps the up branch
+only when the configuration sets `activation_situ_linear_beta`; without it the
+activation is $\operatorname{softcap}(a,\beta_1)\,\sigma(a)\,b$ (and an absent
+`activation_situ_beta` means $\beta_1 = 1$). `situ_glu`, `situ_glu_grad` and the
+layer take `linear_beta=None` for that form, so configurations written that way
+(Kimi Linear's style) compute what they compute there. K3 sets both caps.
 
 **Precision.** As in the K3 code, the activation is computed in float32 (or
 float64 for float64 input) and cast back to the input dtype, so float16 and
@@ -161,27 +170,33 @@ def _check_pair(gate: Array, up: Array) -> None:
         raise ValueError(f"gate and up must have the same shape, got gate {gate.shape} and up {up.shape}")
 
 
-def situ_glu(gate: Array, up: Array, beta: float = 4.0, linear_beta: float = 25.0) -> Array:
+def situ_glu(gate: Array, up: Array, beta: float = 4.0, linear_beta: float | None = 25.0) -> Array:
     r"""Eq. (12): $\operatorname{SiTU\text{-}GLU}(a, b) = [\operatorname{softcap}(a,\beta_1)\sigma(a)] \odot \operatorname{softcap}(b,\beta_2)$.
 
     `gate` is the gate pre-activation $a$ (HF `w1`), `up` the up
     pre-activation $b$ (HF `w3`); both have the same shape. Computed in float32
-    or wider and returned in the input dtype.
+    or wider and returned in the input dtype. `linear_beta=None` leaves the up
+    branch uncapped: $\operatorname{softcap}(a,\beta_1)\sigma(a)\,b$, which is not
+    bounded (the reference code's form when `activation_situ_linear_beta` is absent).
     """
     _check_pair(gate, up)
     check_positive("beta", beta)
-    check_positive("linear_beta", linear_beta)
+    if linear_beta is not None:
+        check_positive("linear_beta", linear_beta)
     xp = array_namespace(gate, up)
     _, (a, b) = _upcast(xp, gate, up)
     # The capped gate: $$\operatorname{softcap}(a, \beta_1)\,\sigma(a) \in (-\beta_1, \beta_1)$$
     capped_gate = beta * xp.tanh(a / beta) * sigmoid(a)
+    if linear_beta is None:
+        # The uncapped linear branch: $$b$$
+        return xp.astype(capped_gate * b, gate.dtype, copy=False)
     # The capped linear branch: $$\operatorname{softcap}(b, \beta_2) \in (-\beta_2, \beta_2)$$
     capped_up = linear_beta * xp.tanh(b / linear_beta)
     return xp.astype(capped_gate * capped_up, gate.dtype, copy=False)
 
 
 def situ_glu_grad(gate: Array, up: Array, beta: float = 4.0,
-                  linear_beta: float = 25.0) -> tuple[Array, Array]:
+                  linear_beta: float | None = 25.0) -> tuple[Array, Array]:
     r"""Partial derivatives of `situ_glu` in `gate` and in `up`, returned as a pair.
 
     With $g(a) = \operatorname{softcap}(a,\beta_1)\sigma(a)$ and $h(b) = \operatorname{softcap}(b,\beta_2)$:
@@ -189,10 +204,12 @@ def situ_glu_grad(gate: Array, up: Array, beta: float = 4.0,
     $g'(a) = \operatorname{sech}^2(a/\beta_1)\,\sigma(a) + \operatorname{softcap}(a,\beta_1)\,\sigma(a)\sigma(-a)$,
     and $\partial_b = g(a)\,\operatorname{sech}^2(b/\beta_2)$. ($\sigma(a)\sigma(-a)$ is
     $\sigma'(a) = \sigma(a)(1 - \sigma(a))$ written without cancellation.)
+    With `linear_beta=None` (uncapped up branch) $h(b) = b$ and $h'(b) = 1$.
     """
     _check_pair(gate, up)
     check_positive("beta", beta)
-    check_positive("linear_beta", linear_beta)
+    if linear_beta is not None:
+        check_positive("linear_beta", linear_beta)
     xp = array_namespace(gate, up)
     _, (a, b) = _upcast(xp, gate, up)
     sig = sigmoid(a)
@@ -201,6 +218,9 @@ def situ_glu_grad(gate: Array, up: Array, beta: float = 4.0,
     g = capped * sig
     # $$g'(a) = \operatorname{sech}^2(a/\beta_1)\,\sigma(a) + \beta_1\tanh(a/\beta_1)\,\sigma(a)\sigma(-a)$$
     g_prime = _sech2(a / beta) * sig + capped * sig * sigmoid(-a)
+    if linear_beta is None:
+        # The uncapped up branch: $$h(b) = b, \qquad h'(b) = 1$$
+        return xp.astype(g_prime * b, gate.dtype, copy=False), xp.astype(g, gate.dtype, copy=False)
     # $$h(b) = \beta_2 \tanh(b/\beta_2), \qquad h'(b) = \operatorname{sech}^2(b/\beta_2)$$
     h = linear_beta * xp.tanh(b / linear_beta)
     h_prime = _sech2(b / linear_beta)

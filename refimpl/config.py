@@ -9,7 +9,7 @@ r"""Configuration: the numbers that define one Stable LatentMoE layer.
 | $f$ | `intermediate_size` | routed expert intermediate size | 3072 |
 | $N_s$ | `num_shared_experts` | shared experts, merged into one MLP of width $N_s f$ | 2 |
 | $\beta_1$ | `situ_beta` | SiTU gate cap | 4.0 |
-| $\beta_2$ | `situ_linear_beta` | SiTU linear (up) cap | 25.0 |
+| $\beta_2$ | `situ_linear_beta` | SiTU linear (up) cap; `None` leaves the up branch uncapped | 25.0 |
 | $\varepsilon$ | `rms_norm_eps` | RMSNorm epsilon | 1e-5 |
 
 The width reduction factor is $\alpha = d/\ell$; LatentMoE recommends 4 and K3
@@ -25,8 +25,13 @@ compared on the same inputs:
   drops the shared down- and up-projections: an ordinary DeepSeek-style MoE
   whose experts see the full width.
 
-`MoEConfig.from_hf_config` reads the Hugging Face configuration keys of the
-released checkpoint, so a user can build the layer from a `config.json`.
+`MoEConfig.from_hf_config` reads the Hugging Face configuration of the
+released checkpoint, so a user can build the layer from a `config.json`. It
+gives each key the meaning the reference modeling code gives it, including
+when the key is **absent**, which is not K3's value: a configuration written
+for another model of the family (Kimi Linear has no latent and no SiTU caps)
+then builds the layer that code would build. The table on this page lists
+every key, its meaning, K3's value and what its absence means.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-__all__ = ["ACTIVATIONS", "HF_KEYS", "TOPK_METHODS", "MoEConfig"]
+__all__ = ["ACTIVATIONS", "HF_ABSENT", "HF_KEYS", "TOPK_METHODS", "MoEConfig", "is_moe_layer"]
 
 #: Activations the experts may use: K3's SiTU-GLU and the SwiGLU it replaces.
 ACTIVATIONS = ("situ", "swiglu")
@@ -91,7 +96,7 @@ class MoEConfig:
     intermediate_size: int = 3072
     num_shared_experts: int = 2
     situ_beta: float = 4.0
-    situ_linear_beta: float = 25.0
+    situ_linear_beta: float | None = 25.0
     rms_norm_eps: float = 1e-5
     score_function: str = "sigmoid"
     renormalize: bool = True
@@ -161,9 +166,12 @@ class MoEConfig:
                 f"got latent_size={self.latent_size}, hidden_size={self.hidden_size}")
         for name in ("situ_beta", "situ_linear_beta", "rms_norm_eps", "routed_scaling_factor"):
             value = getattr(self, name)
+            if name == "situ_linear_beta" and value is None:
+                continue  # the up branch is not capped (the reference code's meaning of an absent key)
             is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
             if not (is_number and math.isfinite(value) and value > 0):
-                raise ValueError(f"MoEConfig.{name} must be a positive finite number, got {value!r}")
+                allowed = " or None" if name == "situ_linear_beta" else ""
+                raise ValueError(f"MoEConfig.{name} must be a positive finite number{allowed}, got {value!r}")
         # Switches must be real booleans: a JSON string "false" is truthy and would turn the norm on.
         for name in ("renormalize", "use_latent_norm", "use_latent_projection"):
             value = getattr(self, name)
@@ -217,41 +225,138 @@ class MoEConfig:
     # -- Hugging Face keys ---------------------------------------------------
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> MoEConfig:
-        """Build a config from a Hugging Face `config.json` mapping.
+        """Build a config from a Hugging Face `config.json` mapping, with the reference code's semantics.
 
-        Keys of `HF_KEYS` that are present are read; absent ones keep the K3
-        default; other keys are ignored. `hidden_act` may be `"situ"` or
-        `"silu"` (SwiGLU). If `hidden_size` is given but `routed_expert_hidden_size`
-        is absent, the layer has no latent projection (a plain MoE, $\\ell = d$).
-        `num_hidden_layers` minus `first_k_dense_replace` (default 1) gives the
-        number of MoE layers.
+        `hf` is the whole file: when it has a `text_config` (K3's multimodal
+        checkpoint nests the language model's keys there) that mapping is
+        read, otherwise `hf` itself. Each key means what the reference
+        modeling code makes of it, absent keys included (see `HF_ABSENT` and
+        the table on this page): no `routed_expert_hidden_size` means no
+        latent (no projections and no norm), an absent `latent_moe_use_norm`
+        means no norm, an absent or null `activation_situ_beta` means 1.0,
+        an absent or null `activation_situ_linear_beta` leaves the up branch
+        uncapped, `num_shared_experts: null` means none, and with `top_k = 1`
+        the single weight is not renormalized. The dense layers
+        (`first_k_dense_replace`, `moe_layer_freq`) are left out of
+        `num_moe_layers`. A configuration this package cannot compute is a
+        `ValueError` naming the key.
         """
         if not isinstance(hf, Mapping):
             raise TypeError(f"hf must be a mapping of Hugging Face config keys, got {type(hf).__name__}")
-        fields: dict[str, Any] = {}
-        for field, key in HF_KEYS.items():
-            if key in hf:
-                fields[field] = hf[key]
-        if "activation" in fields:
-            act = fields["activation"]
-            if not isinstance(act, str) or act not in _HF_ACTIVATION:
-                raise ValueError(f"hf['hidden_act'] must be one of {sorted(_HF_ACTIVATION)}, got {act!r}")
-            fields["activation"] = _HF_ACTIVATION[act]
-        if "latent_size" not in fields and "hidden_size" in fields:
+        text = hf.get("text_config", hf)
+        if not isinstance(text, Mapping):
+            raise TypeError(f"hf['text_config'] must be a mapping, got {type(text).__name__}")
+        where = "hf['text_config']" if text is not hf else "hf"
+
+        def get(key: str) -> Any:
+            return text[key] if key in text else HF_ABSENT[key]
+
+        for key in _HF_REQUIRED:
+            if text.get(key) is None:
+                raise ValueError(f"{where}[{key!r}] is required (an MoE layer needs it), got "
+                                 f"{'no such key' if key not in text else 'null'}")
+        act = get("hidden_act")
+        if not isinstance(act, str) or act not in _HF_ACTIVATION:
+            raise ValueError(f"{where}['hidden_act'] must be one of {sorted(_HF_ACTIVATION)}, got {act!r}")
+        fields: dict[str, Any] = {field: get(key) for field, key in HF_KEYS.items()}
+        fields["activation"] = _HF_ACTIVATION[act]
+        # No latent width: the reference code builds no projections and no norm (alpha = 1).
+        if fields["latent_size"] is None:
             fields["latent_size"] = fields["hidden_size"]
             fields["use_latent_projection"] = False
-        if "num_hidden_layers" in hf:
-            dense = int(hf.get("first_k_dense_replace", 1))
-            fields["num_moe_layers"] = int(hf["num_hidden_layers"]) - dense
+            fields["use_latent_norm"] = False
+        # `beta or 1.0` in the reference: absent, null (and 0) all mean 1.0.
+        fields["situ_beta"] = fields["situ_beta"] or 1.0
+        # `num_shared_experts: null` means no shared-expert module at all.
+        if fields["num_shared_experts"] is None:
+            fields["num_shared_experts"] = 0
+        for field in ("n_group", "topk_group"):
+            if fields[field] is None:
+                fields[field] = 1
+        # The reference gate renormalizes only when top_k > 1: one weight stays the raw score.
+        if fields["top_k"] == 1:
+            fields["renormalize"] = False
+        fields["num_moe_layers"] = _count_moe_layers(text, where)
         return cls(**fields)
 
-    def to_hf_config(self) -> dict[str, Any]:
-        """The Hugging Face keys for this config (the inverse of `from_hf_config`)."""
+    def to_hf_config(self, *, nested: bool = False) -> dict[str, Any]:
+        """The Hugging Face keys for this config, the inverse of `from_hf_config`.
+
+        Every key is written explicitly (an absent key would mean something
+        else to the reference code). With `nested=True` the keys go into a
+        `text_config` of a top-level `{"model_type": "kimi_k3", ...}` mapping,
+        the layout of K3's own `config.json`. Raises `ValueError` for a
+        config the reference code cannot express: a latent norm without the
+        latent projections, or `top_k = 1` with renormalization (the
+        reference keeps the raw score of a single expert).
+        """
+        if self.use_latent_norm and not self.use_latent_projection:
+            raise ValueError("a latent norm without the latent projections (use_latent_norm=True, "
+                             "use_latent_projection=False) has no Hugging Face configuration: the "
+                             "reference code applies the norm only with routed_expert_hidden_size")
+        if self.top_k == 1 and self.renormalize:
+            raise ValueError("top_k=1 with renormalize=True has no Hugging Face configuration: the "
+                             "reference gate renormalizes only when top_k > 1 (use renormalize=False)")
         values = asdict(self)
-        out = {key: values[field] for field, key in HF_KEYS.items()}
+        out: dict[str, Any] = {"model_type": "kimi_linear"}
+        out.update({key: values[field] for field, key in HF_KEYS.items()})
         out["hidden_act"] = "situ" if self.activation == "situ" else "silu"
         if not self.use_latent_projection:
             del out["routed_expert_hidden_size"]
+        if self.num_shared_experts == 0:
+            out["num_shared_experts"] = None  # the reference code's "no shared-expert module"
         out["num_hidden_layers"] = self.num_moe_layers + 1
         out["first_k_dense_replace"] = 1
-        return out
+        out["moe_layer_freq"] = 1
+        if not nested:
+            return out
+        return {"model_type": "kimi_k3", "text_config": out}
+
+
+#: What the reference modeling code makes of an absent key (`None`: see `from_hf_config`).
+#: These are the defaults of its configuration class, not K3's values.
+HF_ABSENT: dict[str, Any] = {
+    "hidden_size": None,
+    "routed_expert_hidden_size": None,
+    "num_experts": None,
+    "num_experts_per_token": None,
+    "moe_intermediate_size": None,
+    "num_shared_experts": 0,
+    "activation_situ_beta": None,
+    "activation_situ_linear_beta": None,
+    "rms_norm_eps": 1e-6,
+    "moe_router_activation_func": "sigmoid",
+    "moe_renormalize": True,
+    "routed_scaling_factor": 1.0,
+    "latent_moe_use_norm": False,
+    "topk_method": "noaux_tc",
+    "num_expert_group": 1,
+    "topk_group": 1,
+    "hidden_act": "silu",
+}
+
+# Keys without which there is no MoE layer to build.
+_HF_REQUIRED = ("hidden_size", "num_experts", "num_experts_per_token", "moe_intermediate_size")
+
+
+def _count_moe_layers(text: Mapping[str, Any], where: str) -> int:
+    """The MoE layers among `num_hidden_layers`: layer L is MoE iff L >= first_k_dense_replace and L % freq == 0."""
+    total = text.get("num_hidden_layers")
+    first_dense = text.get("first_k_dense_replace", 0)
+    freq = text.get("moe_layer_freq", 1)
+    if total is None:
+        return 1  # a single layer described on its own
+    for key, value, low in (("num_hidden_layers", total, 1), ("first_k_dense_replace", first_dense, 0),
+                            ("moe_layer_freq", freq, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{where}[{key!r}] must be an integer >= {low}, got {value!r}")
+    count = sum(1 for layer in range(total) if is_moe_layer(layer, first_dense, freq))
+    if count == 0:
+        raise ValueError(f"{where} has no MoE layer: num_hidden_layers={total}, "
+                         f"first_k_dense_replace={first_dense}, moe_layer_freq={freq}")
+    return count
+
+
+def is_moe_layer(layer: int, first_k_dense_replace: int = 0, moe_layer_freq: int = 1) -> bool:
+    """Whether decoder layer `layer` holds an MoE block (the reference code's rule); the others are dense."""
+    return layer >= first_k_dense_replace and layer % moe_layer_freq == 0

@@ -54,11 +54,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import array_api_compat
 import numpy as np
 
-from ._xp import Array, array_namespace, bincount, compute_dtype, to_numpy
+from ._xp import Array, array_namespace, bincount, compute_dtype, is_numpy, to_numpy
 from .activations import rms_norm, situ_glu, swiglu
 from .config import MoEConfig
+from .mx import MX_BLOCK, mxfp8_round
 from .routing import route, router_scores
 from .validation import check_finite, check_float_array
 
@@ -146,8 +148,18 @@ def init_params(config: MoEConfig, rng: np.random.Generator | int | None = None,
     return params
 
 
+def _is_lazy_stack(w: Any) -> bool:
+    """True for an expert stack that is not an array but decodes one expert on `w[e]` (a packed stack)."""
+    return not array_api_compat.is_array_api_obj(w) and hasattr(w, "__getitem__")
+
+
 def check_params(params: Mapping[str, Array], config: MoEConfig) -> None:
-    """Raise if `params` does not have exactly the names and shapes `config` needs."""
+    """Raise if `params` does not have exactly the names and shapes `config` needs.
+
+    The expert stacks may be arrays or read-only stacks that decode one
+    expert on `w[e]` (`refimpl.checkpoint.ExpertStack`, e.g. MXFP4 weights
+    as loaded by `load_hf_layer`); every other entry must be an array.
+    """
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a mapping from parameter names to arrays, got {type(params).__name__}")
     shapes = parameter_shapes(config)
@@ -156,6 +168,10 @@ def check_params(params: Mapping[str, Array], config: MoEConfig) -> None:
     if missing or extra:
         raise ValueError(f"params must have exactly the names {sorted(shapes)}; missing {missing}, extra {extra}")
     for name, shape in shapes.items():
+        if name.startswith("experts.") and _is_lazy_stack(params[name]):
+            if not (hasattr(params[name], "shape") and hasattr(params[name], "dtype")):
+                raise TypeError(f"params[{name!r}] must be an array or an expert stack with shape and dtype, "
+                                f"got {type(params[name]).__name__}")
         check_float_array(f"params[{name!r}]", params[name])
         if tuple(params[name].shape) != shape:
             raise ValueError(f"params[{name!r}] must have shape {list(shape)}, got {list(params[name].shape)}")
@@ -198,10 +214,11 @@ def _glu_in_place(a: Array, b: Array, config: MoEConfig) -> Array:
         np.divide(a, config.situ_beta, out=a)
         np.tanh(a, out=a)
         a *= config.situ_beta
-        # $$\operatorname{softcap}(b, \beta_2) = \beta_2 \tanh(b / \beta_2)$$
-        np.divide(b, config.situ_linear_beta, out=b)
-        np.tanh(b, out=b)
-        b *= config.situ_linear_beta
+        if config.situ_linear_beta is not None:  # None: the up branch stays uncapped
+            # $$\operatorname{softcap}(b, \beta_2) = \beta_2 \tanh(b / \beta_2)$$
+            np.divide(b, config.situ_linear_beta, out=b)
+            np.tanh(b, out=b)
+            b *= config.situ_linear_beta
     # SiTU-GLU: $$[\operatorname{softcap}(a, \beta_1)\,\sigma(a)] \odot \operatorname{softcap}(b, \beta_2)$$
     # (SwiGLU: $[a\,\sigma(a)] \odot b$.)
     a *= sig
@@ -218,14 +235,25 @@ def _expert_glu(a: Array, b: Array, config: MoEConfig) -> Array:
 
 
 def routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array, w2: Array,
-                   config: MoEConfig) -> Array:
+                   config: MoEConfig, *, mxfp8_inputs: bool = False) -> Array:
     r"""The routed sum $u_i = \sum_{e \in \mathcal{T}_i} p_{i,e}\,E_e(z_i)$, grouped by expert.
 
     `z` is the latent `[m, l]`, `index` and `weights` are `[m, k]`, and the
     expert weights are stacked: `w1`, `w3` `[n, f, l]`, `w2` `[n, l, f]`.
     Returns `u`, `[m, l]`, in the dtype of `z`. The stacks may be stored in
-    a narrower dtype than `z` (a float16 checkpoint): each expert's matrices
-    are cast when its turn comes, so the whole stack is never copied.
+    a narrower dtype than `z` (a float16 checkpoint), or be packed stacks
+    that decode one expert on `w[e]` (`refimpl.checkpoint.ExpertStack`,
+    MXFP4): each expert's matrices are cast or decoded when its turn comes
+    and dropped before the next expert's, so at most one expert is ever held
+    in the compute dtype.
+
+    `mxfp8_inputs=True` is K3's deployment precision for the activations:
+    the input of each expert product (the latents $z$ before $G_e, U_e$ and
+    the hidden activation $h$ before $D_e$) is rounded to MXFP8 and back
+    (`refimpl.mx.mxfp8_round`, blocks of 32 along the product's inner axis)
+    and the products run in the compute dtype. The mixture weight then
+    multiplies the expert output, as in the reference code, so that it does
+    not change what is rounded. NumPy only.
 
     The $mk$ (token, expert) pairs are sorted by expert so that each expert's
     tokens form one contiguous slice; each expert gathers its tokens'
@@ -260,12 +288,21 @@ def routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array,
     for e in np.flatnonzero(count).tolist():
         rows = slice(int(start[e]), int(start[e + 1]))
         z_e = xp.take(z, token_sorted[rows], axis=0)  # [m_e, l], the latents of expert e's tokens
-        # Expert $e$'s matrices in the dtype of `z` (free unless the stacks are stored narrower).
+        # Expert $e$'s matrices in the dtype of `z` (free unless the stacks are stored narrower or packed).
         g_e, u_e, d_e = (xp.astype(w[e, ...], z.dtype, copy=False) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
-        # $$h = \operatorname{SiTU\text{-}GLU}(z G_e^\top, z U_e^\top)$$
-        h = _expert_glu(z_e @ g_e.T, z_e @ u_e.T, config)  # [m_e, f]
-        # $$p_{i,e}\, E_e(z_i) = (p_{i,e}\, h_i)\, D_e^\top$$
-        out_sorted[rows, :] = (p_sorted[rows, :] * h) @ d_e.T  # [m_e, l]
+        if mxfp8_inputs:
+            # Deployment precision: $$h = \operatorname{SiTU\text{-}GLU}(Q_8(z) G_e^\top, Q_8(z) U_e^\top)$$
+            z_q = xp.astype(mxfp8_round(z_e), z.dtype, copy=False)  # [m_e, l]
+            h = _expert_glu(z_q @ g_e.T, z_q @ u_e.T, config)  # [m_e, f]
+            # $$p_{i,e}\, E_e(z_i) = p_{i,e}\,(Q_8(h_i)\, D_e^\top)$$
+            h_q = xp.astype(mxfp8_round(h), z.dtype, copy=False)  # [m_e, f]
+            out_sorted[rows, :] = p_sorted[rows, :] * (h_q @ d_e.T)  # [m_e, l]
+        else:
+            # $$h = \operatorname{SiTU\text{-}GLU}(z G_e^\top, z U_e^\top)$$
+            h = _expert_glu(z_e @ g_e.T, z_e @ u_e.T, config)  # [m_e, f]
+            # $$p_{i,e}\, E_e(z_i) = (p_{i,e}\, h_i)\, D_e^\top$$
+            out_sorted[rows, :] = (p_sorted[rows, :] * h) @ d_e.T  # [m_e, l]
+        del g_e, u_e, d_e, h  # drop this expert before the next one is decoded
     # Combine: slot $t = i k + r$ sits at sorted position `position[i, r]` (the inverse permutation).
     position = xp.reshape(xp.argsort(order), (m, k))  # [m, k]
     u = xp.zeros((m, ell), dtype=z.dtype)  # [m, l]
@@ -322,16 +359,29 @@ def _check_inputs(x: Array, params: Mapping[str, Array], config: MoEConfig) -> N
 
 
 def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, *,
-                      return_intermediates: bool = False) -> Array | MoEOutput:
+                      return_intermediates: bool = False, mxfp8_inputs: bool = False) -> Array | MoEOutput:
     r"""Eq. (11): one Stable LatentMoE layer on a batch `x` of shape `[m, d]`.
 
-    `params` is any mapping with the names of `parameter_shapes(config)`.
+    `params` is any mapping with the names of `parameter_shapes(config)`; the
+    expert stacks may be packed (`load_hf_layer` keeps MXFP4 experts packed
+    and they are decoded one expert at a time).
     Returns `y`, `[m, d]`, in the dtype of `x` (computed in float32, or float64
     for float64 input); with `return_intermediates=True`, a `MoEOutput` whose
     first field is `y`.
+
+    `mxfp8_inputs=True` runs the routed experts at K3's deployment precision
+    for activations: each expert product's input is rounded to MXFP8 and back
+    and the arithmetic stays in float32 (the weights are MXFP4 when the
+    stacks are; see `routed_experts`). It needs NumPy arrays and
+    `latent_size`, `intermediate_size` that are multiples of 32.
     """
     _check_inputs(x, params, config)
-    xp = array_namespace(x, *params.values())
+    if mxfp8_inputs and (config.ell % MX_BLOCK or config.f % MX_BLOCK):
+        raise ValueError(f"mxfp8_inputs=True needs latent_size and intermediate_size that are multiples of "
+                         f"{MX_BLOCK} (MXFP8 blocks), got {config.ell} and {config.f}")
+    xp = array_namespace(x, *(a for a in params.values() if not _is_lazy_stack(a)))
+    if mxfp8_inputs and not is_numpy(xp):
+        raise TypeError("mxfp8_inputs=True needs NumPy arrays (refimpl.mx is NumPy code)")
     dtype = compute_dtype(xp, x)
 
     def weight(name: str) -> Array:
@@ -355,7 +405,7 @@ def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, 
     # The expert stacks go in as stored: `routed_experts` casts one expert at a time, so a
     # float16 checkpoint of K3's 896 experts is never copied whole.
     u = routed_experts(z, index, weights, params["experts.w1"], params["experts.w3"],
-                       params["experts.w2"], config)  # [m, l]
+                       params["experts.w2"], config, mxfp8_inputs=mxfp8_inputs)  # [m, l]
     # 6. The Stable addition: $$v = \operatorname{RMSNorm}(u) \odot g$$
     if config.use_latent_norm:
         v = rms_norm(u, weight("routed_expert_norm.weight"), config.rms_norm_eps)  # [m, l]
@@ -387,14 +437,15 @@ def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: M
     in Python: use it on small inputs only.
     """
     _check_inputs(x, params, config)
-    p = {name: to_numpy(a).astype(np.float64) for name, a in params.items()}
+    p = {name: (np.stack([np.asarray(a[e], dtype=np.float64) for e in range(config.n)]) if _is_lazy_stack(a)
+                 else to_numpy(a).astype(np.float64)) for name, a in params.items()}
     xs = to_numpy(x).astype(np.float64)
     b1, b2 = config.situ_beta, config.situ_linear_beta
 
     def act(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         sig = 1.0 / (1.0 + np.exp(-a))
         if config.activation == "situ":
-            return (b1 * np.tanh(a / b1) * sig) * (b2 * np.tanh(b / b2))
+            return (b1 * np.tanh(a / b1) * sig) * (b if b2 is None else b2 * np.tanh(b / b2))
         return a * sig * b
 
     y = np.zeros_like(xs)

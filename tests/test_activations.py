@@ -395,3 +395,37 @@ def test_outputs_never_share_memory_with_inputs(dtype):
             assert not np.shares_memory(out, a) and not np.shares_memory(out, b), name
     np.testing.assert_array_equal(a, a_before)
     np.testing.assert_array_equal(b, b_before)
+
+
+# ---------------------------------------------------------------------------
+# The uncapped up branch (linear_beta=None): the reference code's form without
+# `activation_situ_linear_beta`
+# ---------------------------------------------------------------------------
+
+@given(a=st.floats(-60, 60), b=st.floats(-1e4, 1e4), beta=st.floats(0.5, 8))
+def test_uncapped_up_branch_matches_closed_form(a, b, beta):
+    expected = beta * math.tanh(a / beta) / (1 + math.exp(-a)) * b
+    got = float(situ_glu(np.array([a]), np.array([b]), beta=beta, linear_beta=None)[0])
+    assert got == pytest.approx(expected, rel=1e-12, abs=1e-300)
+
+
+def test_uncapped_up_branch_is_not_bounded(xp):
+    # Only the gate factor is capped: the output grows linearly with b, past beta1 * beta2.
+    a = xp.asarray([20.0, 20.0, 20.0])
+    b = xp.asarray([1e2, 1e4, 1e6])
+    out = to_numpy(situ_glu(a, b, beta=BETA1, linear_beta=None))
+    np.testing.assert_allclose(out, BETA1 * math.tanh(20.0 / BETA1) / (1 + math.exp(-20.0)) * np.array([1e2, 1e4, 1e6]),
+                               rtol=1e-12)
+    assert out[-1] > 1e3 * BOUND
+
+
+@given(a=st.floats(-30, 30), b=st.floats(-100, 100))
+def test_uncapped_grad_matches_finite_differences(a, b):
+    d_gate, d_up = situ_glu_grad(np.array([a]), np.array([b]), beta=BETA1, linear_beta=None)
+    h = 1e-6
+
+    def f(x, y):
+        return float(situ_glu(np.array([x]), np.array([y]), beta=BETA1, linear_beta=None)[0])
+    assert float(d_gate[0]) == pytest.approx((f(a + h, b) - f(a - h, b)) / (2 * h), rel=1e-5, abs=1e-6)
+    # d/db is exactly the capped gate factor
+    assert float(d_up[0]) == pytest.approx(BETA1 * math.tanh(a / BETA1) / (1 + math.exp(-a)), rel=1e-12, abs=1e-300)

@@ -136,6 +136,8 @@ def test_from_hf_config_without_latent_size_is_a_plain_moe():
     hf = {k: v for k, v in K3_HF.items() if k != "routed_expert_hidden_size"}
     c = MoEConfig.from_hf_config(hf)
     assert c.ell == c.d == 7168 and c.use_latent_projection is False and c.alpha == 1.0
+    # The reference code builds no norm without the latent, whatever latent_moe_use_norm says.
+    assert c.use_latent_norm is False
     assert "routed_expert_hidden_size" not in c.to_hf_config()
     assert MoEConfig.from_hf_config(c.to_hf_config()) == c
 
@@ -166,14 +168,15 @@ def configs(draw):
     topk_group = draw(st.integers(1, n_group))
     k = draw(st.integers(1, topk_group * (n // n_group)))
     projection = draw(st.booleans())
+    # What the reference code can express: renormalization needs k > 1, the norm needs the latent.
     ell = draw(st.integers(1, 6))
     d = ell * draw(st.integers(1, 3)) if projection else ell
     return MoEConfig(
         hidden_size=d, latent_size=ell, num_experts=n, top_k=k,
         intermediate_size=draw(st.integers(1, 8)), num_shared_experts=draw(st.integers(0, 3)),
-        situ_beta=draw(st.floats(0.5, 10)), situ_linear_beta=draw(st.floats(1, 50)),
-        rms_norm_eps=draw(st.floats(1e-8, 1e-3)), renormalize=draw(st.booleans()),
-        routed_scaling_factor=draw(st.floats(0.1, 3)), use_latent_norm=draw(st.booleans()),
+        situ_beta=draw(st.floats(0.5, 10)), situ_linear_beta=draw(st.none() | st.floats(1, 50)),
+        rms_norm_eps=draw(st.floats(1e-8, 1e-3)), renormalize=k > 1 and draw(st.booleans()),
+        routed_scaling_factor=draw(st.floats(0.1, 3)), use_latent_norm=projection and draw(st.booleans()),
         use_latent_projection=projection, activation=draw(st.sampled_from(["situ", "swiglu"])),
         n_group=n_group, topk_group=topk_group, num_moe_layers=draw(st.integers(1, 100)))
 
@@ -182,5 +185,87 @@ def configs(draw):
 def test_hf_round_trip(config):
     hf = config.to_hf_config()
     assert set(HF_KEYS.values()) - set(hf) <= {"routed_expert_hidden_size"}
+    assert MoEConfig.from_hf_config(config.to_hf_config(nested=True)) == config
     assert MoEConfig.from_hf_config(hf) == config
     assert MoEConfig.from_hf_config(json.loads(json.dumps(hf))) == config
+
+
+# ---------------------------------------------------------------------------
+# The reference code's semantics (SPEC §9.1); the forward-pass comparisons with a
+# transcription of the reference block are in test_checkpoint.py
+# ---------------------------------------------------------------------------
+
+# K3's config.json, nested as released: the keys of SPEC §0 and §9.1 (vision keys left out).
+K3_CONFIG_JSON = {
+    "model_type": "kimi_k3",
+    "text_config": dict(
+        K3_HF, model_type="kimi_linear", num_hidden_layers=93, first_k_dense_replace=1, moe_layer_freq=1,
+        use_grouped_topk=True, vocab_size=163840,
+        quantization_config={
+            "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 32,
+                                                                            "type": "float"}}},
+            "ignore": ["re:.*shared_experts.*", "lm_head"]}),
+    "vision_config": {"model_type": "moonvit"},
+}
+
+
+def test_k3_config_json_gives_exactly_k3():
+    assert MoEConfig.from_hf_config(K3_CONFIG_JSON) == MoEConfig.k3()
+    assert MoEConfig.from_hf_config(json.loads(json.dumps(K3_CONFIG_JSON))) == MoEConfig.k3()
+
+
+def test_nested_config_is_read_not_ignored():
+    # A miniature nested config must not come back as K3's defaults.
+    small = {"model_type": "kimi_k3", "text_config": {
+        "hidden_size": 64, "routed_expert_hidden_size": 32, "num_experts": 8, "num_experts_per_token": 2,
+        "moe_intermediate_size": 16, "num_shared_experts": 1, "latent_moe_use_norm": True,
+        "hidden_act": "situ"}}
+    c = MoEConfig.from_hf_config(small)
+    assert (c.d, c.ell, c.n, c.k, c.f, c.num_shared_experts) == (64, 32, 8, 2, 16, 1)
+
+
+def test_absent_keys_mean_what_the_reference_code_makes_of_them():
+    c = MoEConfig.from_hf_config({"hidden_size": 64, "num_experts": 8, "num_experts_per_token": 2,
+                                  "moe_intermediate_size": 16})
+    assert (c.use_latent_projection, c.use_latent_norm, c.ell) == (False, False, 64)
+    assert (c.situ_beta, c.situ_linear_beta) == (1.0, None)
+    assert c.num_shared_experts == 0 and c.activation == "swiglu" and c.rms_norm_eps == 1e-6
+    assert (c.renormalize, c.routed_scaling_factor, c.n_group, c.topk_group) == (True, 1.0, 1, 1)
+
+
+def test_null_values():
+    c = MoEConfig.from_hf_config(dict(K3_HF, num_shared_experts=None, activation_situ_beta=None,
+                                      activation_situ_linear_beta=None))
+    assert (c.num_shared_experts, c.situ_beta, c.situ_linear_beta) == (0, 1.0, None)
+    assert c.to_hf_config()["num_shared_experts"] is None
+    assert MoEConfig.from_hf_config(c.to_hf_config()) == c
+
+
+def test_top1_is_not_renormalized():
+    assert MoEConfig.from_hf_config(dict(K3_HF, num_experts_per_token=1)).renormalize is False
+    assert MoEConfig.from_hf_config(dict(K3_HF, num_experts_per_token=2)).renormalize is True
+
+
+@pytest.mark.parametrize("layers,first,freq,expected", [(93, 1, 1, 92), (10, 0, 1, 10), (10, 2, 3, 3), (7, 0, 2, 4)])
+def test_dense_layers_are_recognized(layers, first, freq, expected):
+    c = MoEConfig.from_hf_config(dict(K3_HF, num_hidden_layers=layers, first_k_dense_replace=first,
+                                      moe_layer_freq=freq))
+    # Independent count: the layers L with L >= first and L % freq == 0, listed by hand for these cases.
+    by_hand = {(93, 1, 1): 92, (10, 0, 1): 10, (10, 2, 3): len([3, 6, 9]), (7, 0, 2): len([0, 2, 4, 6])}
+    assert c.num_moe_layers == by_hand[(layers, first, freq)] == expected
+
+
+def test_configs_the_reference_cannot_express():
+    with pytest.raises(ValueError, match="top_k=1 with renormalize=True has no Hugging Face configuration"):
+        MoEConfig.tiny(top_k=1, renormalize=True).to_hf_config()
+    with pytest.raises(ValueError, match="a latent norm without the latent projections"):
+        MoEConfig.tiny(latent_size=8, use_latent_projection=False).to_hf_config()
+    with pytest.raises(ValueError, match=r"hf\['text_config'\]\['moe_intermediate_size'\] is required"):
+        MoEConfig.from_hf_config({"text_config": {"hidden_size": 8, "num_experts": 4, "num_experts_per_token": 2}})
+    with pytest.raises(ValueError, match=r"has no MoE layer"):
+        MoEConfig.from_hf_config(dict(K3_HF, num_hidden_layers=2, first_k_dense_replace=2))
+    with pytest.raises(TypeError, match=r"hf\['text_config'\] must be a mapping, got list"):
+        MoEConfig.from_hf_config({"text_config": []})
+    with pytest.raises(ValueError, match=r"situ_linear_beta must be a positive finite number or None, got 0"):
+        MoEConfig.from_hf_config(dict(K3_HF, activation_situ_linear_beta=0))

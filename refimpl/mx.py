@@ -1,0 +1,304 @@
+r"""OCP microscaling: the MXFP4 weights and MXFP8 activations of K3's deployment.
+
+K3 ships its routed experts in **MXFP4** and runs their inputs in **MXFP8**
+(SPEC §7). Both are *microscaling* formats of the OCP Microscaling
+specification v1.0: a block of 32 consecutive values shares one scale, a
+power of two stored as an 8-bit exponent (**E8M0**), and each value keeps
+only a tiny float of its own:
+
+$$
+w_j \;=\; X \cdot P_j, \qquad X = 2^{\,s - 127}, \qquad j = 1, \dots, 32,
+$$
+
+where $s \in \{0, \dots, 254\}$ is the scale byte (255 encodes NaN) and $P_j$
+is the element: **E2M1** (4 bits) for MXFP4, **E4M3** (8 bits, largest 448)
+for MXFP8. A 32-value MXFP4 block takes $32 \cdot 4 + 8 = 136$ bits, 4.25 bits
+a value, against 16 for bfloat16.
+
+## The E2M1 element and the byte layout
+
+An E2M1 code has a sign bit (bit 3), two exponent bits and one mantissa bit.
+Codes 0 to 7 are the magnitudes
+
+| code | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 |
+|---|---|---|---|---|---|---|---|---|
+| value | 0 | 0.5 | 1 | 1.5 | 2 | 3 | 4 | 6 |
+
+and codes 8 to 15 their negatives (code 8 is $-0$). compressed-tensors, the
+format of K3's checkpoint, stores a quantized `X.weight [out, in]` as
+
+* `X.weight_packed`, uint8 `[out, in/2]`: two codes per byte, the **low nibble
+  holds the even input column** and the high nibble the odd one;
+* `X.weight_scale`, uint8 `[out, in/32]`: the E8M0 byte $s$ of each block of 32
+  consecutive input columns.
+
+So byte `0x2B` in column $c$ of `weight_packed` is the pair (low nibble
+`0xB` = $-1.5$ at input column $2c$, high nibble `0x2` = $1$ at column $2c+1$),
+and with scale byte 120 they stand for $-1.5 \cdot 2^{-7}$ and $2^{-7}$.
+
+## Decoding
+
+`mxfp4_decode` is the equation above read right to left. Since a byte
+holds two codes, the fast path looks each **byte** up in a 256-entry table of
+value pairs (one gather gives both columns) and multiplies each block by its
+scale. Multiplying by a power of two is exact, so the decoded weights are
+exactly the stored ones in float32 (and in bfloat16, whose exponent range is
+float32's). The tests check this against compressed-tensors' own decoder
+bit for bit on random bytes.
+
+## Encoding: which scale
+
+The OCP specification picks $X = 2^{\lfloor \log_2 \max_j |w_j| \rfloor - 2}$
+(2 is the exponent of E2M1's largest value, 6): the block maximum lands in
+$[4, 8)$ and values above 6 are clamped to 6, so a block maximum just under a
+power of two, say $7.9 \cdot X$, loses a quarter of its size.
+compressed-tensors' encoder, which wrote K3's checkpoint, first rounds the
+block maximum to E2M1's single mantissa bit (half up) and takes the exponent
+of that, which is the same as
+
+$$
+X = 2^{\lfloor \log_2 \max_j |w_j| \rfloor - 2} \text{ if } \max_j |w_j| < 1.75 \cdot 2^{\lfloor \log_2 \max_j |w_j| \rfloor},
+\text{ else twice that:}
+$$
+
+a block whose maximum would round to 8 or more gets the next scale up, and
+its maximum then lands in $[3.5, 4]$ instead of being clamped. `mxfp4_encode`
+uses **that rule**, so that it reproduces the released files' encoder; the
+tests check that its bytes equal compressed-tensors' on random weights. Each
+scaled value then rounds to the nearest E2M1 value, ties to the even code, and
+magnitudes above 6 (only possible under the OCP rule) saturate. An all-zero
+block gets scale byte 0 (the exponent $-\infty$ clamped to E8M0's smallest,
+$2^{-127}$); exponents outside E8M0's range $[-127, 127]$ are clamped the same
+way, so blocks of very small values flush to zero.
+
+## MXFP8 for the activations
+
+`mxfp8_round` quantizes and dequantizes in one step: blocks of 32 along
+the last axis, elements rounded to E4M3 (ties to even), then multiplied back.
+The scale is the **smallest power of two that does not clip**,
+
+$$
+X = 2^{\lceil \log_2 (\max_j |x_j| / 448) \rceil},
+$$
+
+so every element fits under E4M3's largest value 448 and none is saturated.
+The OCP rule $2^{\lfloor \log_2 \max_j |x_j| \rfloor - 8}$ differs from it only
+for blocks whose maximum has a mantissa above 1.75; there it clips the
+maximum to 448, an error of up to 12.5 %, where this rule loses one bit of
+resolution instead (the same choice compressed-tensors' encoder makes for
+MXFP4, above). The result is a float32 array of values that MXFP8 can hold,
+and rounding such an array again changes nothing (the tests check it). This
+is how the deployment precision of `stable_latent_moe` feeds each expert
+product: quantize–dequantize, then float32 arithmetic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+    "E2M1_VALUES",
+    "MX_BLOCK",
+    "e2m1_decode",
+    "e8m0_decode",
+    "mxfp4_decode",
+    "mxfp4_encode",
+    "mxfp4_scale_exponent",
+    "mxfp8_round",
+    "mxfp8_scale_exponent",
+]
+
+#: Values per shared scale in every MX format.
+MX_BLOCK = 32
+
+#: The 16 E2M1 values by code: bit 3 is the sign, codes 0-7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+E2M1_VALUES: np.ndarray = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+
+# E2M1's and E4M3's largest values and their exponents (6 = 1.5 * 2^2, 448 = 1.75 * 2^8).
+_E2M1_MAX, _E2M1_EMAX = 6.0, 2
+_E4M3_MAX, _E4M3_EMAX = 448.0, 8
+# E8M0 holds exponents -127 .. 127 (byte 255 is NaN).
+_E8M0_MIN, _E8M0_MAX = -127, 127
+
+
+def _check_blocks(name: str, x: Any, *, kind: str) -> np.ndarray:
+    """`x` as a NumPy array whose last axis is a positive multiple of 32; `kind` is 'float' or 'uint8'."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    x = np.asarray(x)
+    if kind == "uint8" and x.dtype != np.uint8:
+        raise TypeError(f"{name} must be a uint8 array, got dtype {x.dtype}")
+    if kind == "float" and not (np.issubdtype(x.dtype, np.floating) or x.dtype == ml_dtypes.bfloat16):
+        raise TypeError(f"{name} must be a real floating array, got dtype {x.dtype}")
+    if x.ndim < 1:
+        raise ValueError(f"{name} must have at least one axis, got a scalar")
+    return x
+
+
+# ---------------------------------------------------------------------------
+# Elements and scales
+# ---------------------------------------------------------------------------
+
+def e2m1_decode(codes: np.ndarray) -> np.ndarray:
+    """The float32 value of each 4-bit E2M1 code (uint8 array with values 0-15)."""
+    return E2M1_VALUES[codes]
+
+
+def e8m0_decode(scale: np.ndarray) -> np.ndarray:
+    r"""The float32 value $2^{s - 127}$ of each E8M0 byte $s$ (255 gives NaN)."""
+    scale = np.asarray(scale, dtype=np.uint8)
+    return scale.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+
+
+def _floor_log2(a: np.ndarray) -> np.ndarray:
+    r"""$\lfloor \log_2 a \rfloor$ for positive finite `a`, exactly (from the float's own exponent)."""
+    # frexp: a = m 2^e with m in [0.5, 1), so floor(log2 a) = e - 1.
+    _, e = np.frexp(a)
+    return e.astype(np.int32) - 1
+
+
+def mxfp4_scale_exponent(amax: np.ndarray) -> np.ndarray:
+    r"""The shared exponent $\log_2 X$ of MXFP4 blocks with maxima `amax` (compressed-tensors' rule).
+
+    $e = \lfloor \log_2 a \rfloor - 2$, plus one when $a \ge 1.75 \cdot 2^{\lfloor \log_2 a \rfloor}$
+    (the maximum would round to 8 or more), clamped to E8M0's $[-127, 127]$;
+    an all-zero block gets $-127$. Returns int32 exponents.
+    """
+    amax = np.asarray(amax)
+    positive = amax > 0
+    safe = np.where(positive, amax, 1.0)
+    e = _floor_log2(safe)  # floor(log2 amax)
+    # The mantissa of amax, in [1, 2): round it half up to one bit; 1.75 and above becomes 2.
+    mantissa = safe / np.ldexp(np.ones_like(safe), e)
+    e = e + (mantissa >= 1.75)
+    # $$X = 2^{\lfloor \log_2 \operatorname{round}_1(a) \rfloor - 2}$$
+    e = e - _E2M1_EMAX
+    e = np.where(positive, e, _E8M0_MIN)
+    return np.clip(e, _E8M0_MIN, _E8M0_MAX).astype(np.int32)
+
+
+# ---------------------------------------------------------------------------
+# MXFP4: encode and decode (teaching code first)
+# ---------------------------------------------------------------------------
+
+def mxfp4_encode(w: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Encode `w` `[..., K]` as MXFP4 along its last axis (K a multiple of 32).
+
+    Returns `(packed, scale)`: `packed` uint8 `[..., K/2]` (low nibble = even
+    column) and `scale` uint8 `[..., K/32]` (E8M0 bytes), the layout of
+    compressed-tensors' `weight_packed` and `weight_scale`. The scale rule is
+    compressed-tensors' (see the page); values round to the nearest E2M1
+    value, ties to even. Raises on non-finite input.
+    """
+    w = _check_blocks("w", w, kind="float")
+    K = w.shape[-1]
+    if K % MX_BLOCK:
+        raise ValueError(f"w must have a last axis that is a multiple of {MX_BLOCK}, got shape {list(w.shape)}")
+    if not np.all(np.isfinite(w)):
+        raise ValueError(f"w must be finite, got {int(np.sum(~np.isfinite(w)))} non-finite entries")
+    work = np.float64 if w.dtype == np.float64 else np.float32
+    blocks = w.astype(work).reshape(*w.shape[:-1], K // MX_BLOCK, MX_BLOCK)  # [..., K/32, 32]
+    # One exponent per block of 32, from the block's largest magnitude.
+    e = mxfp4_scale_exponent(np.max(np.abs(blocks), axis=-1))  # [..., K/32]
+    # $$P_j = \operatorname{round}_{\text{E2M1}}(w_j / X)$$ (ties to even, saturating at 6)
+    scaled = np.ldexp(blocks, -e[..., None])  # exact: a power of two
+    codes = np.clip(scaled, -_E2M1_MAX, _E2M1_MAX).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
+    codes = codes.reshape(*w.shape[:-1], K // 2, 2) & 0x0F  # [..., K/2, 2]
+    # Two codes a byte: even column in the low nibble, odd column in the high nibble.
+    packed = codes[..., 0] | (codes[..., 1] << 4)  # [..., K/2]
+    scale = (e + 127).astype(np.uint8)  # [..., K/32], E8M0 bytes
+    return packed.astype(np.uint8), scale
+
+
+def mxfp4_decode_reference(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    r"""Decode MXFP4 as the format is defined, nibble by nibble: $w_j = 2^{s-127} P_j$ (float32).
+
+    The readable version of `mxfp4_decode`, kept for teaching and tests.
+    """
+    low = packed & 0x0F  # [..., K/2], even columns
+    high = packed >> 4  # [..., K/2], odd columns
+    codes = np.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)  # [..., K]
+    P = e2m1_decode(codes)  # [..., K]
+    X = e8m0_decode(scale)  # [..., K/32]
+    # $$w_j = X\, P_j$$
+    with np.errstate(over="ignore"):
+        return (P.reshape(*scale.shape, MX_BLOCK) * X[..., None]).reshape(P.shape)
+
+
+# Fast path: one table lookup decodes a byte into both of its values.
+# _PAIRS[b] holds the float32 bits of (value of low nibble, value of high nibble) as one uint64.
+_PAIRS: np.ndarray = np.stack(
+    [E2M1_VALUES[np.arange(256) & 0x0F], E2M1_VALUES[np.arange(256) >> 4]], axis=-1
+).astype(np.float32).view(np.uint64).reshape(256)
+
+
+def mxfp4_decode(packed: Any, scale: Any, dtype: Any = np.float32) -> np.ndarray:
+    """Decode MXFP4 `packed` `[..., K/2]` with `scale` `[..., K/32]` into `[..., K]` values of `dtype`.
+
+    The inverse of `mxfp4_encode` on every representable value and the same
+    bytes-to-values map as compressed-tensors' decoder. Fast path: a
+    256-entry table turns each byte into its two float32 values in one
+    gather, then each block of 32 is multiplied by its power-of-two scale
+    (exact). Scale byte 255 (E8M0's NaN) decodes to NaN.
+    """
+    packed = _check_blocks("packed", packed, kind="uint8")
+    scale = _check_blocks("scale", scale, kind="uint8")
+    if packed.shape[:-1] != scale.shape[:-1] or packed.shape[-1] * 2 != scale.shape[-1] * MX_BLOCK:
+        raise ValueError(
+            f"packed [..., K/2] and scale [..., K/32] must describe the same K: got packed "
+            f"{list(packed.shape)} and scale {list(scale.shape)} (expected scale "
+            f"{list(packed.shape[:-1]) + [packed.shape[-1] * 2 // MX_BLOCK]})")
+    # [..., K/2] bytes -> [..., K/2] pairs of float32 -> [..., K/32, 32] values
+    values = np.take(_PAIRS, packed).view(np.float32).reshape(*scale.shape, MX_BLOCK)
+    # $$w_j = 2^{s - 127} P_j$$, block by block (overflow to infinity is the format's own answer)
+    with np.errstate(over="ignore"):
+        values *= e8m0_decode(scale)[..., None]
+    out = values.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    return out if np.dtype(dtype) == np.float32 else out.astype(dtype)
+
+
+# ---------------------------------------------------------------------------
+# MXFP8: quantize and dequantize the activations
+# ---------------------------------------------------------------------------
+
+def mxfp8_scale_exponent(amax: np.ndarray) -> np.ndarray:
+    r"""The shared exponent of MXFP8 blocks with maxima `amax`: $\lceil \log_2(a / 448) \rceil$, exactly.
+
+    $\lfloor \log_2 a \rfloor - 8$, plus one when the mantissa of $a$ exceeds
+    1.75 ($448 = 1.75 \cdot 2^8$), clamped to E8M0's $[-127, 127]$; an all-zero
+    block gets $-127$. Returns int32 exponents.
+    """
+    amax = np.asarray(amax)
+    positive = amax > 0
+    safe = np.where(positive, amax, 1.0)
+    e = _floor_log2(safe)
+    mantissa = safe / np.ldexp(np.ones_like(safe), e)  # [1, 2)
+    # $$e = \lceil \log_2 (a / 448) \rceil$$
+    e = e - _E4M3_EMAX + (mantissa > _E4M3_MAX / 2.0**_E4M3_EMAX)
+    e = np.where(positive, e, _E8M0_MIN)
+    return np.clip(e, _E8M0_MIN, _E8M0_MAX).astype(np.int32)
+
+
+def mxfp8_round(x: Any) -> np.ndarray:
+    r"""Round `x` `[..., K]` to MXFP8 and back (float32), blocks of 32 along the last axis.
+
+    Scale $X = 2^{\lceil \log_2(\max|x| / 448) \rceil}$ (`mxfp8_scale_exponent`: no
+    element is clipped), elements rounded to E4M3, ties to even. A last axis
+    that is not a multiple of 32 is an error: the format has no partial
+    blocks. Idempotent: `mxfp8_round(mxfp8_round(x)) == mxfp8_round(x)`.
+    """
+    x = _check_blocks("x", x, kind="float")
+    K = x.shape[-1]
+    if K % MX_BLOCK:
+        raise ValueError(f"x must have a last axis that is a multiple of {MX_BLOCK}, got shape {list(x.shape)}")
+    if not np.all(np.isfinite(x)):
+        raise ValueError(f"x must be finite, got {int(np.sum(~np.isfinite(x)))} non-finite entries")
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], K // MX_BLOCK, MX_BLOCK)  # [..., K/32, 32]
+    e = mxfp8_scale_exponent(np.max(np.abs(blocks), axis=-1))[..., None]  # [..., K/32, 1]
+    # $$x_j \approx X \operatorname{round}_{\text{E4M3}}(x_j / X)$$ (the clip only guards the E8M0 clamp)
+    scaled = np.clip(np.ldexp(blocks, -e), -_E4M3_MAX, _E4M3_MAX)
+    rounded = scaled.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return np.ldexp(rounded, e).reshape(x.shape)
