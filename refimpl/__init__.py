@@ -10,6 +10,8 @@ The public API re-exported here follows the paper section by section:
 * Eq. (14): `quantile_balancing_update`, `sign_balancing_update`, the stateful balancers;
 * Appendix C: `dual_objective`, the coordinate steps, `solve_assignment_lp`;
 * Appendix D: `histogram_balancing_update`, `BiasHistogram`;
+* real checkpoints: `load_hf_layer`, `save_hf_layer`, `ExpertStack` (packed experts),
+  and the microscaling formats `mxfp4_encode`, `mxfp4_decode`, `mxfp8_round` (`refimpl.mx`);
 * the conformance kit: the subpackage `refimpl.testing` (imported on first use,
   since it needs Hypothesis).
 """
@@ -43,6 +45,7 @@ from .balancing import (
     sign_balancing_update,
     target_load,
 )
+from .checkpoint import ExpertStack, load_hf_layer, save_hf_layer
 from .config import MoEConfig
 from .dual import (
     AssignmentLP,
@@ -68,6 +71,7 @@ from .latent_moe import (
     stable_latent_moe,
     stable_latent_moe_reference,
 )
+from .mx import mxfp4_decode, mxfp4_encode, mxfp8_round
 from .routing import biased_scores, expert_load, route, router_scores, selection_cutoff
 
 __version__ = "0.1.0"
@@ -86,6 +90,7 @@ __all__ = [
     "Balancer",
     "BiasHistogram",
     "DescentTrace",
+    "ExpertStack",
     "MoEConfig",
     "MoEOutput",
     "MoEParams",
@@ -110,15 +115,20 @@ __all__ = [
     "histogram_range",
     "init_params",
     "interpolated_kth_largest",
+    "load_hf_layer",
     "load_ratio",
     "log10_binomial",
     "margins",
+    "mxfp4_decode",
+    "mxfp4_encode",
+    "mxfp8_round",
     "parameter_counts",
     "parameter_shapes",
     "quantile_balancing_update",
     "required_bias",
     "rms_norm",
     "route",
+    "save_hf_layer",
     "router_scores",
     "selection_cutoff",
     "separating_dual",
