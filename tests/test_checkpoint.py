@@ -410,3 +410,36 @@ def test_bfloat16_checkpoint_loads_in_float32(tmp_path):
     assert q["experts.w3"].format == "mxfp4"
     packed, scale = q["experts.w3"].parts[1]
     np.testing.assert_array_equal(q["experts.w3"][1], mxfp4_decode(packed, scale))
+
+
+# ---------------------------------------------------------------------------
+# The benchmark and the worked example still run
+# ---------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bench_checkpoint_smoke(tmp_path):
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "benchmarks/bench_checkpoint.py", "--smoke", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert results["smoke"] is True and results["target"] == "not judged (smoke sizes)"
+    assert set(results["precision"]) == {"routed experts in bfloat16", "routed experts in MXFP4",
+                                         "MXFP4 weights, MXFP8 expert inputs"}
+    # The bf16 experts are far closer to float32 than MXFP4 ones: 8 significant bits against 2.
+    assert results["precision"]["routed experts in bfloat16"]["u"] < results["precision"]["routed experts in MXFP4"]["u"]
+    assert "## Memory" in (tmp_path / "checkpoint.md").read_text()
+
+
+def test_example_50_runs(tmp_path):
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "examples/50_k3_checkpoint.py", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mxfp4_decode agrees on all 32: True" in proc.stdout
+    assert "config == CONFIG: True" in proc.stdout
+    assert (tmp_path / "mxfp4_levels.png").exists()

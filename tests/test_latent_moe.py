@@ -443,3 +443,52 @@ def test_bad_input(xp):
         init_params({"top_k": 2})
     with pytest.raises(ValueError, match=r"params\['experts.w1'\] must have shape \[6, 6, 4\]"):
         check_params(init_params(MoEConfig.tiny(intermediate_size=5), 0), config)
+
+
+# ---------------------------------------------------------------------------
+# Packed expert stacks (checkpoints): decoded one expert at a time
+# ---------------------------------------------------------------------------
+
+class _CountingStack:
+    """An expert stack that is not an array: decodes on `w[e]` and tracks how many decoded matrices are alive."""
+
+    alive: list = []  # weak references to every matrix handed out, shared by the three stacks
+    peak = 0
+
+    def __init__(self, stacked: np.ndarray):
+        self.stacked, self.shape, self.dtype = stacked, stacked.shape, np.dtype(np.float32)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        import weakref
+        e = key[0] if isinstance(key, tuple) else key
+        live = [r for r in _CountingStack.alive if r() is not None]
+        _CountingStack.peak = max(_CountingStack.peak, len(live))
+        out = np.array(self.stacked[e], dtype=np.float32)
+        _CountingStack.alive = live + [weakref.ref(out)]
+        return out
+
+
+def test_forward_on_lazy_stacks_holds_one_expert_at_a_time():
+    config = MoEConfig.tiny(num_experts=6, top_k=3)
+    params = init_params(config, 0)
+    x = np.random.default_rng(1).standard_normal((40, config.d)).astype(np.float32)
+    lazy = dict(params)
+    for name in ("experts.w1", "experts.w3", "experts.w2"):
+        lazy[name] = _CountingStack(params[name])
+    _CountingStack.alive, _CountingStack.peak = [], 0
+    np.testing.assert_array_equal(stable_latent_moe(x, lazy, config), stable_latent_moe(x, params, config))
+    # When a matrix is decoded, at most the two others of the same expert are still alive.
+    assert _CountingStack.peak <= 2
+    np.testing.assert_allclose(stable_latent_moe_reference(x, lazy, config),
+                               stable_latent_moe_reference(x, params, config))
+
+
+def test_check_params_accepts_lazy_stacks_of_the_right_shape_only():
+    config = MoEConfig.tiny()
+    params = dict(init_params(config, 0))
+    params["experts.w1"] = _CountingStack(params["experts.w1"][:, :, :2])
+    with pytest.raises(ValueError, match=r"params\['experts.w1'\] must have shape \[6, 6, 4\], got \[6, 6, 2\]"):
+        check_params(params, config)
