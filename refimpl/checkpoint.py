@@ -169,6 +169,7 @@ class _Shards:
         else:
             raise ValueError(f"{path} has neither model.safetensors.index.json nor model.safetensors")
         self._open: dict[str, dict[str, np.ndarray]] = {}
+        self._headers: dict[str, tuple[dict[str, Any], int]] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
@@ -179,10 +180,24 @@ class _Shards:
             if not (self.path / file).is_file():
                 raise ValueError(f"tensor {name!r} is mapped to {file}, which is not in {self.path}")
             self._open[file] = open_safetensors(self.path / file)
+            self._headers[file] = read_safetensors_header(self.path / file)
         tensors = self._open[file]
         if name not in tensors:
             raise ValueError(f"tensor {name!r} is mapped to {file} by the index, but that file does not hold it")
         return tensors[name]
+
+    def read(self, name: str) -> np.ndarray:
+        """A private in-memory copy of tensor `name`, read with ordinary file reads.
+
+        Copying out of the memory map would leave the copied pages mapped, and
+        counted as resident, for as long as the map lives (the experts keep it
+        alive); a plain read does not touch the map at all.
+        """
+        view = self.get(name)  # checks that the tensor is there and fits its byte range
+        file = self.file_of[name]
+        header, start = self._headers[file]
+        offset = start + header[name]["data_offsets"][0]
+        return np.fromfile(self.path / file, dtype=view.dtype, count=view.size, offset=offset).reshape(view.shape)
 
 
 # ---------------------------------------------------------------------------
@@ -361,9 +376,9 @@ def load_hf_layer(path: str | os.PathLike, layer: int, *,
         if name.startswith("shared_experts.") and config.shared_size == 0:
             params[name] = np.zeros(shape, dtype=dtype)  # no shared experts: empty matrices
             continue
-        stored = _tensor(shards, base + name, shape, "float")
+        _tensor(shards, base + name, shape, "float")  # present, floating, the right shape
         keep = np.float32 if name == "gate.e_score_correction_bias" and np.dtype(dtype).itemsize < 4 else dtype
-        params[name] = np.array(stored, dtype=keep)  # a copy in memory, detached from the map
+        params[name] = shards.read(base + name).astype(keep, copy=False)  # in memory, detached from the map
     shapes = parameter_shapes(config)
     for hf_name, stack in _EXPERT_MATRICES.items():
         params[stack] = _expert_stack(shards, base, hf_name, config.n, shapes[stack][1:], quantized, dtype)
