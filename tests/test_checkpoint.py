@@ -443,3 +443,20 @@ def test_example_50_runs(tmp_path):
     assert "mxfp4_decode agrees on all 32: True" in proc.stdout
     assert "config == CONFIG: True" in proc.stdout
     assert (tmp_path / "mxfp4_levels.png").exists()
+
+
+def test_only_the_layer_asked_for_is_touched(tmp_path):
+    # The index also lists another layer's tensors in a shard that does not exist: loading layer 1 never opens it.
+    save_hf_layer(tmp_path, TINY, init_params(TINY, 9), layer=1, shard_size=30_000)
+    index_file = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    other = "language_model.model.layers.2.block_sparse_moe.gate.weight"
+    index["weight_map"][other] = "model-99999-of-99999.safetensors"
+    index_file.write_text(json.dumps(index))
+    config, loaded = load_hf_layer(tmp_path, 1)
+    assert config == TINY
+    # The packed bytes are read-only views of the files.
+    packed, scale = loaded["experts.w1"].parts[0]
+    assert not packed.flags.writeable and not scale.flags.writeable
+    with pytest.raises(ValueError, match="mapped to model-99999-of-99999.safetensors, which is not in"):
+        load_hf_layer(tmp_path, 2)
