@@ -13,8 +13,9 @@ no prefix in text-only exports. The layer's tensors are the names of
 `experts.{e}.w1.weight` (gate, $[f, \ell]$), `experts.{e}.w3.weight` (up) and
 `experts.{e}.w2.weight` (down, $[\ell, f]$), and that in the release they are
 **MXFP4**: each `.weight` is replaced by `.weight_packed` and `.weight_scale`
-(see `refimpl.mx`). Everything else (router, bias, latent projections, norm,
-shared experts) stays in bfloat16, except the bias, which is float32.
+(see `refimpl.mx`). Everything else (router, latent projections, norm,
+shared experts) stays unquantized, in bfloat16; the selection bias is kept in
+float32 or wider here whatever the file holds (see the routing page).
 
 ## Why the experts stay packed
 

@@ -52,24 +52,25 @@ The OCP specification picks $X = 2^{\lfloor \log_2 \max_j |w_j| \rfloor - 2}$
 (2 is the exponent of E2M1's largest value, 6): the block maximum lands in
 $[4, 8)$ and values above 6 are clamped to 6, so a block maximum just under a
 power of two, say $7.9 \cdot X$, loses a quarter of its size.
-compressed-tensors' encoder, which wrote K3's checkpoint, first rounds the
-block maximum to E2M1's single mantissa bit (half up) and takes the exponent
-of that, which is the same as
+compressed-tensors' encoder (the library whose format K3's checkpoint uses)
+first rounds the block maximum to E2M1's single mantissa bit (half up) and
+takes the exponent of that. Writing the block maximum as
+$a = \max_j |w_j| = \mu \cdot 2^{E}$ with $\mu \in [1, 2)$, that is
 
 $$
-X = 2^{\lfloor \log_2 \max_j |w_j| \rfloor - 2} \text{ if } \max_j |w_j| < 1.75 \cdot 2^{\lfloor \log_2 \max_j |w_j| \rfloor},
-\text{ else twice that:}
+X = \begin{cases} 2^{E - 2} & \mu < 1.75 \\ 2^{E - 1} & \mu \ge 1.75 \end{cases}
 $$
 
-a block whose maximum would round to 8 or more gets the next scale up, and
-its maximum then lands in $[3.5, 4]$ instead of being clamped. `mxfp4_encode`
-uses **that rule**, so that it reproduces the released files' encoder; the
-tests check that its bytes equal compressed-tensors' on random weights. Each
-scaled value then rounds to the nearest E2M1 value, ties to the even code, and
-magnitudes above 6 (only possible under the OCP rule) saturate. An all-zero
-block gets scale byte 0 (the exponent $-\infty$ clamped to E8M0's smallest,
-$2^{-127}$); exponents outside E8M0's range $[-127, 127]$ are clamped the same
-way, so blocks of very small values flush to zero.
+so a block whose maximum would round to 8 or more gets the next scale up and
+its maximum lands in $[3.5, 4)$ instead of being clipped; otherwise $a/X$ lies
+in $[4, 7)$ and rounds to at most 6. `mxfp4_encode` uses **that rule**, so
+that it reproduces compressed-tensors' encoder; the tests check that its bytes
+equal compressed-tensors' on random weights. Each scaled value then rounds to
+the nearest E2M1 value, ties to the even code (magnitudes in $(6, 7)$ round
+down to 6). An all-zero block gets scale byte 0 (the exponent $-\infty$
+clamped to E8M0's smallest, $2^{-127}$); exponents outside E8M0's range
+$[-127, 127]$ are clamped the same way, so blocks of very small values flush
+to zero.
 
 ## MXFP8 for the activations
 
