@@ -158,6 +158,13 @@ def main(argv: list[str] | None = None) -> dict:
             precision[label] = {"y": err_y, "u": err_u}
             precision_rows.append([label, f"{err_u:.2e}", f"{err_y:.2e}"])
             print(f"{label:40s} relative error: routed sum u {err_u:.2e}, output y {err_y:.2e}")
+        # MXFP8 alone: the same MXFP4 weights with and without MXFP8 inputs (K3's own experts are MXFP4).
+        base, low = variants["routed experts in MXFP4"], variants["MXFP4 weights, MXFP8 expert inputs"]
+        err_y, err_u = relative_error(low.y, base.y), relative_error(low.u, base.u)
+        label = "MXFP8 inputs alone (against MXFP4 weights in float32)"
+        precision[label] = {"y": err_y, "u": err_u}
+        precision_rows.append([label, f"{err_u:.2e}", f"{err_y:.2e}"])
+        print(f"{label:40s} relative error: routed sum u {err_u:.2e}, output y {err_y:.2e}")
         # -- the same layer as float32 arrays: the decoded MXFP4 weights ------------------------
         arrays = MoEParams(packed)
         for name in ("experts.w1", "experts.w3", "experts.w2"):

@@ -428,7 +428,8 @@ def test_bench_checkpoint_smoke(tmp_path):
     results = json.loads((tmp_path / "checkpoint.json").read_text())
     assert results["smoke"] is True and results["target"] == "not judged (smoke sizes)"
     assert set(results["precision"]) == {"routed experts in bfloat16", "routed experts in MXFP4",
-                                         "MXFP4 weights, MXFP8 expert inputs"}
+                                         "MXFP4 weights, MXFP8 expert inputs",
+                                         "MXFP8 inputs alone (against MXFP4 weights in float32)"}
     # The bf16 experts are far closer to float32 than MXFP4 ones: 8 significant bits against 2.
     assert results["precision"]["routed experts in bfloat16"]["u"] < results["precision"]["routed experts in MXFP4"]["u"]
     assert "## Memory" in (tmp_path / "checkpoint.md").read_text()
