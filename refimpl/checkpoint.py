@@ -430,9 +430,8 @@ def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[st
     if mxfp4 and (config.ell % MX_BLOCK or config.f % MX_BLOCK):
         raise ValueError(f"mxfp4=True needs latent_size and intermediate_size that are multiples of {MX_BLOCK}, "
                          f"got {config.ell} and {config.f}")
+    hf = config.to_hf_config(nested=True)  # raises for a config the reference code cannot express
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    hf = config.to_hf_config(nested=True)
     if mxfp4:
         hf["text_config"]["quantization_config"] = json.loads(json.dumps(K3_QUANTIZATION_CONFIG))
     base = layer_prefix(layer, prefix)
@@ -448,6 +447,7 @@ def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[st
                             _expert_tensors(f"experts.{e}.{hf_name}", params[stack], e, mxfp4).items()})
 
     groups = _shard_groups(tensors, shard_size)
+    path.mkdir(parents=True, exist_ok=True)  # only now: every check and every encoding has succeeded
     old = [p for p in path.glob("model*.safetensors*")]
     written: list[Path] = []
     for i, names in enumerate(groups):

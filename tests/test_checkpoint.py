@@ -461,3 +461,10 @@ def test_only_the_layer_asked_for_is_touched(tmp_path):
     assert not packed.flags.writeable and not scale.flags.writeable
     with pytest.raises(ValueError, match="mapped to model-99999-of-99999.safetensors, which is not in"):
         load_hf_layer(tmp_path, 2)
+
+
+def test_save_writes_nothing_on_error(tmp_path):
+    config = TINY.replace(top_k=1, renormalize=True)  # no HF form: the reference never renormalizes one weight
+    with pytest.raises(ValueError, match="top_k=1 with renormalize=True has no Hugging Face configuration"):
+        save_hf_layer(tmp_path / "out", config, init_params(config, 0), layer=1)
+    assert not (tmp_path / "out").exists()
