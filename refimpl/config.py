@@ -40,6 +40,7 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
+from dataclasses import fields as fields_of
 from typing import Any
 
 __all__ = ["ACTIVATIONS", "HF_ABSENT", "HF_KEYS", "TOPK_METHODS", "MoEConfig", "is_moe_layer"]
@@ -248,17 +249,23 @@ class MoEConfig:
             raise TypeError(f"hf['text_config'] must be a mapping, got {type(text).__name__}")
         where = "hf['text_config']" if text is not hf else "hf"
 
-        def get(key: str) -> Any:
-            return text[key] if key in text else HF_ABSENT[key]
+        defaults = {f.name: f.default for f in fields_of(cls)}
+
+        def get(field: str, key: str) -> Any:
+            # Present: as written. Absent: the reference code's meaning, or this class's default
+            # for a key the reference code does not have.
+            if key in text:
+                return text[key]
+            return HF_ABSENT[key] if key in HF_ABSENT else defaults[field]
 
         for key in _HF_REQUIRED:
             if text.get(key) is None:
                 raise ValueError(f"{where}[{key!r}] is required (an MoE layer needs it), got "
                                  f"{'no such key' if key not in text else 'null'}")
-        act = get("hidden_act")
+        act = get("activation", "hidden_act")
         if not isinstance(act, str) or act not in _HF_ACTIVATION:
             raise ValueError(f"{where}['hidden_act'] must be one of {sorted(_HF_ACTIVATION)}, got {act!r}")
-        fields: dict[str, Any] = {field: get(key) for field, key in HF_KEYS.items()}
+        fields: dict[str, Any] = {field: get(field, key) for field, key in HF_KEYS.items()}
         fields["activation"] = _HF_ACTIVATION[act]
         # No latent width: the reference code builds no projections and no norm (alpha = 1).
         if fields["latent_size"] is None:
