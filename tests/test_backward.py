@@ -340,3 +340,41 @@ def test_bad_layer_input_is_refused_by_name():
         stable_latent_moe_vjp(x, {k: v for k, v in params.items() if k != "experts.w2"}, config)
     with pytest.raises(TypeError, match="config must be a MoEConfig"):
         stable_latent_moe_vjp(x, params, {"hidden_size": 8})
+
+
+# ---------------------------------------------------------------------------
+# The worked example and the benchmark still run
+# ---------------------------------------------------------------------------
+
+def test_worked_example_agrees_with_its_difference_quotients(capsys):
+    from conftest import load_example
+
+    result = load_example("60_backward_by_hand").main([])
+    assert result["worst"] < 1e-7
+    assert result["bias_quotients"] == [0.0] * result["config"].n
+    unused = [j for j in range(result["config"].n) if j not in result["used"]]
+    assert np.all(result["row_norm"][unused] == 0.0) and np.all(result["row_norm"][result["used"]] > 0.0)
+    # The step sweep shows both regimes: the best step beats the extremes by orders of magnitude.
+    errors = np.array(result["errors"])
+    assert errors.min() < 1e-3 * min(errors[0], errors[-1])
+    assert "difference quotients along each bias entry" in capsys.readouterr().out
+
+
+def test_benchmark_smoke(tmp_path):
+    """`bench_backward.py --smoke` runs, checks PyTorch's gradients against ours and writes its two files."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "benchmarks/bench_backward.py", "--smoke", "--out", str(tmp_path)],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "backward.json").read_text())
+    assert (tmp_path / "backward.md").read_text().startswith("# Forward + backward")
+    # float32 gradients of the two computations agree to float32 rounding.
+    assert results["careful_rel_error"] < 1e-4 and results["naive_rel_error"] < 1e-4
+    assert set(results["timings"]) == {"refimpl_forward", "refimpl_step", "torch_careful", "torch_naive"}
+    assert all(t["median_s"] > 0 for t in results["timings"].values())
+    assert results["flops_step"] == 3 * results["flops_forward"]
