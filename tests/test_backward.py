@@ -378,3 +378,28 @@ def test_benchmark_smoke(tmp_path):
     assert set(results["timings"]) == {"refimpl_forward", "refimpl_step", "torch_careful", "torch_naive"}
     assert all(t["median_s"] > 0 for t in results["timings"].values())
     assert results["flops_step"] == 3 * results["flops_forward"]
+
+
+@given(st.integers(1, 40), st.integers(1, 9), st.sampled_from(["situ", "swiglu"]), st.sampled_from([25.0, 2.0, None]),
+       st.sampled_from([np.float32, np.float64]), st.booleans(), st.integers(0, 2**32 - 1))
+def test_in_place_fast_path_equals_the_general_version(rows, width, activation, linear_beta, dtype, weighted, seed):
+    """The NumPy fast path of the per-expert backward computes what the readable version computes."""
+    from types import SimpleNamespace
+
+    from refimpl.backward import _hidden_backward, _hidden_backward_in_place
+
+    config = SimpleNamespace(activation=activation, situ_beta=4.0, situ_linear_beta=linear_beta)
+    rng = np.random.default_rng(seed)
+    a, b, o_bar = (rng.standard_normal((rows, width)) * rng.choice([0.1, 3.0, 40.0]) for _ in range(3))
+    a, b, o_bar = a.astype(dtype), b.astype(dtype), o_bar.astype(dtype)
+    p = rng.uniform(0.1, 1.0, (rows, 1)).astype(dtype) if weighted else None
+    expected = _hidden_backward(a, b, o_bar, p, config)
+    got = _hidden_backward_in_place(a.copy(), b.copy(), o_bar.copy(), p, config)
+    rtol = 2e-6 if dtype == np.float32 else 1e-13
+    for want, have in zip(expected, got, strict=True):
+        if want is None:
+            assert have is None
+            continue
+        assert have.dtype == dtype
+        scale = np.max(np.abs(want)) + np.finfo(dtype).tiny
+        np.testing.assert_allclose(have, want, rtol=rtol, atol=rtol * scale)
