@@ -157,6 +157,7 @@ def _hidden_backward(a: Array, b: Array, o_bar: Array, p: Array | None,
     return p * h, p_bar, h_bar * dh_da, h_bar * dh_db
 
 
+# **Fast path** (NumPy only; same arithmetic as `_hidden_backward` above, which is the one to read).
 def _hidden_backward_in_place(a: np.ndarray, b: np.ndarray, o_bar: np.ndarray, p: np.ndarray | None,
                               config: MoEConfig) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
     r"""Fast path of `_hidden_backward` for NumPy float32/float64 blocks; overwrites `a`, `b` and `o_bar`.
@@ -164,7 +165,7 @@ def _hidden_backward_in_place(a: np.ndarray, b: np.ndarray, o_bar: np.ndarray, p
     The same formulas with every step written into an existing buffer, so an
     expert's block is transformed where it lies (in cache) with six
     temporaries instead of some thirty, and with fewer exponentials: four
-    `exp` and two `tanh` per entry instead of seven and two, which is what
+    `exp` and two `tanh` per entry instead of six and two, which is what
     costs most on a CPU. One identity saves a
     transcendental function without losing accuracy: with $t = e^{-|a|}$,
     $\sigma'(a) = \sigma(a)\sigma(-a) = t/(1+t)^2$. The derivative of a cap is
