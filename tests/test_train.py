@@ -324,3 +324,12 @@ def test_config_rejects_bad_values():
     with pytest.raises(TypeError, match="latent_norm must be True or False"):
         TrainConfig(latent_norm="off")
     assert dataclasses.replace(TrainConfig(), experts=128).target_load == 1024 * 4 / 128
+
+
+def test_benchmark_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/bench_train.py", "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    written = json.loads((tmp_path / "train.json").read_text())
+    assert all(run["tokens_per_second"] > 0 for run in written["runs"].values())
+    assert "tokens/s" in (tmp_path / "train.md").read_text()
