@@ -97,10 +97,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .backward import stable_latent_moe_vjp
 from .balancing import Balancer, QuantileBalancer, SignBalancer
 from .config import ACTIVATIONS, MoEConfig
 from .histogram import histogram_balancing_update
-from .latent_moe import init_params, stable_latent_moe
+from .latent_moe import _glu, init_params, stable_latent_moe
 from .routing import route, router_scores
 
 __all__ = [
@@ -479,13 +480,6 @@ def _rounded(x: np.ndarray, precision: str) -> np.ndarray:
         return x.astype(PRECISIONS[precision]).astype(np.float32)
 
 
-def _layer_vjp() -> Callable:
-    """The MoE layer's hand-derived vector-Jacobian product (imported on first use)."""
-    from .backward import stable_latent_moe_vjp
-
-    return stable_latent_moe_vjp
-
-
 def routed_activation_peak(z: np.ndarray, index: np.ndarray, w1: np.ndarray, w3: np.ndarray,
                            config: MoEConfig) -> float:
     r"""The largest $|h|$ inside the routed experts: $h = \operatorname{GLU}(z G_e^\top, z U_e^\top)$ of every chosen pair.
@@ -493,8 +487,6 @@ def routed_activation_peak(z: np.ndarray, index: np.ndarray, w1: np.ndarray, w3:
     `z` `[m, l]` is the latent, `index` `[m, k]` the route. This is the
     activation that SiTU-GLU bounds by $\beta_1 \beta_2 = 100$ and SwiGLU does not.
     """
-    from .latent_moe import _glu
-
     peak = 0.0
     for e in np.unique(index).tolist():
         rows = np.flatnonzero(np.any(index == e, axis=1))  # the tokens that chose expert e
@@ -525,7 +517,6 @@ def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
     """
     moe = config.moe_config()
     precision = config.precision
-    vjp = _layer_vjp()
     m, c = tokens.shape
     q = config.target_load
     # Embedding: $$h^{(0)} = [E_{t_{-c}}; \dots; E_{t_{-1}}]\, W_{\text{mix}}^\top$$
@@ -549,7 +540,7 @@ def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
         params[_moe_prefix(layer) + BIAS] = step.bias
         # $$\max_j \text{load}_j / q - 1$$
         violations.append(float(step.load.max() / q - 1.0))
-        y, moe_back = vjp(a, layer_params, moe)  # [m, d]
+        y, moe_back = stable_latent_moe_vjp(a, layer_params, moe)  # [m, d]
         if with_stats:
             out = stable_latent_moe(a, layer_params, moe, return_intermediates=True)
             stats["activation_peak"].append(routed_activation_peak(
@@ -629,10 +620,10 @@ def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool =
     """Train the model of `config` and return the log `{"config", "corpus", "steps", "summary"}`.
 
     `steps` holds one record per step: `step` (from 1), `loss`,
-    `max_violation` (largest over layers) and `max_violation_layers`, and on
-    every `stats_every`-th step `activation_peak`, `routed_rms`,
-    `grad_norm_down`, `grad_norm_up` and `grad_norm` (per layer, the last one
-    global; in a low-precision run every step), on every `eval_every`-th step
+    `max_violation` (largest over layers), `max_violation_layers` and
+    `grad_norm` (global, before clipping; absent on a skipped step); on every
+    `stats_every`-th step (every step in a low-precision run) the per-layer
+    `activation_peak`, `routed_rms`, `grad_norm_down` and `grad_norm_up`; on every `eval_every`-th step
     `eval_loss`, `overflow: true` where the largest routed activation lies
     beyond the precision's range, and `skipped: true` where the update was
     skipped (an overflow, or a loss or gradient that is not finite). `summary` has the

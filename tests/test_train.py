@@ -108,7 +108,7 @@ def test_rms_norm_and_cross_entropy_match_torch_autograd():
     lt = torch.tensor(logits, requires_grad=True)
     reference = torch.nn.functional.cross_entropy(lt, torch.tensor(targets))
     reference.backward()
-    assert loss == pytest.approx(float(reference), rel=1e-12)
+    assert loss == pytest.approx(reference.item(), rel=1e-12)
     np.testing.assert_allclose(dlogits, lt.grad.numpy(), rtol=1e-10, atol=1e-14)
 
 
