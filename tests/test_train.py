@@ -333,3 +333,26 @@ def test_benchmark_smoke(tmp_path):
     written = json.loads((tmp_path / "train.json").read_text())
     assert all(run["tokens_per_second"] > 0 for run in written["runs"].values())
     assert "tokens/s" in (tmp_path / "train.md").read_text()
+
+
+# ---------------------------------------------------------------------------
+# The recorded experiments still match the code
+# ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stem", "figure"), [
+    ("61_balance_while_learning", "balance_while_learning.png"),
+    ("62_activations_while_training", "activations_while_training.png"),
+    ("63_latent_norm_while_training", "latent_norm_while_training.png"),
+])
+def test_experiment_records_replay_bit_for_bit(stem, figure, tmp_path):
+    # Each example replays the first steps of one recorded long run with today's code: a change to the model,
+    # the layer or its gradients that moves any loss shows up here, and the committed results must be rerun.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(stem, ROOT / "examples" / f"{stem}.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.main(["--out", str(tmp_path)])
+    assert result["check"]["replay_identical"] == 1.0
+    assert (tmp_path / figure).stat().st_size > 10_000
