@@ -150,10 +150,12 @@ def live_check(results: dict) -> dict[str, float]:
     config = TrainConfig(**{**recorded["config"], "betas": tuple(recorded["config"]["betas"]), "steps": 3,
                             "eval_every": 1000})
     replay = train(config, corpus=corpus)
-    same = all(a["loss"] == b["loss"] and a["max_violation"] == b["max_violation"]
-               for a, b in zip(replay["steps"], recorded["steps"][:3], strict=False))
+    pairs = list(zip(replay["steps"], recorded["steps"][:3], strict=True))
+    # Bit for bit with the recorded BLAS thread count; another count sums the products in another order.
+    drift = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in pairs)
+    same = drift <= 1e-5 and all(a["max_violation"] == b["max_violation"] for a, b in pairs)
     print(f"\nLive check 1: the first 3 steps of the recorded 'n=64 qb' run, replayed: "
-          f"{'identical losses and violations' if same else 'DIFFERENT from the record'}")
+          f"{'the same violations, losses within ' + f'{drift:.1e}' + ' relative' if same else 'DIFFERENT from the record'}")
     short = {}
     for balancer in ("qb", "none"):
         log = train(TrainConfig(balancer=balancer, steps=25, d=32, latent=16, experts=32, top_k=2,
