@@ -23,14 +23,20 @@ this page prints and plots it, and replays a few steps as a live check.
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
-from pathlib import Path
+import os
 
-import numpy as np
+# The recorded runs used one BLAS thread (faster for matrices this small); the same count makes the replay
+# below bit for bit. This must come before NumPy is first imported.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from refimpl.train import TrainConfig, load_corpus, train, train_many
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from refimpl.train import TrainConfig, load_corpus, train, train_many  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "62_activations_while_training.json"
 COMMAND = "OPENBLAS_NUM_THREADS=1 python examples/62_activations_while_training.py --full"
