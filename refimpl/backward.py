@@ -46,14 +46,15 @@ Every product $Y = X W^\top$ (the PyTorch `Linear` layout) has the same two
 rules, used over and over below:
 $\bar X = \bar Y W$ and $\bar W = \bar Y^\top X$.
 
-**Saving versus recomputing.** The forward pass of the VJP *is*
-`stable_latent_moe(..., return_intermediates=True)`: its scores, route,
-weights, latent $z$, routed sum $u$ and normed $v$ are kept. What it does not
-keep is each expert's pre-activations $a = z G_e^\top$ and $b = z U_e^\top$
-(the forward transforms them in place). The backward recomputes them, expert
-by expert, as large MoE training does to save memory: two extra products per
-expert, $mk \times 2f$ values never stored. The shared expert's
-pre-activations are recomputed the same way.
+**What the forward keeps.** The VJP runs the forward pass of
+`refimpl.latent_moe` stage by stage with the same functions (`router_scores`,
+`route`, `rms_norm`) and keeps what the backward reads: the scores, the
+route, $z$, $u$, $v$, and for every expert its activation $h$ **with both
+partial derivatives** $\partial_a\phi$, $\partial_b\phi$. These come from
+`glu_and_grad`, which evaluates value and derivatives from the same
+exponentials, so the backward recomputes no product and no transcendental
+function: $3mk f$ routed values and $3 m N_s f$ shared ones are the price,
+as in any autograd framework that saves activations.
 
 **Grouped by expert.** The routed backward loops over experts, never over
 tokens: the $mk$ token-slots are sorted by expert exactly as in the forward,
@@ -65,14 +66,16 @@ slot-at-a-time combine.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ._xp import Array, array_namespace, bincount, compute_dtype, to_numpy
-from .activations import _sech2, sigmoid
+from .activations import _sech2, rms_norm, sigmoid
 from .config import MoEConfig
-from .latent_moe import MoEParams, stable_latent_moe
+from .latent_moe import MoEParams, _check_inputs
+from .routing import route, router_scores
 from .validation import check_finite, check_float_array
 
 __all__ = ["glu_and_grad", "rms_norm_backward", "stable_latent_moe_vjp"]
@@ -132,6 +135,93 @@ def _config_glu_and_grad(a: Array, b: Array, config: MoEConfig) -> tuple[Array, 
     return glu_and_grad(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
 
 
+# **Fast path** (NumPy only; the same arithmetic as `glu_and_grad` above, which is the one to read).
+def _glu_and_grad_in_place(a: np.ndarray, b: np.ndarray, config: MoEConfig) -> tuple[np.ndarray, np.ndarray,
+                                                                                     np.ndarray]:
+    r"""`glu_and_grad` for NumPy float32/float64 blocks, overwriting `a` and `b` (fresh products).
+
+    The same formulas with every step written into an existing buffer, so an
+    expert's block is transformed where it lies (in cache) with four
+    temporaries instead of some twenty, and with fewer exponentials: four
+    `exp` and two `tanh` per entry instead of six and two, which is what
+    costs most on a CPU. One identity saves them: with $t = e^{-|a|}$,
+    $\sigma'(a) = \sigma(a)\sigma(-a) = t/(1+t)^2$ and
+    $\sigma(a) = \max(t, [a \ge 0]) / (1 + t)$. The derivative of a cap is
+    $\operatorname{sech}^2(u) = 4e/(1+e)^2$ with $e = e^{-2|u|}$, as in
+    `activations` (no cancellation, unlike $1 - \tanh^2$). (Getting $\tanh$
+    from the same $e$, as $(1-e)/(1+e)$, would save one more call but loses
+    digits: $1 - e$ cancels for small $|u|$, and $e$ rebuilt from `expm1`
+    cancels for large $|u|$.)
+    """
+    situ = config.activation == "situ"
+    # $$t = e^{-|a|}, \qquad \sigma(a) = \frac{\max(t, [a \ge 0])}{1 + t}, \qquad \sigma'(a) = \frac{t}{(1 + t)^2}$$
+    abs_a = np.abs(a)
+    gamma_prime = np.negative(abs_a)
+    np.exp(gamma_prime, out=gamma_prime)  # t
+    one_plus = gamma_prime + 1.0
+    sig = np.maximum(gamma_prime, a >= 0)
+    sig /= one_plus
+    gamma_prime /= one_plus
+    gamma_prime /= one_plus  # sigma'(a)
+    if situ:
+        beta = config.situ_beta
+        # $$\operatorname{softcap}(a, \beta_1) = \beta_1 \tanh(a/\beta_1), \qquad
+        #   \operatorname{sech}^2(a/\beta_1) = \frac{4e}{(1+e)^2}, \quad e = e^{-2|a|/\beta_1}$$
+        gamma = np.divide(a, beta)
+        np.tanh(gamma, out=gamma)
+        gamma *= beta  # softcap(a, beta1)
+        e = abs_a
+        e *= -2.0 / beta
+        np.exp(e, out=e)
+        np.add(e, 1.0, out=one_plus)
+        np.reciprocal(one_plus, out=one_plus)  # 1 / (1 + e)
+        e *= one_plus
+        e *= one_plus
+        e *= 4.0  # sech^2(a / beta1)
+        # $$\gamma'(a) = \operatorname{sech}^2(a/\beta_1)\,\sigma(a) + \operatorname{softcap}(a, \beta_1)\,\sigma'(a)$$
+        gamma_prime *= gamma
+        e *= sig
+        gamma_prime += e
+        # $$\gamma(a) = \operatorname{softcap}(a, \beta_1)\,\sigma(a)$$
+        gamma *= sig
+    else:
+        # $$\gamma(a) = a\,\sigma(a), \qquad \gamma'(a) = \sigma(a) + a\,\sigma'(a)$$
+        gamma = np.multiply(a, sig, out=abs_a)
+        gamma_prime *= a
+        gamma_prime += sig
+    if situ and config.situ_linear_beta is not None:
+        beta = config.situ_linear_beta
+        # The up branch the same way:
+        # $$\lambda(b) = \operatorname{softcap}(b, \beta_2), \qquad \lambda'(b) = \operatorname{sech}^2(b/\beta_2)$$
+        lam_prime = np.abs(b)
+        lam_prime *= -2.0 / beta
+        np.exp(lam_prime, out=lam_prime)  # e
+        np.add(lam_prime, 1.0, out=one_plus)
+        np.reciprocal(one_plus, out=one_plus)  # 1 / (1 + e)
+        b /= beta
+        np.tanh(b, out=b)
+        b *= beta  # lambda(b)
+        lam_prime *= one_plus
+        lam_prime *= one_plus
+        lam_prime *= 4.0
+        # $$\partial_b\phi = \gamma(a)\,\lambda'(b)$$
+        d_up = np.multiply(lam_prime, gamma, out=lam_prime)
+    else:
+        d_up = gamma  # uncapped up branch: $\lambda(b) = b$, $\partial_b\phi = \gamma(a)$
+    # $$h = \gamma(a)\,\lambda(b), \qquad \partial_a\phi = \gamma'(a)\,\lambda(b)$$
+    h = np.multiply(gamma, b, out=a)
+    gamma_prime *= b
+    return h, gamma_prime, d_up
+
+
+def _expert_glu_and_grad(a: Array, b: Array, config: MoEConfig) -> tuple[Array, Array, Array]:
+    """`glu_and_grad` with the config's activation, on fresh products: in place on NumPy float32/64."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype \
+            and a.dtype in (np.float32, np.float64):
+        return _glu_and_grad_in_place(a, b, config)
+    return _config_glu_and_grad(a, b, config)
+
+
 # ---------------------------------------------------------------------------
 # Stage 6 differentiated: RMSNorm on the latent sum
 # ---------------------------------------------------------------------------
@@ -164,15 +254,93 @@ def rms_norm_backward(u: Array, weight: Array, dv: Array, eps: float) -> tuple[A
 
 
 # ---------------------------------------------------------------------------
-# Stages 4–5 differentiated: the routed experts, grouped by expert
+# Stages 4–5, forward and backward: the routed experts, grouped by expert
 # ---------------------------------------------------------------------------
 
-def routed_experts_backward(z: Array, index: Array, weights: Array, w1: Array, w3: Array, w2: Array,
-                            du: Array, config: MoEConfig) -> tuple[Array, Array, Array, Array, Array]:
+@dataclass(frozen=True)
+class _Slots:
+    """The dispatch of the $mk$ token-slots, sorted by expert, as the forward pass makes it.
+
+    Slot $t = i k + r$ is the $r$-th expert of token $i$. `token` `[m*k]` and
+    `weight` `[m*k, 1]` are the sorted slots' token and mixture weight;
+    expert $e$ owns sorted slots `start[e] : start[e + 1]`; `position[i, r]`
+    is where slot $i k + r$ went (the inverse permutation).
+    """
+
+    token: Array
+    weight: Array
+    start: np.ndarray
+    position: Array
+
+    def rows(self, e: int) -> slice:
+        return slice(int(self.start[e]), int(self.start[e + 1]))
+
+    def experts(self) -> list[int]:
+        """The experts that received at least one token."""
+        return np.flatnonzero(np.diff(self.start)).tolist()
+
+
+def _sort_slots(index: Array, weights: Array, n: int) -> _Slots:
+    """Sort the token-slots by expert (stable, so tokens keep their order within an expert)."""
+    xp = array_namespace(index, weights)
+    m, k = index.shape
+    slot_expert = xp.reshape(index, (m * k,))  # [m*k]
+    order = xp.argsort(slot_expert, stable=True)  # [m*k]
+    count = to_numpy(bincount(slot_expert, n))  # [n]
+    return _Slots(token=order // k, weight=xp.take(xp.reshape(weights, (m * k,)), order)[:, None],
+                  start=np.concatenate(([0], np.cumsum(count))),
+                  position=xp.reshape(xp.argsort(order), (m, k)))
+
+
+def _combine(sorted_rows: Array, slots: _Slots) -> Array:
+    """Sum each token's $k$ sorted rows back into one row per token, one routing slot at a time."""
+    xp = array_namespace(sorted_rows)
+    m, k = slots.position.shape
+    total = xp.zeros((m, sorted_rows.shape[1]), dtype=sorted_rows.dtype)  # [m, width]
+    for r in range(k):
+        total += xp.take(sorted_rows, slots.position[:, r], axis=0)  # [m, width]
+    return total
+
+
+@dataclass(frozen=True)
+class _RoutedSaved:
+    """What the routed forward keeps for the backward: the dispatch, and per expert $h$, $\\partial_a\\phi$, $\\partial_b\\phi$."""
+
+    slots: _Slots
+    hidden: dict[int, tuple[Array, Array, Array]]
+
+
+def routed_experts_forward(z: Array, index: Array, weights: Array, w1: Array, w3: Array, w2: Array,
+                           config: MoEConfig) -> tuple[Array, _RoutedSaved]:
+    r"""The routed sum $u_i = \sum_{e \in \mathcal{T}_i} p_{i,e} E_e(z_i)$, `[m, l]`, and what its backward needs.
+
+    The grouped computation of `refimpl.latent_moe.routed_experts`, with one
+    difference: each expert's activation is evaluated by `glu_and_grad`, so
+    its two partial derivatives come out of the same exponentials as the
+    value and are kept, with $h$, for the backward ($3 m k f$ values). The
+    backward then recomputes nothing.
+    """
+    xp = array_namespace(z, index, weights)
+    slots = _sort_slots(index, weights, w2.shape[0])
+    out_sorted = xp.empty((index.shape[0] * index.shape[1], w2.shape[1]), dtype=z.dtype)  # [m*k, l]
+    hidden = {}
+    for e in slots.experts():
+        rows = slots.rows(e)
+        z_e = xp.take(z, slots.token[rows], axis=0)  # [m_e, l]
+        g_e, u_e, d_e = (xp.astype(w[e, ...], z.dtype, copy=False) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
+        # $$h = \phi(z G_e^\top, z U_e^\top)$$ with its partials $\partial_a\phi$, $\partial_b\phi$
+        hidden[e] = _expert_glu_and_grad(z_e @ g_e.T, z_e @ u_e.T, config)  # [m_e, f] x3
+        # $$p_{i,e}\, E_e(z_i) = (p_{i,e}\, h_i)\, D_e^\top$$
+        out_sorted[rows, :] = (slots.weight[rows, :] * hidden[e][0]) @ d_e.T  # [m_e, l]
+    return _combine(out_sorted, slots), _RoutedSaved(slots, hidden)
+
+
+def routed_experts_backward(z: Array, saved: _RoutedSaved, w1: Array, w3: Array, w2: Array,
+                            du: Array) -> tuple[Array, Array, Array, Array, Array]:
     r"""Gradients of $u_i = \sum_{e \in \mathcal{T}_i} p_{i,e} E_e(z_i)$ in $z$, $p$ and the expert stacks.
 
-    Slot $t$ of token $i$ and expert $e$ computes $a_t = z_i G_e^\top$,
-    $b_t = z_i U_e^\top$ (both $[f]$), $h_t = \phi(a_t, b_t)$ and contributes
+    Slot $t$ of token $i$ and expert $e$ computed $a_t = z_i G_e^\top$,
+    $b_t = z_i U_e^\top$ (both $[f]$), $h_t = \phi(a_t, b_t)$ and contributed
     $p_t\, h_t D_e^\top$ to $u_i$. With $\bar u_i$ given, let
     $\bar o_t = \bar u_i D_e$ (width $f$), the gradient reaching the hidden
     activation before the weight. Then
@@ -185,35 +353,26 @@ def routed_experts_backward(z: Array, index: Array, weights: Array, w1: Array, w
 
     $$\bar z_i = \textstyle\sum_{t \in i} \bigl(\bar a_t G_e + \bar b_t U_e\bigr).$$
 
-    Shapes: `z`, `du` `[m, l]`; `index`, `weights` `[m, k]`; stacks as in the
-    forward (`w1`, `w3` `[n, f, l]`, `w2` `[n, l, f]`). Returns
-    `(dz [m, l], dweights [m, k], dw1, dw3, dw2)`, the last three in the dtype
-    of `z`. Experts that receive no token get zero gradients.
+    Shapes: `z`, `du` `[m, l]`; stacks as in the forward (`w1`, `w3`
+    `[n, f, l]`, `w2` `[n, l, f]`). Returns `(dz [m, l], dweights [m, k],
+    dw1, dw3, dw2)`, all in the dtype of `z`. Experts that received no token
+    get zero gradients.
     """
-    xp = array_namespace(z, index, weights, du)
-    m, k = index.shape
-    n, ell, f = w2.shape[0], w2.shape[1], w2.shape[2]
-    # The dispatch of the forward: slot $t = i k + r$, sorted by expert (stable).
-    slot_expert = xp.reshape(index, (m * k,))  # [m*k]
-    order = xp.argsort(slot_expert, stable=True)  # [m*k]
-    token_sorted = order // k  # [m*k]
-    p_sorted = xp.take(xp.reshape(weights, (m * k,)), order)[:, None]  # [m*k, 1]
-    count = to_numpy(bincount(slot_expert, n))  # [n]
-    start = np.concatenate(([0], np.cumsum(count)))  # [n + 1]
+    xp = array_namespace(z, du)
+    slots = saved.slots
+    (m, k), (n, ell, f) = slots.position.shape, w2.shape
     dz_sorted = xp.empty((m * k, ell), dtype=z.dtype)  # [m*k, l]
     dp_sorted = xp.empty((m * k,), dtype=z.dtype)  # [m*k]
     dw1 = xp.zeros((n, f, ell), dtype=z.dtype)
     dw3 = xp.zeros((n, f, ell), dtype=z.dtype)
     dw2 = xp.zeros((n, ell, f), dtype=z.dtype)
-    for e in np.flatnonzero(count).tolist():
-        rows = slice(int(start[e]), int(start[e + 1]))
-        tokens = token_sorted[rows]
-        z_e = xp.take(z, tokens, axis=0)  # [m_e, l]
-        du_e = xp.take(du, tokens, axis=0)  # [m_e, l]
-        p_e = p_sorted[rows, :]  # [m_e, 1]
+    for e in slots.experts():
+        rows = slots.rows(e)
+        z_e = xp.take(z, slots.token[rows], axis=0)  # [m_e, l]
+        du_e = xp.take(du, slots.token[rows], axis=0)  # [m_e, l]
+        p_e = slots.weight[rows, :]  # [m_e, 1]
+        h, dh_da, dh_db = saved.hidden[e]  # [m_e, f] each
         g_e, u_e, d_e = (xp.astype(w[e, ...], z.dtype, copy=False) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
-        # Recompute the pre-activations: $$a = z G_e^\top, \quad b = z U_e^\top$$
-        h, dh_da, dh_db = _config_glu_and_grad(z_e @ g_e.T, z_e @ u_e.T, config)  # [m_e, f] each
         # The gradient at the weighted hidden activation: $$\bar o_t = \bar u_i D_e$$
         o_bar = du_e @ d_e  # [m_e, f]
         # $$\bar p_t = \bar o_t \cdot h_t$$
@@ -229,14 +388,10 @@ def routed_experts_backward(z: Array, index: Array, weights: Array, w1: Array, w
         dw3[e, ...] = b_bar.T @ z_e  # [f, l]
         # Each slot's share of the latent gradient: $$\bar a_t G_e + \bar b_t U_e$$
         dz_sorted[rows, :] = a_bar @ g_e + b_bar @ u_e  # [m_e, l]
-    # Back to slot order: slot $t = i k + r$ sits at sorted position `position[i, r]`.
-    position = xp.reshape(xp.argsort(order), (m, k))  # [m, k]
-    dweights = xp.reshape(xp.take(dp_sorted, xp.reshape(position, (m * k,))), (m, k))  # [m, k]
-    dz = xp.zeros((m, ell), dtype=z.dtype)  # [m, l]
-    for r in range(k):
-        # $$\bar z_i \mathrel{+}= \bar a_{i,r} G_{\mathcal{T}_{i,r}} + \bar b_{i,r} U_{\mathcal{T}_{i,r}}$$ for every token at once
-        dz += xp.take(dz_sorted, position[:, r], axis=0)  # [m, l]
-    return dz, dweights, dw1, dw3, dw2
+    # Back to slot order, and the $k$ shares of each token summed:
+    # $$\bar z_i = \textstyle\sum_r \bigl(\bar a_{i,r} G_{\mathcal{T}_{i,r}} + \bar b_{i,r} U_{\mathcal{T}_{i,r}}\bigr)$$
+    dweights = xp.reshape(xp.take(dp_sorted, xp.reshape(slots.position, (m * k,))), (m, k))  # [m, k]
+    return _combine(dz_sorted, slots), dweights, dw1, dw3, dw2
 
 
 # ---------------------------------------------------------------------------
@@ -265,7 +420,8 @@ def route_backward(scores: Array, index: Array, dweights: Array, *, renormalize:
         return scaling_factor * dweights
     s_sum = xp.sum(s_hat, axis=-1, keepdims=True)  # [m, 1]
     # $$\bar{\hat s}_{i,r} = \tfrac{c}{S_i}\bigl(\bar p_{i,r} - \textstyle\sum_{r'} \bar p_{i,r'} \hat s_{i,r'} / S_i\bigr)$$
-    mean_dp = xp.sum(dweights * s_hat, axis=-1, keepdims=True) / s_sum  # [m, 1]
+    # (With the shares $\hat s / S$ formed first, $k = 1$ gives $\bar p - \bar p \cdot 1 = 0$ exactly.)
+    mean_dp = xp.sum(dweights * (s_hat / s_sum), axis=-1, keepdims=True)  # [m, 1]
     return (scaling_factor / s_sum) * (dweights - mean_dp)
 
 
@@ -292,11 +448,27 @@ def router_backward(scores: Array, index: Array, ds_hat: Array) -> Array:
 
 
 # ---------------------------------------------------------------------------
-# Stage 8 differentiated: the shared experts
+# Stage 8, forward and backward: the shared experts
 # ---------------------------------------------------------------------------
 
-def shared_experts_backward(x: Array, gate_proj: Array, up_proj: Array, down_proj: Array, dy: Array,
-                            config: MoEConfig) -> tuple[Array, Array, Array, Array]:
+def shared_experts_forward(x: Array, gate_proj: Array, up_proj: Array, down_proj: Array,
+                           config: MoEConfig) -> tuple[Array, tuple[Array, Array, Array] | None]:
+    r"""$y_s = \phi(x G_s^\top, x U_s^\top)\,D_s^\top$, `[m, d]`, and $(h, \partial_a\phi, \partial_b\phi)$ for the backward.
+
+    `refimpl.latent_moe.shared_experts` with the activation's partials kept,
+    as in `routed_experts_forward`. With no shared experts (width 0) $y_s = 0$
+    and nothing is kept.
+    """
+    xp = array_namespace(x)
+    if gate_proj.shape[0] == 0:
+        return xp.zeros(x.shape, dtype=x.dtype), None
+    hidden = _expert_glu_and_grad(x @ gate_proj.T, x @ up_proj.T, config)  # [m, N_s f] x3
+    return hidden[0] @ down_proj.T, hidden
+
+
+def shared_experts_backward(x: Array, gate_proj: Array, up_proj: Array, down_proj: Array,
+                            hidden: tuple[Array, Array, Array] | None,
+                            dy: Array) -> tuple[Array, Array, Array, Array]:
     r"""Gradients of $y_s = \phi(x G_s^\top, x U_s^\top)\,D_s^\top$ in $x$, $G_s$, $U_s$, $D_s$.
 
     The same rules as one routed expert, on every token and without a
@@ -307,11 +479,10 @@ def shared_experts_backward(x: Array, gate_proj: Array, up_proj: Array, down_pro
     every gradient is zero.
     """
     xp = array_namespace(x, dy)
-    if gate_proj.shape[0] == 0:
+    if hidden is None:
         return (xp.zeros(x.shape, dtype=x.dtype), xp.zeros(gate_proj.shape, dtype=x.dtype),
                 xp.zeros(up_proj.shape, dtype=x.dtype), xp.zeros(down_proj.shape, dtype=x.dtype))
-    # Recompute the pre-activations: $$a = x G_s^\top, \quad b = x U_s^\top$$
-    h, dh_da, dh_db = _config_glu_and_grad(x @ gate_proj.T, x @ up_proj.T, config)  # [m, N_s f] each
+    h, dh_da, dh_db = hidden  # [m, N_s f] each
     # $$\bar D_s = \bar y^\top h, \qquad \bar h = \bar y D_s$$
     d_down = dy.T @ h  # [d, N_s f]
     h_bar = dy @ down_proj  # [m, N_s f]
@@ -333,6 +504,9 @@ def _check_config_supported(config: MoEConfig) -> None:
         raise ValueError(
             f"stable_latent_moe_vjp differentiates the sigmoid router only; config.score_function must be "
             f"'sigmoid', got {score_function!r}")
+    if getattr(config, "hash_routing", False):
+        raise ValueError("stable_latent_moe_vjp differentiates the learned router only; config.hash_routing "
+                         "must be False")
     capacity = getattr(config, "capacity_factor", None)
     if capacity is not None:
         raise ValueError(
@@ -344,8 +518,8 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array],
                           config: MoEConfig) -> tuple[Array, Backward]:
     r"""One Stable LatentMoE layer and its vector–Jacobian product: `(y, backward)`.
 
-    `y` is `stable_latent_moe(x, params, config)`, `[m, d]`, computed by that
-    very function. `backward(dy)` takes the upstream gradient
+    `y` is the layer's output, `[m, d]`, equal to `stable_latent_moe(x,
+    params, config)` to rounding. `backward(dy)` takes the upstream gradient
     $\bar y = \partial L / \partial y$, `[m, d]`, and returns `(dx, dparams)`:
     `dx` $= \partial L / \partial x$ `[m, d]` in the dtype of `x`, and `dparams`
     a `MoEParams` with exactly the names of `params`, each gradient in its
@@ -356,13 +530,36 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array],
     `backward` may be called more than once.
     """
     _check_config_supported(config)
-    out = stable_latent_moe(x, params, config, return_intermediates=True)  # checks x, params, config
-    xp = array_namespace(x, *params.values())
+    _check_inputs(x, params, config)
+    # The expert stacks may be read-only stacks that decode one expert on `w[e]`: x names the namespace.
+    xp = array_namespace(x)
     dtype = compute_dtype(xp, x)
     m, d = x.shape
 
     def weight(name: str) -> Array:
         return xp.astype(params[name], dtype, copy=False)
+
+    # The forward pass of `refimpl.latent_moe`, stage by stage, keeping what the backward reads.
+    h = xp.astype(x, dtype, copy=False)  # [m, d]
+    # 1-2. Scores and route (Eq. 13), by the forward's own functions.
+    scores = router_scores(h, weight("gate.weight"))  # [m, n]
+    index, weights = route(scores, params["gate.e_score_correction_bias"], config.k,
+                           renormalize=config.renormalize, scaling_factor=config.routed_scaling_factor,
+                           n_group=config.n_group, topk_group=config.topk_group)  # [m, k] each
+    weights = xp.astype(weights, dtype)
+    # 3. $$z = x W_\downarrow^\top$$
+    z = h @ weight("routed_expert_down_proj.weight").T if config.use_latent_projection else h  # [m, l]
+    # 4-5. The routed experts, each activation's partials kept.
+    u, routed = routed_experts_forward(z, index, weights, params["experts.w1"], params["experts.w3"],
+                                       params["experts.w2"], config)  # [m, l]
+    # 6. $$v = \operatorname{RMSNorm}(u) \odot g$$
+    v = rms_norm(u, weight("routed_expert_norm.weight"), config.rms_norm_eps) if config.use_latent_norm else u
+    # 7-9. $$y = y_{\text{shared}} + v W_\uparrow^\top$$
+    y_routed = v @ weight("routed_expert_up_proj.weight").T if config.use_latent_projection else v  # [m, d]
+    y_shared, shared = shared_experts_forward(h, weight("shared_experts.gate_proj.weight"),
+                                              weight("shared_experts.up_proj.weight"),
+                                              weight("shared_experts.down_proj.weight"), config)  # [m, d]
+    y = xp.astype(y_shared + y_routed, x.dtype)
 
     def backward(dy: Array) -> tuple[Array, MoEParams]:
         check_float_array("dy", dy, ndim=2)
@@ -370,30 +567,28 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array],
             raise ValueError(f"dy must have the shape of y, [{m}, {d}], got {list(dy.shape)}")
         check_finite("dy", dy)
         grads: dict[str, Array] = {}
-        h = xp.astype(x, dtype, copy=False)  # [m, d]
         y_bar = xp.astype(dy, dtype, copy=False)  # [m, d]
         # 9. $$y = y_s + y_r \;\Rightarrow\; \bar y_s = \bar y_r = \bar y$$
         # 7. The up-projection: $$\bar W_\uparrow = \bar y^\top v, \qquad \bar v = \bar y W_\uparrow$$
         if config.use_latent_projection:
-            grads["routed_expert_up_proj.weight"] = y_bar.T @ out.v  # [d, l]
+            grads["routed_expert_up_proj.weight"] = y_bar.T @ v  # [d, l]
             v_bar = y_bar @ weight("routed_expert_up_proj.weight")  # [m, l]
         else:
             v_bar = y_bar
         # 6. RMSNorm on the latent sum (see `rms_norm_backward`).
         if config.use_latent_norm:
             u_bar, grads["routed_expert_norm.weight"] = rms_norm_backward(
-                out.u, weight("routed_expert_norm.weight"), v_bar, config.rms_norm_eps)  # [m, l], [l]
+                u, weight("routed_expert_norm.weight"), v_bar, config.rms_norm_eps)  # [m, l], [l]
         else:
             u_bar = v_bar
         # 4-5. The routed experts, grouped by expert: $\bar z$, $\bar p$ and the three stacks.
         z_bar, p_bar, grads["experts.w1"], grads["experts.w3"], grads["experts.w2"] = routed_experts_backward(
-            out.z, out.index, out.weights, params["experts.w1"], params["experts.w3"], params["experts.w2"],
-            u_bar, config)
+            z, routed, params["experts.w1"], params["experts.w3"], params["experts.w2"], u_bar)
         # 2. The weights, through renormalization and scaling, to the chosen raw scores.
-        s_hat_bar = route_backward(out.scores, out.index, p_bar, renormalize=config.renormalize,
+        s_hat_bar = route_backward(scores, index, p_bar, renormalize=config.renormalize,
                                    scaling_factor=config.routed_scaling_factor)  # [m, k]
         # 1. The sigmoid, to the router logits (zero off the chosen experts).
-        logit_bar = router_backward(out.scores, out.index, s_hat_bar)  # [m, n]
+        logit_bar = router_backward(scores, index, s_hat_bar)  # [m, n]
         # $$\bar W_r = \bar\ell^\top x, \qquad \bar x = \bar\ell\, W_r$$
         grads["gate.weight"] = logit_bar.T @ h  # [n, d]
         x_bar = logit_bar @ weight("gate.weight")  # [m, d]
@@ -410,13 +605,13 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array],
         shared_x_bar, grads["shared_experts.gate_proj.weight"], grads["shared_experts.up_proj.weight"], \
             grads["shared_experts.down_proj.weight"] = shared_experts_backward(
                 h, weight("shared_experts.gate_proj.weight"), weight("shared_experts.up_proj.weight"),
-                weight("shared_experts.down_proj.weight"), y_bar, config)
+                weight("shared_experts.down_proj.weight"), shared, y_bar)
         x_bar = x_bar + shared_x_bar  # [m, d]
-        dparams = MoEParams((name, xp.astype(grads[name], _grad_dtype(xp, params[name], dtype)))
+        dparams = MoEParams((name, xp.astype(grads[name], _grad_dtype(xp, params[name], dtype), copy=False))
                             for name in params)
-        return xp.astype(x_bar, x.dtype), dparams
+        return xp.astype(x_bar, x.dtype, copy=False), dparams
 
-    return out.y, backward
+    return y, backward
 
 
 def _grad_dtype(xp: Any, param: Array, dtype: Any) -> Any:

@@ -1,0 +1,155 @@
+r"""One backward pass through a tiny layer, checked by difference quotients.
+
+The layer of the forward example (m = 4 tokens, d = 8, $\ell = 4$, n = 6
+experts, k = 2, f = 6, one shared expert), in float64. The loss is
+$L = \sum_{i,c} y_{i,c}\,\bar y_{i,c}$ for a fixed random $\bar y$, so the
+gradient of $L$ is exactly what `backward(dy)` returns.
+
+1. `stable_latent_moe_vjp` gives `y` and `backward`; `backward(dy)` gives the
+   gradient in the input and in all eleven parameters.
+2. For one entry of every parameter (the one with the largest gradient), the
+   central difference quotient $(L(\theta + \varepsilon e) - L(\theta - \varepsilon e)) / 2\varepsilon$
+   is set beside the hand-derived value.
+3. The bias: its gradient is zero, and its difference quotient is exactly
+   zero too, because moving the bias a little changes no chosen set and the
+   weights never see it.
+4. What the router learns from: only the rows of $W_r$ of experts some token
+   chose receive gradient.
+
+With `--out DIR` the script also draws the error of the difference quotient
+against the step $\varepsilon$: truncation error falls as $\varepsilon^2$, rounding
+error grows as $1/\varepsilon$, and in between the two computations agree to
+about ten digits.
+"""
+
+from __future__ import annotations
+
+# %%
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from refimpl.backward import stable_latent_moe_vjp
+from refimpl.config import MoEConfig
+from refimpl.latent_moe import init_params, stable_latent_moe
+from refimpl.routing import route, router_scores
+
+#: The seed of the weights, the tokens and the upstream gradient.
+SEED = 8
+
+
+# %%
+def loss(x: np.ndarray, params: dict, config: MoEConfig, dy: np.ndarray) -> float:
+    """$L = \\sum y \\odot \\bar y$, the loss whose gradient `backward(dy)` is."""
+    return float(np.sum(stable_latent_moe(x, params, config) * dy))
+
+
+def difference_quotient(x: np.ndarray, params: dict, config: MoEConfig, dy: np.ndarray, name: str,
+                        entry: tuple[int, ...], eps: float) -> float:
+    """Central difference of the loss along one entry of `x` (name "x") or of a parameter."""
+    def moved(sign: float) -> float:
+        value = (x if name == "x" else params[name]).copy()
+        value[entry] += sign * eps
+        if name == "x":
+            return loss(value, params, config, dy)
+        return loss(x, {**params, name: value}, config, dy)
+
+    return (moved(+1.0) - moved(-1.0)) / (2 * eps)
+
+
+# %%
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
+    parser.add_argument("--seed", type=int, default=SEED)
+    args = parser.parse_args(argv)
+
+    config = MoEConfig.tiny()  # d=8, l=4, n=6, k=2, f=6, one shared expert
+    m = 4
+    rng = np.random.default_rng(args.seed)
+    params = init_params(config, rng, dtype=np.float64, bias_scale=0.1)
+    x = rng.standard_normal((m, config.d))
+    dy = rng.standard_normal((m, config.d))
+    print(f"Layer: m={m}, d={config.d}, l={config.ell}, n={config.n}, k={config.k}, f={config.f}, "
+          f"{config.num_shared_experts} shared expert; float64; loss L = sum(y * dy)")
+
+    # 1. The forward pass and the backward pass.
+    y, backward = stable_latent_moe_vjp(x, params, config)
+    dx, dparams = backward(dy)
+    print("\n1. y, backward = stable_latent_moe_vjp(x, params, config); dx, dparams = backward(dy)")
+    print(f"   L = {float(np.sum(y * dy)):.6f}; dparams has the {len(dparams)} names of params")
+
+    # 2. One entry per array against its difference quotient.
+    eps = 1e-6
+    print(f"\n2. The largest entry of each gradient against a central difference quotient, eps = {eps:g}")
+    print(f"   {'array':34s} {'entry':>10s} {'by hand':>14s} {'quotient':>14s} {'|difference|':>12s}")
+    worst = 0.0
+    for name, grad in [("x", dx), *dparams.items()]:
+        if name == "gate.e_score_correction_bias":
+            continue
+        entry = np.unravel_index(int(np.argmax(np.abs(grad))), grad.shape)
+        quotient = difference_quotient(x, params, config, dy, name, entry, eps)
+        difference = abs(float(grad[entry]) - quotient)
+        worst = max(worst, difference / max(abs(quotient), 1e-300))
+        print(f"   {name:34s} {str(tuple(int(i) for i in entry)):>10s} {float(grad[entry]):14.9f} "
+              f"{quotient:14.9f} {difference:12.1e}")
+    print(f"   largest relative difference: {worst:.1e}")
+
+    # 3. The bias receives no gradient, and the difference quotient agrees exactly.
+    bias_grad = dparams["gate.e_score_correction_bias"]
+    bias_quotients = [difference_quotient(x, params, config, dy, "gate.e_score_correction_bias", (j,), eps)
+                      for j in range(config.n)]
+    print("\n3. The bias only selects:")
+    print(f"   dparams['gate.e_score_correction_bias'] = {bias_grad.tolist()}")
+    print(f"   difference quotients along each bias entry  = {bias_quotients}")
+
+    # 4. Which rows of the router learn.
+    chosen, _ = route(router_scores(x, params["gate.weight"]), params["gate.e_score_correction_bias"], config.k)
+    used = sorted(set(chosen.ravel().tolist()))
+    row_norm = np.linalg.norm(dparams["gate.weight"], axis=1)
+    print("\n4. The router learns only through the weights of the chosen experts:")
+    print(f"   experts chosen by some token: {used}")
+    print(f"   |d gate.weight| per expert row: {np.array2string(row_norm, precision=3)}")
+    unused = [j for j in range(config.n) if j not in used]
+    print(f"   rows of the unchosen experts {unused} are zero: {bool(np.all(row_norm[unused] == 0))}")
+
+    steps = np.logspace(-12, -1, 23)
+    name, grad = "experts.w1", dparams["experts.w1"]
+    entry = np.unravel_index(int(np.argmax(np.abs(grad))), grad.shape)
+    errors = [abs(difference_quotient(x, params, config, dy, name, entry, h) - float(grad[entry]))
+              for h in steps]
+    best = int(np.argmin(errors))
+    print(f"\nDifference quotient of {name}{tuple(int(i) for i in entry)} against the step: smallest error "
+          f"{errors[best]:.1e} at eps = {steps[best]:.0e}; {errors[0]:.1e} at eps = {steps[0]:.0e} (rounding), "
+          f"{errors[-1]:.1e} at eps = {steps[-1]:.0e} (truncation)")
+    if args.out is not None:
+        save_figure(args.out, steps, np.array(errors), name, entry)
+    return dict(config=config, params=params, x=x, dy=dy, y=y, dx=dx, dparams=dparams, worst=worst,
+                bias_quotients=bias_quotients, used=used, row_norm=row_norm, steps=steps, errors=errors)
+
+
+# %%
+def save_figure(out: Path, steps: np.ndarray, errors: np.ndarray, name: str, entry: tuple) -> None:
+    """The error of the central difference quotient against its step, on log-log axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.loglog(steps, np.maximum(errors, 1e-18), "o-", ms=3)
+    ax.set_xlabel("step eps")
+    ax.set_ylabel("|difference quotient - by hand|")
+    ax.set_title(f"{name}{tuple(int(i) for i in entry)}, float64, seed {SEED}")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "step_size.png", dpi=120)
+    plt.close(fig)
+    print(f"wrote {out / 'step_size.png'}")
+
+
+# %%
+if __name__ == "__main__":
+    main()
