@@ -10,6 +10,7 @@ The public API re-exported here follows the paper section by section:
 * Eq. (14): `quantile_balancing_update`, `sign_balancing_update`, the stateful balancers;
 * Appendix C: `dual_objective`, the coordinate steps, `solve_assignment_lp`;
 * Appendix D: `histogram_balancing_update`, `BiasHistogram`;
+* expert parallelism: `ep_forward`, `ep_balance_update`, `shard_params`, `padded_routed_experts`;
 * the conformance kit: the subpackage `refimpl.testing` (imported on first use,
   since it needs Hypothesis).
 """
@@ -58,6 +59,15 @@ from .dual import (
     solve_assignment_lp,
     subgradient_check,
 )
+from .expert_parallel import (
+    EPStats,
+    ep_balance_update,
+    ep_forward,
+    expert_block,
+    padded_routed_experts,
+    padding_waste,
+    shard_params,
+)
 from .histogram import BiasHistogram, histogram_balancing_update, histogram_range, required_bias
 from .latent_moe import (
     MoEOutput,
@@ -86,6 +96,7 @@ __all__ = [
     "Balancer",
     "BiasHistogram",
     "DescentTrace",
+    "EPStats",
     "MoEConfig",
     "MoEOutput",
     "MoEParams",
@@ -103,6 +114,9 @@ __all__ = [
     "cutoffs",
     "dispatch_payload",
     "dual_objective",
+    "ep_balance_update",
+    "ep_forward",
+    "expert_block",
     "expert_load",
     "hard_clamp",
     "hard_clamp_grad",
@@ -113,6 +127,8 @@ __all__ = [
     "load_ratio",
     "log10_binomial",
     "margins",
+    "padded_routed_experts",
+    "padding_waste",
     "parameter_counts",
     "parameter_shapes",
     "quantile_balancing_update",
@@ -122,6 +138,7 @@ __all__ = [
     "router_scores",
     "selection_cutoff",
     "separating_dual",
+    "shard_params",
     "sigmoid",
     "sign_balancing_update",
     "situ_glu",
