@@ -86,6 +86,7 @@ exchanges in reverse.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -335,6 +336,8 @@ class EPStats:
     * `expert_load` `[n/P]`: slots each local expert computed; its sum is the
       rank's load $L_p$, the work that sets the step time when it is the
       largest.
+    * `expert_seconds`: wall time this rank spent running its experts (step
+      3), the part of the step that grows with its load.
 
     Also readable as a mapping: `stats["dispatch_bytes"]`.
     """
@@ -345,6 +348,7 @@ class EPStats:
     pairs_sent: np.ndarray
     pairs_received: np.ndarray
     expert_load: np.ndarray
+    expert_seconds: float = 0.0
 
     def __getitem__(self, key: str) -> Any:
         if key not in self.__dataclass_fields__:
@@ -421,8 +425,10 @@ def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: A
     weight_arrived = _alltoallv(comm, plan.weight, plan.send_rows, recv_rows)  # [R, k]
 
     # 3. This rank's experts on what arrived, reduced per pair: one l-vector per (token, rank).
+    started = time.perf_counter()
     partial, load = _local_experts(z_arrived, id_arrived, weight_arrived, params["experts.w1"],
                                    params["experts.w3"], params["experts.w2"], config, padded)  # [R, l]
+    expert_seconds = time.perf_counter() - started
     if not reduce_before_norm and config.use_latent_norm:
         # THE PITFALL, on purpose: normalizing a partial sum, $$\operatorname{RMSNorm}(u^{(p)}_i) \odot g$$
         partial = rms_norm(partial, weight("routed_expert_norm.weight"), config.rms_norm_eps)
@@ -455,6 +461,7 @@ def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: A
         pairs_sent=plan.send_rows.copy(),
         pairs_received=recv_rows,
         expert_load=to_numpy(load).astype(np.int64),
+        expert_seconds=expert_seconds,
     )
     return y, stats
 
