@@ -13,6 +13,9 @@ one-rank communicator and the error messages.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -367,3 +370,35 @@ def test_mpi_balancer_gives_every_rank_the_union_bias_bit_for_bit(mpi_run):
     for r in range(size):
         assert out[f"bias_{r}"].dtype == expected.dtype
         assert out[f"bias_{r}"].tobytes() == expected.tobytes()
+
+
+# ---------------------------------------------------------------------------
+# The worked examples, at small sizes
+# ---------------------------------------------------------------------------
+
+def test_example_80_padded_product_follows_the_balance(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    example = load_script(ROOT / "examples" / "80_balance_is_speed.py", "example_80_balance_is_speed")
+    rows = example.main(["--experts", "16", "--tokens", "512", "--latent", "16", "--intermediate", "16",
+                         "--steps", "8", "--repeats", "1"])
+    by_case = {row["case"].split(" (")[0]: row for row in rows}
+    assert set(by_case) == {"zero bias", "sign rule", "Quantile Balancing"}
+    assert all(row["difference"] < 1e-5 for row in rows)  # float32: the same u either way
+    # The skewed router is unbalanced without a bias; Quantile Balancing brings the largest load down.
+    assert by_case["zero bias"]["max_over_mean"] > 1.5 > by_case["Quantile Balancing"]["max_over_mean"]
+
+
+@pytest.mark.slow
+def test_example_81_relaunches_itself_under_mpiexec(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    args = ["--ranks", "2", "--experts", "8", "--width", "32", "--intermediate", "16", "--tokens", "128",
+            "--train-tokens", "128", "--steps", "3", "--repeats", "1", "--bins", "100", "--timeout", "100",
+            "--out", str(tmp_path)]
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "81_expert_parallel_mpi.py"), *args],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "2 ranks under mpiexec" in out
+    assert "identical: yes; equal to one process on the union: yes" in out
+    assert "= 0.500 of the full-width MoE's" in out
+    assert (tmp_path / "ep_step_time.png").is_file()
