@@ -402,3 +402,28 @@ def test_example_81_relaunches_itself_under_mpiexec(tmp_path):
     assert "identical: yes; equal to one process on the union: yes" in out
     assert "= 0.500 of the full-width MoE's" in out
     assert (tmp_path / "ep_step_time.png").is_file()
+
+
+# ---------------------------------------------------------------------------
+# The GPU check's padded-product step, on the host
+# ---------------------------------------------------------------------------
+
+def test_gpu_script_padded_step_on_the_cpu(tmp_path):
+    import json
+
+    args = ["--cpu", "--smoke", "--skip", "tests", "--skip", "forward", "--skip", "balancing", "--skip", "k3",
+            "--out", str(tmp_path)]
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), *args], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    padded = json.loads((tmp_path / "gpu.json").read_text())["padded"]
+    assert padded["ok"] and padded["dtype"] == "float32"
+    cases = padded["cases"]
+    assert set(cases) == {"zero bias", "Quantile Balancing"}
+    for case in cases.values():
+        assert case["waste"] == pytest.approx(case["max_over_mean"] - 1.0)
+        assert case["padded_vs_grouped"] <= padded["tolerance"]
+        assert case["padded"]["median_s"] > 0 and case["grouped"]["median_s"] > 0
+    # The skewed router is unbalanced at zero bias; a Quantile Balancing bias from an earlier batch helps.
+    assert cases["zero bias"]["max_over_mean"] > cases["Quantile Balancing"]["max_over_mean"]
+    assert "padded batched product" in (tmp_path / "gpu.md").read_text()
