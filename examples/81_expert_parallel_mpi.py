@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import signal
 import statistics
@@ -57,12 +58,9 @@ from refimpl import (
 # %%
 
 
-def under_mpi() -> int:
-    """The number of ranks when an MPI launcher started this process with more than one, else 0."""
-    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
-        if int(os.environ.get(name, "1")) > 1:
-            return int(os.environ[name])
-    return 0
+def under_mpi() -> bool:
+    """True when an MPI launcher started this process (MPICH/Hydra and Open MPI set these)."""
+    return any(name in os.environ for name in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE"))
 
 
 def relaunch(argv: list[str], ranks: int, timeout: float) -> int:
@@ -166,8 +164,9 @@ def correctness(args: argparse.Namespace, comm) -> bool:
     plain = sum(p.dispatch_bytes for p in plains)
     bound = len(union) * config.k * config.ell * 8
     remote = dispatch // (config.ell * 8)
-    print(f"total dispatch {dispatch:,} B = {dispatch / plain:.3f} of the full-width MoE's {plain:,} B "
-          f"(l/d = {config.ell / config.d:.3f})")
+    if plain:
+        print(f"total dispatch {dispatch:,} B = {dispatch / plain:.3f} of the full-width MoE's {plain:,} B "
+              f"(l/d = {config.ell / config.d:.3f})")
     print(f"sent once per (token, rank): {remote:,} latents for {len(union):,} tokens x k = "
           f"{len(union) * config.k:,} slots; the k*l-per-token bound would be {bound:,} B")
     print()
@@ -176,8 +175,9 @@ def correctness(args: argparse.Namespace, comm) -> bool:
     spans = np.array([len(set((row // per_rank).tolist())) > 1 for row in single.index])
     relative = np.abs(wrong - got).max(axis=1) / np.abs(got).max()
     print("3. the pitfall: each rank normalizes its partial sum before the combine")
-    print(f"   tokens whose experts span several ranks: {spans.sum()} of {len(spans)}; their max relative "
-          f"error {relative[spans].max():.2f}, median {np.median(relative[spans]):.2f}")
+    print(f"   tokens whose experts span several ranks: {spans.sum()} of {len(spans)}", end="")
+    print(f"; their max relative error {relative[spans].max():.2f}, median {np.median(relative[spans]):.2f}"
+          if spans.any() else "")
     if (~spans).any():
         print(f"   tokens whose experts sit on one rank: {(~spans).sum()}; max relative error "
               f"{relative[~spans].max():.1e} (one partial sum is the whole sum)")
@@ -218,7 +218,7 @@ def trained_biases(args: argparse.Namespace, comm, config: MoEConfig) -> dict[st
     return {"zero bias": np.zeros(config.n, np.float32), "sign rule": sign, "Quantile Balancing": quantile}
 
 
-def speed(args: argparse.Namespace, comm, out: Path | None) -> list[dict]:
+def speed(args: argparse.Namespace, comm, out: Path | None, save: Path | None = None) -> list[dict]:
     rank, size = comm.Get_rank(), comm.Get_size()
     config, params = layer(args)
     params = {name: a.astype(np.float32) for name, a in params.items()}
@@ -264,6 +264,9 @@ def speed(args: argparse.Namespace, comm, out: Path | None) -> list[dict]:
               f"({size} ranks)")
         if out is not None:
             plot(rows, size, out)
+        if save is not None:
+            settings = {key: value for key, value in vars(args).items() if key not in ("out", "save")}
+            save.write_text(json.dumps({"ranks": size, "settings": settings, "rows": rows}, indent=1))
     return rows
 
 
@@ -311,6 +314,7 @@ def main(argv: list[str] | None = None) -> bool:
     parser.add_argument("--seed", type=int, default=81)
     parser.add_argument("--timeout", type=float, default=300, help="seconds the relaunched job may take")
     parser.add_argument("--out", type=Path, default=None, help="folder for the figure (rank 0 writes it)")
+    parser.add_argument("--save", type=Path, default=None, help="rank 0 writes the speed table here (JSON)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not under_mpi():
         code = relaunch(sys.argv[1:] if argv is None else list(argv), args.ranks, args.timeout)
@@ -321,7 +325,7 @@ def main(argv: list[str] | None = None) -> bool:
 
     comm = MPI.COMM_WORLD
     ok = correctness(args, comm)
-    speed(args, comm, args.out)
+    speed(args, comm, args.out, args.save)
     ok = bool(comm.bcast(ok, root=0))
     if not ok:
         raise SystemExit("the ranks disagree with the single-process layer")

@@ -1,0 +1,83 @@
+r"""Balance is speed across ranks: the time of one `ep_forward` step against the slowest rank's load.
+
+    python benchmarks/bench_expert_parallel.py            # P = 1, 2 and 4 ranks under mpiexec
+    python benchmarks/bench_expert_parallel.py --smoke    # tiny sizes, one repeat: checks that it works
+
+For each number of ranks $P$, worked example 81 (`examples/81_expert_parallel_mpi.py`)
+is launched under the MPICH wheel's `mpiexec -n P`, one BLAS thread per rank.
+Every rank holds $n/P$ experts and the same number of tokens from a skewed
+router; the sign rule and Quantile Balancing are trained across the ranks on a
+stream of earlier batches, and each of the three biases (zero, sign rule,
+Quantile Balancing) routes a fresh batch. The table gives, per case, the
+balance of the experts and of the ranks (max/mean load), the median step time
+(all ranks, barrier to barrier) and each rank's time inside its experts. A
+step cannot end before its slowest rank, so with one core per rank the step
+time should follow the slowest rank's load; with more ranks than cores the
+ranks share the cores and the step follows the *total* work instead, which
+balancing does not change. Results go to `docs/benchmarks/expert_parallel.{md,json}`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from common import REPO, base_parser, command_line, machine_info, markdown_table, output_dir, write_results
+
+EXAMPLE = REPO / "examples" / "81_expert_parallel_mpi.py"
+
+
+def run(ranks: int, sizes: list[str], repeats: int, timeout: float) -> dict[str, Any]:
+    """Example 81 under `mpiexec -n ranks`; its speed table as saved by rank 0."""
+    with tempfile.TemporaryDirectory() as tmp:
+        save = Path(tmp) / "speed.json"
+        command = [sys.executable, str(EXAMPLE), "--ranks", str(ranks), "--repeats", str(repeats),
+                   "--timeout", str(timeout), "--save", str(save), *sizes]
+        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout + 30)
+        if proc.returncode:
+            raise SystemExit(f"{' '.join(command)} failed:\n{proc.stdout}\n{proc.stderr}")
+        print(proc.stdout.split("5. balance is speed")[-1].strip())
+        return json.loads(save.read_text())
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (1 if args.smoke else 9)
+    sizes = (["--experts", "8", "--width", "32", "--intermediate", "16", "--tokens", "128", "--train-tokens",
+              "128", "--steps", "3", "--bins", "100"] if args.smoke
+             else ["--tokens", "2048", "--steps", "30"])
+    runs = {}
+    for ranks in args.ranks:
+        print(f"\n{ranks} rank{'s' if ranks > 1 else ''} under mpiexec:", flush=True)
+        runs[ranks] = run(ranks, sizes, repeats, args.timeout)
+    rows = []
+    for ranks, result in runs.items():
+        base = result["rows"][-1]
+        for row in result["rows"]:
+            rows.append([ranks, row["case"], f"{row['expert_max_over_mean']:.2f}", f"{row['rank_max_over_mean']:.2f}",
+                         f"{row['step_ms']:.1f}", f"{row['step_ms'] / base['step_ms']:.2f}",
+                         f"{row['rank_max_over_mean'] / base['rank_max_over_mean']:.2f}",
+                         ", ".join(f"{t:.0f}" for t in row["expert_ms"])])
+    table = markdown_table(["ranks", "bias", "expert max/mean", "rank max/mean", "step ms (median)",
+                            "step vs QB", "slowest rank vs QB", "ms in experts, per rank"], rows)
+    print()
+    print(table)
+    machine = machine_info()
+    results = {"command": command_line(), "machine": machine, "repeats": repeats, "runs": runs}
+    notes = ["Each step is timed on every rank from one barrier to the next; the median over the repeats is shown. "
+             "One BLAS thread per rank. With more ranks than CPUs the ranks take turns on the cores, and MPICH's "
+             "waiting ranks poll (they do not sleep), so those rows measure sharing, not the slowest rank."]
+    write_results("expert_parallel", "Expert parallelism: step time against the slowest rank", results,
+                  [("ep_forward step by number of ranks and bias", table)], output_dir(args), notes=notes)
+    return results
+
+
+if __name__ == "__main__":
+    main()
