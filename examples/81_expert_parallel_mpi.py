@@ -45,6 +45,7 @@ from refimpl import (
     MoEConfig,
     ep_balance_update,
     ep_forward,
+    expected_remote_ranks,
     expert_load,
     histogram_balancing_update,
     init_params,
@@ -169,6 +170,10 @@ def correctness(args: argparse.Namespace, comm) -> bool:
               f"(l/d = {config.ell / config.d:.3f})")
     print(f"sent once per (token, rank): {remote:,} latents for {len(union):,} tokens x k = "
           f"{len(union) * config.k:,} slots; the k*l-per-token bound would be {bound:,} B")
+    print(f"uniform routing would send {expected_remote_ranks(config.n, config.k, size):.2f} latents per token; "
+          f"this skewed router sent {remote / len(union):.2f}")
+    print()
+    planning_table(MoEConfig.k3())
     print()
     wrong = np.concatenate(wrongs)
     per_rank = config.n // size
@@ -191,6 +196,18 @@ def correctness(args: argparse.Namespace, comm) -> bool:
           f"equal to one process on the union: {'yes' if reference.tobytes() == biases[0].tobytes() else 'NO'}")
     print()
     return error < 1e-12 and same and reference.tobytes() == biases[0].tobytes()
+
+
+def planning_table(config: MoEConfig) -> None:
+    """Expected bytes per token for K3 at several expert-parallel degrees, uniform routing, bfloat16."""
+    print(f"   K3 (n = {config.n}, k = {config.k}, l = {config.ell}, d = {config.d}), uniform routing, 2-byte "
+          "values: expected bytes per token, each way")
+    print(f"   {'P':>5} {'experts/rank':>12} {'other ranks':>11} {'latent layer':>12} {'full width':>10} "
+          f"{'k*l bound':>9}")
+    for size in (8, 16, 32, 64, 128, 896):
+        remote = expected_remote_ranks(config.n, config.k, size)
+        print(f"   {size:>5} {config.n // size:>12} {remote:>11.2f} {remote * config.ell * 2:>12,.0f} "
+              f"{remote * config.d * 2:>10,.0f} {config.k * config.ell * 2:>9,}")
 
 
 # %% [markdown]

@@ -86,6 +86,7 @@ exchanges in reverse.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -105,6 +106,7 @@ __all__ = [
     "EPStats",
     "ep_balance_update",
     "ep_forward",
+    "expected_remote_ranks",
     "expert_block",
     "padded_routed_experts",
     "padding_waste",
@@ -134,6 +136,31 @@ def expert_block(n: int, size: int, rank: int) -> tuple[int, int]:
     per_rank = _check_ranks(n, size)
     rank = check_int("rank", rank, low=0, high=size - 1)
     return rank * per_rank, (rank + 1) * per_rank
+
+
+def expected_remote_ranks(n: int, k: int, size: int) -> float:
+    r"""How many *other* ranks a token is sent to, on average, when its $k$ experts are uniformly random.
+
+    With $P$ ranks of $n/P$ experts, a token's $k$ distinct experts miss a
+    given rank with probability $inom{n - n/P}{k} / inom{n}{k}$, so they
+    occupy on average
+
+    $$\mathbb{E}[R] = P \left(1 - inom{n - n/P}{k} \Big/ inom{n}{k}ight)$$
+
+    ranks, and the token's own rank is one of them with probability
+    $\mathbb{E}[R]/P$. Each exchange then carries $\mathbb{E}[R](1 - 1/P)$
+    latents per token, between 0 ($P = 1$) and $k$. A planning number: a
+    balanced router is close to uniform on average, but real routing is
+    correlated, and the measured bytes (`EPStats`) are the truth.
+    """
+    n = check_int("n", n, low=1)
+    k = check_int("k", k, low=1, high=n)
+    per_rank = _check_ranks(n, size)
+    # $$\Pr[	ext{no expert of the token on a given rank}] = inom{n - n/P}{k} / inom{n}{k}$$
+    miss = math.comb(n - per_rank, k) / math.comb(n, k)
+    occupied = size * (1.0 - miss)
+    # $$\mathbb{E}[	ext{remote}] = \mathbb{E}[R]\,(1 - 1/P)$$
+    return occupied * (1.0 - 1.0 / size)
 
 
 def shard_params(params: Mapping[str, Array], config: MoEConfig, rank: int, size: int) -> dict[str, Array]:

@@ -30,6 +30,7 @@ from refimpl.expert_parallel import (
     EPStats,
     ep_balance_update,
     ep_forward,
+    expected_remote_ranks,
     expert_block,
     padded_routed_experts,
     padding_waste,
@@ -76,6 +77,27 @@ def test_shard_params_cuts_only_the_expert_stacks():
             np.testing.assert_array_equal(shard[name], value[2:4])
         else:
             assert shard[name] is value
+
+
+@pytest.mark.parametrize(("n", "k", "size"), [(8, 3, 2), (8, 3, 4), (12, 4, 3), (12, 1, 6), (6, 6, 3), (8, 2, 1)])
+def test_expected_remote_ranks_by_enumerating_every_route(n, k, size):
+    from itertools import combinations
+
+    per_rank = n // size
+    total = 0
+    routes = list(combinations(range(n), k))
+    for route_ in routes:
+        ranks = {e // per_rank for e in route_}
+        # A token on rank r sends to every occupied rank but its own; average over the P home ranks.
+        total += sum(len(ranks - {r}) for r in range(size)) / size
+    assert expected_remote_ranks(n, k, size) == pytest.approx(total / len(routes), rel=1e-12)
+
+
+def test_expected_remote_ranks_limits():
+    assert expected_remote_ranks(896, 16, 1) == 0.0
+    assert expected_remote_ranks(896, 16, 896) == pytest.approx(16 * (1 - 1 / 896))  # one expert per rank
+    with pytest.raises(ValueError, match="P=5 must divide"):
+        expected_remote_ranks(896, 16, 5)
 
 
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=20))
