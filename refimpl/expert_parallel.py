@@ -94,7 +94,7 @@ from typing import Any
 
 import numpy as np
 
-from ._xp import Array, array_namespace, bincount, compute_dtype, to_numpy
+from ._xp import Array, array_namespace, bincount, compute_dtype, dtype_name, to_numpy
 from .activations import rms_norm
 from .config import MoEConfig
 from .histogram import BiasHistogram
@@ -145,7 +145,8 @@ def expected_remote_ranks(n: int, k: int, size: int) -> float:
     given rank with probability $inom{n - n/P}{k} / inom{n}{k}$, so they
     occupy on average
 
-    $$\mathbb{E}[R] = P \left(1 - inom{n - n/P}{k} \Big/ inom{n}{k}ight)$$
+    $$\mathbb{E}[R] = P \left(1 - inom{n - n/P}{k} \Big/ inom{n}{k}
+ight)$$
 
     ranks, and the token's own rank is one of them with probability
     $\mathbb{E}[R]/P$. Each exchange then carries $\mathbb{E}[R](1 - 1/P)$
@@ -477,10 +478,10 @@ def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: A
     y = xp.astype(y_shared + y_routed, x.dtype)
 
     # What went to other ranks: every pair except those this rank sent to itself.
-    itemsize = np.dtype(to_numpy(z[:0, :]).dtype).itemsize
+    itemsize = np.dtype(dtype_name(z.dtype)).itemsize  # bytes per latent value
     remote_sent = int(plan.send_rows.sum() - plan.send_rows[rank])
     remote_returned = int(recv_rows.sum() - recv_rows[rank])
-    routing_item = np.dtype(to_numpy(plan.local_id[:0, :]).dtype).itemsize + itemsize
+    routing_item = np.dtype(dtype_name(plan.local_id.dtype)).itemsize + itemsize  # an id and a weight
     stats = EPStats(
         dispatch_bytes=remote_sent * int(z.shape[1]) * itemsize,
         combine_bytes=remote_returned * int(z.shape[1]) * itemsize,
