@@ -365,7 +365,10 @@ class EPStats:
       rank's load $L_p$, the work that sets the step time when it is the
       largest.
     * `expert_seconds`: wall time this rank spent running its experts (step
-      3), the part of the step that grows with its load.
+      3), the part of the step that grows with its load; `expert_cpu_seconds`
+      the processor time the process used meanwhile, which other jobs on a
+      shared machine do not inflate (with one BLAS thread per rank, it is the
+      rank's own work).
 
     Also readable as a mapping: `stats["dispatch_bytes"]`.
     """
@@ -377,6 +380,7 @@ class EPStats:
     pairs_received: np.ndarray
     expert_load: np.ndarray
     expert_seconds: float = 0.0
+    expert_cpu_seconds: float = 0.0
 
     def __getitem__(self, key: str) -> Any:
         if key not in self.__dataclass_fields__:
@@ -453,10 +457,10 @@ def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: A
     weight_arrived = _alltoallv(comm, plan.weight, plan.send_rows, recv_rows)  # [R, k]
 
     # 3. This rank's experts on what arrived, reduced per pair: one l-vector per (token, rank).
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     partial, load = _local_experts(z_arrived, id_arrived, weight_arrived, params["experts.w1"],
                                    params["experts.w3"], params["experts.w2"], config, padded)  # [R, l]
-    expert_seconds = time.perf_counter() - started
+    expert_seconds, expert_cpu_seconds = time.perf_counter() - started, time.process_time() - started_cpu
     if not reduce_before_norm and config.use_latent_norm:
         # THE PITFALL, on purpose: normalizing a partial sum, $$\operatorname{RMSNorm}(u^{(p)}_i) \odot g$$
         partial = rms_norm(partial, weight("routed_expert_norm.weight"), config.rms_norm_eps)
@@ -490,6 +494,7 @@ def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: A
         pairs_received=recv_rows,
         expert_load=to_numpy(load).astype(np.int64),
         expert_seconds=expert_seconds,
+        expert_cpu_seconds=expert_cpu_seconds,
     )
     return y, stats
 
