@@ -142,11 +142,10 @@ def expected_remote_ranks(n: int, k: int, size: int) -> float:
     r"""How many *other* ranks a token is sent to, on average, when its $k$ experts are uniformly random.
 
     With $P$ ranks of $n/P$ experts, a token's $k$ distinct experts miss a
-    given rank with probability $inom{n - n/P}{k} / inom{n}{k}$, so they
+    given rank with probability $\binom{n - n/P}{k} / \binom{n}{k}$, so they
     occupy on average
 
-    $$\mathbb{E}[R] = P \left(1 - inom{n - n/P}{k} \Big/ inom{n}{k}
-ight)$$
+    $$\mathbb{E}[R] = P \left(1 - \binom{n - n/P}{k} \Big/ \binom{n}{k}\right)$$
 
     ranks, and the token's own rank is one of them with probability
     $\mathbb{E}[R]/P$. Each exchange then carries $\mathbb{E}[R](1 - 1/P)$
@@ -157,10 +156,10 @@ ight)$$
     n = check_int("n", n, low=1)
     k = check_int("k", k, low=1, high=n)
     per_rank = _check_ranks(n, size)
-    # $$\Pr[	ext{no expert of the token on a given rank}] = inom{n - n/P}{k} / inom{n}{k}$$
+    # $$\Pr[\text{no expert of the token on a given rank}] = \binom{n - n/P}{k} / \binom{n}{k}$$
     miss = math.comb(n - per_rank, k) / math.comb(n, k)
     occupied = size * (1.0 - miss)
-    # $$\mathbb{E}[	ext{remote}] = \mathbb{E}[R]\,(1 - 1/P)$$
+    # $$\mathbb{E}[\text{remote}] = \mathbb{E}[R]\,(1 - 1/P)$$
     return occupied * (1.0 - 1.0 / size)
 
 
