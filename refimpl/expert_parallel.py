@@ -33,7 +33,10 @@ combine, both exchanges carry $\ell$-wide vectors. For a token whose experts
 live on $R_i$ other ranks, each exchange moves $R_i\,\ell$ values, at most
 $k\ell$ (when its $k$ experts sit on $k$ different ranks), against $R_i\,d$ for a
 full-width MoE with the same router: the ratio is exactly $\ell/d = 1/\alpha$,
-and the tests measure it. `stats.dispatch_bytes` and `stats.combine_bytes`
+and the tests measure it. `expected_remote_ranks` gives the average $R_i$
+under uniform routing, the number to plan a deployment with (for K3 at 64
+ranks, 14.14 other ranks per token against $k = 16$; worked example 81 prints
+the table). `stats.dispatch_bytes` and `stats.combine_bytes`
 count exactly those vectors (bytes sent to *other* ranks; the rank's share
 for itself is a local copy); the expert ids and weights that travel with the
 dispatch are counted apart, in `stats.routing_bytes` ($k$ ids and $k$
