@@ -28,6 +28,14 @@ The steps, each printed with its time:
    time to issue each piece and the device's time to run it), and a check of
    a sample of tokens against a float64 computation on the host.
 
+5. **Balance is speed, on the device**: the routed experts at the sizes of
+   step 4, in float16 as stored (float32 with `--cpu`), as one padded batched product
+   (`padded_routed_experts`: every expert padded to the largest load, three
+   `matmul` calls over `[n, C, l]` blocks) against the grouped loop, for a
+   skewed router with zero bias and with a Quantile Balancing bias computed
+   from an earlier batch: times, the padding waste (max load / mean - 1),
+   the useful TFLOP/s and the rate at which each reads the expert weights.
+
 Step 4 calls the stages of Eq. (11) one by one (`forward_by_stages`) instead
 of `stable_latent_moe`, which casts every weight to the compute dtype (float32)
 before it starts: for K3 that cast alone would need 118 GB next to the 59 GB of
@@ -72,6 +80,7 @@ from common import (
 from refimpl._xp import array_namespace, compute_dtype, to_numpy
 from refimpl.activations import rms_norm, sigmoid, situ_glu
 from refimpl.config import MoEConfig
+from refimpl.expert_parallel import padded_routed_experts, padding_waste
 from refimpl.latent_moe import (
     init_params,
     parameter_shapes,
@@ -96,16 +105,17 @@ def sizes(cpu: bool, smoke: bool) -> dict[str, Any]:
                     balance=(32, 4, 2048), balance_check_m=512, blocks=4,
                     k3=MoEConfig.k3().replace(hidden_size=64, latent_size=32, num_experts=16, top_k=4,
                                               intermediate_size=24, num_shared_experts=2),
-                    k3_m=64, sample=2, repeats=1, copy_bytes=1 << 22, gemm=64)
+                    k3_m=64, sample=2, repeats=1, copy_bytes=1 << 22, gemm=64, padded_m=64)
     if cpu:
         return dict(forward=MoEConfig.small(), forward_m=1024,
                     balance=(896, 16, 65_536), balance_check_m=16_384, blocks=8,
                     k3=MoEConfig.k3().replace(hidden_size=896, latent_size=448, num_experts=112,
                                               intermediate_size=384),
-                    k3_m=512, sample=4, repeats=3, copy_bytes=1 << 28, gemm=1024)
+                    k3_m=512, sample=4, repeats=3, copy_bytes=1 << 28, gemm=1024, padded_m=128)
     return dict(forward=MoEConfig.small(), forward_m=4096,
                 balance=(896, 16, 1_048_576), balance_check_m=131_072, blocks=8,
-                k3=MoEConfig.k3(), k3_m=4096, sample=4, repeats=3, copy_bytes=1 << 32, gemm=8192)
+                k3=MoEConfig.k3(), k3_m=4096, sample=4, repeats=3, copy_bytes=1 << 32, gemm=8192,
+                padded_m=4096)
 
 
 # ---------------------------------------------------------------------------
@@ -602,6 +612,81 @@ def step_k3(backend: Backend, config: MoEConfig, m: int, sample: int, repeats: i
 
 
 # ---------------------------------------------------------------------------
+# Step 5: the padded batched product against the grouped loop
+# ---------------------------------------------------------------------------
+
+def skewed_scores(backend: Backend, m: int, n: int, seed: int) -> Any:
+    """Sigmoid scores `[m, n]` (float32) of a router that favours low expert ids: zero bias is unbalanced."""
+    xp = backend.mod
+    # Expert e's logit is raised by 1.5 (1 - 2e/n): the first experts are popular, the last ones rare.
+    lean = 1.5 * (1.0 - 2.0 * xp.arange(n, dtype=xp.float32) / n)
+    return sigmoid(backend.normal((m, n), seed) + lean[None, :])
+
+
+def step_padded(backend: Backend, config: MoEConfig, m: int, repeats: int) -> dict[str, Any]:
+    from refimpl.balancing import quantile_balancing_update
+
+    xp = backend.mod
+    n, k, ell, f = config.n, config.k, config.ell, config.f
+    # The stored precision on the device; NumPy has no fast float16 product, so the host runs float32.
+    dtype = xp.float32 if backend.cpu else xp.float16
+    params = device_params(backend, config, dtype)
+    w1, w3, w2 = params["experts.w1"], params["experts.w3"], params["experts.w2"]
+    del params  # only the expert stacks are used here
+    backend.free()
+    weight_bytes = int(w1.nbytes + w3.nbytes + w2.nbytes)
+    z = backend.normal((m, ell), 21).astype(dtype)
+    scores = skewed_scores(backend, m, n, 22)
+    zero = xp.zeros(n, dtype=xp.float32)
+    # Quantile Balancing's bias from an earlier batch of the same router: the next batch is routed with it.
+    biases = {"zero bias": zero, "Quantile Balancing": quantile_balancing_update(skewed_scores(backend, m, n, 23),
+                                                                                 zero, k)}
+    free = backend.free_memory()
+    cases: dict[str, Any] = {}
+    ok = True
+    for name, bias in biases.items():
+        index, p = route(scores, bias, k)
+        p = p.astype(dtype)
+        load = to_numpy(xp.bincount(xp.reshape(index, (-1,)), minlength=n))
+        largest = int(load.max())
+        # The padded product's work arrays: [n, C, l] latents, and [n, C, f] products in float16 plus the
+        # activation's float32 temporaries.
+        need = n * largest * (ell * 2 * 2 + f * (2 * 3 + 4 * 4))
+        case: dict[str, Any] = {"max_over_mean": float(largest / load.mean()), "waste": padding_waste(load),
+                                "largest_load": largest, "work_bytes_needed": need}
+        if free is not None and need > 0.8 * free:
+            case["skipped"] = f"needs about {need / 1e9:.1f} GB of work arrays, {free / 1e9:.1f} GB free"
+            print(f"  {name}: skipped, {case['skipped']}")
+            cases[name] = case
+            continue
+        turns = time_round_robin(
+            {"grouped loop": lambda index=index, p=p: routed_experts(z, index, p, w1, w3, w2, config),
+             "padded product": lambda index=index, p=p: padded_routed_experts(z, index, p, w1, w3, w2, config)},
+            repeats=repeats, warmup=1, sync=backend.sync)
+        grouped = to_numpy(routed_experts(z, index, p, w1, w3, w2, config)).astype(np.float64)
+        padded = to_numpy(padded_routed_experts(z, index, p, w1, w3, w2, config)).astype(np.float64)
+        difference = relative_error(padded, grouped)
+        useful = 2.0 * m * k * 3 * ell * f
+        case.update({"grouped": turns["grouped loop"], "padded": turns["padded product"],
+                     "padded_vs_grouped": difference,
+                     "useful_tflops_grouped": useful / turns["grouped loop"].median / 1e12,
+                     "useful_tflops_padded": useful / turns["padded product"].median / 1e12,
+                     "weights_read_grouped": weight_bytes / turns["grouped loop"].median,
+                     "weights_read_padded": weight_bytes / turns["padded product"].median})
+        ok = ok and difference <= 8 * FLOAT16_EPS
+        cases[name] = case
+        print(f"  {name}: max/mean load {case['max_over_mean']:.2f} (waste {100 * case['waste']:.0f} %); "
+              f"grouped {fmt_seconds(turns['grouped loop'].median)} "
+              f"({case['useful_tflops_grouped']:.3f} useful TFLOP/s, weights read at "
+              f"{case['weights_read_grouped'] / 1e9:.0f} GB/s); padded {fmt_seconds(turns['padded product'].median)} "
+              f"({case['useful_tflops_padded']:.3f} useful TFLOP/s, {case['weights_read_padded'] / 1e9:.0f} GB/s); "
+              f"padded vs grouped {difference:.1e}")
+    return {"m": m, "dtype": "float32" if backend.cpu else "float16", "weight_bytes": weight_bytes,
+            "cases": cases, "ok": ok,
+            "tolerance": 8 * FLOAT16_EPS}
+
+
+# ---------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------
 
@@ -621,7 +706,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="arguments for the pytest step (default: the CuPy backend of the whole suite, "
                              "or the NumPy backend of the fast tests with --cpu)")
     parser.add_argument("--pytest-timeout", type=float, default=180.0, help="seconds before the tests are stopped")
-    parser.add_argument("--skip", action="append", default=[], choices=["tests", "forward", "balancing", "k3"],
+    parser.add_argument("--skip", action="append", default=[], choices=["tests", "forward", "balancing", "k3", "padded"],
                         help="leave a step out (may be repeated)")
     parser.add_argument("--require-gpu", action="store_true",
                         help="exit with an error (instead of skipping) when no GPU is usable")
@@ -683,12 +768,15 @@ def main(argv: list[str] | None = None) -> int:
     run("k3", f"K3-shaped layer, float16, d={kc.d} l={kc.ell} n={kc.n} k={kc.k} f={kc.f} "
               f"shared={kc.shared_size}, m={km:,}",
         lambda: step_k3(backend, kc, km, size["sample"], repeats, size["copy_bytes"], size["gemm"]))
+    run("padded", f"padded batched product vs grouped loop, {'float32' if args.cpu else 'float16'}, n={kc.n} k={kc.k} l={kc.ell} f={kc.f}, "
+                  f"m={size['padded_m']:,}",
+        lambda: step_padded(backend, kc, size["padded_m"], repeats))
 
     total = time.perf_counter() - run_start
     results["step_seconds"] = step_time
     results["total_seconds"] = total
     machine["load_average_at_end"] = load_average()
-    failed = [name for name in ("tests", "forward", "balancing", "k3")
+    failed = [name for name in ("tests", "forward", "balancing", "k3", "padded")
               if name in results and not results[name].get("ok", False)]
     results["failed"] = failed
     print(f"\ntotal {fmt_seconds(total)}; " + ("all checks passed" if not failed else f"FAILED: {', '.join(failed)}"))
@@ -717,7 +805,7 @@ def _tables(results: dict[str, Any]) -> list[tuple[str, str]]:
                      f"vs exact: {r['histogram_max_error'] / r['bin_width']:.2f} bin widths",
                      fmt_seconds(r["histogram"].median), "ok" if r["ok"] else "FAILED"])
     for name, r in results.items():
-        if isinstance(r, dict) and ("error" in r or "skipped" in r) and name in ("tests", "forward", "balancing", "k3"):
+        if isinstance(r, dict) and ("error" in r or "skipped" in r) and name in ("tests", "forward", "balancing", "k3", "padded"):
             rows.append([name, r.get("error") or f"skipped: {r['skipped']}", "-",
                          "FAILED" if "error" in r else "skipped"])
     if "k3" in results and "timing" in results["k3"]:
@@ -730,6 +818,22 @@ def _tables(results: dict[str, Any]) -> list[tuple[str, str]]:
                      f"vs float64 {r['rel_error_vs_float64']:.1e}",
                      fmt_seconds(r["timing"].median), "ok" if r["ok"] else "FAILED"])
     tables = [("Steps", markdown_table(["step", "result", "median time", "check"], rows))]
+    if "padded" in results and "cases" in results["padded"]:
+        r = results["padded"]
+        padded_rows = []
+        for name, case in r["cases"].items():
+            if "skipped" in case:
+                padded_rows.append([name, f"{case['max_over_mean']:.2f}", f"{100 * case['waste']:.0f} %",
+                                    f"skipped: {case['skipped']}", "", "", ""])
+                continue
+            padded_rows.append([name, f"{case['max_over_mean']:.2f}", f"{100 * case['waste']:.0f} %",
+                                fmt_seconds(case["grouped"].median), fmt_seconds(case["padded"].median),
+                                f"{case['weights_read_grouped'] / 1e9:.0f} / {case['weights_read_padded'] / 1e9:.0f}",
+                                f"{case['padded_vs_grouped']:.1e}"])
+        tables.append((f"Routed experts as one padded batched product, {r['dtype']}, m = {r['m']:,}",
+                       markdown_table(["bias", "max/mean load", "padding", "grouped loop", "padded product",
+                                       "weights read GB/s (grouped / padded)", "padded vs grouped"],
+                                      padded_rows)))
     if "k3" in results and "timing" in results["k3"]:
         r = results["k3"]
         stage_sum = sum(s["timing"].median for s in r["stages"].values())

@@ -13,6 +13,7 @@ The public API re-exported here follows the paper section by section:
 * Appendix D: `histogram_balancing_update`, `BiasHistogram`;
 * real checkpoints: `load_hf_layer`, `save_hf_layer`, `ExpertStack` (packed experts),
   and the microscaling formats `mxfp4_encode`, `mxfp4_decode`, `mxfp8_round` (`refimpl.mx`);
+* expert parallelism: `ep_forward`, `ep_balance_update`, `shard_params`, `padded_routed_experts`;
 * the conformance kit: the subpackage `refimpl.testing` (imported on first use,
   since it needs Hypothesis).
 """
@@ -63,6 +64,16 @@ from .dual import (
     solve_assignment_lp,
     subgradient_check,
 )
+from .expert_parallel import (
+    EPStats,
+    ep_balance_update,
+    ep_forward,
+    expected_remote_ranks,
+    expert_block,
+    padded_routed_experts,
+    padding_waste,
+    shard_params,
+)
 from .histogram import BiasHistogram, histogram_balancing_update, histogram_range, required_bias
 from .latent_moe import (
     MoEOutput,
@@ -93,6 +104,7 @@ __all__ = [
     "BiasHistogram",
     "DescentTrace",
     "ExpertStack",
+    "EPStats",
     "MoEConfig",
     "MoEOutput",
     "MoEParams",
@@ -110,6 +122,10 @@ __all__ = [
     "cutoffs",
     "dispatch_payload",
     "dual_objective",
+    "ep_balance_update",
+    "ep_forward",
+    "expected_remote_ranks",
+    "expert_block",
     "expert_load",
     "hard_clamp",
     "hard_clamp_grad",
@@ -124,6 +140,8 @@ __all__ = [
     "mxfp4_decode",
     "mxfp4_encode",
     "mxfp8_round",
+    "padded_routed_experts",
+    "padding_waste",
     "parameter_counts",
     "parameter_shapes",
     "quantile_balancing_update",
@@ -134,6 +152,7 @@ __all__ = [
     "router_scores",
     "selection_cutoff",
     "separating_dual",
+    "shard_params",
     "sigmoid",
     "sign_balancing_update",
     "situ_glu",

@@ -95,3 +95,34 @@ def load_script(path: Path, name: str) -> ModuleType:
 def load_example(stem: str) -> ModuleType:
     """`examples/<stem>.py` as a module."""
     return load_script(ROOT / "examples" / f"{stem}.py", f"example_{stem}")
+
+
+# ---------------------------------------------------------------------------
+# MPI jobs started from a test
+# ---------------------------------------------------------------------------
+
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+
+def run_under_mpiexec(ranks: int, args: list[str], *, timeout: float = 120):
+    """`mpiexec -n ranks python -m mpi4py ARGS` from the repository root; the finished process's output.
+
+    The launcher is the MPICH wheel's, next to the test interpreter. The job
+    runs in a session of its own, so that a hung job is killed whole (launcher
+    and ranks) when the timeout passes, and the test fails with what it printed.
+    """
+    import signal
+    import subprocess
+
+    assert MPIEXEC.is_file(), f"no mpiexec next to {sys.executable}: install the test extra (mpi4py, mpich)"
+    command = [str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "mpi4py", *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"mpiexec -n {ranks} did not finish in {timeout} s:\n{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

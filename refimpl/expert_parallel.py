@@ -1,0 +1,607 @@
+r"""Expert parallelism: the latent all-to-all, run for real over MPI.
+
+$$
+y_i \;=\; E^{\text{shared}}(x_i) \;+\; W_\uparrow\,\operatorname{RMSNorm}\!\Bigl(
+\sum_{p=0}^{P-1}\; \underbrace{\sum_{e \in \mathcal{T}_i \cap \mathcal{E}_p} p_{i,e}\,E_e(W_\downarrow x_i)}_{
+\text{computed on rank } p}\Bigr)
+$$
+
+A K3 layer holds 896 routed experts, 29.6 B parameters; no single device
+keeps them all. Under **expert parallelism** each of $P$ ranks holds a
+contiguous block of $n/P$ experts, $\mathcal{E}_p = [p\,n/P,\ (p+1)\,n/P)$,
+while the router, its bias, the two latent projections, the norm and the
+shared experts are replicated on every rank. A rank also holds its own
+tokens, any number of them. One layer is then three local steps joined by two
+all-to-all exchanges:
+
+1. **Route locally.** Each rank scores its tokens with the replicated router
+   and bias (Eq. 13) and projects them once, $z = W_\downarrow x$.
+2. **Dispatch.** Every token's latent $z_i$ is sent to each rank that holds
+   at least one of its $k$ experts (`Alltoallv`), with the local ids and
+   weights of those experts. A token is sent **once per rank**, not once per
+   expert: two of its experts on the same rank share one copy.
+3. **Run the local experts** on what arrived, and reduce on the spot: the
+   destination rank sums the weighted outputs of *its* experts for each
+   token into one $\ell$-wide partial sum.
+4. **Combine.** The partial sums go back to the token's own rank (a second
+   `Alltoallv`, the first one's counts reversed), which adds them in latent
+   space, **then** applies the norm, **then** $W_\uparrow$, once per token,
+   and adds the shared experts.
+
+Because $W_\downarrow$ comes before the dispatch and $W_\uparrow$ after the
+combine, both exchanges carry $\ell$-wide vectors. For a token whose experts
+live on $R_i$ other ranks, each exchange moves $R_i\,\ell$ values, at most
+$k\ell$ (when its $k$ experts sit on $k$ different ranks), against $R_i\,d$ for a
+full-width MoE with the same router: the ratio is exactly $\ell/d = 1/\alpha$,
+and the tests measure it. `expected_remote_ranks` gives the average $R_i$
+under uniform routing, the number to plan a deployment with (for K3 at 64
+ranks, 14.14 other ranks per token against $k = 16$; worked example 81 prints
+the table). `stats.dispatch_bytes` and `stats.combine_bytes`
+count exactly those vectors (bytes sent to *other* ranks; the rank's share
+for itself is a local copy); the expert ids and weights that travel with the
+dispatch are counted apart, in `stats.routing_bytes` ($k$ ids and $k$
+weights per (token, rank) pair, small next to $\ell$ values when $\ell \gg k$).
+
+**Reduce before the norm.** RMSNorm is not additive:
+$\operatorname{RMSNorm}(a + b) \ne \operatorname{RMSNorm}(a) + \operatorname{RMSNorm}(b)$.
+The partial sums of step 3 must therefore travel back *unnormalized*, and the
+norm waits until the token's own rank holds the whole $u_i$. A rank that
+normalizes its partial sum before sending it (an easy mistake when the norm is
+thought of as "part of the routed branch") computes a different layer, and
+only for some tokens: those whose experts all live on one rank come out right,
+which makes the bug easy to miss on small tests. `ep_forward(...,
+reduce_before_norm=False)` runs that mistake on purpose so its error can be
+measured (worked example 81 prints it).
+
+**The balancer across ranks.** Quantile Balancing needs each expert's margin
+quantile over the *global* batch. `ep_balance_update` is Appendix D as it runs
+in a job: every rank counts its own scores into the $n \times B$ integer
+histogram of `refimpl.histogram`, one integer `Allreduce` (a sum) gives every
+rank the global counts, and each rank reads the new bias from them. Integer
+sums do not depend on the order of addition, so every rank holds the same
+bias **bit for bit**, without a broadcast.
+
+**Balance is speed.** The dispatch is a barrier: no rank finishes the layer
+before the slowest rank has run its experts, so a step costs what the most
+loaded rank costs. With $L_p$ the slots (token, expert pairs) rank $p$
+computes, a step takes time proportional to $\max_p L_p$ while the useful work
+is proportional to the mean, and the fraction of the machine left idle is
+$1 - \bar L / \max_p L_p$. The same arithmetic governs one device: a kernel
+that runs all experts as one batched product pads every expert to the largest
+load $C = \max_e \text{load}_e$, computes $nC$ rows for the $mk$ that matter,
+and wastes
+
+$$\frac{nC}{mk} - 1 = \frac{\max_e \text{load}_e}{\overline{\text{load}}} - 1 .$$
+
+`padded_routed_experts` is that product, written with one array-API `matmul`
+per weight over `[n, C, l]` blocks; `padding_waste` is the formula. The page
+"Balance is speed" measures both against the balance that zero bias, the sign
+rule and Quantile Balancing reach.
+
+**What is and is not here.** The exchange is MPI (mpi4py), on host buffers:
+arrays from any array-API library are copied to NumPy for the two
+`Alltoallv` calls and back. There is no overlap of communication with
+computation, no capacity limit (every routed slot is computed; see
+`capacity_keep` for dropping), and no node-limited routing. The forward pass
+only: the gradient of an expert-parallel layer would run the same two
+exchanges in reverse.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._xp import Array, array_namespace, bincount, compute_dtype, dtype_name, to_numpy
+from .activations import rms_norm
+from .config import MoEConfig
+from .histogram import BiasHistogram
+from .latent_moe import _expert_glu, parameter_shapes, routed_experts, shared_experts
+from .routing import route, router_scores
+from .validation import check_finite, check_float_array, check_int
+
+__all__ = [
+    "EPStats",
+    "ep_balance_update",
+    "ep_forward",
+    "expected_remote_ranks",
+    "expert_block",
+    "padded_routed_experts",
+    "padding_waste",
+    "shard_params",
+]
+
+#: The three expert stacks, the only parameters that are split between ranks.
+EXPERT_STACKS = ("experts.w1", "experts.w3", "experts.w2")
+
+
+# ---------------------------------------------------------------------------
+# Who holds which expert
+# ---------------------------------------------------------------------------
+
+def _check_ranks(n: int, size: int) -> int:
+    """`size` ranks must split `n` experts into equal blocks; returns the block size n/P."""
+    size = check_int("size (ranks in the communicator)", size, low=1)
+    if n % size:
+        raise ValueError(f"the number of ranks P={size} must divide the number of experts n={n} "
+                         f"(each rank holds a block of n/P experts)")
+    return n // size
+
+
+def expert_block(n: int, size: int, rank: int) -> tuple[int, int]:
+    r"""The experts rank `rank` of `size` holds: $[r\,n/P,\ (r+1)\,n/P)$, as `(start, stop)`."""
+    n = check_int("n", n, low=1)
+    per_rank = _check_ranks(n, size)
+    rank = check_int("rank", rank, low=0, high=size - 1)
+    return rank * per_rank, (rank + 1) * per_rank
+
+
+def expected_remote_ranks(n: int, k: int, size: int) -> float:
+    r"""How many *other* ranks a token is sent to, on average, when its $k$ experts are uniformly random.
+
+    With $P$ ranks of $n/P$ experts, a token's $k$ distinct experts miss a
+    given rank with probability $\binom{n - n/P}{k} / \binom{n}{k}$, so they
+    occupy on average
+
+    $$\mathbb{E}[R] = P \left(1 - \binom{n - n/P}{k} \Big/ \binom{n}{k}\right)$$
+
+    ranks, and the token's own rank is one of them with probability
+    $\mathbb{E}[R]/P$. Each exchange then carries $\mathbb{E}[R](1 - 1/P)$
+    latents per token, between 0 ($P = 1$) and $k$. A planning number: a
+    balanced router is close to uniform on average, but real routing is
+    correlated, and the measured bytes (`EPStats`) are the truth.
+    """
+    n = check_int("n", n, low=1)
+    k = check_int("k", k, low=1, high=n)
+    per_rank = _check_ranks(n, size)
+    # $$\Pr[\text{no expert of the token on a given rank}] = \binom{n - n/P}{k} / \binom{n}{k}$$
+    miss = math.comb(n - per_rank, k) / math.comb(n, k)
+    occupied = size * (1.0 - miss)
+    # $$\mathbb{E}[\text{remote}] = \mathbb{E}[R]\,(1 - 1/P)$$
+    return occupied * (1.0 - 1.0 / size)
+
+
+def shard_params(params: Mapping[str, Array], config: MoEConfig, rank: int, size: int) -> dict[str, Array]:
+    """What rank `rank` of `size` holds: every parameter whole, except the expert stacks cut to its block.
+
+    `params` has the full shapes of `parameter_shapes(config)`. The expert
+    stacks are sliced (views for NumPy), the rest is passed through.
+    """
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    start, stop = expert_block(config.n, size, rank)
+    shard = dict(params)
+    for name in EXPERT_STACKS:
+        if name not in params:
+            raise ValueError(f"params must contain {name!r}, the stacked expert weights")
+        if params[name].shape[0] != config.n:
+            raise ValueError(f"params[{name!r}] must hold all n={config.n} experts to be sharded, "
+                             f"got shape {list(params[name].shape)}")
+        shard[name] = params[name][start:stop, ...]
+    return shard
+
+
+def _check_ep_inputs(x: Array, params: Mapping[str, Array], config: MoEConfig, size: int) -> int:
+    """Raise a readable error for a bad input of `ep_forward`; returns n/P."""
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    per_rank = _check_ranks(config.n, size)
+    check_float_array("x", x, ndim=2)
+    if x.shape[1] != config.d:
+        raise ValueError(f"x must have shape [m, {config.d}] (hidden_size), got {list(x.shape)}")
+    check_finite("x", x)
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping from parameter names to arrays, got {type(params).__name__}")
+    shapes = parameter_shapes(config)
+    missing, extra = sorted(set(shapes) - set(params)), sorted(set(params) - set(shapes))
+    if missing or extra:
+        raise ValueError(f"params must have exactly the names {sorted(shapes)}; missing {missing}, extra {extra}")
+    for name, shape in shapes.items():
+        check_float_array(f"params[{name!r}]", params[name])
+        if name in EXPERT_STACKS:
+            # This rank's block only: [n/P, ...] instead of [n, ...].
+            shape = (per_rank, *shape[1:])
+            if tuple(params[name].shape) != shape:
+                raise ValueError(
+                    f"params[{name!r}] must hold this rank's block of n/P = {config.n}/{size} = {per_rank} "
+                    f"experts, shape {list(shape)}, got {list(params[name].shape)} (shard_params cuts a "
+                    f"whole stack)")
+        elif tuple(params[name].shape) != shape:
+            raise ValueError(f"params[{name!r}] must have shape {list(shape)} (replicated on every rank), "
+                             f"got {list(params[name].shape)}")
+    check_finite("params['gate.e_score_correction_bias']", params["gate.e_score_correction_bias"])
+    return per_rank
+
+
+def _check_comm(comm: Any) -> tuple[int, int]:
+    if not all(hasattr(comm, name) for name in ("Get_size", "Get_rank", "Alltoall", "Alltoallv")):
+        raise TypeError(f"comm must be an mpi4py communicator (Get_size, Get_rank, Alltoall, Alltoallv), "
+                        f"got {type(comm).__name__}")
+    return int(comm.Get_size()), int(comm.Get_rank())
+
+
+# ---------------------------------------------------------------------------
+# The dispatch plan: which (token, rank) pairs travel
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Plan:
+    """Which of this rank's tokens go to which rank, in the order they are sent.
+
+    `present` `[m, P]`: token i has an expert on rank p. The pairs are sent
+    rank by rank, tokens in order within a rank: pair s is token
+    `pair_token[s]` for rank `pair_rank[s]`, and `position[i, p]` is the pair
+    number of (i, p) where `present[i, p]`. `send_rows` `[P]` counts the pairs
+    per destination. `local_id` and `weight` `[S, k]` are what travels with
+    each pair: the id, within the destination's block, and the weight of each
+    of the token's experts held there (-1 and 0 for the others).
+    """
+
+    present: Array
+    position: Array
+    pair_token: Array
+    send_rows: np.ndarray
+    local_id: Array
+    weight: Array
+
+
+def _sum_rows(values: Array, position: Array, mask: Array) -> Array:
+    r"""Row sums by groups: $\text{out}_g = \sum_c [\text{mask}_{g,c}]\, \text{values}_{\text{position}_{g,c}}$.
+
+    `values` `[S, w]`, `position` and `mask` `[G, c]`; returns `[G, w]`. The
+    portable scatter-add of this module, in the style of `routed_experts`'
+    combine: one gather per column $c$, never an unsorted copy.
+    """
+    xp = array_namespace(values, position, mask)
+    out = xp.zeros((position.shape[0], values.shape[1]), dtype=values.dtype)  # [G, w]
+    for c in range(position.shape[1]):
+        rows = xp.take(values, xp.where(mask[:, c], position[:, c], xp.zeros((), dtype=position.dtype)),
+                       axis=0)  # [G, w]
+        out += xp.where(mask[:, c:c + 1], rows, xp.zeros((), dtype=values.dtype))
+    return out
+
+
+def _dispatch_plan(index: Array, weights: Array, per_rank: int, size: int) -> _Plan:
+    """The pairs this rank sends, from its route `index`, `weights` `[m, k]`."""
+    xp = array_namespace(index, weights)
+    # The rank that holds each chosen expert: $$\text{owner}_{i,r} = \lfloor \mathcal{T}_{i,r} / (n/P) \rfloor$$
+    owner = index // per_rank  # [m, k]
+    ranks = xp.arange(size, dtype=owner.dtype)  # [P]
+    present = xp.any(owner[:, :, None] == ranks[None, None, :], axis=1)  # [m, P]
+    # Pairs rank by rank, tokens in order: the non-zeros of present^T in row-major order.
+    pair_rank, pair_token = xp.nonzero(xp.matrix_transpose(present))  # [S], [S]
+    per_column = xp.astype(present, xp.int64)  # [m, P]
+    send_rows = to_numpy(xp.sum(per_column, axis=0)).astype(np.int64)  # [P]
+    # Pair number of (i, p): the pairs for ranks before p, plus token i's place among rank p's tokens.
+    first = xp.asarray(np.concatenate(([0], np.cumsum(send_rows)[:-1])), dtype=xp.int64)  # [P]
+    position = xp.cumulative_sum(per_column, axis=0) - 1 + first[None, :]  # [m, P], valid where present
+    # What travels with pair s: the token's experts held by the destination, as ids within its block.
+    token_index = xp.take(index, pair_token, axis=0)  # [S, k]
+    mine = (token_index // per_rank) == xp.astype(pair_rank, token_index.dtype)[:, None]  # [S, k]
+    local_id = xp.where(mine, token_index - xp.astype(pair_rank, token_index.dtype)[:, None] * per_rank,
+                        xp.full((), -1, dtype=token_index.dtype))  # [S, k]
+    weight = xp.where(mine, xp.take(weights, pair_token, axis=0), xp.zeros((), dtype=weights.dtype))  # [S, k]
+    return _Plan(present, position, pair_token, send_rows, local_id, weight)
+
+
+# ---------------------------------------------------------------------------
+# The exchange
+# ---------------------------------------------------------------------------
+
+def _alltoallv(comm: Any, send: Array, send_rows: np.ndarray, recv_rows: np.ndarray) -> Array:
+    """Send rows `send` `[S, w]` (`send_rows[p]` of them to rank p); returns the `[R, w]` rows received.
+
+    The buffers are NumPy arrays on the host (MPI reads memory); other array
+    libraries are copied there and back.
+    """
+    xp = array_namespace(send)
+    width = int(send.shape[1])
+    buffer = np.ascontiguousarray(to_numpy(send))  # [S, w]
+    received = np.empty((int(recv_rows.sum()), width), dtype=buffer.dtype)  # [R, w]
+
+    def spec(rows: np.ndarray) -> tuple[list[int], list[int]]:
+        counts = (rows * width).astype(np.int64)
+        return counts.tolist(), np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64).tolist()
+
+    comm.Alltoallv([buffer, spec(send_rows)], [received, spec(recv_rows)])
+    return received if isinstance(send, np.ndarray) else xp.asarray(received)
+
+
+def _exchange_counts(comm: Any, send_rows: np.ndarray) -> np.ndarray:
+    """Every rank learns how many pairs each other rank will send it (one `Alltoall` of P integers)."""
+    recv_rows = np.empty_like(send_rows)
+    comm.Alltoall(send_rows, recv_rows)
+    return recv_rows
+
+
+# ---------------------------------------------------------------------------
+# The experts of this rank, on what arrived
+# ---------------------------------------------------------------------------
+
+def _local_experts(z: Array, local_id: Array, weight: Array, w1: Array, w3: Array, w2: Array,
+                   config: MoEConfig, padded: bool) -> tuple[Array, Array]:
+    r"""Each arrived pair's partial sum $\sum_{e \text{ here}} p_{i,e} E_e(z_i)$, `[R, l]`, and the local loads `[n/P]`.
+
+    The pairs' slots (those with `local_id >= 0`) are laid out one per row,
+    the grouped loop of `routed_experts` (or the padded product) runs on them
+    with one expert each, and each pair's rows are added back together.
+    """
+    xp = array_namespace(z, local_id, weight)
+    valid = local_id >= 0  # [R, k]
+    slot_pair, _ = xp.nonzero(valid)  # [T], row-major: pair by pair
+    slot_expert = local_id[valid][:, None]  # [T, 1]
+    slot_weight = weight[valid][:, None]  # [T, 1]
+    z_slots = xp.take(z, slot_pair, axis=0)  # [T, l]
+    experts = padded_routed_experts if padded else routed_experts
+    # $$o_t = p_{i,e}\, E_e(z_i)$$ for every slot $t = (i, e)$ computed here
+    out = experts(z_slots, slot_expert, slot_weight, w1, w3, w2, config)  # [T, l]
+    # Slot number of (pair, r), valid where `valid`.
+    slot_position = xp.reshape(xp.cumulative_sum(xp.reshape(xp.astype(valid, xp.int64), (-1,))) - 1,
+                               valid.shape)  # [R, k]
+    # $$u^{(p)}_i = \sum_{e \in \mathcal{T}_i \cap \mathcal{E}_p} o_{(i, e)}$$
+    partial = _sum_rows(out, slot_position, valid)  # [R, l]
+    load = bincount(slot_expert, w1.shape[0])  # [n/P]
+    return partial, load
+
+
+# ---------------------------------------------------------------------------
+# The forward pass
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EPStats:
+    """What one rank sent and computed in one `ep_forward` call.
+
+    * `dispatch_bytes`, `combine_bytes`: bytes of latent vectors this rank
+      sent to *other* ranks in the dispatch and in the combine all-to-all.
+    * `routing_bytes`: bytes of expert ids and weights sent to other ranks
+      with the dispatch.
+    * `pairs_sent`, `pairs_received` `[P]`: (token, rank) pairs per peer, this
+      rank's own share included (it is copied, not sent).
+    * `expert_load` `[n/P]`: slots each local expert computed; its sum is the
+      rank's load $L_p$, the work that sets the step time when it is the
+      largest.
+    * `expert_seconds`: wall time this rank spent running its experts (step
+      3), the part of the step that grows with its load; `expert_cpu_seconds`
+      the processor time the process used meanwhile, which other jobs on a
+      shared machine do not inflate (with one BLAS thread per rank, it is the
+      rank's own work).
+
+    Also readable as a mapping: `stats["dispatch_bytes"]`.
+    """
+
+    dispatch_bytes: int
+    combine_bytes: int
+    routing_bytes: int
+    pairs_sent: np.ndarray
+    pairs_received: np.ndarray
+    expert_load: np.ndarray
+    expert_seconds: float = 0.0
+    expert_cpu_seconds: float = 0.0
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    @property
+    def load(self) -> int:
+        """Slots computed on this rank, $L_p$."""
+        return int(self.expert_load.sum())
+
+
+def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, *,
+               padded: bool = False, reduce_before_norm: bool = True) -> tuple[Array, EPStats]:
+    r"""Eq. (11) with the routed experts spread over the ranks of `comm`; call it on every rank.
+
+    Parameters
+    ----------
+    x
+        `[m_r, d]` this rank's own tokens; `m_r` may differ between ranks and
+        may be zero.
+    params
+        The names of `parameter_shapes(config)`. The router, bias,
+        projections, norm and shared experts are whole (and the same on every
+        rank); `experts.w1`, `experts.w3` `[n/P, f, l]` and `experts.w2`
+        `[n/P, l, f]` hold only this rank's block of experts,
+        $[r\,n/P, (r+1)\,n/P)$ (see `shard_params`).
+    config
+        The layer's `MoEConfig`; $P$ must divide $n$.
+    comm
+        An mpi4py communicator of $P$ ranks (`MPI.COMM_WORLD`; `MPI.COMM_SELF`
+        runs the whole layer in one process through the same code).
+    padded
+        Run the local experts as one padded batched product
+        (`padded_routed_experts`) instead of the grouped loop. Same result.
+    reduce_before_norm
+        `False` demonstrates the pitfall: each rank normalizes its partial
+        sum before sending it back. Wrong on purpose; for measuring the error.
+
+    Returns
+    -------
+    y
+        `[m_r, d]` the layer's output for this rank's tokens, in the dtype of
+        `x`; equal to `stable_latent_moe` of the same tokens up to rounding
+        (the partial sums are added in another order).
+    stats
+        An `EPStats`: bytes sent to other ranks in each exchange, pairs per
+        peer, the loads of the local experts.
+    """
+    size, rank = _check_comm(comm)
+    per_rank = _check_ep_inputs(x, params, config, size)
+    xp = array_namespace(x, *params.values())
+    dtype = compute_dtype(xp, x)
+
+    def weight(name: str) -> Array:
+        return xp.astype(params[name], dtype, copy=False)
+
+    h = xp.astype(x, dtype, copy=False)  # [m, d]
+    # 1. Route locally, with the replicated router and bias (Eq. 13).
+    # $$s = \sigma(x W_r^\top), \qquad \mathcal{T}_i = \operatorname{argtopk}_k(s_i + b)$$
+    scores = router_scores(h, weight("gate.weight"))  # [m, n]
+    index, weights = route(scores, params["gate.e_score_correction_bias"], config.k,
+                           renormalize=config.renormalize, scaling_factor=config.routed_scaling_factor,
+                           n_group=config.n_group, topk_group=config.topk_group)  # [m, k] each
+    weights = xp.astype(weights, dtype)
+    # The latent, once per token, before anything is sent: $$z = x W_\downarrow^\top$$
+    z = h @ weight("routed_expert_down_proj.weight").T if config.use_latent_projection else h  # [m, l]
+
+    # 2. Dispatch: each token's latent to every rank that holds one of its experts, once per rank.
+    plan = _dispatch_plan(index, weights, per_rank, size)
+    recv_rows = _exchange_counts(comm, plan.send_rows)  # [P], pairs each rank sends here
+    z_arrived = _alltoallv(comm, xp.take(z, plan.pair_token, axis=0), plan.send_rows, recv_rows)  # [R, l]
+    id_arrived = _alltoallv(comm, plan.local_id, plan.send_rows, recv_rows)  # [R, k]
+    weight_arrived = _alltoallv(comm, plan.weight, plan.send_rows, recv_rows)  # [R, k]
+
+    # 3. This rank's experts on what arrived, reduced per pair: one l-vector per (token, rank).
+    started, started_cpu = time.perf_counter(), time.process_time()
+    partial, load = _local_experts(z_arrived, id_arrived, weight_arrived, params["experts.w1"],
+                                   params["experts.w3"], params["experts.w2"], config, padded)  # [R, l]
+    expert_seconds, expert_cpu_seconds = time.perf_counter() - started, time.process_time() - started_cpu
+    if not reduce_before_norm and config.use_latent_norm:
+        # THE PITFALL, on purpose: normalizing a partial sum, $$\operatorname{RMSNorm}(u^{(p)}_i) \odot g$$
+        partial = rms_norm(partial, weight("routed_expert_norm.weight"), config.rms_norm_eps)
+
+    # 4. Combine: the partial sums travel back (the dispatch's counts reversed) and add up per token.
+    returned = _alltoallv(comm, partial, recv_rows, plan.send_rows)  # [S, l], in the order sent
+    # $$u_i = \sum_{p} u^{(p)}_i$$, in rank order
+    u = _sum_rows(returned, plan.position, plan.present)  # [m, l]
+    # Then, and only then, the norm of the whole sum: $$v = \operatorname{RMSNorm}(u) \odot g$$
+    if config.use_latent_norm and reduce_before_norm:
+        v = rms_norm(u, weight("routed_expert_norm.weight"), config.rms_norm_eps)  # [m, l]
+    else:
+        v = u
+    # W_up once per token, after the combine: $$y_{\text{routed}} = v W_\uparrow^\top$$
+    y_routed = v @ weight("routed_expert_up_proj.weight").T if config.use_latent_projection else v  # [m, d]
+    y_shared = shared_experts(h, weight("shared_experts.gate_proj.weight"),
+                              weight("shared_experts.up_proj.weight"),
+                              weight("shared_experts.down_proj.weight"), config)  # [m, d]
+    y = xp.astype(y_shared + y_routed, x.dtype)
+
+    # What went to other ranks: every pair except those this rank sent to itself.
+    itemsize = np.dtype(dtype_name(z.dtype)).itemsize  # bytes per latent value
+    remote_sent = int(plan.send_rows.sum() - plan.send_rows[rank])
+    remote_returned = int(recv_rows.sum() - recv_rows[rank])
+    routing_item = np.dtype(dtype_name(plan.local_id.dtype)).itemsize + itemsize  # an id and a weight
+    stats = EPStats(
+        dispatch_bytes=remote_sent * int(z.shape[1]) * itemsize,
+        combine_bytes=remote_returned * int(z.shape[1]) * itemsize,
+        routing_bytes=remote_sent * config.k * routing_item,
+        pairs_sent=plan.send_rows.copy(),
+        pairs_received=recv_rows,
+        expert_load=to_numpy(load).astype(np.int64),
+        expert_seconds=expert_seconds,
+        expert_cpu_seconds=expert_cpu_seconds,
+    )
+    return y, stats
+
+
+# ---------------------------------------------------------------------------
+# The balancer across ranks
+# ---------------------------------------------------------------------------
+
+def ep_balance_update(scores: Array, bias: Array, top_k: int, comm: Any, *, bins: int = 1000) -> Array:
+    r"""Appendix D across the ranks of `comm`: the next bias, identical on every rank bit for bit.
+
+    `scores` `[m_r, n]` are this rank's sigmoid router scores for the step
+    (any `m_r`, zero included), `bias` `[n]` the bias that routed it (the same
+    on every rank). Each rank counts its required biases into the
+    $n \times B$ histogram, one integer `Allreduce` sums the counts, and each
+    rank reads the new, centred bias from the global histogram: the quantile
+    of the union of all ranks' tokens, within one bin width of the exact
+    Eq. (14) update.
+    """
+    if not hasattr(comm, "Allreduce"):
+        raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
+    histogram = BiasHistogram(bias, top_k, bins)
+    histogram.add(scores)
+    counts = np.ascontiguousarray(to_numpy(histogram.counts))  # [n, B] int64
+    from mpi4py import MPI
+
+    # The one exchange of the step: $$\text{counts} \leftarrow \sum_{\text{ranks}} \text{counts}$$
+    comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
+    xp = array_namespace(bias)
+    histogram.counts = counts if isinstance(bias, np.ndarray) else xp.asarray(counts)
+    return histogram.new_bias()
+
+
+# ---------------------------------------------------------------------------
+# Fast path for one device: all experts in one padded batched product
+# ---------------------------------------------------------------------------
+
+def padding_waste(load: Array) -> float:
+    r"""Work a padded product spends on padding, relative to the useful work: $\max_e L_e / \bar L - 1$.
+
+    `load` `[n]` counts the slots per expert (or per rank). 0 means perfect
+    balance; 1 means half of the computed rows are padding.
+    """
+    values = to_numpy(load)
+    if values.ndim != 1 or values.shape[0] < 1:
+        raise ValueError(f"load must be a non-empty 1-D array of counts, got shape {list(values.shape)}")
+    if (values < 0).any():
+        raise ValueError("load must hold non-negative counts")
+    total = float(values.sum())
+    if total == 0:
+        return 0.0
+    # $$\frac{\max_e L_e}{\bar L} - 1, \qquad \bar L = \tfrac{1}{n}\textstyle\sum_e L_e$$
+    return float(values.max()) * values.shape[0] / total - 1.0
+
+
+def padded_routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array, w2: Array,
+                          config: MoEConfig, *, capacity: int | None = None) -> Array:
+    r"""The routed sum $u_i = \sum_{e \in \mathcal{T}_i} p_{i,e} E_e(z_i)$ as one padded batched product.
+
+    Same arguments and result as `routed_experts` (`z` `[m, l]`, `index` and
+    `weights` `[m, k]`, stacks `w1`, `w3` `[n, f, l]`, `w2` `[n, l, f]`;
+    returns `u` `[m, l]`). Instead of a loop over experts, every expert's
+    tokens are laid out in a block of $C$ rows, $C$ = the largest load (or
+    `capacity`, which must be at least that), zero rows filling the rest, and
+    each weight is applied to all $n$ blocks at once: three `matmul` calls on
+    `[n, C, l]` and `[n, C, f]` arrays. This is how a batched GPU kernel runs
+    experts, and why balance is speed: the product computes $nC$ rows for the
+    $mk$ that matter, wasting `padding_waste(load)` of the useful work.
+    """
+    xp = array_namespace(z, index, weights)
+    m, k = index.shape
+    n, ell = w2.shape[0], w2.shape[1]
+    if m == 0:
+        return xp.zeros((0, ell), dtype=z.dtype)
+    # Slots sorted by expert, as in `routed_experts`: slot $t = i k + r$.
+    slot_expert = xp.reshape(index, (m * k,))  # [m*k]
+    order = xp.argsort(slot_expert, stable=True)  # [m*k]
+    token_sorted = order // k  # [m*k]
+    p_sorted = xp.take(xp.reshape(weights, (m * k,)), order)  # [m*k]
+    load = bincount(slot_expert, n)  # [n]
+    start = xp.cumulative_sum(load, include_initial=True)[:-1]  # [n], first sorted slot of each expert
+    largest = int(xp.max(load))
+    if capacity is None:
+        capacity = largest
+    capacity = check_int("capacity", capacity, low=largest)
+    # Cell (e, c) of the padded layout holds sorted slot start[e] + c, for c < load[e].
+    c = xp.arange(capacity, dtype=start.dtype)  # [C]
+    filled = c[None, :] < load[:, None]  # [n, C]
+    zero = xp.zeros((), dtype=z.dtype)
+    cell_slot = xp.where(filled, start[:, None] + c[None, :], xp.zeros((), dtype=start.dtype))  # [n, C]
+    cell_slot = xp.reshape(cell_slot, (n * capacity,))  # [n*C]
+    z_blocks = xp.reshape(xp.take(z, xp.take(token_sorted, cell_slot), axis=0), (n, capacity, ell))
+    z_blocks = xp.where(filled[:, :, None], z_blocks, zero)  # [n, C, l], zero rows as padding
+    p_blocks = xp.where(filled, xp.reshape(xp.take(p_sorted, cell_slot), (n, capacity)), zero)  # [n, C]
+    g, u_, d = (xp.astype(w, z.dtype, copy=False) for w in (w1, w3, w2))  # [n,f,l] [n,f,l] [n,l,f]
+    # All experts at once: $$H_e = \operatorname{SiTU\text{-}GLU}(Z_e G_e^\top, Z_e U_e^\top)$$
+    h = _expert_glu(z_blocks @ xp.matrix_transpose(g), z_blocks @ xp.matrix_transpose(u_), config)  # [n, C, f]
+    # $$O_e = (p_e \odot H_e)\, D_e^\top$$
+    out = xp.reshape((p_blocks[:, :, None] * h) @ xp.matrix_transpose(d), (n * capacity, ell))  # [n*C, l]
+    # Combine: slot (i, r) sits in cell index[i, r] * C + (its sorted position - start of its expert).
+    position = xp.reshape(xp.argsort(order), (m, k))  # [m, k]
+    first = xp.reshape(xp.take(start, xp.reshape(index, (m * k,))), (m, k))  # [m, k]
+    cell = index * capacity + position - first  # [m, k]
+    u = xp.zeros((m, ell), dtype=z.dtype)  # [m, l]
+    for r in range(k):
+        # $$u_i \mathrel{+}= p_{i,r}\, E_{\mathcal{T}_{i,r}}(z_i)$$
+        u += xp.take(out, cell[:, r], axis=0)
+    return u
