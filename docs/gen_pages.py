@@ -1100,33 +1100,33 @@ START_HERE: list[tuple[str, str, list[tuple[str, str, str]]]] = [
     ("Learning the layer", "You want to understand what the block computes, and why.", [
         ("page", "why-stable", "why the plain design needed the stable additions"),
         ("paper", "config", "the sizes and switches, K3's numbers"),
-        ("paper", "activations", "SiTU-GLU, the capped SwiGLU"),
+        ("paper", "activations", "the smoothly capped SwiGLU of every expert"),
         ("paper", "routing", "sigmoid scores, the bias that only selects"),
-        ("paper", "latent_moe", "the forward pass, stage by stage"),
+        ("paper", "latent_moe", "the whole block, stage by stage"),
         ("example", "01_forward_by_hand", "the whole forward pass printed on a tiny layer"),
         ("example", "40_compare_variants", "plain MoE, LatentMoE and Stable LatentMoE side by side"),
         ("paper", "backward", "the gradients, section by section beside the forward pass"),
         ("paper", "train", "a small model trained end to end"),
     ]),
     ("Porting it to your framework", "You have your own kernels and want to know they agree.", [
-        ("paper", "testing", "the conformance kit: checks that take your function"),
+        ("paper", "testing", "checks that take your own function and report where it disagrees"),
         ("example", "30_test_your_router", "run the kit on a router of your own"),
         ("example", "31_mistakes_the_kit_catches", "the mistakes it catches"),
-        ("paper", "checkpoint", "load one layer of the released checkpoint"),
-        ("paper", "mx", "the MXFP4 weights and MXFP8 activations of the deployment"),
-        ("paper", "expert_parallel", "dispatch and combine over MPI"),
+        ("paper", "checkpoint", "one layer of the released weights, read as they are stored"),
+        ("paper", "mx", "the element formats of the deployed experts"),
+        ("paper", "expert_parallel", "dispatch and combine between ranks, and their bytes"),
         ("site", "reference/index.md", "the API reference"),
     ]),
     ("Studying balancing", "You care about how the load of nearly a thousand experts is kept even.", [
         ("page", "balance-is-speed", "why balance is speed"),
-        ("paper", "balancing", "Eq. (14): Quantile Balancing, the atom of ties"),
+        ("paper", "balancing", "the exact bias update, and the atom of ties it meets"),
         ("example", "10_qb_by_hand", "one update by hand"),
-        ("paper", "dual", "Appendix C: the assignment LP and its dual"),
+        ("paper", "dual", "why the update is right: it is coordinate descent on a dual"),
         ("example", "12_lp_crosscheck", "the LP solved by HiGHS against Eq. (14)"),
-        ("paper", "histogram", "Appendix D: the histogram estimator"),
-        ("paper", "baselines", "the other routers and balancers"),
+        ("paper", "histogram", "the same update at scale, from integer counts"),
+        ("paper", "baselines", "the sign rule, auxiliary losses, capacity and hashing, side by side"),
         ("example", "14_fresh_batch_noise", "fresh batches and the noise floor"),
-        ("paper", "train", "the training experiments"),
+        ("paper", "train", "the balancers compared while a small model trains"),
         ("page", "report-card", "the report card"),
     ]),
 ]
@@ -1195,6 +1195,7 @@ def main() -> None:
     log.info("examples: %d reused from .cache/examples, %d run (%s) in %.1f s", len(runs) - len(fresh),
              len(fresh), ", ".join(fresh) or "none", time.perf_counter() - start)
     example_titles: dict[Path, str] = {}
+    served_notebooks: set[Path] = set()
     for path, run in runs.items():
         if run.returncode != 0:
             log.warning("examples/%s failed (exit %s):\n%s", path.name, run.returncode,
@@ -1203,6 +1204,7 @@ def main() -> None:
         if notebook is not None:
             with mkdocs_gen_files.open(f"examples/{path.stem}.ipynb", "w") as handle:
                 handle.write(notebook)
+            served_notebooks.add(path)
         write(f"examples/{path.stem}.md", example_page(path, run, notebook is not None),
               edit=f"examples/{path.name}")
         for name, data in run.figures.items():
@@ -1229,13 +1231,15 @@ def main() -> None:
 
     examples_index = ["# Worked examples\n",
                       "Each example is a script in `examples/` that runs in seconds. The site runs every one "
-                      "when it is built and shows what it printed and the figures it drew.\n",
-                      "| | example | uses |", "|---|---|---|"]
+                      "when it is built and shows what it printed and the figures it drew. Each is also a "
+                      "notebook with the outputs of that run: step through it cell by cell, and change it.\n",
+                      "| | example | uses | notebook |", "|---|---|---|---|"]
     for path in example_paths:
         used = ", ".join(f"[`{m}`](../paper/{m.lstrip('_')}.md)" for m in sorted(uses[path]) if m in modules)
-        examples_index.append(f"| {path.stem[:2]} | [{example_titles[path]}]({path.stem}.md) | {used} |")
+        notebook = f"[`{path.stem}.ipynb`]({path.stem}.ipynb)" if path in served_notebooks else ""
+        examples_index.append(f"| {path.stem[:2]} | [{example_titles[path]}]({path.stem}.md) | {used} | {notebook} |")
     if not example_paths:
-        examples_index.append("| | (none yet) | |")
+        examples_index.append("| | (none yet) | | |")
     fragment = DOCS / "sections" / "examples.md"
     if fragment.is_file():
         examples_index += ["", hand_written(fragment).strip()]

@@ -39,7 +39,8 @@ if __name__ == "__main__":
 ```
 
 * `# %%` at the start of a line separates the top-level blocks, as jupytext
-  and every notebook editor read them.
+  and every notebook editor read them. (An indented `# %%` is read as a
+  `# Step` comment, below, rather than cutting a function apart.)
 * `main(argv)` parses its arguments, computes, prints and returns what the
   tests check; `--out DIR` saves the figures. The tests import the script and
   call `main([...])`; the site runs it with `--out`.
@@ -89,6 +90,9 @@ from pathlib import Path
 #: A comment that starts a new step, hence a new notebook cell, inside `main` (at its indentation).
 STEP = re.compile(r"^# Step\b")
 
+#: A `# %%` line inside a block (indented), which `steps_for_indented_markers` turns into a step.
+INDENTED_MARKER = re.compile(r"^(?P<indent>[ \t]+)#\s*%%(?P<title>.*)$", re.M)
+
 #: The argument list the notebook's unrolled `main` starts from (figures go to `./figures`).
 NOTEBOOK_ARGV = ["--out", "figures"]
 
@@ -111,6 +115,18 @@ class Cell:
 # ---------------------------------------------------------------------------
 # From the script to cells
 # ---------------------------------------------------------------------------
+
+def steps_for_indented_markers(source: str) -> str:
+    """`source` with every indented `# %%` line turned into a `# Step` comment at the same indentation.
+
+    jupytext would split a function at such a line; as a step marker it splits only the unrolled `main`.
+    """
+    def replace(match: re.Match) -> str:
+        title = match.group("title").strip()
+        return f"{match.group('indent')}# Step{': ' + title if title else ''}"
+
+    return INDENTED_MARKER.sub(replace, source)
+
 
 def _percent_cells(source: str) -> list[tuple[str, str]]:
     """The top-level cells of a percent-format script, as jupytext reads them: (kind, source)."""
@@ -227,12 +243,26 @@ def _is_main_guard(node: ast.stmt) -> bool:
     return "__name__" in names and any(n.strip("'\"") == "__main__" for n in names)
 
 
+def _uses_module_doc(tree: ast.Module) -> bool:
+    return any(isinstance(node, ast.Name) and node.id == "__doc__" for node in ast.walk(tree))
+
+
+def _insert_after_future_imports(text: str, line: str) -> str:
+    """`text` with `line` added after its `from __future__` imports (which must stay first), or at its top."""
+    tree = ast.parse(text)
+    futures = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "__future__"]
+    lines = text.split("\n")
+    at = futures[-1].end_lineno if futures else 0
+    return "\n".join(lines[:at] + [line] + lines[at:])
+
+
 def script_cells(source: str, argv: list[str] | None = None) -> list[Cell]:
     """The notebook cells of an example script (see the module docstring for the rules).
 
     `argv` is the argument list the unrolled `main` starts from (`NOTEBOOK_ARGV` by default).
     """
     argv = NOTEBOOK_ARGV if argv is None else argv
+    source = steps_for_indented_markers(source)
     problem = unroll_problem(source)
     tree = ast.parse(source)
     main = _main_node(tree)
@@ -254,6 +284,11 @@ def script_cells(source: str, argv: list[str] | None = None) -> list[Cell]:
             cells.append(Cell("markdown", f"# {first.strip().rstrip('.')}\n\n{textwrap.dedent(rest).strip()}"))
             text = _remove_lines(text, statements[0].lineno, statements[0].end_lineno)
             statements = statements[1:]
+            if _uses_module_doc(tree):
+                # The docstring is now a Markdown cell; the code that reads `__doc__` (an argument
+                # parser's description) gets its first line, as a script would.
+                line = f"__doc__ = {first.strip()!r}  # the title of the first cell, read by the argument parser"
+                text = _insert_after_future_imports(text, line)
         # Remove from the bottom up, so earlier line numbers stay valid.
         for node in reversed(statements):
             is_main = isinstance(node, ast.FunctionDef) and node.name == "main" and main is not None
@@ -351,9 +386,12 @@ def notebook_json(cells: list[Cell], out: Path | None, *, script_name: str, file
         "refimpl": {"source": f"examples/{script_name}", "generated": "docs/notebooks.py"},
     })
     count = 0
-    for cell in cells:
+    note = (f"*This notebook is made from the script `examples/{script_name}`, with the outputs of the run the "
+            "site shows. Run it from the repository's root folder, where `refimpl` is installed (`make venv`, "
+            "then the `.venv` interpreter as the kernel); figures are saved under `figures/`.*")
+    for number, cell in enumerate(cells):
         if cell.kind == "markdown":
-            notebook.cells.append(v4.new_markdown_cell(cell.source))
+            notebook.cells.append(v4.new_markdown_cell(cell.source + ("\n\n" + note if number == 0 else "")))
             continue
         count += 1
         outputs = []
