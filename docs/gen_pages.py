@@ -421,6 +421,10 @@ def _is_preamble(node: ast.stmt) -> bool:
     return False
 
 
+def _is_all_list(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign) and _is_preamble(node)
+
+
 def _preamble_lines(tree: ast.Module, lines: list[str]) -> range:
     """The lines of the import block and `__all__` list that open a module, comments between them included."""
     body = list(tree.body)
@@ -466,8 +470,13 @@ def literate(source: str, *, test_file: bool = False, fold_preamble: bool = True
     preamble = ""
     if fold_preamble:
         folded = _preamble_lines(tree, lines)
-        preamble = "\n".join(lines[i - 1] for i in folded).strip("\n")
+        pieces = ["\n".join(lines[i - 1] for i in folded).strip("\n")]
         skip.update(folded)
+        for node in tree.body:  # an `__all__` list further down (after a type alias, say) is folded too
+            if _is_all_list(node) and node.lineno not in folded:
+                pieces.append("\n".join(lines[node.lineno - 1: node.end_lineno]))
+                skip.update(range(node.lineno, node.end_lineno + 1))
+        preamble = "\n\n".join(p for p in pieces if p)
 
     definitions = _definitions(tree, test_file=test_file)
     starts: dict[int, list[_Definition]] = {}

@@ -189,6 +189,14 @@ def test_literate_pages_fold_the_opening_imports_to_the_end(gen):
     assert "import math" not in gen.literate(SAMPLE, fold_preamble=False).body.split("## Helpers")[1]
 
 
+def test_an_all_list_after_other_code_is_folded_too(gen):
+    source = 'import math\n\nArray = float  # a type alias\n\n__all__ = ["Array"]\n\n\ndef f():\n    return 1\n'
+    body = gen.literate(source).body
+    fold = body.index("??? note")
+    assert "Array = float" in body[:fold] and "__all__" not in body[:fold]
+    assert "import math" in body[fold:] and '__all__ = ["Array"]' in body[fold:]
+
+
 def test_study_pages_come_in_the_defined_order_then_alphabetically(gen, tmp_path, monkeypatch):
     for slug in ("zeta", "report-card", "alpha", "why-stable"):
         (tmp_path / f"{slug}.md").write_text(f"# Title of {slug}\n\nText.\n", encoding="utf-8")
