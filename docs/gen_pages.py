@@ -12,16 +12,28 @@ cache; every page below exists only inside the build:
   use the module, and the hand-written fragment `docs/sections/<module>.md`
   when there is one.
 * `reference/<module>.md`: the API reference, rendered by mkdocstrings.
-* `examples/<NN_slug>.md`: each `examples/NN_slug.py` is run with `--out DIR`;
-  its intro, printed output, figures and source make the page. Runs are cached
-  in `.cache/examples/`, keyed by a hash of the example and of `refimpl/`.
+* `examples/<NN_slug>.md` and `examples/<NN_slug>.ipynb`: each
+  `examples/NN_slug.py` is run once, cell by cell, with `--out DIR`
+  (`docs/notebooks.py` states the percent-cell convention of the scripts and
+  how a script becomes a notebook). Its intro, printed output, figures and
+  source make the page; the same run's outputs fill the notebook, which the
+  page offers for download. Runs are cached in `.cache/examples/`, keyed by a
+  hash of the example, of `refimpl/` and of `docs/notebooks.py`.
+* `pages/<slug>.md`: the hand-written stand-alone pages `docs/pages/<slug>.md`
+  (first line `# Title`), with their example markers expanded, listed under
+  "Studies" in the order of `STUDIES` and then alphabetically.
 * `tests/<file>.md`: the test files, rendered the same literate way, one anchor
   per test so the module pages can link to each property.
 * `benchmark-results/index.md`: the results the benchmark scripts saved under
   `docs/benchmarks/` (`*.md` verbatim, `*.json` as tables), then `docs/sections/benchmarks.md`.
 * `index.md`: the hand-written landing page with its computed parts filled in
-  (the K3 numbers and the reading path).
+  (the K3 numbers, the three "Start here" reading paths and the reading path).
+  Links to pages that do not exist in this build are left out.
 * `SUMMARY.md`: the navigation, read by mkdocs-literate-nav.
+
+On a literate page the import block and the `__all__` list that open a module
+are folded away to the end of its code, so the first screen after the essay
+shows the first idea and the code that computes it.
 
 Modules that do not exist yet are skipped with a message; a failing example
 or a module that does not parse is reported as a warning, which fails
@@ -32,6 +44,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib.util
 import io
 import json
 import logging
@@ -56,9 +69,10 @@ PACKAGE = ROOT / "refimpl"
 TESTS = ROOT / "tests"
 EXAMPLES = ROOT / "examples"
 CACHE = ROOT / ".cache" / "examples"
+PAGES = DOCS / "pages"
 
 #: Bump to invalidate every cached example run.
-GENERATOR_VERSION = "1"
+GENERATOR_VERSION = "2"
 
 #: The reading path: module and navigation label, in reading order.
 READING_PATH: list[tuple[str, str]] = [
@@ -66,12 +80,22 @@ READING_PATH: list[tuple[str, str]] = [
     ("activations", "Eq. (12) & App. B: SiTU-GLU"),
     ("routing", "Eq. (13): routing"),
     ("latent_moe", "Eq. (11): the forward pass"),
+    ("backward", "The backward pass"),
     ("accounting", "Accounting"),
+    ("mx", "MXFP4 and MXFP8"),
+    ("checkpoint", "Loading the released checkpoint"),
     ("balancing", "Eq. (14): Quantile Balancing"),
     ("dual", "App. C: the LP and its dual"),
     ("histogram", "App. D: the histogram estimator"),
+    ("baselines", "The other routers and balancers"),
+    ("expert_parallel", "Expert parallelism over MPI"),
+    ("train", "Training a small model"),
     ("testing", "The conformance kit"),
 ]
+
+#: The stand-alone pages `docs/pages/<slug>.md` that come first under "Studies", in this order;
+#: any other page follows, alphabetically by slug.
+STUDIES = ["why-stable", "balance-is-speed", "report-card"]
 
 #: Helper modules every other module uses; they come after the reading path.
 INTERNALS = {"_xp": "Array helpers (_xp)", "validation": "Input checks"}
@@ -95,6 +119,21 @@ K3_TOTAL_PARAMETERS = 2.78e12
 K3_ACTIVATED_PARAMETERS = 104.2e9
 
 log = logging.getLogger("mkdocs.plugins.gen_pages")
+
+
+def _load_notebooks():
+    """`docs/notebooks.py`: the script-to-notebook conversion (docs/ is not a package)."""
+    name = "refimpl_docs_notebooks"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, DOCS / "notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+notebooks = _load_notebooks()
 
 
 # ---------------------------------------------------------------------------
@@ -368,10 +407,47 @@ def _comment_prose(block: list[str]) -> tuple[str, str]:
     return "prose", normalize_display_math(text)
 
 
-def literate(source: str, *, test_file: bool = False) -> LiterateFile:
+def _is_preamble(node: ast.stmt) -> bool:
+    """Whether a top-level statement is bookkeeping a reader can skip: an import, `__all__`, a TYPE_CHECKING block."""
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        return True
+    if isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return all(isinstance(t, ast.Name) and t.id == "__all__" for t in targets)
+    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        return True
+    if isinstance(node, ast.Try):  # `try: import x / except ImportError: ...`
+        return all(isinstance(n, ast.Import | ast.ImportFrom | ast.Pass | ast.Assign) for n in node.body)
+    return False
+
+
+def _is_all_list(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign) and _is_preamble(node)
+
+
+def _preamble_lines(tree: ast.Module, lines: list[str]) -> range:
+    """The lines of the import block and `__all__` list that open a module, comments between them included."""
+    body = list(tree.body)
+    start = 1
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        start = body[0].end_lineno + 1
+        body = body[1:]
+    end = 0
+    for node in body:
+        if not _is_preamble(node):
+            break
+        end = node.end_lineno
+    return range(start, end + 1) if end else range(0)
+
+
+def literate(source: str, *, test_file: bool = False, fold_preamble: bool = True) -> LiterateFile:
     """Split a Python source file into a literate Markdown page (pycco / docco style).
 
     * The module docstring gives the title (its first line) and the intro.
+    * With `fold_preamble`, the imports and the `__all__` list that open the
+      file are not shown first: they follow the code, folded, so the page goes
+      from the essay straight to the first idea.
     * A comment on a line of its own is prose between code blocks; a comment
       after code on the same line stays in the code. A comment that is a ruler
       with a short title (or `# -- title ---`) becomes a section heading.
@@ -390,6 +466,17 @@ def literate(source: str, *, test_file: bool = False) -> LiterateFile:
         intro = docstring_markdown(rest.strip("\n"))
         node = tree.body[0]
         skip.update(range(node.lineno, node.end_lineno + 1))
+
+    preamble = ""
+    if fold_preamble:
+        folded = _preamble_lines(tree, lines)
+        pieces = ["\n".join(lines[i - 1] for i in folded).strip("\n")]
+        skip.update(folded)
+        for node in tree.body:  # an `__all__` list further down (after a type alias, say) is folded too
+            if _is_all_list(node) and node.lineno not in folded:
+                pieces.append("\n".join(lines[node.lineno - 1: node.end_lineno]))
+                skip.update(range(node.lineno, node.end_lineno + 1))
+        preamble = "\n\n".join(p for p in pieces if p)
 
     definitions = _definitions(tree, test_file=test_file)
     starts: dict[int, list[_Definition]] = {}
@@ -469,6 +556,9 @@ def literate(source: str, *, test_file: bool = False) -> LiterateFile:
             parts.append(text + "\n")
         else:
             parts.append(text.strip("\n") + "\n")
+    if preamble:
+        parts.append('??? note "The imports and exports this file opens with"\n\n'
+                     + textwrap.indent(fence(preamble, "python"), "    "))
     return LiterateFile(title=title, intro=intro, body="\n".join(parts), anchors=anchors)
 
 
@@ -609,6 +699,7 @@ class ExampleRun:
     seconds: float
     figures: dict[str, bytes]
     cached: bool = False
+    cells: list[dict] = field(default_factory=list)  # the notebook cells and what each printed and saved
 
 
 def example_key(path: Path) -> str:
@@ -616,26 +707,38 @@ def example_key(path: Path) -> str:
     digest = hashlib.sha256()
     digest.update(f"{GENERATOR_VERSION}|{sys.version_info[:2]}|".encode())
     helpers = [p for p in EXAMPLES.glob("*.py") if not re.match(r"\d\d_", p.name)]
-    sources = [path, *sorted(helpers), *sorted(PACKAGE.rglob("*.py"))]
+    sources = [path, *sorted(helpers), *sorted(PACKAGE.rglob("*.py")), DOCS / "notebooks.py"]
     for source in sources:
         if "__pycache__" in source.parts:
             continue
-        digest.update(str(source.relative_to(ROOT)).encode())
+        digest.update(source.name.encode() if source.parent == DOCS else str(source.relative_to(ROOT)).encode())
         digest.update(b"\0")
         digest.update(source.read_bytes())
         digest.update(b"\0")
     return digest.hexdigest()[:20]
 
 
+def _read_cells(path: Path) -> list[dict]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return []
+
+
 def run_example(path: Path) -> ExampleRun:
-    """Run `python examples/NN_slug.py --out DIR`, or read the cached run for the same sources."""
+    """Run the example's notebook cells in order with `--out DIR`, or read the cached run for the same sources.
+
+    The cells run in a fresh interpreter (`python docs/notebooks.py run ...`); what they print together is
+    what `python examples/NN_slug.py --out DIR` prints, and each cell's share goes into the notebook.
+    """
     key = example_key(path)
     home = CACHE / path.stem
     done = home / key
     if (done / "run.json").is_file():
         meta = json.loads((done / "run.json").read_text(encoding="utf-8"))
         figures = {p.name: p.read_bytes() for p in sorted((done / "out").glob("*")) if p.is_file()}
-        return ExampleRun(meta["stdout"], meta["stderr"], 0, meta["seconds"], figures, cached=True)
+        return ExampleRun(meta["stdout"], meta["stderr"], 0, meta["seconds"], figures, cached=True,
+                          cells=_read_cells(done / "cells.json"))
 
     work = home / f"{key}.running-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
@@ -643,17 +746,19 @@ def run_example(path: Path) -> ExampleRun:
     env = dict(os.environ, MPLBACKEND="Agg", PYTHONHASHSEED="0", PYTHONUNBUFFERED="1")
     start = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, str(path), "--out", str(work / "out")], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT)
+        command = [sys.executable, str(DOCS / "notebooks.py"), "run", str(path), str(work / "out"),
+                   str(work / "cells.json")]
+        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT)
         stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
         stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         stderr, code = f"timed out after {EXAMPLE_TIMEOUT} s", -1
     seconds = time.perf_counter() - start
     figures = {p.name: p.read_bytes() for p in sorted((work / "out").glob("*")) if p.is_file()}
+    cells = _read_cells(work / "cells.json")
     if code != 0:
         shutil.rmtree(work, ignore_errors=True)
-        return ExampleRun(stdout, stderr, code, seconds, figures)
+        return ExampleRun(stdout, stderr, code, seconds, figures, cells=cells)
     meta = {"stdout": stdout, "stderr": stderr, "seconds": round(seconds, 2), "example": path.name}
     (work / "run.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
     for stale in home.iterdir():  # keep one cached run per example
@@ -663,7 +768,7 @@ def run_example(path: Path) -> ExampleRun:
         work.rename(done)
     except OSError:  # another build finished the same run first
         shutil.rmtree(work, ignore_errors=True)
-    return ExampleRun(stdout, stderr, 0, seconds, figures)
+    return ExampleRun(stdout, stderr, 0, seconds, figures, cells=cells)
 
 
 def run_examples(paths: list[Path]) -> dict[Path, ExampleRun]:
@@ -691,19 +796,35 @@ def example_title(path: Path) -> tuple[str, str, str]:
     return first.strip().rstrip("."), docstring_markdown(rest.strip("\n")), code
 
 
-def example_page(path: Path, run: ExampleRun) -> str:
-    """The Markdown of one example's page."""
+def example_notebook(path: Path, run: ExampleRun) -> str | None:
+    """The `.ipynb` text of an example, with the outputs of `run`; None when the run left no cells."""
+    if not run.cells:
+        return None
+    cells = notebooks.cells_from_json(run.cells)
+    try:
+        return notebooks.notebook_json(cells, None, script_name=path.name, files=run.figures)
+    except Exception as exc:  # an invalid notebook is a bug of the converter: report it, keep the page
+        log.warning("examples/%s: the notebook is not valid: %s", path.name, exc)
+        return None
+
+
+def example_page(path: Path, run: ExampleRun, notebook: bool = False) -> str:
+    """The Markdown of one example's page; `notebook` says whether `NN_slug.ipynb` is served beside it."""
     title, intro, code = example_title(path)
     rel = f"examples/{path.name}"
+    download = (f"[Download as notebook]({path.stem}.ipynb){{ .md-button download='{path.stem}.ipynb' }} "
+                f"(`{path.stem}.ipynb`, with the outputs shown below; it runs from the repository root, where "
+                "`refimpl` is installed).\n") if notebook else ""
     parts = [f"# {title}\n", intro + "\n" if intro else "",
              f"Run it with `python {rel}`; add `--out DIR` to save the figures as PNG files. "
-             f"[View `{rel}` on the repository]({repo_file_url(rel)}).\n"]
+             f"Its cells (`# %%`) step through in any editor's notebook mode. "
+             f"[View `{rel}` on the repository]({repo_file_url(rel)}).\n", download]
     if run.returncode != 0:
         parts += ["!!! failure \"This example failed when the site was built\"\n",
                   textwrap.indent(fence((run.stdout + "\n" + run.stderr).strip()[-4000:], "text"), "    ")]
     parts += ["## Output\n",
-              f"What `python {rel}` printed when this page was built "
-              f"({run.seconds:.1f} s{', cached' if run.cached else ''}):\n",
+              f"What `python {rel}` printed when this page was built, its cells run in order "
+              f"({run.seconds:.1f} s{', cached' if run.cached else ''}; the notebook carries the same run):\n",
               fence(run.stdout or "(no output)", "text")]
     pngs = [name for name in run.figures if name.lower().endswith(IMAGE_SUFFIXES)]
     if pngs:
@@ -964,13 +1085,92 @@ def literate_title(module: Module) -> str:
     return doc.strip().split("\n")[0].rstrip(".")
 
 
-def landing_page(modules: dict[str, Module], compare: bool) -> str | None:
+def study_pages() -> dict[str, tuple[str, Path]]:
+    """The stand-alone pages `docs/pages/<slug>.md`: slug -> (title, file), in navigation order.
+
+    The title is the page's first line, `# Title`. `STUDIES` come first in their order, then the rest by slug.
+    """
+    found: dict[str, tuple[str, Path]] = {}
+    paths = sorted(PAGES.glob("*.md")) if PAGES.is_dir() else []
+    order = {slug: i for i, slug in enumerate(STUDIES)}
+    for path in sorted(paths, key=lambda p: (order.get(p.stem, len(order)), p.stem)):
+        first = path.read_text(encoding="utf-8").lstrip().split("\n", 1)[0]
+        if not first.startswith("# "):
+            log.warning("docs/pages/%s: the first line must be the title, `# Title`", path.name)
+            continue
+        found[path.stem] = (first[2:].strip(), path)
+    return found
+
+
+#: The landing page's three reading paths: (heading, who it is for, steps). A step is
+#: (kind, name, text): kind "paper" (a module), "example" (an example's stem), "page" (a stand-alone page)
+#: or "site" (a fixed page of the site); steps whose page does not exist in a build are left out.
+START_HERE: list[tuple[str, str, list[tuple[str, str, str]]]] = [
+    ("Learning the layer", "You want to understand what the block computes, and why.", [
+        ("page", "why-stable", "why the plain design needed the stable additions"),
+        ("paper", "config", "the sizes and switches, K3's numbers"),
+        ("paper", "activations", "the smoothly capped SwiGLU of every expert"),
+        ("paper", "routing", "sigmoid scores, the bias that only selects"),
+        ("paper", "latent_moe", "the whole block, stage by stage"),
+        ("example", "01_forward_by_hand", "the whole forward pass printed on a tiny layer"),
+        ("example", "40_compare_variants", "plain MoE, LatentMoE and Stable LatentMoE side by side"),
+        ("paper", "backward", "the gradients, section by section beside the forward pass"),
+        ("paper", "train", "a small model trained end to end"),
+    ]),
+    ("Porting it to your framework", "You have your own kernels and want to know they agree.", [
+        ("paper", "testing", "checks that take your own function and report where it disagrees"),
+        ("example", "30_test_your_router", "run the kit on a router of your own"),
+        ("example", "31_mistakes_the_kit_catches", "the mistakes it catches"),
+        ("paper", "checkpoint", "one layer of the released weights, read as they are stored"),
+        ("paper", "mx", "the element formats of the deployed experts"),
+        ("paper", "expert_parallel", "dispatch and combine between ranks, and their bytes"),
+        ("site", "reference/index.md", "the API reference"),
+    ]),
+    ("Studying balancing", "You care about how the load of nearly a thousand experts is kept even.", [
+        ("page", "balance-is-speed", "why balance is speed"),
+        ("paper", "balancing", "the exact bias update, and the atom of ties it meets"),
+        ("example", "10_qb_by_hand", "one update by hand"),
+        ("paper", "dual", "why the update is right: it is coordinate descent on a dual"),
+        ("example", "12_lp_crosscheck", "the LP solved by HiGHS against Eq. (14)"),
+        ("paper", "histogram", "the same update at scale, from integer counts"),
+        ("paper", "baselines", "the sign rule, auxiliary losses, capacity and hashing, side by side"),
+        ("example", "14_fresh_batch_noise", "fresh batches and the noise floor"),
+        ("paper", "train", "the balancers compared while a small model trains"),
+        ("page", "report-card", "the report card"),
+    ]),
+]
+
+
+def start_here(modules: dict[str, Module], examples: set[str], studies: dict[str, tuple[str, Path]]) -> str:
+    """The "Start here" reading paths, with links to the pages of this build."""
+    labels = dict(READING_PATH)
+    blocks: list[str] = []
+    for heading, who, steps in START_HERE:
+        items: list[str] = []
+        for kind, name, text in steps:
+            if kind == "paper" and name in modules:
+                items.append(f"[{labels.get(name, name)}](paper/{modules[name].slug}.md): {text}")
+            elif kind == "example" and name in examples:
+                items.append(f"[Example {name[:2]}](examples/{name}.md): {text}")
+            elif kind == "page" and name in studies:
+                items.append(f"[{studies[name][0]}](pages/{name}.md): {text}")
+            elif kind == "site":
+                items.append(f"[{text[:1].upper()}{text[1:]}]({name})")
+        if items:
+            body = "\n".join(f"    {i}. {item}" for i, item in enumerate(items, start=1))
+            blocks.append(f'=== "{heading}"\n\n    {who}\n\n{body}\n')
+    return "\n".join(blocks)
+
+
+def landing_page(modules: dict[str, Module], compare: bool, examples: set[str] | None = None,
+                 studies: dict[str, tuple[str, Path]] | None = None) -> str | None:
     """`docs/index.md` with its markers replaced by computed content."""
     index = DOCS / "index.md"
     if not index.is_file():
         return None
     text = hand_written(index)
     text = text.replace("<!-- refimpl:k3-numbers -->", k3_numbers())
+    text = text.replace("<!-- refimpl:start-here -->", start_here(modules, examples or set(), studies or {}))
     return text.replace("<!-- refimpl:reading-path -->", reading_path(modules, compare))
 
 
@@ -1004,11 +1204,18 @@ def main() -> None:
     log.info("examples: %d reused from .cache/examples, %d run (%s) in %.1f s", len(runs) - len(fresh),
              len(fresh), ", ".join(fresh) or "none", time.perf_counter() - start)
     example_titles: dict[Path, str] = {}
+    served_notebooks: set[Path] = set()
     for path, run in runs.items():
         if run.returncode != 0:
             log.warning("examples/%s failed (exit %s):\n%s", path.name, run.returncode,
                         (run.stderr or run.stdout).strip()[-3000:])
-        write(f"examples/{path.stem}.md", example_page(path, run), edit=f"examples/{path.name}")
+        notebook = example_notebook(path, run) if run.returncode == 0 else None
+        if notebook is not None:
+            with mkdocs_gen_files.open(f"examples/{path.stem}.ipynb", "w") as handle:
+                handle.write(notebook)
+            served_notebooks.add(path)
+        write(f"examples/{path.stem}.md", example_page(path, run, notebook is not None),
+              edit=f"examples/{path.name}")
         for name, data in run.figures.items():
             if name.lower().endswith(IMAGE_SUFFIXES):
                 with mkdocs_gen_files.open(f"examples/{path.stem}/{name}", "wb") as handle:
@@ -1033,13 +1240,15 @@ def main() -> None:
 
     examples_index = ["# Worked examples\n",
                       "Each example is a script in `examples/` that runs in seconds. The site runs every one "
-                      "when it is built and shows what it printed and the figures it drew.\n",
-                      "| | example | uses |", "|---|---|---|"]
+                      "when it is built and shows what it printed and the figures it drew. Each is also a "
+                      "notebook with the outputs of that run: step through it cell by cell, and change it.\n",
+                      "| | example | uses | notebook |", "|---|---|---|---|"]
     for path in example_paths:
         used = ", ".join(f"[`{m}`](../paper/{m.lstrip('_')}.md)" for m in sorted(uses[path]) if m in modules)
-        examples_index.append(f"| {path.stem[:2]} | [{example_titles[path]}]({path.stem}.md) | {used} |")
+        notebook = f"[`{path.stem}.ipynb`]({path.stem}.ipynb)" if path in served_notebooks else ""
+        examples_index.append(f"| {path.stem[:2]} | [{example_titles[path]}]({path.stem}.md) | {used} | {notebook} |")
     if not example_paths:
-        examples_index.append("| | (none yet) | |")
+        examples_index.append("| | (none yet) | | |")
     fragment = DOCS / "sections" / "examples.md"
     if fragment.is_file():
         examples_index += ["", hand_written(fragment).strip()]
@@ -1055,8 +1264,12 @@ def main() -> None:
         with mkdocs_gen_files.open(f"benchmark-results/{name}", "wb") as handle:
             handle.write(data)
 
+    studies = study_pages()
+    for slug, (_, path) in studies.items():
+        write(f"pages/{slug}.md", hand_written(path), edit=path.relative_to(ROOT).as_posix())
+
     compare = EXAMPLES / f"{COMPARE_EXAMPLE}.py" in example_paths
-    landing = landing_page(modules, compare)
+    landing = landing_page(modules, compare, {p.stem for p in example_paths}, studies)
     if landing is not None:
         write("index.md", landing, edit="docs/index.md")
 
@@ -1072,6 +1285,9 @@ def main() -> None:
     for path in example_paths:
         if path.stem != COMPARE_EXAMPLE:
             nav.append(f"    * [{path.stem[:2]} · {example_titles[path]}](examples/{path.stem}.md)")
+    if studies:
+        nav.append("* Studies")
+        nav += [f"    * [{title}](pages/{slug}.md)" for slug, (title, _) in studies.items()]
     nav.append("* [Benchmark results](benchmark-results/index.md)")
     if internals:
         nav.append("* Internals")

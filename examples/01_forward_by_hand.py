@@ -22,6 +22,7 @@ With `--out DIR` the script also draws the router scores with the chosen
 experts marked.
 """
 
+# %%
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,7 @@ from refimpl.routing import route, router_scores
 SEED = 8
 
 
+# %%
 def show(name: str, array: np.ndarray, note: str = "") -> None:
     """Print an array under a header giving its name and shape."""
     shape = "[" + ", ".join(str(s) for s in array.shape) + "]"
@@ -47,12 +49,14 @@ def show(name: str, array: np.ndarray, note: str = "") -> None:
     print("    " + text.replace("\n", "\n    "))
 
 
+# %%
 def step(title: str) -> None:
     print()
     print(title)
     print("-" * len(title))
 
 
+# %%
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
@@ -72,13 +76,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
           f"RMSNorm eps={config.rms_norm_eps:g}")
     show("x", x, "the tokens, full width d")
 
-    # 1. Scores on the full width.
+    # Step 1: Scores on the full width.
     step("1. Router scores on the full-width tokens: s = sigmoid(x W_r^T)")
     show("W_r = gate.weight", params["gate.weight"], "[n, d]")
     s = router_scores(x, params["gate.weight"])
     show("s", s, "one score in (0, 1) per token and expert; a sigmoid, so they do not sum to 1")
 
-    # 2. Selection by s + b, weights by raw s.
+    # Step 2: Selection by s + b, weights by raw s.
     step("2. Routing: choose by s + b, weigh by the raw s (Eq. 13)")
     show("b = gate.e_score_correction_bias", b, "the balancing bias")
     biased = s + b
@@ -113,12 +117,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     load = np.bincount(index.ravel(), minlength=n)
     print(f"tokens per expert: {load.tolist()} (total m*k = {load.sum()})")
 
-    # 3. One down-projection for every routed expert.
+    # Step 3: One down-projection for every routed expert.
     step("3. Down-projection to the latent: z = x W_down^T")
     z = x @ params["routed_expert_down_proj.weight"].T
     show("z", z, f"[m, l]: {d} -> {ell} values per token; this is what dispatch sends")
 
-    # 4. Dispatch: sort the m*k token-slots by expert.
+    # Step 4: Dispatch: sort the m*k token-slots by expert.
     step("4. Dispatch: sort the m*k token-slots by expert")
     slot_expert = index.reshape(-1)  # slot t = i*k + r
     slot_token = np.repeat(np.arange(m), k)
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print(f"    expert {e}: sorted slots {starts[e]}:{starts[e + 1]} -> tokens {tokens.tolist()}"
               + ("  (no token: this expert does no work in this batch)" if load[e] == 0 else ""))
 
-    # 5. Each expert runs one GLU on its contiguous slice.
+    # Step 5: Each expert runs one GLU on its contiguous slice.
     step("5. Each expert's SiTU-GLU on its slice: E_e(z) = SiTU-GLU(z G_e^T, z U_e^T) D_e^T")
     out_sorted = np.zeros((m * k, ell))
     for e in np.flatnonzero(load):
@@ -152,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         show("    h = SiTU-GLU(a, b)", h, f"|h| <= beta1*beta2 = {config.situ_beta * config.situ_linear_beta:g}")
         show("    E_e(z_e) = h D_e^T", out_sorted[starts[e]:starts[e + 1]], "back to the latent width")
 
-    # 6. Combine: undo the sort and mix each token's k outputs in the latent space.
+    # Step 6: Combine: undo the sort and mix each token's k outputs in the latent space.
     step("6. Combine in the latent space: u_i = sum_e p_(i,e) E_e(z_i)")
     expert_out = np.empty_like(out_sorted)
     expert_out[order] = out_sorted  # back to slot order
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     u = np.einsum("mk,mkl->ml", weights, expert_out)
     show("u", u, "[m, l]; what combine sends back, still l wide")
 
-    # 7. The Stable addition, then the single up-projection.
+    # Step 7: The Stable addition, then the single up-projection.
     step("7. RMSNorm on the latent sum, then one up-projection")
     rms = np.sqrt(np.mean(u * u, axis=1, keepdims=True) + config.rms_norm_eps)
     show("rms(u_i) = sqrt(mean(u_i^2) + eps)", rms[:, 0])
@@ -173,6 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     y_routed = v @ params["routed_expert_up_proj.weight"].T
     show("y_routed = v W_up^T", y_routed, f"[m, d]: {ell} -> {d}, once per token after the combine")
 
+    # Step 8: The shared expert on the full width, and the output
     step("8. Shared expert on the full width, and the output")
     gate_s = x @ params["shared_experts.gate_proj.weight"].T
     up_s = x @ params["shared_experts.up_proj.weight"].T
@@ -182,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     y = y_shared + y_routed
     show("y = y_shared + y_routed", y)
 
+    # Step: The hand computation against the package
     step("Check against the package")
     y_fast = stable_latent_moe(x, params, config)
     y_ref = stable_latent_moe_reference(x, params, config)
@@ -192,12 +198,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"tokens whose choice the bias changed: {changed}")
     print(f"experts with no token: {np.flatnonzero(load == 0).tolist()}")
 
+    # Step: The figure
     if args.out is not None:
         save_figure(args.out, s, b, index)
     return dict(config=config, params=params, x=x, scores=s, bias=b, index=index, weights=weights, z=z, u=u,
                 v=v, y=y, y_fast=y_fast, y_ref=y_ref, changed=changed, load=load)
 
 
+# %%
 def save_figure(out: Path, s: np.ndarray, b: np.ndarray, index: np.ndarray) -> None:
     """The router scores, with each token's chosen experts outlined."""
     import matplotlib
@@ -229,5 +237,6 @@ def save_figure(out: Path, s: np.ndarray, b: np.ndarray, index: np.ndarray) -> N
     plt.close(fig)
 
 
+# %%
 if __name__ == "__main__":
     main()

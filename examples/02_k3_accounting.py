@@ -22,6 +22,7 @@ With `--out DIR` the script draws where a layer's parameters sit and how the
 number of combinations grows with $\alpha$.
 """
 
+# %%
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,7 @@ K3_TOTAL_PARAMETERS = 2.78e12
 K3_ACTIVATED_PARAMETERS = 104.2e9
 
 
+# %%
 def table(rows: list[tuple[str, str, int | float | str]], header: tuple[str, str, str]) -> None:
     """Print rows of (what, formula, value) as an aligned text table."""
     cells = [header] + [(a, b, f"{c:,}" if isinstance(c, int) else str(c)) for a, b, c in rows]
@@ -46,6 +48,7 @@ def table(rows: list[tuple[str, str, int | float | str]], header: tuple[str, str
             print("  " + "  ".join("-" * w for w in widths))
 
 
+# %%
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="save the figures in this folder")
@@ -61,6 +64,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     print(f"K3 layer (MoEConfig.k3()): d={d}, l={ell} (alpha={config.alpha:g}), n={n}, k={k}, f={f}, "
           f"N_s={ns} (shared width {config.shared_size}), {layers} MoE layers")
 
+    # Step: Parameters of one layer
     print("\nParameters of one layer")
     table([
         ("one routed expert", "3 l f", counts["routed_expert"]),
@@ -73,6 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ], ("part", "formula", "parameters"))
     print(f"  routed experts hold {counts['routed'] / counts['total']:.1%} of the layer")
 
+    # Step: Activated per token
     print("\nActivated per token, per layer")
     table([
         (f"{k} routed experts", "k 3 l f", counts["activated_routed"]),
@@ -83,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         ("activated with the router", "", counts["activated_with_router"]),
     ], ("part", "formula", "parameters"))
 
+    # Step: Over the whole model
     routed_all = counts["routed_all_layers"]
     activated_all = counts["activated_all_layers"]
     print(f"\nOver the {layers} MoE layers")
@@ -99,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     print(f"  the routed experts in MXFP4 ({bits_mxfp4:g} bits per weight): {routed_all * bits_mxfp4 / 8 / 1e12:.2f} TB, "
           f"against {routed_all * 2 / 1e12:.2f} TB in bf16")
 
+    # Step: Dispatch and combine payload
     base_k, base_d = k // round(config.alpha), d
     base_values = base_k * base_d
     print("\nDispatch and combine payload per token, each way")
@@ -112,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     same = "the same" if base_values == payload["latent_values"] else "different"
     print(f"  twice the experts and twice the k at half the width: {same} traffic as the layer it replaces")
 
+    # Step: Combinatorial sparsity
     a = round(sparsity["alpha"])
     ratio_digits = sparsity["log10_ratio"]
     print("\nCombinatorial sparsity: how many expert sets a token can choose")
@@ -123,11 +131,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     print(f"  C({n}, {k}) is {10 ** ratio_digits:.1f} times C({n // a}, {k // a})^{a}, "
           f"and C({n // a}, {k // a}) itself is 10^{log10_binomial(n // a, k // a):.2f}")
 
+    # Step: The figures
     if args.out is not None:
         save_figures(args.out, config, counts)
     return dict(counts=counts, payload=payload, sparsity=sparsity)
 
 
+# %%
 def save_figures(out: Path, config: MoEConfig, counts: dict[str, int]) -> None:
     import matplotlib
 
@@ -180,5 +190,6 @@ def save_figures(out: Path, config: MoEConfig, counts: dict[str, int]) -> None:
     assert math.isclose(latent[0], power[0])
 
 
+# %%
 if __name__ == "__main__":
     main()

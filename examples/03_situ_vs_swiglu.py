@@ -20,6 +20,7 @@ With `--out DIR` it draws the functions, their derivatives, the bound and the
 convergence.
 """
 
+# %%
 from __future__ import annotations
 
 import argparse
@@ -44,17 +45,20 @@ BOUND = BETA1 * BETA2
 DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
+# %%
 def clamped_glu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The GLU with hard clamps where SiTU-GLU has softcaps: clamp(a, b1) sigma(a) clamp(b, b2)."""
     sig = 1.0 / (1.0 + np.exp(-np.clip(a, -700, 700)))
     return hard_clamp(a, BETA1) * sig * hard_clamp(b, BETA2)
 
 
+# %%
 def slope(x: np.ndarray, y: np.ndarray) -> float:
     """The slope of log|y| against log x, by least squares."""
     return float(np.polyfit(np.log(x), np.log(np.abs(y)), 1)[0])
 
 
+# %%
 def extreme_inputs(dtype) -> np.ndarray:
     """Large finite values of `dtype` (±1e30 where representable, ±max) and ordinary ones."""
     big = float(ml_dtypes.finfo(dtype).max)
@@ -64,13 +68,14 @@ def extreme_inputs(dtype) -> np.ndarray:
     return np.array(values, dtype=dtype)
 
 
+# %%
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="save the figures in this folder")
     args = parser.parse_args(argv)
     results: dict[str, object] = {}
 
-    # 1. The bound.
+    # Step 1: The bound.
     print(f"1. The bound |SiTU-GLU| <= beta1 * beta2 = {BOUND:g}")
     print("   every pair (a, b) of large finite inputs, computed in float32 or wider and cast back:")
     print(f"   {'dtype':<9} {'largest input':>14} {'max |SiTU-GLU|':>15} {'max |SwiGLU|':>13}")
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
           "strictly below the bound;")
     print("   further out tanh rounds to exactly 1 and the computed value saturates at the bound itself.")
 
-    # 2. First-order equivalence near 0.
+    # Step 2: First-order equivalence near 0.
     print("\n2. First-order equivalence with SwiGLU near 0")
     t = np.geomspace(1e-3, 1e-1, 9)
     cap_err = softcap(t, BETA1) - t
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"   each tenfold increase of the caps divides the gap by about "
           f"{np.exp(np.mean(np.diff(np.log(gaps[1:])) * -1)):.0f} (the 1/beta^2 of the Taylor term)")
 
-    # 3. Smooth saturation.
+    # Step 3: Smooth saturation.
     print("\n3. Derivatives past the bound: softcap against a hard clamp (beta = 4)")
     print(f"   {'z':>6} {'softcap grad':>14} {'clamp grad':>11}")
     z = np.array([2.0, 4.5, 6.0, 12.0, 40.0, 400.0])
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"   d/db at (a, b) = (2, 40): SiTU-GLU {up_grad[0]:.4f}, clamped GLU {clamp_up_grad[0]:g}, "
           f"SwiGLU {swiglu_grad(a0, b0)[1][0]:.4f}")
 
-    # 4. Where floating point gives out, and why the module avoids two textbook formulas.
+    # Step 4: Where floating point gives out, and why the module avoids two textbook formulas.
     print("\n4. Floating-point limits (first point on a grid of step 0.01)")
     limits = {}
     for name, dtype in (("float64", np.float64), ("float32", np.float32)):
@@ -163,11 +168,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"   at z = {z[0]:g} in float64: 1 - tanh(z)^2 = {1 - np.tanh(z[0]) ** 2:g}, "
           f"while softcap_grad(z, 1) = {softcap_grad(z, 1.0)[0]:.3e} (the sech^2 form)")
 
+    # Step: The figures
     if args.out is not None:
         save_figures(args.out, gaps, scales)
     return results
 
 
+# %%
 def save_figures(out: Path, gaps: list[float], scales: list[float]) -> None:
     import matplotlib
 
@@ -275,5 +282,6 @@ def save_figures(out: Path, gaps: list[float], scales: list[float]) -> None:
     plt.close(fig)
 
 
+# %%
 if __name__ == "__main__":
     main()

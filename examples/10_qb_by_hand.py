@@ -24,6 +24,7 @@ $b$ moves every $\alpha_i$), and on a fresh batch from the same router, which
 is how the new bias is used in training.
 """
 
+# %%
 from __future__ import annotations
 
 import argparse
@@ -38,12 +39,14 @@ M, N, K, SEED = 12, 4, 2, 4
 OFFSETS = np.array([1.0, 0.3, 0.0, -0.6])  # expert 0 popular, expert 3 not
 
 
+# %%
 def batch(rng: np.random.Generator, m: int = M) -> np.ndarray:
     """Sigmoid scores of a skewed router, rounded to 3 decimals so the tables show them exactly."""
     logits = rng.normal(size=(m, N)) + OFFSETS
     return np.round(1.0 / (1.0 + np.exp(-logits)), 3)
 
 
+# %%
 def table(title: str, rows: list[str]) -> None:
     print(title)
     for row in rows:
@@ -51,6 +54,7 @@ def table(title: str, rows: list[str]) -> None:
     print()
 
 
+# %%
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     b_tilde = quantile_balancing_update(s, b, K, center=False)
     b_new = quantile_balancing_update(s, b, K)
 
+    # Step: The tables of the four steps
     print(f"m = {M} tokens, n = {N} experts, k = {K}: target load q = mk/n = {q}; starting bias b = 0")
     print()
     head = "token  " + "".join(f"   s_{j}  " for j in range(N)) + "   route   alpha_i"
@@ -103,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
           + "[" + ", ".join(f"{v:+.4f}" for v in b_new) + "]")
     print()
 
+    # Step: What the new bias does: on this batch, and on a fresh one
     held = (margin > -b_tilde[None, :]).sum(axis=0)  # cutoffs held: M > -b~
     again = expert_load(route(s, b_new, K)[0], N)
     fresh_scores = batch(rng, 4000)
@@ -131,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             "fresh_old": fresh_old.tolist(), "fresh_new": fresh_new.tolist(), "again_loo": again_loo.tolist()}
 
 
+# %%
 def plot(out: Path, margin, index, third, b, b_tilde, load, held, again) -> None:
     import matplotlib
 
@@ -169,5 +176,6 @@ def plot(out: Path, margin, index, third, b, b_tilde, load, held, again) -> None
     plt.close(fig)
 
 
+# %%
 if __name__ == "__main__":
     main()

@@ -29,6 +29,7 @@ interpolation rule) and **60 steps**. `--tokens 16384 --steps 200` runs the
 full setting; its output is quoted on the Eq. (14) page.
 """
 
+# %%
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,7 @@ N, K, SEED = 896, 16, 11
 RATES = (1e-3, 1e-2, 1e-1)
 
 
+# %%
 class SkewedRouter:
     """Scores $s = \\sigma(\\mathrm{logit}(u) + o_j)$: per-expert offsets $o_j$ that drift, logistic token noise."""
 
@@ -62,6 +64,7 @@ class SkewedRouter:
         return scores
 
 
+# %%
 def noise_floor(m: int, draws: int, seed: int) -> np.ndarray:
     """max/min load of batches where every expert is equally likely: the best any bias can do."""
     rng = np.random.default_rng(seed)
@@ -72,6 +75,7 @@ def noise_floor(m: int, draws: int, seed: int) -> np.ndarray:
     return np.array(ratios)
 
 
+# %%
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
@@ -83,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     q = m * K / N
     start = time.perf_counter()
 
+    # Step: Train-like steps: a fresh batch each step, routed by every balancer
     router = SkewedRouter(N, SEED, drift=args.drift)
     balancers = {"QB (Eq. 14)": QuantileBalancer(N, K)}
     balancers.update({f"sign, γ = {rate:g}": SignBalancer(N, K, rate=rate) for rate in RATES})
@@ -92,6 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             balancer.step(scores)
     floor = noise_floor(m, draws=10, seed=SEED + 1)
 
+    # Step: The load ratio per step
     print(f"n = {N} experts, k = {K}, m = {m:,} tokens per step, q = mk/n = {q:.2f}, {steps} steps, "
           f"offsets drift {args.drift:g} per step")
     print(f"noise floor (uniform router, {floor.size} batches): max/min load median {np.median(floor):.2f}, "
@@ -118,11 +124,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
           "per step (median), following the drift and the sampling noise")
     print(f"run time {time.perf_counter() - start:.1f} s")
 
+    # Step: The figure
     if args.out is not None:
         plot(args.out, ratios, floor, q, m)
     return {"ratios": {name: r.tolist() for name, r in ratios.items()}, "floor": floor.tolist(), "q": q}
 
 
+# %%
 def plot(out: Path, ratios: dict[str, np.ndarray], floor: np.ndarray, q: float, m: int) -> None:
     import matplotlib
 
@@ -152,5 +160,6 @@ def plot(out: Path, ratios: dict[str, np.ndarray], floor: np.ndarray, q: float, 
     plt.close(fig)
 
 
+# %%
 if __name__ == "__main__":
     main()

@@ -26,6 +26,7 @@ $\beta$ by finite differences and sets it beside $q - \text{load}$ and the
 sign rule's step.
 """
 
+# %%
 from __future__ import annotations
 
 import argparse
@@ -47,18 +48,21 @@ INSTANCES = [(256, 16, 2), (384, 32, 4), (512, 64, 8)]  # (m, n, k): q = 32, 48,
 SEED = 12
 
 
+# %%
 def skewed_scores(m: int, n: int, seed: int) -> np.ndarray:
     """Sigmoid scores with a per-expert offset, so that the zero bias is far from balanced."""
     rng = np.random.default_rng(seed)
     return 1.0 / (1.0 + np.exp(-(rng.normal(size=(m, n)) + rng.normal(scale=0.5, size=n))))
 
 
+# %%
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
     parser.add_argument("--iterations", type=int, default=40, help="coordinate-descent iterations at most")
     args = parser.parse_args(argv)
 
+    # Step: Solve the LP and iterate Eq. (14) on each instance
     results = []
     for number, (m, n, k) in enumerate(INSTANCES):
         s = skewed_scores(m, n, SEED + number)
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                         "vertex_ties": vertex_ties, "vertex_agree": vertex_agree, "sep": sep,
                         "sep_agree": sep_agree, "sep_load": expert_load(sep_index, n), "trace": trace})
 
+    # Step: The LP against coordinate descent
     print("the LP, solved by HiGHS (dual simplex, presolve off)")
     print(f"{'m':>5} {'n':>4} {'k':>3} {'q':>4} {'LP optimum':>12} {'time':>7} {'max|x-round(x)|':>16} "
           f"{'D(a*,b*) - LP':>14} {'HiGHS iters':>12}")
@@ -112,6 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print("  " + "  ".join(f"t={t}: {g:.4f}" for t, g in enumerate(first[:10])))
 
     print()
+    # Step: The subgradient of the dual
     rng = np.random.default_rng(SEED)
     small = skewed_scores(64, 8, SEED)
     bias = rng.normal(scale=0.05, size=8)
@@ -124,6 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print("  sign-rule step of beta     " + "".join(f"{v:>8.0f}" for v in check.sign_rule_step))
     print("  (the sign rule moves beta against the sign of the subgradient: SignSGD on D, with b = -beta)")
 
+    # Step: The figure
     if args.out is not None:
         plot(args.out, results)
     return {"gaps": [float(r["trace"].objective[-1] - r["lp"].objective) for r in results],
@@ -133,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             "vertex_ties": [r["vertex_ties"] for r in results]}
 
 
+# %%
 def plot(out: Path, results: list[dict]) -> None:
     import matplotlib
 
@@ -159,5 +167,6 @@ def plot(out: Path, results: list[dict]) -> None:
     plt.close(fig)
 
 
+# %%
 if __name__ == "__main__":
     main()

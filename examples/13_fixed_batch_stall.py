@@ -30,6 +30,7 @@ from the same router, where the question is not the LP of one batch but
 whether the loads of the next batch come within sampling noise of $q$.
 """
 
+# %%
 from __future__ import annotations
 
 import argparse
@@ -46,16 +47,19 @@ CONFIGS = [(64, 8, 2, 100), (256, 32, 4, 20)]  # (m, n, k, seeds)
 SEED = 13
 
 
+# %%
 def skewed_scores(rng: np.random.Generator, m: int, n: int, offsets: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-(rng.normal(size=(m, n)) + offsets)))
 
 
+# %%
 def reduced_dual(s: np.ndarray, bias: np.ndarray, k: int) -> float:
     r"""$\min_\alpha D(\alpha, -b)$: the dual value a bias reaches, with the best token side."""
     beta = -bias
     return dual_objective(s, alpha_step(s, beta, k), beta, k)
 
 
+# %%
 def iterate_balancer(s: np.ndarray, k: int, steps: int, **options) -> tuple[int | None, np.ndarray]:
     """Step a QuantileBalancer on the same batch; return the first step after which all loads equal q."""
     m, n = s.shape
@@ -67,6 +71,7 @@ def iterate_balancer(s: np.ndarray, k: int, steps: int, **options) -> tuple[int 
     return None, balancer.bias
 
 
+# %%
 def study(m: int, n: int, k: int, seeds: int, iterations: int) -> dict[str, np.ndarray]:
     q = m * k // n
     rows = []
@@ -100,6 +105,7 @@ def study(m: int, n: int, k: int, seeds: int, iterations: int) -> dict[str, np.n
     return {name: table[:, i] for i, name in enumerate(names)}
 
 
+# %%
 def fresh_batches(m: int, n: int, k: int, steps: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """max |load - q| of QB on fresh batches, and of a uniform router (the sampling-noise floor)."""
     rng = np.random.default_rng([SEED, seed])
@@ -115,6 +121,7 @@ def fresh_batches(m: int, n: int, k: int, steps: int, seed: int) -> tuple[np.nda
     return np.array(qb), np.array(floor)
 
 
+# %%
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="save the figures in this folder")
@@ -122,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     results = {}
+    # Step: Eq. (14) iterated on fixed batches
     for m, n, k, seeds in CONFIGS:
         r = study(m, n, k, seeds, args.iterations)
         results[(m, n, k)] = r
@@ -150,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
               f"{int(r['separating_balanced'].sum())} of {seeds}")
         print()
 
+    # Step: Fresh batches, as in training
     print("fresh batches (the setting of training): max |load - q| on each step's new batch")
     print(f"{'m':>5} {'n':>4} {'k':>3} {'step 1 (b = 0)':>15} {'step 2':>7} {'steps 2-20, median':>19} "
           f"{'uniform router, median':>23}")
@@ -161,6 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
               f"{np.median(floor):>23.1f}")
     print(f"run time {time.perf_counter() - start:.1f} s")
 
+    # Step: The figures
     if args.out is not None:
         plot(args.out, results, args.iterations)
     first = results[CONFIGS[0][:3]]
@@ -170,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             "under_in_atom": int(first["under_in_atom"].sum()), "under": int(first["under"].sum())}
 
 
+# %%
 def plot(out: Path, results: dict, iterations: int) -> None:
     import matplotlib
 
@@ -202,5 +213,6 @@ def plot(out: Path, results: dict, iterations: int) -> None:
     plt.close(fig)
 
 
+# %%
 if __name__ == "__main__":
     main()

@@ -26,6 +26,7 @@ the price of a few more steps to converge. The example runs 25 steps of
 leave-one-out cutoffs, and compares the measured spread with the prediction.
 """
 
+# %%
 from __future__ import annotations
 
 import argparse
@@ -40,6 +41,7 @@ from refimpl.routing import expert_load, route, selection_cutoff
 N, K, SEED = 896, 16, 14
 
 
+# %%
 class SkewedRouter:
     """Scores $s = \\sigma(\\mathrm{logit}(u) + o_j)$ with fixed per-expert offsets $o_j$."""
 
@@ -53,6 +55,7 @@ class SkewedRouter:
         return u * self.c / (1.0 - u + u * self.c)
 
 
+# %%
 def held_counts(scores: np.ndarray, bias: np.ndarray, threshold_bias: np.ndarray, leave_one_out: bool) -> np.ndarray:
     """Per expert, the tokens that clear the new threshold with every token's cutoff held at the old bias.
 
@@ -67,6 +70,7 @@ def held_counts(scores: np.ndarray, bias: np.ndarray, threshold_bias: np.ndarray
     return np.sum(scores + threshold_bias > cutoff, axis=0)
 
 
+# %%
 def atom_measurement(router: SkewedRouter, m: int) -> dict[str, object]:
     q = m * K / N
     previous = router.batch(m)
@@ -87,6 +91,7 @@ def atom_measurement(router: SkewedRouter, m: int) -> dict[str, object]:
     return {"q": q, "load": load, "atom_size": atom_size, "rows": rows, "m": m}
 
 
+# %%
 def noise_run(router: SkewedRouter, m: int, steps: int) -> dict[str, object]:
     balancers = {
         "QB": QuantileBalancer(N, K),
@@ -106,6 +111,7 @@ def noise_run(router: SkewedRouter, m: int, steps: int) -> dict[str, object]:
     return {"balancers": balancers, "floor": np.array(floor_loads), "q": m * K / N}
 
 
+# %%
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
@@ -115,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     args = parser.parse_args(argv)
     start = time.perf_counter()
 
+    # Step 1: The atom of ties, one exact update
     atom = atom_measurement(SkewedRouter(SEED), args.atom_tokens)
     q = atom["q"]
     print(f"1. one exact update at n = {N}, k = {K}, m = {atom['m']:,} (q = {q:.2f}), from the previous batch's bias")
@@ -132,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
               f"{load_ratio(nxt):>9.3f}")
     print()
 
+    # Step 2: Fresh batches: the noise floor
     run = noise_run(SkewedRouter(SEED + 2), args.tokens, args.steps)
     qn = run["q"]
     floor_std = np.std(run["floor"] - qn)
@@ -155,12 +163,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
               f"{predicted:>11.2f}")
     print(f"run time {time.perf_counter() - start:.1f} s")
 
+    # Step: The figure
     if args.out is not None:
         plot(args.out, atom, run)
     return {"atom": {name: {"stuck": int(row["unmoved"].sum())} for name, row in atom["rows"].items()},
             "spread_over_floor": {name: float(v / floor_std) for name, v in spreads.items()}}
 
 
+# %%
 def plot(out: Path, atom: dict, run: dict) -> None:
     import matplotlib
 
@@ -192,5 +202,6 @@ def plot(out: Path, atom: dict, run: dict) -> None:
     plt.close(fig)
 
 
+# %%
 if __name__ == "__main__":
     main()

@@ -20,6 +20,7 @@ which is how the bias is used: the loads they give are the same to within a
 few tokens.
 """
 
+# %%
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ from refimpl.routing import expert_load, route, router_scores
 M, N, K, BINS, SEED = 16_384, 64, 4, 1000, 20
 
 
+# %%
 def batch(step: int, m: int = M) -> np.ndarray:
     """Scores of one batch from a fixed router in which some experts are more popular than others."""
     rng = np.random.default_rng(SEED)
@@ -42,18 +44,20 @@ def batch(step: int, m: int = M) -> np.ndarray:
     return router_scores(x, weight)
 
 
+# %%
 def exact_thresholds(r: np.ndarray, q_floor: int, f: float) -> np.ndarray:
     """Eq. (14) by sorting: the (q+1)-th smallest of each column, interpolated when q is fractional."""
     ordered = np.sort(r.astype(np.float64), axis=0)  # [m, n], column j ascending
     return (1 - f) * ordered[q_floor] + f * ordered[min(q_floor + 1, len(ordered) - 1)]
 
 
+# %%
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
     args = parser.parse_args(argv)
 
-    # The bias the previous step left: one exact update computed on the previous batch.
+    # Step: The bias the previous step left: one exact update computed on the previous batch.
     previous = batch(step=0)
     r_previous = required_bias(previous, np.zeros(N, np.float32), K)
     b_tilde = exact_thresholds(r_previous, *divmod(M * K, N))
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     index, _ = route(scores, bias, K)
     load = expert_load(index, N)
 
+    # Step: The histogram's thresholds against the exact ones
     print(f"batch m = {M:,} tokens, n = {N} experts, k = {K}: target load q = {q:g}")
     print(f"bins: B = {BINS} over [min b - 1, max b + 1] = [{histogram.low:.4f}, {histogram.high:.4f}], "
           f"width w = {w:.5f}")
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"tokens in each expert's atom at r = b_j: {int(atom.sum(0).min())} to {int(atom.sum(0).max())} "
           f"(m/n = {M / N:g})")
 
-    # Cutoffs held fixed, a bias b gives expert j the load #{i : r_ij < b_j}.
+    # Step: Cutoffs held fixed, a bias b gives expert j the load #{i : r_ij < b_j}.
     held_exact = (r < exact[None, :]).sum(0)
     held_hist = (r < estimate[None, :]).sum(0)
     in_atom = np.abs(exact - bias) <= 1e-6
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print("  (there the exact threshold is b_j itself and the tied tokens stay out; the histogram knows")
     print("  only the atom's bin, and the point it reads inside it lets the whole atom in or not)")
 
-    # What the all-reduce of counts avoids: averaging quantiles computed separately on each rank.
+    # Step: What the all-reduce of counts avoids: averaging quantiles computed separately on each rank.
     ranks = 8
     per_rank = [exact_thresholds(part, *divmod(len(part) * K, N)) for part in np.split(r, ranks)]
     averaged = np.mean(per_rank, axis=0)
@@ -115,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
     following = batch(step=2)
     print()
+    # Step: The next batch
     print("the next batch, routed with each bias (the cutoffs move, so neither is exactly q):")
     loads = {}
     for name, b in (("old bias", bias), ("exact Eq. (14)", new_exact.astype(np.float32)),
@@ -126,12 +132,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     gap = np.abs(loads["exact Eq. (14)"].astype(int) - loads["histogram, B = 1000"].astype(int))
     print(f"  per expert, exact and histogram loads differ by at most {gap.max()} tokens")
 
+    # Step: The figure
     if args.out is not None:
         plot(args.out, r, chosen, bias, exact, estimate, histogram, load)
     return {"error_over_width": float(error.max() / w), "centred_error_over_width": float(centred_error.max() / w),
             "load_gap": int(gap.max())}
 
 
+# %%
 def plot(out: Path, r, chosen, bias, exact, estimate, histogram, load) -> None:
     import matplotlib
 
@@ -167,5 +175,6 @@ def plot(out: Path, r, chosen, bias, exact, estimate, histogram, load) -> None:
     plt.close(fig)
 
 
+# %%
 if __name__ == "__main__":
     main()

@@ -22,6 +22,7 @@ per rank, $2(p-1)/p \cdot nB$ integers, still independent of $m$; int32 counts,
 enough below $2^{31}$ tokens, would halve it.)
 """
 
+# %%
 from __future__ import annotations
 
 import argparse
@@ -37,6 +38,7 @@ BINS = [10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000]
 K3_N, K3_BINS = 896, 1000
 
 
+# %%
 def batch(m: int, step: int) -> np.ndarray:
     """Scores from a fixed router with unequal expert popularity."""
     rng = np.random.default_rng(SEED)
@@ -46,6 +48,7 @@ def batch(m: int, step: int) -> np.ndarray:
     return router_scores(x, weight)
 
 
+# %%
 def exact_thresholds(r: np.ndarray, m: int) -> np.ndarray:
     """Eq. (14) by sorting: the (q+1)-th smallest r of each column, interpolated for fractional q."""
     q_floor, rest = divmod(m * K, N)
@@ -53,6 +56,7 @@ def exact_thresholds(r: np.ndarray, m: int) -> np.ndarray:
     return (1 - rest / N) * ordered[q_floor] + rest / N * ordered[q_floor + 1]
 
 
+# %%
 def error_sweep(m: int, step: int, bias: np.ndarray) -> list[tuple[int, float, float, float]]:
     """(B, w, largest uncentred error, largest centred error) for every B."""
     scores = batch(m, step)
@@ -67,12 +71,13 @@ def error_sweep(m: int, step: int, bias: np.ndarray) -> list[tuple[int, float, f
     return rows
 
 
+# %%
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="save the figures in this folder")
     args = parser.parse_args(argv)
 
-    # The current bias: one exact step on an earlier batch, so the columns carry their atoms.
+    # Step: The current bias: one exact step on an earlier batch, so the columns carry their atoms.
     previous = batch(32_768, step=0)
     b_tilde = exact_thresholds(required_bias(previous, np.zeros(N, np.float32), K), 32_768)
     bias = (b_tilde - b_tilde.mean()).astype(np.float32)
@@ -90,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
               f"(the bin width {first[1] / last[1]:,.0f}-fold)")
         print()
 
+    # Step: The traffic
     print(f"bytes per layer and step at K3 sizes (n = {K3_N}, B = {K3_BINS}):")
     histogram_bytes = K3_N * K3_BINS * 8
     print(f"{'tokens m':>12} {'raw margins (float32)':>22} {'histogram (int64)':>18} {'ratio':>8}")
@@ -98,11 +104,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print(f"{m:>12,} {raw:>22,} {histogram_bytes:>18,} {raw / histogram_bytes:>8,.2f}")
     print(f"equal cost at m = 2B = {2 * K3_BINS:,} tokens; above it the histogram is cheaper by m / (2B)")
 
+    # Step: The figure
     if args.out is not None:
         plot(args.out, sweeps, histogram_bytes)
     return {"sweeps": sweeps}
 
 
+# %%
 def plot(out: Path, sweeps, histogram_bytes: int) -> None:
     import matplotlib
 
@@ -139,5 +147,6 @@ def plot(out: Path, sweeps, histogram_bytes: int) -> None:
     plt.close(fig)
 
 
+# %%
 if __name__ == "__main__":
     main()

@@ -25,6 +25,7 @@ process (`--ranks`, default 4), the all-reduce becomes a sum of the count
 matrices, and the numbers printed are the same: that is the run shown below.
 """
 
+# %%
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,13 @@ from refimpl.histogram import BiasHistogram, histogram_balancing_update
 from refimpl.routing import router_scores
 
 
+# %%
 def launched_by_mpiexec() -> bool:
     """True when an MPI launcher started this process (MPICH/Hydra, Open MPI or PMIx set these)."""
     return any(name in os.environ for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"))
 
 
+# %%
 def router(n: int, seed: int, width: int = 32) -> tuple[np.ndarray, np.ndarray]:
     """The router every rank shares: weights `[n, width]` and a mean token that makes some experts popular."""
     rng = np.random.default_rng(seed)
@@ -52,6 +55,7 @@ def router(n: int, seed: int, width: int = 32) -> tuple[np.ndarray, np.ndarray]:
     return weight, mean
 
 
+# %%
 def micro_batch_scores(n: int, seed: int, rank: int, micro_batch: int, tokens: int) -> np.ndarray:
     """Scores `[tokens, n]` of one rank's micro-batch: its own tokens, the shared router."""
     weight, mean = router(n, seed)
@@ -59,15 +63,18 @@ def micro_batch_scores(n: int, seed: int, rank: int, micro_batch: int, tokens: i
     return router_scores((x + mean).astype(np.float32), weight)
 
 
+# %%
 def current_bias(n: int, seed: int) -> np.ndarray:
     """The bias $b^{(t)}$ that routes this step (left by the previous one), float32."""
     return (0.05 * np.random.default_rng([seed, 0]).standard_normal(n)).astype(np.float32)
 
 
+# %%
 def checksum(bias: np.ndarray) -> str:
     return hashlib.sha256(bias.tobytes()).hexdigest()[:16]
 
 
+# %%
 def rank_step(rank: int, args: argparse.Namespace) -> BiasHistogram:
     """What one rank does during the step: count its micro-batches, no communication."""
     bias = current_bias(args.experts, args.seed)
@@ -77,11 +84,13 @@ def rank_step(rank: int, args: argparse.Namespace) -> BiasHistogram:
     return histogram
 
 
+# %%
 def report_line(rank: int, local_tokens: int, local_counts: int, bias: np.ndarray) -> str:
     head = " ".join(f"{v:+.5f}" for v in bias[:3])
     return f"{rank:>4} {local_tokens:>8,} {local_counts:>14,}  {checksum(bias)}  {head}"
 
 
+# %%
 def union_bias(ranks: int, args: argparse.Namespace) -> np.ndarray:
     """A single process holding every rank's tokens as one block."""
     union = np.concatenate([micro_batch_scores(args.experts, args.seed, rank, micro_batch, args.tokens)
@@ -89,6 +98,7 @@ def union_bias(ranks: int, args: argparse.Namespace) -> np.ndarray:
     return histogram_balancing_update([union], current_bias(args.experts, args.seed), args.top_k, args.bins)
 
 
+# %%
 def summary(ranks: int, mode: str, lines: list[str], biases: list[np.ndarray], total: BiasHistogram,
             args: argparse.Namespace) -> bool:
     """Print the gathered reports and the checks; True when every check holds."""
@@ -122,6 +132,7 @@ def summary(ranks: int, mode: str, lines: list[str], biases: list[np.ndarray], t
     return identical and same
 
 
+# %%
 def run_mpi(args: argparse.Namespace) -> bool:
     from mpi4py import MPI
 
@@ -146,6 +157,7 @@ def run_mpi(args: argparse.Namespace) -> bool:
     return bool(comm.bcast(ok, root=0))
 
 
+# %%
 def run_simulated(args: argparse.Namespace) -> bool:
     histograms = [rank_step(rank, args) for rank in range(args.ranks)]
     local = [(h.tokens, int(h.counts.sum())) for h in histograms]
@@ -158,6 +170,7 @@ def run_simulated(args: argparse.Namespace) -> bool:
     return summary(args.ranks, "simulated in one process", lines, biases, histograms[0], args)
 
 
+# %%
 def main(argv: list[str] | None = None) -> bool:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4, help="ranks to simulate when not launched by mpiexec")
@@ -176,5 +189,6 @@ def main(argv: list[str] | None = None) -> bool:
     return ok
 
 
+# %%
 if __name__ == "__main__":
     main()

@@ -14,6 +14,7 @@ check passes. The companion example,
 implementations in the ways real ones break and shows the reports.
 """
 
+# %%
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,7 @@ from refimpl.testing import (
 # ---------------------------------------------------------------------------
 
 
+# %%
 def router(scores: np.ndarray, bias: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
     """Top-k of s + b in float32 (ties to the lower id), weights from the raw scores."""
     s = scores.astype(np.float32)
@@ -44,6 +46,7 @@ def router(scores: np.ndarray, bias: np.ndarray, top_k: int) -> tuple[np.ndarray
     return index, raw / raw.sum(axis=1, keepdims=True)
 
 
+# %%
 def torch_router(scores: np.ndarray, bias: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
     """The same router in PyTorch, behind a NumPy adapter (the first and last two lines)."""
     import torch
@@ -63,6 +66,7 @@ def torch_router(scores: np.ndarray, bias: np.ndarray, top_k: int) -> tuple[np.n
 # ---------------------------------------------------------------------------
 
 
+# %%
 def kth_largest_interpolated(columns: np.ndarray, rank: float) -> np.ndarray:
     """Per column, the `rank`-th largest value (1-based), linear between neighbours for a fractional rank."""
     ordered = -np.sort(-columns, axis=0)  # [m, n], descending
@@ -74,6 +78,7 @@ def kth_largest_interpolated(columns: np.ndarray, rank: float) -> np.ndarray:
     return value
 
 
+# %%
 def qb_update(scores: np.ndarray, bias: np.ndarray, top_k: int) -> np.ndarray:
     """Eq. (14): -(the (q+1)-th largest margin) per expert, centred."""
     s = scores.astype(np.float64)
@@ -91,6 +96,7 @@ def qb_update(scores: np.ndarray, bias: np.ndarray, top_k: int) -> np.ndarray:
 # ---------------------------------------------------------------------------
 
 
+# %%
 def histogram_update(blocks: list[np.ndarray], bias: np.ndarray, top_k: int, bins: int = 1000,
                      rank_offset: int = 1) -> np.ndarray:
     """Count r = alpha - s into [n, B] bins block by block, then read rank q + 1 per expert.
@@ -134,6 +140,7 @@ def histogram_update(blocks: list[np.ndarray], bias: np.ndarray, top_k: int, bin
 # ---------------------------------------------------------------------------
 
 
+# %%
 class Balancer:
     """Holds the bias between steps: route the batch with it, then update it for the next batch."""
 
@@ -147,6 +154,7 @@ class Balancer:
         return index
 
 
+# %%
 def make_balancer(initial_bias: np.ndarray, top_k: int):
     """The factory `check_balancer` calls: a fresh balancer's `step`."""
     return Balancer(initial_bias, top_k).step
@@ -157,14 +165,17 @@ def make_balancer(initial_bias: np.ndarray, top_k: int):
 # ---------------------------------------------------------------------------
 
 
+# %%
 def situ_glu(a: np.ndarray, b: np.ndarray, beta1: float, beta2: float) -> np.ndarray:
     return beta1 * np.tanh(a / beta1) / (1.0 + np.exp(-a)) * (beta2 * np.tanh(b / beta2))
 
 
+# %%
 def rms_norm(u: np.ndarray, gain: np.ndarray, eps: float) -> np.ndarray:
     return u / np.sqrt(np.mean(u * u, axis=-1, keepdims=True) + eps) * gain
 
 
+# %%
 def forward(x: np.ndarray, params: dict, config, *, ranks: int = 2, norm_before_reduce: bool = False) -> np.ndarray:
     """One Stable LatentMoE layer in float32, its routed experts split over `ranks` ranks.
 
@@ -205,6 +216,7 @@ def forward(x: np.ndarray, params: dict, config, *, ranks: int = 2, norm_before_
 # ---------------------------------------------------------------------------
 
 
+# %%
 def torch_available() -> bool:
     try:
         import torch  # noqa: F401
@@ -213,6 +225,7 @@ def torch_available() -> bool:
     return True
 
 
+# %%
 def checks() -> list[tuple[str, object]]:
     """(label, zero-argument call) for every check this example runs."""
     runs = [
@@ -227,6 +240,7 @@ def checks() -> list[tuple[str, object]]:
     return runs
 
 
+# %%
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="output directory (this example draws no figures)")
@@ -241,5 +255,6 @@ def main(argv: list[str] | None = None) -> None:
         print()
 
 
+# %%
 if __name__ == "__main__":
     main()

@@ -11,6 +11,7 @@ The output below is produced by running this script; nothing is written by
 hand.
 """
 
+# %%
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,15 @@ from refimpl.testing import (
 )
 
 
+# %%
 def _load_correct() -> Any:
-    """The correct implementations of example 30, loaded from the file next to this one."""
-    path = Path(__file__).with_name("30_test_your_router.py")
+    """The correct implementations of example 30, loaded from the file next to this one.
+
+    A notebook has no `__file__`: there the file is looked for in `examples/` and in the working directory.
+    """
+    folders = [Path(__file__).parent] if "__file__" in globals() else [Path("examples"), Path(".")]
+    path = next((f / "30_test_your_router.py" for f in folders if (f / "30_test_your_router.py").is_file()),
+                folders[0] / "30_test_your_router.py")
     spec = importlib.util.spec_from_file_location("refimpl_example_30", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -44,6 +51,7 @@ def _load_correct() -> Any:
     return module
 
 
+# %%
 good = _load_correct()
 
 # ---------------------------------------------------------------------------
@@ -51,6 +59,7 @@ good = _load_correct()
 # ---------------------------------------------------------------------------
 
 
+# %%
 def weights_from_biased_scores(scores, bias, top_k):
     """The mixture weights are taken from s + b instead of s."""
     biased = scores + bias
@@ -59,12 +68,14 @@ def weights_from_biased_scores(scores, bias, top_k):
     return index, chosen / chosen.sum(axis=1, keepdims=True)
 
 
+# %%
 def bias_stored_in_bfloat16(scores, bias, top_k):
     """The bias is kept in bfloat16 (as a model's other parameters are), then used in float32."""
     stored = bias.astype(ml_dtypes.bfloat16)
     return good.router(scores, stored.astype(np.float32), top_k)
 
 
+# %%
 def sum_in_bfloat16(scores, bias, top_k):
     """Scores and bias are added in bfloat16, the activation dtype, before the top-k."""
     biased = (scores.astype(ml_dtypes.bfloat16) + bias.astype(ml_dtypes.bfloat16)).astype(np.float32)
@@ -73,11 +84,13 @@ def sum_in_bfloat16(scores, bias, top_k):
     return index, raw / raw.sum(axis=1, keepdims=True)
 
 
+# %%
 def bias_subtracted(scores, bias, top_k):
     """The bias is subtracted (a "beta" convention mixed up with b = -beta)."""
     return good.router(scores, -bias, top_k)
 
 
+# %%
 def tie_order_left_to_the_library(scores, bias, top_k):
     """A top-k whose order among equal scores is whatever the library does (here: higher id first)."""
     n = scores.shape[1]
@@ -92,6 +105,7 @@ def tie_order_left_to_the_library(scores, bias, top_k):
 # ---------------------------------------------------------------------------
 
 
+# %%
 def quantile_one_rank_off(scores, bias, top_k):
     """The q-th largest margin instead of the (q+1)-th: "q tokens should pass" read as "the q-th passes"."""
     s = scores.astype(np.float64)
@@ -101,17 +115,20 @@ def quantile_one_rank_off(scores, bias, top_k):
     return b_tilde - b_tilde.mean()
 
 
+# %%
 def average_of_rank_quantiles(blocks, bias, top_k):
     """Each block reads the bias from its own histogram and the biases are averaged, instead of the counts summed."""
     per_block = [good.histogram_update([block], bias, top_k) for block in blocks if block.shape[0] > 0]
     return np.mean(per_block, axis=0).astype(np.float32)
 
 
+# %%
 def histogram_read_at_rank_q(blocks, bias, top_k):
     """The histogram threshold read where the cumulative count reaches q instead of q + 1."""
     return good.histogram_update(blocks, bias, top_k, rank_offset=0)
 
 
+# %%
 def make_look_ahead_balancer(initial_bias, top_k):
     """Computes the bias from the batch, then routes that same batch with it."""
     state = {"bias": initial_bias.astype(np.float32)}
@@ -129,6 +146,7 @@ def make_look_ahead_balancer(initial_bias, top_k):
 # ---------------------------------------------------------------------------
 
 
+# %%
 def norm_before_reduce(x, params, config):
     """Experts split over two ranks; each rank normalizes its partial latent sum before the all-reduce."""
     return good.forward(x, params, config, ranks=2, norm_before_reduce=True)
@@ -139,6 +157,7 @@ def norm_before_reduce(x, params, config):
 # ---------------------------------------------------------------------------
 
 
+# %%
 @dataclass(frozen=True)
 class Mistake:
     """One deliberate mistake, the check that runs it and the invariant expected to catch it."""
@@ -159,6 +178,7 @@ class Mistake:
         return None
 
 
+# %%
 MISTAKES = [
     Mistake("weights-from-biased-scores", "Mixture weights from the biased scores", weights_from_biased_scores,
             check_router, "weights from raw scores"),
@@ -183,6 +203,7 @@ MISTAKES = [
 ]
 
 
+# %%
 def report(slug: str) -> str:
     """The report of one mistake, as the kit prints it."""
     mistake = next(m for m in MISTAKES if m.slug == slug)
@@ -190,6 +211,7 @@ def report(slug: str) -> str:
     return str(failure) if failure is not None else f"{mistake.check.__name__}: every invariant held"
 
 
+# %%
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="output directory (this example draws no figures)")
@@ -208,5 +230,6 @@ def main(argv: list[str] | None = None) -> None:
         print(failure if failure is not None else "every invariant held")
 
 
+# %%
 if __name__ == "__main__":
     main()

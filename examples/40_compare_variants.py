@@ -35,6 +35,7 @@ experts in all three. What differs is what happens after the choice.
    the experts and half the top-$k$.
 """
 
+# %%
 from __future__ import annotations
 
 import argparse
@@ -52,6 +53,7 @@ from refimpl.latent_moe import init_params, stable_latent_moe
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
+# %%
 def variants(d: int, ell: int, n: int, k: int, f: int) -> dict[str, MoEConfig]:
     """The three layers, identical except for the latent projection and the norm."""
     common = dict(hidden_size=d, num_experts=n, top_k=k, intermediate_size=f, num_shared_experts=1,
@@ -63,6 +65,7 @@ def variants(d: int, ell: int, n: int, k: int, f: int) -> dict[str, MoEConfig]:
     }
 
 
+# %%
 def shared_router_params(configs: dict[str, MoEConfig], gains: np.ndarray, seed: int) -> dict[str, dict]:
     """Weights for each variant, with one router for all and expert e's output scaled by `gains[e]`."""
     params = {name: dict(init_params(config, seed + i)) for i, (name, config) in enumerate(configs.items())}
@@ -73,11 +76,13 @@ def shared_router_params(configs: dict[str, MoEConfig], gains: np.ndarray, seed:
     return params
 
 
+# %%
 def rms(a: np.ndarray) -> np.ndarray:
     """Root mean square over the last axis: one number per token."""
     return np.sqrt(np.mean(np.asarray(a, dtype=np.float64) ** 2, axis=-1))
 
 
+# %%
 def output_scale(x: np.ndarray, configs: dict[str, MoEConfig], params: dict[str, dict], gains: np.ndarray,
                  shifts: list[float]) -> list[dict]:
     """RMS of the routed output per variant while the bias moves tokens toward loud experts.
@@ -102,6 +107,7 @@ def output_scale(x: np.ndarray, configs: dict[str, MoEConfig], params: dict[str,
     return rows
 
 
+# %%
 def scaling_factor_effect(x: np.ndarray, configs: dict[str, MoEConfig], params: dict[str, dict],
                           factors: list[float]) -> list[dict]:
     """RMS of the routed output per variant for several routed scaling factors."""
@@ -116,6 +122,7 @@ def scaling_factor_effect(x: np.ndarray, configs: dict[str, MoEConfig], params: 
     return rows
 
 
+# %%
 def activation_magnitudes(gate: np.ndarray, up: np.ndarray, dtype) -> dict[str, dict]:
     """Store the pre-activations in `dtype`, apply each activation, and measure what comes out.
 
@@ -138,6 +145,7 @@ def activation_magnitudes(gate: np.ndarray, up: np.ndarray, dtype) -> dict[str, 
     return result
 
 
+# %%
 def half_precision(x: np.ndarray, config: MoEConfig, params: dict, scales: list[float]) -> list[dict]:
     """Activation magnitudes of every expert on every token, as the input scale grows."""
     w_down = params["routed_expert_down_proj.weight"]  # [l, d]
@@ -154,6 +162,7 @@ def half_precision(x: np.ndarray, config: MoEConfig, params: dict, scales: list[
     return rows
 
 
+# %%
 def payload_table() -> list[dict]:
     """Bytes per token per all-to-all pass at K3's sizes, from `dispatch_payload`."""
     k3 = MoEConfig.k3()
@@ -172,6 +181,7 @@ def payload_table() -> list[dict]:
     return rows
 
 
+# %%
 def print_table(header: list[str], rows: list[list[str]]) -> None:
     """Print a plain aligned table."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
@@ -180,6 +190,7 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
 
 
+# %%
 def plot(results: dict, out: Path) -> None:
     """Save `output_scale.png` and `half_precision.png` into `out`."""
     import matplotlib
@@ -223,6 +234,7 @@ def plot(results: dict, out: Path) -> None:
     plt.close(fig)
 
 
+# %%
 def main(argv: list[str] | None = None) -> dict:
     """Run the three comparisons, print them, and save the figures when `--out` is given."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -241,6 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"Layers: d = {d}, l = {ell} (plain MoE: l = d), n = {n}, k = {k}, f = {f}; {m} tokens.")
     print("Router, bias and tokens are shared, so every variant picks the same experts.\n")
 
+    # Step 1: Output scale
     print("1. Routed output scale while the bias moves tokens toward loud experts")
     print("   (mean over tokens of RMS(y_routed); in brackets the spread")
     print("   across tokens, std / mean)")
@@ -257,6 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(["factor", *configs], [[f"{r['factor']:g}", *(f"{r[name]:.3f}" for name in configs)]
                                        for r in factor_rows])
 
+    # Step 2: Half precision
     print("\n2. Expert activations stored in 16 bits, as the inputs grow (every expert on every token)")
     stable = configs["Stable LatentMoE"]
     half_rows = half_precision(x, stable, params["Stable LatentMoE"], [1, 4, 16, 64, 256, 1024])
@@ -277,12 +291,14 @@ def main(argv: list[str] | None = None) -> dict:
           f"in bfloat16 on {100 * bf16_overflow:.2f}%.")
     print(f"   SiTU-GLU: {100 * situ_overflow:.2f}% overflow, largest |output| {situ_max:.2f} (bound 100).")
 
+    # Step 3: Payload
     print("\n3. Payload per token per all-to-all pass (dispatch, and again for the combine), K3 sizes")
     pay_rows = payload_table()
     print_table(["variant", "n", "k", "width", "values", "bf16 bytes", "fp8 bytes"],
                 [[r["variant"], str(r["n"]), str(r["k"]), str(r["width"]), f"{r['values']:,}",
                   f"{r['bf16 bytes']:,.0f}", f"{r['fp8 bytes']:,.0f}"] for r in pay_rows])
 
+    # Step: The figures
     results = {"variants": configs, "output_scale": scale_rows, "scaling_factor": factor_rows,
                "half_precision": half_rows, "payload": pay_rows}
     if args.out is not None:
@@ -291,5 +307,6 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
+# %%
 if __name__ == "__main__":
     main()

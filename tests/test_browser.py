@@ -4,9 +4,11 @@ The site built by `test_docs_build.py` is served on 127.0.0.1 from a thread,
 and headless Chromium, driven by Playwright, opens every page. Each page must
 answer 200, log no console error, request nothing outside 127.0.0.1, render
 every formula with KaTeX and no error, load every image, and link only to pages
-and anchors that exist. The reading path is followed from the landing page to
-its last page with the "next" links, search is tried offline, and printing is
-checked. Screenshots of the landing page and of the Eq. (11) page, and a PDF
+and anchors that exist; no navigation label or table of contents shows raw
+LaTeX, and no code line of up to 110 characters scrolls sideways on a
+1280-pixel screen. The reading path is followed from the landing page to its
+last page with the "next" links, every example's "Download as notebook" link
+is followed, search is tried offline, and printing is checked. Screenshots of the landing page and of the Eq. (11) page, and a PDF
 print of the latter, are saved into the build output (`<site>/screenshots/`).
 
 Chromium is looked for in `$CHROMIUM`, then as Debian's `/usr/bin/chromium`,
@@ -117,7 +119,7 @@ class Visitor:
                 timeout=10_000)
         except Exception:
             pass  # reported below as unrendered formulas
-        report = self.page.evaluate("""() => ({
+        report = self.page.evaluate(r"""() => ({
             formulas: document.querySelectorAll('.arithmatex').length,
             unrendered: [...document.querySelectorAll('.arithmatex')]
                 .filter(e => !e.querySelector('.katex')).map(e => e.textContent.slice(0, 80)),
@@ -128,6 +130,12 @@ class Visitor:
             links: [...document.querySelectorAll('a[href]')].map(a => a.href),
             ids: [...document.querySelectorAll('[id]')].map(e => e.id),
             h1: (document.querySelector('h1') || {}).textContent || '',
+            raw_tex_labels: [...document.querySelectorAll('.md-nav__link, .md-header__topic, .md-footer__title')]
+                .map(e => e.textContent.replace(/\s+/g, ' ').trim()).filter(t => t.includes('\\(')),
+            scrolling_code: [...document.querySelectorAll('.md-content pre > code')]
+                .filter(e => Math.max(...e.textContent.split('\n').map(l => l.length)) <= 110)
+                .filter(e => e.scrollWidth > e.clientWidth + 1)
+                .map(e => e.textContent.split('\n').reduce((a, b) => (b.length > a.length ? b : a))),
         })""")
         report.update(path=path, status=response.status if response else None,
                       console=list(self.console), outside=list(self.outside))
@@ -183,6 +191,64 @@ def test_every_image_loads(visits):
     assert visits[""]["images"] >= 1  # the block diagram
 
 
+def test_no_label_shows_raw_latex(visits):
+    """Headings with math reach the table of contents and the navigation typeset, not as `\\(...\\)`."""
+    assert {p: r["raw_tex_labels"] for p, r in visits.items() if r["raw_tex_labels"]} == {}
+    balancing = visits.get("paper/balancing/")
+    if balancing is not None:
+        assert "the-atom-of-ties-at-b_j" in balancing["ids"]
+
+
+def test_code_lines_of_110_characters_show_whole(visits):
+    """On a 1280-pixel screen no code block whose lines fit the project's 110 characters scrolls sideways."""
+    assert {p: r["scrolling_code"] for p, r in visits.items() if r["scrolling_code"]} == {}
+
+
+def test_every_example_page_downloads_its_notebook(server, browser):
+    """The "Download as notebook" link of each example page serves a valid notebook with outputs."""
+    import json
+
+    base, site = server
+    visitor = Visitor(browser, base)
+    pages = sorted(p.parent.name for p in (site / "examples").glob("[0-9][0-9]_*/index.html"))
+    assert pages
+    for stem in pages:
+        visitor.visit(f"examples/{stem}/")
+        link = visitor.page.query_selector("a[download]")
+        assert link is not None, stem
+        href = link.evaluate("a => a.href")
+        assert href == f"{base}examples/{stem}.ipynb"
+        response = visitor.page.request.get(href)
+        assert response.status == 200, stem
+        notebook = json.loads(response.body())
+        assert notebook["nbformat"] == 4
+        outputs = [o for c in notebook["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
+        assert any(o["output_type"] == "stream" for o in outputs), stem
+        with visitor.page.expect_download() as download:
+            link.click()
+        assert download.value.suggested_filename == f"{stem}.ipynb"
+    assert visitor.outside == [] and visitor.console == []
+    visitor.context.close()
+
+
+def test_start_here_tabs_lead_to_their_pages(server, browser):
+    """Each of the landing page's three reading paths is a tab whose first link opens a page of the site."""
+    base, _ = server
+    visitor = Visitor(browser, base)
+    visitor.visit("")
+    labels = visitor.page.eval_on_selector_all(".tabbed-labels label", "ls => ls.map(l => l.textContent.trim())")
+    assert labels[:3] == ["Learning the layer", "Porting it to your framework", "Studying balancing"]
+    for index in range(3):
+        visitor.page.click(f".tabbed-labels label >> nth={index}")
+        link = visitor.page.query_selector(f".tabbed-content .tabbed-block:nth-child({index + 1}) a")
+        assert link is not None and link.is_visible()
+        target = link.evaluate("a => a.href")
+        assert target.startswith(base)
+        assert visitor.page.request.get(target).status == 200
+    assert visitor.outside == [] and visitor.console == []
+    visitor.context.close()
+
+
 def test_internal_links_and_anchors_resolve(visits, server):
     base, site = server
     ids_cache: dict[Path, set[str]] = {}
@@ -213,8 +279,8 @@ def test_internal_links_and_anchors_resolve(visits, server):
 def test_the_reading_path_leads_from_the_landing_page_to_its_end(server, browser):
     """Follow the footer's "next" link from the landing page; the paper's pages come in reading order."""
     base, site = server
-    order = ["config", "activations", "routing", "latent_moe", "accounting", "balancing", "dual", "histogram",
-             "testing"]
+    order = ["config", "activations", "routing", "latent_moe", "backward", "accounting", "mx", "checkpoint",
+             "balancing", "dual", "histogram", "baselines", "expert_parallel", "train", "testing"]
     expected = [f"paper/{m}/" for m in order if (site / "paper" / m / "index.html").is_file()]
     visitor = Visitor(browser, base)
     visitor.visit("")
@@ -233,15 +299,19 @@ def test_the_reading_path_leads_from_the_landing_page_to_its_end(server, browser
         assert "paper/histogram/" in seen
 
 
-def test_search_works_offline(server, browser):
+@pytest.mark.parametrize("query, expected", [("RMSNorm", None), ("quantile", "paper/balancing/")])
+def test_search_works_offline(server, browser, query, expected):
+    """Typing a word into the search box finds the page about it, with every request answered by the site."""
     base, _ = server
     visitor = Visitor(browser, base)
     visitor.visit("")
     visitor.page.click("input.md-search__input")
-    visitor.page.keyboard.type("RMSNorm")
+    visitor.page.keyboard.type(query)
     visitor.page.wait_for_selector(".md-search-result__item", timeout=15_000)
     hits = visitor.page.eval_on_selector_all(".md-search-result__item a", "links => links.map(a => a.href)")
     assert hits and all(hit.startswith(base) for hit in hits)
+    if expected is not None:  # a hit is the page's address, with `?h=<query>` for highlighting and an anchor
+        assert any(urlsplit(hit).path == urlsplit(base + expected).path for hit in hits), hits[:10]
     assert visitor.outside == [] and visitor.console == []
     visitor.context.close()
 

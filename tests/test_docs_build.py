@@ -25,8 +25,10 @@ import pytest
 from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-READING_ORDER = ["config", "activations", "routing", "latent_moe", "accounting", "balancing", "dual",
-                 "histogram", "testing"]
+READING_ORDER = ["config", "activations", "routing", "latent_moe", "backward", "accounting", "mx", "checkpoint",
+                 "balancing", "dual", "histogram", "baselines", "expert_parallel", "train", "testing"]
+#: The stand-alone pages that open the "Studies" section, in this order (any other follows alphabetically).
+STUDIES = ["why-stable", "balance-is-speed", "report-card"]
 
 
 # ---------------------------------------------------------------------------
@@ -176,6 +178,43 @@ def test_literate_docstrings_become_prose_under_a_linkable_heading(gen):
     assert '"""Twice' not in body
     assert "**Parameters**" in body and "- `x` (*float*): The value." in body
     assert "_private" in body and "### `_private`" not in body  # private names get no heading
+
+
+def test_literate_pages_fold_the_opening_imports_to_the_end(gen):
+    """The import block does not open the page: the first code is the first idea, the imports come last, folded."""
+    body = gen.literate(SAMPLE).body
+    assert body.index("## Helpers") < body.index("def double") < body.index("import math")
+    fold = body[body.index('??? note "The imports and exports this file opens with"'):]
+    assert "    ```python\n    import math\n    ```" in fold
+    assert "import math" not in gen.literate(SAMPLE, fold_preamble=False).body.split("## Helpers")[1]
+
+
+def test_an_all_list_after_other_code_is_folded_too(gen):
+    source = 'import math\n\nArray = float  # a type alias\n\n__all__ = ["Array"]\n\n\ndef f():\n    return 1\n'
+    body = gen.literate(source).body
+    fold = body.index("??? note")
+    assert "Array = float" in body[:fold] and "__all__" not in body[:fold]
+    assert "import math" in body[fold:] and '__all__ = ["Array"]' in body[fold:]
+
+
+def test_study_pages_come_in_the_defined_order_then_alphabetically(gen, tmp_path, monkeypatch):
+    for slug in ("zeta", "report-card", "alpha", "why-stable"):
+        (tmp_path / f"{slug}.md").write_text(f"# Title of {slug}\n\nText.\n", encoding="utf-8")
+    (tmp_path / "untitled.md").write_text("No title line.\n", encoding="utf-8")
+    monkeypatch.setattr(gen, "PAGES", tmp_path)
+    pages = gen.study_pages()
+    assert list(pages) == ["why-stable", "report-card", "alpha", "zeta"]
+    assert pages["alpha"][0] == "Title of alpha"
+
+
+def test_start_here_links_only_to_pages_that_exist(gen):
+    modules = {name: gen.Module(name, [gen.PACKAGE / f"{name}.py"]) for name in ("routing", "balancing")}
+    text = gen.start_here(modules, {"10_qb_by_hand"}, {"report-card": ("The report card", Path("x.md"))})
+    assert '=== "Learning the layer"' in text and '=== "Studying balancing"' in text
+    assert "(paper/routing.md)" in text and "(paper/balancing.md)" in text
+    assert "(examples/10_qb_by_hand.md)" in text and "(pages/report-card.md)" in text
+    assert "paper/checkpoint.md" not in text and "examples/01_forward_by_hand.md" not in text
+    assert "pages/why-stable.md" not in text
 
 
 def test_literate_test_methods_get_class_qualified_anchors(gen):
@@ -363,6 +402,57 @@ def test_example_pages_show_output_and_every_figure(site, script):
         assert f'src="{name}"' in markup, name
     if script.stem == "40_compare_variants":
         assert figures == ["half_precision.png", "output_scale.png"]
+
+
+@pytest.mark.slow
+def test_literate_pages_open_with_an_idea_not_with_imports(site):
+    """Outside the folded block, no code on a module's page is the file's opening import block or `__all__`."""
+    for module in existing_modules():
+        path = ROOT / "refimpl" / f"{module}.py"
+        path = path if path.is_file() else ROOT / "refimpl" / module / "__init__.py"
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        statements = tree.body[1:] if ast.get_docstring(tree) is not None else tree.body
+        if not statements or not isinstance(statements[0], ast.Import | ast.ImportFrom):
+            continue
+        opening = ast.unparse(statements[0])
+        markup = page(site, "paper", module.lstrip("_"))
+        article = markup[markup.index("<article"):]
+        unfolded = re.sub(r"<details.*?</details>", "", article, flags=re.S)
+        blocks = [visible_text(b) for b in re.findall(r'<div class="language-python highlight">(.*?)</div>',
+                                                       unfolded, flags=re.S)]
+        assert not any(b.startswith(visible_text(opening)) for b in blocks), module
+        assert not any("__all__ =" in b for b in blocks), module
+        folded = re.findall(r"<details.*?</details>", article, flags=re.S)
+        assert any(visible_text(opening) in visible_text(d) for d in folded), module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", examples(), ids=lambda p: p.stem)
+def test_example_pages_offer_their_notebook(site, script):
+    markup = page(site, "examples", script.stem)
+    assert f'download="{script.stem}.ipynb" href="../{script.stem}.ipynb"' in markup
+    assert "Download as notebook" in markup
+    assert (site / "examples" / f"{script.stem}.ipynb").is_file()
+
+
+@pytest.mark.slow
+def test_study_pages_are_built_and_listed_in_order(site):
+    slugs = sorted(p.stem for p in (ROOT / "docs" / "pages").glob("*.md")) if (ROOT / "docs" / "pages").is_dir() else []
+    order = [s for s in STUDIES if s in slugs] + [s for s in slugs if s not in STUDIES]
+    markup = page(site, "")
+    for slug in order:
+        assert (site / "pages" / slug / "index.html").is_file(), slug
+        assert "refimpl:example-" not in page(site, "pages", slug)  # every marker expanded
+    positions = [markup.index(f'href="pages/{slug}/"') for slug in order]
+    assert positions == sorted(positions)
+
+
+@pytest.mark.slow
+def test_landing_page_offers_three_reading_paths(site):
+    text = visible_text(page(site, ""))
+    for path in ("Learning the layer", "Porting it to your framework", "Studying balancing"):
+        assert path in text
+    assert text.index("Start here") < text.index("Why a latent routed path")
 
 
 @pytest.mark.slow

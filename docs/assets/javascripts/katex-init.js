@@ -25,13 +25,43 @@
     });
   }
 
+  // Headings that hold math reach the table of contents, the navigation and the header as plain
+  // text, "\(-b_j\)" included: typeset those pieces too, so no reader meets raw LaTeX there.
+  var INLINE = /\\\((.+?)\\\)/;
+
+  function typesetLabels(root) {
+    root.querySelectorAll(".md-nav__link, .md-header__topic, .md-footer__title").forEach(function (label) {
+      var walker = document.createTreeWalker(label, NodeFilter.SHOW_TEXT);
+      var found = [];
+      while (walker.nextNode()) {
+        if (INLINE.test(walker.currentNode.nodeValue)) {
+          found.push(walker.currentNode);
+        }
+      }
+      found.forEach(function (node) {
+        var span = document.createElement("span");
+        node.nodeValue.split(/\\\((.+?)\\\)/).forEach(function (piece, index) {
+          if (index % 2 === 0) {
+            span.appendChild(document.createTextNode(piece));
+          } else {
+            var math = document.createElement("span");
+            katex.render(piece, math, {throwOnError: false, strict: "ignore", trust: false});
+            span.appendChild(math);
+          }
+        });
+        node.parentNode.replaceChild(span, node);
+      });
+    });
+  }
+
+  function typesetAll() {
+    typeset(document);
+    typesetLabels(document);
+  }
+
   if (typeof document$ !== "undefined") {
-    document$.subscribe(function () {
-      typeset(document);
-    });
+    document$.subscribe(typesetAll);
   } else {
-    document.addEventListener("DOMContentLoaded", function () {
-      typeset(document);
-    });
+    document.addEventListener("DOMContentLoaded", typesetAll);
   }
 })();
