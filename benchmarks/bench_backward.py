@@ -247,6 +247,14 @@ def main(argv: list[str] | None = None) -> dict:
              "GFLOP/s counts only the matrix products: "
              f"{flops_step / 1e9:.1f} GFLOP per step, three times the forward's {flops_forward / 1e9:.1f}."]
     tables = [(f"Forward + backward, float32, m = {m}", markdown_table(headers, rows))]
+    # The rounds side by side: on a shared machine a round's load touches both alike.
+    turns = [key for key in ("refimpl_step", "torch_careful", "refimpl_forward") if key in timings]
+    round_rows = [[r + 1, *(fmt_seconds(timings[key].runs[r]) for key in turns)]
+                  + ([f"{timings['refimpl_step'].runs[r] / timings['torch_careful'].runs[r]:.2f}"]
+                     if "torch_careful" in timings else [])
+                  for r in range(repeats)]
+    round_headers = ["round", *turns] + (["step / careful"] if "torch_careful" in timings else [])
+    tables.append(("Round by round", markdown_table(round_headers, round_rows)))
     write_results("backward", "Forward + backward: by hand against PyTorch autograd (CPU)", results, tables,
                   output_dir(args), notes=notes)
     return results

@@ -304,7 +304,7 @@ def _combine(sorted_rows: Array, slots: _Slots) -> Array:
 
 @dataclass(frozen=True)
 class _RoutedSaved:
-    """What the routed forward keeps for the backward: the dispatch, and per expert $h$, $\\partial_a\\phi$, $\\partial_b\\phi$."""
+    r"""What the routed forward keeps for the backward: the dispatch, and per expert $h$, $\partial_a\phi$, $\partial_b\phi$."""
 
     slots: _Slots
     hidden: dict[int, tuple[Array, Array, Array]]
