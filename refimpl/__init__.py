@@ -5,6 +5,8 @@ The public API re-exported here follows the paper section by section:
 * configuration: `MoEConfig`;
 * Eq. (12) and Appendix B: `softcap`, `situ_glu`, `swiglu`, their derivatives, `rms_norm`;
 * Eq. (13): `router_scores`, `route`, `selection_cutoff`, `expert_load`;
+* the other routers and balancers: `capacity_keep`, `expert_capacity`, `switch_balance_loss`,
+  `sequence_balance_loss`, `hash_route`, `route_by_hash`;
 * Eq. (11): `init_params`, `MoEParams`, `stable_latent_moe`, `stable_latent_moe_reference`;
 * accounting: `parameter_counts`, `dispatch_payload`, `combinatorial_sparsity`;
 * Eq. (14): `quantile_balancing_update`, `sign_balancing_update`, the stateful balancers;
@@ -43,6 +45,16 @@ from .balancing import (
     sign_balancing_update,
     target_load,
 )
+from .baselines import (
+    capacity_keep,
+    expert_capacity,
+    hash_route,
+    route_by_hash,
+    sequence_balance_loss,
+    sequence_balance_loss_grad,
+    switch_balance_loss,
+    switch_balance_loss_grad,
+)
 from .config import MoEConfig
 from .dual import (
     AssignmentLP,
@@ -68,7 +80,15 @@ from .latent_moe import (
     stable_latent_moe,
     stable_latent_moe_reference,
 )
-from .routing import biased_scores, expert_load, route, router_scores, selection_cutoff
+from .routing import (
+    biased_scores,
+    expert_load,
+    route,
+    router_scores,
+    score_function_values,
+    selection_cutoff,
+    softplus,
+)
 
 __version__ = "0.1.0"
 
@@ -81,6 +101,16 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "softplus",
+    "score_function_values",
+    "switch_balance_loss_grad",
+    "switch_balance_loss",
+    "sequence_balance_loss_grad",
+    "sequence_balance_loss",
+    "route_by_hash",
+    "hash_route",
+    "expert_capacity",
+    "capacity_keep",
     "AssignmentLP",
     "BalanceStep",
     "Balancer",
