@@ -467,3 +467,32 @@ def test_bad_inputs_name_the_argument():
         router_scores(np.ones((1, 2)), np.ones((3, 2)), "relu")
     with pytest.raises(ValueError, match="capacity_factor must be positive"):
         expert_capacity(4, 2, 1, -1.0)
+
+
+# ---------------------------------------------------------------------------
+# The worked examples
+# ---------------------------------------------------------------------------
+
+
+def test_example_70_reproduces_the_seed_asserts(capsys):
+    from conftest import load_example
+
+    result = load_example("70_capacity_by_hand").main([])
+    assert result == {"kept": [[True, False], [False, False], [True, False]], "load": [1, 1]}
+    assert "DROPPED" in capsys.readouterr().out
+
+
+def test_example_71_routes_nine_ways(tmp_path):
+    from conftest import load_example
+
+    rows = {r["router"]: r for r in load_example("71_routers_side_by_side").main(["--out", str(tmp_path)])}
+    assert len(rows) == 9 and (tmp_path / "loads.png").is_file()
+    # Monotone score functions select the same experts: identical loads without a bias.
+    assert np.array_equal(rows["sigmoid"]["sorted_load"], rows["softmax"]["sorted_load"])
+    assert np.array_equal(rows["sigmoid"]["sorted_load"], rows["sqrtsoftplus"]["sorted_load"])
+    # A capacity factor c bounds the overload by c - 1 (up to the rounding of C) and drops the excess.
+    q = 1024 * 4 / 32
+    for c in (1.0, 1.25):
+        row = rows[f"softmax + capacity {c}"]
+        assert row["max_violation"] <= np.ceil(c * q) / q - 1 + 1e-12 and row["dropped"] > 0
+    assert all(rows[name]["dropped"] == 0 for name in rows if "capacity" not in name)
