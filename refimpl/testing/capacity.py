@@ -150,7 +150,7 @@ def check_capacity(fn: Callable[[np.ndarray, np.ndarray, int, int], Any], *, rto
         load = _loads(case.index, kept, case.num_experts)
         over = np.flatnonzero(load > case.capacity)
         if over.size:
-            raise Violation(f"{over.size} experts serve more than the capacity {case.capacity}",
+            raise Violation(f"{over.size} of {case.num_experts} experts serve more than the capacity {case.capacity}",
                             [f"loads of the kept assignments: {load.tolist()}"], case.inputs())
 
     def work_conserving(case: CapacityCase) -> None:
@@ -162,7 +162,7 @@ def check_capacity(fn: Callable[[np.ndarray, np.ndarray, int, int], Any], *, rto
             i, r = np.argwhere(needless)[0]
             raise Violation(
                 f"{int(needless.sum())} assignments were dropped although their expert had room",
-                [f"token {i}, rank {r}: expert {case.index[i, r]} serves {load[case.index[i, r]]} "
+                [f"token {i}, rank {r + 1}: expert {case.index[i, r]} serves {load[case.index[i, r]]} "
                  f"< capacity {case.capacity}"], case.inputs())
 
     def rank_order(case: CapacityCase) -> None:
@@ -174,8 +174,8 @@ def check_capacity(fn: Callable[[np.ndarray, np.ndarray, int, int], Any], *, rto
             dropped_rank = ranks[~kept[at]]
             if served_rank.size and dropped_rank.size and dropped_rank.min() < served_rank.max():
                 raise Violation(
-                    f"expert {e} served a rank-{served_rank.max()} choice while it dropped a "
-                    f"rank-{dropped_rank.min()} choice",
+                    f"expert {e} served a choice of rank {served_rank.max() + 1} while it dropped a choice "
+                    f"of rank {dropped_rank.min() + 1} (rank 1 = a token's first choice)",
                     ["slots must be served rank by rank: every token's first choice before any "
                      "token's second choice (serving each token's k choices together, token after "
                      "token, gives this)"], case.inputs())
@@ -188,7 +188,7 @@ def check_capacity(fn: Callable[[np.ndarray, np.ndarray, int, int], Any], *, rto
                 served, dropped = tokens[kept[tokens, r]], tokens[~kept[tokens, r]]
                 if served.size and dropped.size and dropped.min() < served.max():
                     raise Violation(
-                        f"at rank {r}, expert {e} served token {served.max()} but dropped the earlier "
+                        f"at rank {r + 1}, expert {e} served token {served.max()} but dropped the earlier "
                         f"token {dropped.min()}", ["within a rank, tokens are served in input order"],
                         case.inputs())
 
