@@ -50,6 +50,7 @@ from .baselines import (
     expert_capacity,
     hash_route,
     route_by_hash,
+    score_function_vjp,
     sequence_balance_loss,
     sequence_balance_loss_grad,
     switch_balance_loss,
@@ -101,6 +102,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "score_function_vjp",
     "softplus",
     "score_function_values",
     "switch_balance_loss_grad",

@@ -112,7 +112,8 @@ import math
 from fractions import Fraction
 
 from ._xp import Array, array_namespace, bincount, topk
-from .routing import softmax
+from .activations import sigmoid
+from .routing import SCORE_FUNCTIONS, softmax, softplus
 from .validation import check_float_array, check_int
 
 __all__ = [
@@ -120,6 +121,7 @@ __all__ = [
     "expert_capacity",
     "hash_route",
     "route_by_hash",
+    "score_function_vjp",
     "sequence_balance_loss",
     "sequence_balance_loss_grad",
     "switch_balance_loss",
@@ -262,12 +264,39 @@ def switch_balance_loss_grad(logits: Array, index: Array, num_experts: int) -> A
     _check_index(index, num_experts)
     _check_probabilities("logits", logits, index, num_experts)
     xp = array_namespace(logits, index)
-    m = logits.shape[0]
-    p = softmax(xp.astype(logits, xp.float64))  # [m, n]
-    # $$g_i = n f_i / m$$
-    g = num_experts * _assignment_fraction(index, num_experts) / m  # [n]
-    # $$\partial\mathcal{L}/\partial z_{t,j} = p_{t,j}\,(g_j - p_t \cdot g)$$
-    return p * (g[None, :] - xp.sum(p * g[None, :], axis=1, keepdims=True))  # [m, n]
+    z = xp.astype(logits, xp.float64)  # [m, n]
+    # $$g_i = \partial\mathcal{L} / \partial p_{t,i} = n f_i / m$$
+    g = num_experts * _assignment_fraction(index, num_experts) / logits.shape[0]  # [n]
+    # Through the softmax: $$\partial\mathcal{L}/\partial z_{t,j} = p_{t,j}\,(g_j - p_t \cdot g)$$
+    return score_function_vjp(z, g[None, :] + xp.zeros_like(z), "softmax")  # [m, n]
+
+
+def score_function_vjp(logits: Array, dscores: Array, score_function: str = "sigmoid") -> Array:
+    r"""Carry a gradient in the scores back to the logits: $\partial\mathcal{L}/\partial z$, `[m, n]`.
+
+    For the auxiliary losses of a training loop whose router is not a softmax:
+
+    * sigmoid: $\partial s / \partial z = s (1 - s)$;
+    * softmax: $\partial\mathcal{L}/\partial z_j = p_j (g_j - \sum_i p_i g_i)$;
+    * sqrt-softplus: $\partial s / \partial z = \sigma(z) / (2 \sqrt{\operatorname{softplus}(z)})$.
+    """
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+    check_float_array("logits", logits, ndim=2)
+    check_float_array("dscores", dscores, ndim=2)
+    if tuple(dscores.shape) != tuple(logits.shape):
+        raise ValueError(f"dscores must have the shape of logits {list(logits.shape)}, got {list(dscores.shape)}")
+    xp = array_namespace(logits, dscores)
+    if score_function == "sigmoid":
+        s = sigmoid(logits)
+        # $$\partial s / \partial z = s\,(1 - s)$$
+        return dscores * s * (1.0 - s)
+    if score_function == "softmax":
+        p = softmax(logits)
+        # $$\partial\mathcal{L}/\partial z_j = p_j\,(g_j - p \cdot g)$$
+        return p * (dscores - xp.sum(p * dscores, axis=-1, keepdims=True))
+    # $$\partial s / \partial z = \sigma(z) \,/\, \bigl(2\sqrt{\operatorname{softplus}(z)}\bigr)$$
+    return dscores * sigmoid(logits) / (2.0 * xp.sqrt(softplus(logits)))
 
 
 # ---------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from refimpl import (
     route,
     route_by_hash,
     router_scores,
+    score_function_vjp,
     sequence_balance_loss,
     sequence_balance_loss_grad,
     softplus,
@@ -242,6 +243,18 @@ def test_switch_loss_gradient_matches_autograd():
     np.testing.assert_allclose(switch_balance_loss_grad(logits, index, 5), z.grad.numpy(), rtol=1e-10, atol=1e-14)
 
 
+@pytest.mark.parametrize("function", ["sigmoid", "softmax", "sqrtsoftplus"])
+def test_score_function_vjp_matches_autograd(function):
+    rng = np.random.default_rng(5)
+    logits, dscores = rng.normal(0, 4, (6, 5)), rng.standard_normal((6, 5))
+    z = torch.tensor(logits, requires_grad=True)
+    torch_scores = {"sigmoid": torch.sigmoid, "softmax": lambda t: torch.softmax(t, dim=1),
+                    "sqrtsoftplus": lambda t: torch.sqrt(torch.nn.functional.softplus(t))}[function](z)
+    torch_scores.backward(torch.tensor(dscores))
+    np.testing.assert_allclose(score_function_vjp(logits, dscores, function), z.grad.numpy(), rtol=1e-10,
+                               atol=1e-14)
+
+
 # ---------------------------------------------------------------------------
 # DeepSeek's sequence-wise loss
 # ---------------------------------------------------------------------------
@@ -390,6 +403,17 @@ def test_forward_with_switches_matches_the_reference(switches):
         assert np.bincount(out.index[out.kept], minlength=config.n).max() <= capacity
         assert np.all(out.weights[~out.kept] == 0)
         assert (~out.kept).any()  # these capacities do drop on this batch
+
+
+def test_forward_with_capacity_and_hash_on_every_backend(xp):
+    config = MoEConfig.tiny(hash_routing=True, capacity_factor=1.0, score_function="sqrtsoftplus")
+    params = init_params(config, 11)
+    x = np.random.default_rng(12).standard_normal((16, config.d)).astype(np.float32)
+    ids = np.arange(100, 116) % 5
+    y = stable_latent_moe(xp.asarray(x), {k: xp.asarray(v) for k, v in params.items()}, config,
+                          token_ids=xp.asarray(ids))
+    np.testing.assert_allclose(to_numpy(y), stable_latent_moe_reference(x, params, config, token_ids=ids),
+                               rtol=2e-4, atol=2e-5)
 
 
 def test_dropped_assignments_contribute_nothing():
