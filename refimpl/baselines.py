@@ -1,4 +1,4 @@
-r"""The other routers and balancers: capacity, auxiliary losses, hash routing.
+r"""The other routers and balancers
 
 Quantile Balancing replaces a line of earlier answers to one question: how do
 $m k$ token-expert assignments spread over $n$ experts so that none is

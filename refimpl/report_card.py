@@ -1,4 +1,4 @@
-r"""The MoE report card: what every MoE report should state, for six designs side by side.
+r"""The MoE report card
 
 The textbook seed ends its MoE chapter with a checklist of what a report on an
 MoE model must contain:
