@@ -130,38 +130,6 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------
-# Input checks
-# ---------------------------------------------------------------------------
-
-def _check_integers(name: str, a: Array, shape_text: str, low: int, high: int) -> None:
-    """`a` must be an integer array of rank `len(shape_text)` with values in `[low, high)`."""
-    rank = shape_text.count(",") + 1
-    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
-        raise TypeError(f"{name} must be an integer array of shape {shape_text}, got {type(a).__name__}")
-    xp = array_namespace(a)
-    if not xp.isdtype(a.dtype, "integral"):
-        raise TypeError(f"{name} must be an integer array, got dtype {a.dtype}")
-    if a.ndim != rank:
-        raise ValueError(f"{name} must have shape {shape_text}, got shape {list(a.shape)}")
-    if math.prod(a.shape) and (int(xp.min(a)) < low or int(xp.max(a)) >= high):
-        raise ValueError(f"{name} must hold integers in [{low}, {high}), got values in "
-                         f"[{int(xp.min(a))}, {int(xp.max(a))}]")
-
-
-def _check_index(index: Array, num_experts: int) -> None:
-    """`index` must be an `[m, k]` integer array of expert ids in `[0, num_experts)`."""
-    _check_integers("index (expert ids)", index, "[m, k]", 0, num_experts)
-
-
-def _check_probabilities(name: str, probs: Array, index: Array, num_experts: int) -> None:
-    check_float_array(name, probs, ndim=2)
-    if tuple(probs.shape) != (index.shape[0], num_experts):
-        raise ValueError(
-            f"{name} must have shape [m, n] = [{index.shape[0]}, {num_experts}] to match index "
-            f"{list(index.shape)} and num_experts={num_experts}, got {list(probs.shape)}")
-
-
-# ---------------------------------------------------------------------------
 # Capacity and token dropping
 # ---------------------------------------------------------------------------
 
@@ -205,7 +173,7 @@ def capacity_keep(index: Array, num_experts: int, capacity: int) -> Array:
     capacity = check_int("capacity", capacity, low=0)
     xp = array_namespace(index)
     m, k = index.shape
-    # Serving order: rank 0 of every token, then rank 1, ...: $$t = r\,m + i$$
+    # Serving order: every token's first choice, then every second choice, ...: $$t = r\,m + i$$
     queue = xp.reshape(index.mT, (k * m,))  # [k*m], expert of each assignment in serving order
     # Group the assignments by expert, keeping serving order inside each group (stable sort).
     order = xp.argsort(queue, stable=True)  # [k*m]
@@ -437,3 +405,35 @@ def route_by_hash(scores: Array, token_ids: Array, top_k: int, *, renormalize: b
         # $$p_{i,j} = s_{i,j} / \textstyle\sum_{r \in \mathcal{T}_i} s_{i,r}$$
         raw = raw / xp.sum(raw, axis=-1, keepdims=True)
     return index, raw * scaling_factor
+
+
+# ---------------------------------------------------------------------------
+# Input checks (used by every function above)
+# ---------------------------------------------------------------------------
+
+def _check_integers(name: str, a: Array, shape_text: str, low: int, high: int) -> None:
+    """`a` must be an integer array of rank `len(shape_text)` with values in `[low, high)`."""
+    rank = shape_text.count(",") + 1
+    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+        raise TypeError(f"{name} must be an integer array of shape {shape_text}, got {type(a).__name__}")
+    xp = array_namespace(a)
+    if not xp.isdtype(a.dtype, "integral"):
+        raise TypeError(f"{name} must be an integer array, got dtype {a.dtype}")
+    if a.ndim != rank:
+        raise ValueError(f"{name} must have shape {shape_text}, got shape {list(a.shape)}")
+    if math.prod(a.shape) and (int(xp.min(a)) < low or int(xp.max(a)) >= high):
+        raise ValueError(f"{name} must hold integers in [{low}, {high}), got values in "
+                         f"[{int(xp.min(a))}, {int(xp.max(a))}]")
+
+
+def _check_index(index: Array, num_experts: int) -> None:
+    """`index` must be an `[m, k]` integer array of expert ids in `[0, num_experts)`."""
+    _check_integers("index (expert ids)", index, "[m, k]", 0, num_experts)
+
+
+def _check_probabilities(name: str, probs: Array, index: Array, num_experts: int) -> None:
+    check_float_array(name, probs, ndim=2)
+    if tuple(probs.shape) != (index.shape[0], num_experts):
+        raise ValueError(
+            f"{name} must have shape [m, n] = [{index.shape[0]}, {num_experts}] to match index "
+            f"{list(index.shape)} and num_experts={num_experts}, got {list(probs.shape)}")
