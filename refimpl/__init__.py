@@ -8,6 +8,7 @@ The public API re-exported here follows the paper section by section:
 * the other routers and balancers: `capacity_keep`, `expert_capacity`, `switch_balance_loss`,
   `sequence_balance_loss`, `hash_route`, `route_by_hash`;
 * Eq. (11): `init_params`, `MoEParams`, `stable_latent_moe`, `stable_latent_moe_reference`;
+* its backward pass by hand: `stable_latent_moe_vjp`;
 * accounting: `parameter_counts`, `dispatch_payload`, `combinatorial_sparsity`;
 * Eq. (14): `quantile_balancing_update`, `sign_balancing_update`, the stateful balancers;
 * Appendix C: `dual_objective`, the coordinate steps, `solve_assignment_lp`;
@@ -32,6 +33,7 @@ from .activations import (
     swiglu,
     swiglu_grad,
 )
+from .backward import stable_latent_moe_vjp
 from .balancing import (
     Balancer,
     BalanceStep,
@@ -163,6 +165,7 @@ __all__ = [
     "solve_assignment_lp",
     "stable_latent_moe",
     "stable_latent_moe_reference",
+    "stable_latent_moe_vjp",
     "subgradient_check",
     "swiglu",
     "swiglu_grad",

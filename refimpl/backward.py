@@ -1,0 +1,426 @@
+r"""The backward pass of Eqs. (11)–(13), by hand.
+
+$$
+y \;=\; \underbrace{\operatorname{GLU}(x G_s^\top, x U_s^\top)\,D_s^\top}_{\text{shared}}
+\;+\; \underbrace{\operatorname{RMSNorm}\!\Bigl(\sum_{e \in \mathcal{T}_i} p_{i,e}\,
+E_e\bigl(W_\downarrow x\bigr)\Bigr) \odot g \; W_\uparrow^\top}_{\text{routed}}
+$$
+
+Training needs, for a loss $L$ and the upstream gradient
+$\bar y = \partial L / \partial y$ (`dy`, shape `[m, d]`), the gradient of $L$
+in the input, $\bar x$, and in every parameter. This page derives each one
+and computes it, stage by stage, in the reverse order of the forward page
+(`refimpl.latent_moe`), so the two read as a pair. A bar over a symbol is
+its gradient: $\bar v = \partial L / \partial v$, with the shape of $v$.
+
+`stable_latent_moe_vjp(x, params, config)` runs the forward pass and returns
+`y` and a function `backward(dy) -> (dx, dparams)`: a vector–Jacobian product
+(VJP), which is what reverse-mode autodiff computes, written out.
+
+**What carries gradient and what does not.** The layer is piecewise smooth.
+The selection $\mathcal{T}_i = \operatorname{argtopk}_k(s_i + b)$ is piecewise
+constant: moving a score a little changes no chosen set (except on a tie,
+where the function jumps), so the selection contributes nothing to the
+derivative. The router still learns, through the **mixture weights**, which
+are raw sigmoid scores of the chosen experts:
+$p_{i,e} = c\,s_{i,e} / \sum_{r \in \mathcal{T}_i} s_{i,r}$. The bias $b$
+enters only the selection, so its gradient is exactly zero; Quantile
+Balancing, not the loss, moves it. `dparams["gate.e_score_correction_bias"]`
+is therefore an array of zeros, there so that `dparams` has exactly the names
+of `params`.
+
+**The order of the stages** (forward numbering):
+
+| stage | forward | backward |
+|---|---|---|
+| 9 | $y = y_s + y_r$ | $\bar y_s = \bar y_r = \bar y$ |
+| 7 | $y_r = v W_\uparrow^\top$ | $\bar W_\uparrow = \bar y^\top v$, $\bar v = \bar y W_\uparrow$ |
+| 6 | $v = \operatorname{RMSNorm}(u) \odot g$ | $\bar g$, $\bar u$ below |
+| 4–5 | $u_i = \sum_e p_{i,e} E_e(z_i)$ | per expert: $\bar D_e, \bar G_e, \bar U_e$; $\bar z$, $\bar p$ |
+| 2 | $p = c\,s_{\mathcal{T}} / \sum s_{\mathcal{T}}$ | $\bar s$ on the chosen entries |
+| 1 | $s = \sigma(x W_r^\top)$ | $\bar W_r$, $\bar x$ |
+| 3 | $z = x W_\downarrow^\top$ | $\bar W_\downarrow = \bar z^\top x$, $\bar x \mathrel{+}= \bar z W_\downarrow$ |
+| 8 | shared GLU | $\bar G_s, \bar U_s, \bar D_s$, $\bar x$ |
+
+Every product $Y = X W^\top$ (the PyTorch `Linear` layout) has the same two
+rules, used over and over below:
+$\bar X = \bar Y W$ and $\bar W = \bar Y^\top X$.
+
+**Saving versus recomputing.** The forward pass of the VJP *is*
+`stable_latent_moe(..., return_intermediates=True)`: its scores, route,
+weights, latent $z$, routed sum $u$ and normed $v$ are kept. What it does not
+keep is each expert's pre-activations $a = z G_e^\top$ and $b = z U_e^\top$
+(the forward transforms them in place). The backward recomputes them, expert
+by expert, as large MoE training does to save memory: two extra products per
+expert, $mk \times 2f$ values never stored. The shared expert's
+pre-activations are recomputed the same way.
+
+**Grouped by expert.** The routed backward loops over experts, never over
+tokens: the $mk$ token-slots are sorted by expert exactly as in the forward,
+each expert gathers its tokens' latents and upstream gradients, and the
+latent gradients of the slots are summed back per token by the same
+slot-at-a-time combine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ._xp import Array, array_namespace, bincount, compute_dtype, to_numpy
+from .activations import _sech2, sigmoid
+from .config import MoEConfig
+from .latent_moe import MoEParams, stable_latent_moe
+from .validation import check_finite, check_float_array
+
+__all__ = ["glu_and_grad", "rms_norm_backward", "stable_latent_moe_vjp"]
+
+Backward = Callable[[Array], tuple[Array, MoEParams]]
+
+
+# ---------------------------------------------------------------------------
+# Eq. (12) differentiated: the expert activation and its two partials
+# ---------------------------------------------------------------------------
+
+def glu_and_grad(a: Array, b: Array, activation: str = "situ", beta: float = 4.0,
+                 linear_beta: float | None = 25.0) -> tuple[Array, Array, Array]:
+    r"""The GLU $h = \phi(a, b)$ and its partials $\partial_a \phi$, $\partial_b \phi$, all three at once.
+
+    For SiTU-GLU, $\phi(a, b) = \gamma(a)\,\lambda(b)$ with the capped gate
+    $\gamma(a) = \operatorname{softcap}(a, \beta_1)\,\sigma(a)$ and the capped
+    up branch $\lambda(b) = \operatorname{softcap}(b, \beta_2)$; `linear_beta=None`
+    leaves the up branch uncapped, $\lambda(b) = b$ (the meaning of an absent
+    `activation_situ_linear_beta` in the released code). For SwiGLU,
+    $\gamma(a) = a\,\sigma(a)$ and $\lambda(b) = b$. In every case
+
+    $$\partial_a \phi = \gamma'(a)\,\lambda(b), \qquad \partial_b \phi = \gamma(a)\,\lambda'(b).$$
+
+    The three share their sigmoid and tanh, which is why they are computed
+    together. `a` and `b` are pre-activations of the same shape, in float32
+    or float64 (the caller's compute dtype).
+    """
+    xp = array_namespace(a, b)
+    sig = sigmoid(a)
+    # $$\sigma'(a) = \sigma(a)\,\sigma(-a)$$ (no cancellation, unlike $\sigma(1 - \sigma)$)
+    sig_prime = sig * sigmoid(-a)
+    if activation == "situ":
+        capped = beta * xp.tanh(a / beta)
+        # $$\gamma(a) = \beta_1 \tanh(a/\beta_1)\,\sigma(a)$$
+        gamma = capped * sig
+        # $$\gamma'(a) = \operatorname{sech}^2(a/\beta_1)\,\sigma(a) + \beta_1\tanh(a/\beta_1)\,\sigma'(a)$$
+        gamma_prime = _sech2(a / beta) * sig + capped * sig_prime
+    else:
+        # $$\gamma(a) = a\,\sigma(a), \qquad \gamma'(a) = \sigma(a) + a\,\sigma'(a)$$
+        gamma = a * sig
+        gamma_prime = sig + a * sig_prime
+    if activation == "situ" and linear_beta is not None:
+        # $$\lambda(b) = \beta_2 \tanh(b/\beta_2), \qquad \lambda'(b) = \operatorname{sech}^2(b/\beta_2)$$
+        lam = linear_beta * xp.tanh(b / linear_beta)
+        lam_prime = _sech2(b / linear_beta)
+        d_up = gamma * lam_prime
+    else:
+        # Uncapped up branch: $$\lambda(b) = b, \qquad \lambda'(b) = 1$$
+        lam = b
+        d_up = gamma
+    return gamma * lam, gamma_prime * lam, d_up
+
+
+def _config_glu_and_grad(a: Array, b: Array, config: MoEConfig) -> tuple[Array, Array, Array]:
+    """`glu_and_grad` with the activation and caps of `config`."""
+    return glu_and_grad(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
+
+
+# ---------------------------------------------------------------------------
+# Stage 6 differentiated: RMSNorm on the latent sum
+# ---------------------------------------------------------------------------
+
+def rms_norm_backward(u: Array, weight: Array, dv: Array, eps: float) -> tuple[Array, Array]:
+    r"""Gradients of $v = \operatorname{RMSNorm}(u) \odot g$ in $u$ and in the gain $g$.
+
+    With $\rho_i = \sqrt{\operatorname{mean}_c(u_{i,c}^2) + \varepsilon}$ and
+    $\hat u_i = u_i / \rho_i$, $v_i = \hat u_i \odot g$, so
+    $\bar g = \sum_i \bar v_i \odot \hat u_i$ and, writing $\bar{\hat u} = \bar v \odot g$,
+
+    $$\bar u_i = \frac{1}{\rho_i}\Bigl(\bar{\hat u}_i - \hat u_i\,
+    \operatorname{mean}_c\bigl(\bar{\hat u}_{i,c}\,\hat u_{i,c}\bigr)\Bigr).$$
+
+    The second term is the norm's own Jacobian: the component of the
+    gradient along $u_i$ is removed (up to $\varepsilon$), because scaling
+    $u_i$ does not change $v_i$. `u`, `dv` are `[m, l]` and `weight` `[l]`;
+    returns `(du [m, l], dweight [l])`.
+    """
+    xp = array_namespace(u, weight, dv)
+    # $$\rho_i = \sqrt{\tfrac{1}{\ell}\textstyle\sum_c u_{i,c}^2 + \varepsilon}$$
+    rho = xp.sqrt(xp.mean(u * u, axis=-1, keepdims=True) + eps)  # [m, 1]
+    u_hat = u / rho  # [m, l]
+    # $$\bar g = \textstyle\sum_i \bar v_i \odot \hat u_i$$
+    dweight = xp.sum(dv * u_hat, axis=0)  # [l]
+    du_hat = dv * weight  # [m, l]
+    # $$\bar u_i = \bigl(\bar{\hat u}_i - \hat u_i \operatorname{mean}(\bar{\hat u}_i \odot \hat u_i)\bigr) / \rho_i$$
+    du = (du_hat - u_hat * xp.mean(du_hat * u_hat, axis=-1, keepdims=True)) / rho  # [m, l]
+    return du, dweight
+
+
+# ---------------------------------------------------------------------------
+# Stages 4–5 differentiated: the routed experts, grouped by expert
+# ---------------------------------------------------------------------------
+
+def routed_experts_backward(z: Array, index: Array, weights: Array, w1: Array, w3: Array, w2: Array,
+                            du: Array, config: MoEConfig) -> tuple[Array, Array, Array, Array, Array]:
+    r"""Gradients of $u_i = \sum_{e \in \mathcal{T}_i} p_{i,e} E_e(z_i)$ in $z$, $p$ and the expert stacks.
+
+    Slot $t$ of token $i$ and expert $e$ computes $a_t = z_i G_e^\top$,
+    $b_t = z_i U_e^\top$ (both $[f]$), $h_t = \phi(a_t, b_t)$ and contributes
+    $p_t\, h_t D_e^\top$ to $u_i$. With $\bar u_i$ given, let
+    $\bar o_t = \bar u_i D_e$ (width $f$), the gradient reaching the hidden
+    activation before the weight. Then
+
+    $$\bar p_t = \bar o_t \cdot h_t, \qquad \bar h_t = p_t\,\bar o_t, \qquad
+    \bar D_e = \textstyle\sum_{t \in e} \bar u_i^\top (p_t h_t),$$
+
+    $$\bar a_t = \bar h_t \odot \partial_a\phi, \quad \bar b_t = \bar h_t \odot \partial_b\phi, \quad
+    \bar G_e = \textstyle\sum_{t \in e} \bar a_t^\top z_i, \quad \bar U_e = \textstyle\sum_{t \in e} \bar b_t^\top z_i,$$
+
+    $$\bar z_i = \textstyle\sum_{t \in i} \bigl(\bar a_t G_e + \bar b_t U_e\bigr).$$
+
+    Shapes: `z`, `du` `[m, l]`; `index`, `weights` `[m, k]`; stacks as in the
+    forward (`w1`, `w3` `[n, f, l]`, `w2` `[n, l, f]`). Returns
+    `(dz [m, l], dweights [m, k], dw1, dw3, dw2)`, the last three in the dtype
+    of `z`. Experts that receive no token get zero gradients.
+    """
+    xp = array_namespace(z, index, weights, du)
+    m, k = index.shape
+    n, ell, f = w2.shape[0], w2.shape[1], w2.shape[2]
+    # The dispatch of the forward: slot $t = i k + r$, sorted by expert (stable).
+    slot_expert = xp.reshape(index, (m * k,))  # [m*k]
+    order = xp.argsort(slot_expert, stable=True)  # [m*k]
+    token_sorted = order // k  # [m*k]
+    p_sorted = xp.take(xp.reshape(weights, (m * k,)), order)[:, None]  # [m*k, 1]
+    count = to_numpy(bincount(slot_expert, n))  # [n]
+    start = np.concatenate(([0], np.cumsum(count)))  # [n + 1]
+    dz_sorted = xp.empty((m * k, ell), dtype=z.dtype)  # [m*k, l]
+    dp_sorted = xp.empty((m * k,), dtype=z.dtype)  # [m*k]
+    dw1 = xp.zeros((n, f, ell), dtype=z.dtype)
+    dw3 = xp.zeros((n, f, ell), dtype=z.dtype)
+    dw2 = xp.zeros((n, ell, f), dtype=z.dtype)
+    for e in np.flatnonzero(count).tolist():
+        rows = slice(int(start[e]), int(start[e + 1]))
+        tokens = token_sorted[rows]
+        z_e = xp.take(z, tokens, axis=0)  # [m_e, l]
+        du_e = xp.take(du, tokens, axis=0)  # [m_e, l]
+        p_e = p_sorted[rows, :]  # [m_e, 1]
+        g_e, u_e, d_e = (xp.astype(w[e, ...], z.dtype, copy=False) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
+        # Recompute the pre-activations: $$a = z G_e^\top, \quad b = z U_e^\top$$
+        h, dh_da, dh_db = _config_glu_and_grad(z_e @ g_e.T, z_e @ u_e.T, config)  # [m_e, f] each
+        # The gradient at the weighted hidden activation: $$\bar o_t = \bar u_i D_e$$
+        o_bar = du_e @ d_e  # [m_e, f]
+        # $$\bar p_t = \bar o_t \cdot h_t$$
+        dp_sorted[rows] = xp.sum(o_bar * h, axis=1)
+        # $$\bar D_e = \textstyle\sum_t \bar u_i^\top (p_t h_t)$$
+        dw2[e, ...] = du_e.T @ (p_e * h)  # [l, f]
+        # $$\bar a_t = p_t\,\bar o_t \odot \partial_a\phi, \qquad \bar b_t = p_t\,\bar o_t \odot \partial_b\phi$$
+        h_bar = p_e * o_bar  # [m_e, f]
+        a_bar = h_bar * dh_da  # [m_e, f]
+        b_bar = h_bar * dh_db  # [m_e, f]
+        # $$\bar G_e = \textstyle\sum_t \bar a_t^\top z_i, \qquad \bar U_e = \textstyle\sum_t \bar b_t^\top z_i$$
+        dw1[e, ...] = a_bar.T @ z_e  # [f, l]
+        dw3[e, ...] = b_bar.T @ z_e  # [f, l]
+        # Each slot's share of the latent gradient: $$\bar a_t G_e + \bar b_t U_e$$
+        dz_sorted[rows, :] = a_bar @ g_e + b_bar @ u_e  # [m_e, l]
+    # Back to slot order: slot $t = i k + r$ sits at sorted position `position[i, r]`.
+    position = xp.reshape(xp.argsort(order), (m, k))  # [m, k]
+    dweights = xp.reshape(xp.take(dp_sorted, xp.reshape(position, (m * k,))), (m, k))  # [m, k]
+    dz = xp.zeros((m, ell), dtype=z.dtype)  # [m, l]
+    for r in range(k):
+        # $$\bar z_i \mathrel{+}= \bar a_{i,r} G_{\mathcal{T}_{i,r}} + \bar b_{i,r} U_{\mathcal{T}_{i,r}}$$ for every token at once
+        dz += xp.take(dz_sorted, position[:, r], axis=0)  # [m, l]
+    return dz, dweights, dw1, dw3, dw2
+
+
+# ---------------------------------------------------------------------------
+# Stage 2 differentiated: the weights through renormalization and scaling
+# ---------------------------------------------------------------------------
+
+def route_backward(scores: Array, index: Array, dweights: Array, *, renormalize: bool,
+                   scaling_factor: float) -> Array:
+    r"""The gradient in the chosen raw scores, `[m, k]`, from the gradient in the weights `dweights` `[m, k]`.
+
+    With $\hat s_{i,r} = s_{i,\mathcal{T}_{i,r}}$, $S_i = \sum_r \hat s_{i,r}$ and
+    $p_{i,r} = c\,\hat s_{i,r} / S_i$, the Jacobian
+    $\partial p_{i,r'}/\partial \hat s_{i,r} = c\,(\delta_{r r'} / S_i - \hat s_{i,r'} / S_i^2)$ gives
+
+    $$\bar{\hat s}_{i,r} = \frac{c}{S_i}\Bigl(\bar p_{i,r} - \sum_{r'} \bar p_{i,r'}\,\frac{\hat s_{i,r'}}{S_i}\Bigr).$$
+
+    The sum is over the chosen experts only, so a token's weights always add
+    to $c$ and moving them all up together does nothing: for $k = 1$ the
+    gradient is exactly zero. Without renormalization, $\bar{\hat s} = c\,\bar p$.
+    The selection itself is piecewise constant and contributes nothing.
+    """
+    xp = array_namespace(scores, index, dweights)
+    s_hat = xp.take_along_axis(xp.astype(scores, dweights.dtype), index, axis=-1)  # [m, k]
+    if not renormalize:
+        # $$\bar{\hat s} = c\,\bar p$$
+        return scaling_factor * dweights
+    s_sum = xp.sum(s_hat, axis=-1, keepdims=True)  # [m, 1]
+    # $$\bar{\hat s}_{i,r} = \tfrac{c}{S_i}\bigl(\bar p_{i,r} - \textstyle\sum_{r'} \bar p_{i,r'} \hat s_{i,r'} / S_i\bigr)$$
+    mean_dp = xp.sum(dweights * s_hat, axis=-1, keepdims=True) / s_sum  # [m, 1]
+    return (scaling_factor / s_sum) * (dweights - mean_dp)
+
+
+def router_backward(scores: Array, index: Array, ds_hat: Array) -> Array:
+    r"""The gradient in the router logits $\ell_{i,j} = x_i \cdot W_r[j]$, `[m, n]`, from that in the chosen scores.
+
+    Only the $k$ chosen entries of each row are non-zero:
+    $\bar\ell_{i,j} = \bar s_{i,j}\,\sigma'(\ell_{i,j}) = \bar s_{i,j}\, s_{i,j}(1 - s_{i,j})$
+    for $j \in \mathcal{T}_i$, and 0 elsewhere (an unchosen expert's score
+    enters no weight). The scatter into the dense `[m, n]` array takes one
+    routing slot at a time, like the combine of the forward: a token's $k$
+    experts are distinct, so no entry is written twice.
+    """
+    xp = array_namespace(scores, index, ds_hat)
+    m, n = scores.shape
+    s_hat = xp.take_along_axis(xp.astype(scores, ds_hat.dtype), index, axis=-1)  # [m, k]
+    # $$\bar\ell_{i,\mathcal{T}_{i,r}} = \bar{\hat s}_{i,r}\, \hat s_{i,r} (1 - \hat s_{i,r})$$
+    dlogit_hat = ds_hat * s_hat * (1.0 - s_hat)  # [m, k]
+    experts = xp.arange(n, dtype=index.dtype)  # [n]
+    dlogits = xp.zeros((m, n), dtype=ds_hat.dtype)  # [m, n]
+    for r in range(index.shape[1]):
+        dlogits += xp.where(index[:, r:r + 1] == experts[None, :], dlogit_hat[:, r:r + 1], 0.0)
+    return dlogits
+
+
+# ---------------------------------------------------------------------------
+# Stage 8 differentiated: the shared experts
+# ---------------------------------------------------------------------------
+
+def shared_experts_backward(x: Array, gate_proj: Array, up_proj: Array, down_proj: Array, dy: Array,
+                            config: MoEConfig) -> tuple[Array, Array, Array, Array]:
+    r"""Gradients of $y_s = \phi(x G_s^\top, x U_s^\top)\,D_s^\top$ in $x$, $G_s$, $U_s$, $D_s$.
+
+    The same rules as one routed expert, on every token and without a
+    weight: $\bar D_s = \bar y^\top h$, $\bar h = \bar y D_s$,
+    $\bar a = \bar h \odot \partial_a\phi$, $\bar b = \bar h \odot \partial_b\phi$,
+    $\bar G_s = \bar a^\top x$, $\bar U_s = \bar b^\top x$ and
+    $\bar x = \bar a G_s + \bar b U_s$. With no shared experts (width 0)
+    every gradient is zero.
+    """
+    xp = array_namespace(x, dy)
+    if gate_proj.shape[0] == 0:
+        return (xp.zeros(x.shape, dtype=x.dtype), xp.zeros(gate_proj.shape, dtype=x.dtype),
+                xp.zeros(up_proj.shape, dtype=x.dtype), xp.zeros(down_proj.shape, dtype=x.dtype))
+    # Recompute the pre-activations: $$a = x G_s^\top, \quad b = x U_s^\top$$
+    h, dh_da, dh_db = _config_glu_and_grad(x @ gate_proj.T, x @ up_proj.T, config)  # [m, N_s f] each
+    # $$\bar D_s = \bar y^\top h, \qquad \bar h = \bar y D_s$$
+    d_down = dy.T @ h  # [d, N_s f]
+    h_bar = dy @ down_proj  # [m, N_s f]
+    # $$\bar a = \bar h \odot \partial_a\phi, \qquad \bar b = \bar h \odot \partial_b\phi$$
+    a_bar = h_bar * dh_da
+    b_bar = h_bar * dh_db
+    # $$\bar G_s = \bar a^\top x, \quad \bar U_s = \bar b^\top x, \quad \bar x = \bar a G_s + \bar b U_s$$
+    return a_bar @ gate_proj + b_bar @ up_proj, a_bar.T @ x, b_bar.T @ x, d_down
+
+
+# ---------------------------------------------------------------------------
+# The whole layer
+# ---------------------------------------------------------------------------
+
+def _check_config_supported(config: MoEConfig) -> None:
+    """The backward covers the sigmoid router without token dropping; refuse anything else by name."""
+    score_function = getattr(config, "score_function", "sigmoid")
+    if score_function != "sigmoid":
+        raise ValueError(
+            f"stable_latent_moe_vjp differentiates the sigmoid router only; config.score_function must be "
+            f"'sigmoid', got {score_function!r}")
+    capacity = getattr(config, "capacity_factor", None)
+    if capacity is not None:
+        raise ValueError(
+            f"stable_latent_moe_vjp does not differentiate capacity dropping; config.capacity_factor must be "
+            f"None, got {capacity!r}")
+
+
+def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array],
+                          config: MoEConfig) -> tuple[Array, Backward]:
+    r"""One Stable LatentMoE layer and its vector–Jacobian product: `(y, backward)`.
+
+    `y` is `stable_latent_moe(x, params, config)`, `[m, d]`, computed by that
+    very function. `backward(dy)` takes the upstream gradient
+    $\bar y = \partial L / \partial y$, `[m, d]`, and returns `(dx, dparams)`:
+    `dx` $= \partial L / \partial x$ `[m, d]` in the dtype of `x`, and `dparams`
+    a `MoEParams` with exactly the names of `params`, each gradient in its
+    parameter's dtype when that is float32 or float64 and in the compute
+    dtype otherwise (a half-precision weight gets a float32 gradient). The
+    bias entry is zeros (the bias only selects). The arithmetic runs in the
+    forward's compute dtype (float32, or float64 for float64 input).
+    `backward` may be called more than once.
+    """
+    _check_config_supported(config)
+    out = stable_latent_moe(x, params, config, return_intermediates=True)  # checks x, params, config
+    xp = array_namespace(x, *params.values())
+    dtype = compute_dtype(xp, x)
+    m, d = x.shape
+
+    def weight(name: str) -> Array:
+        return xp.astype(params[name], dtype, copy=False)
+
+    def backward(dy: Array) -> tuple[Array, MoEParams]:
+        check_float_array("dy", dy, ndim=2)
+        if tuple(dy.shape) != (m, d):
+            raise ValueError(f"dy must have the shape of y, [{m}, {d}], got {list(dy.shape)}")
+        check_finite("dy", dy)
+        grads: dict[str, Array] = {}
+        h = xp.astype(x, dtype, copy=False)  # [m, d]
+        y_bar = xp.astype(dy, dtype, copy=False)  # [m, d]
+        # 9. $$y = y_s + y_r \;\Rightarrow\; \bar y_s = \bar y_r = \bar y$$
+        # 7. The up-projection: $$\bar W_\uparrow = \bar y^\top v, \qquad \bar v = \bar y W_\uparrow$$
+        if config.use_latent_projection:
+            grads["routed_expert_up_proj.weight"] = y_bar.T @ out.v  # [d, l]
+            v_bar = y_bar @ weight("routed_expert_up_proj.weight")  # [m, l]
+        else:
+            v_bar = y_bar
+        # 6. RMSNorm on the latent sum (see `rms_norm_backward`).
+        if config.use_latent_norm:
+            u_bar, grads["routed_expert_norm.weight"] = rms_norm_backward(
+                out.u, weight("routed_expert_norm.weight"), v_bar, config.rms_norm_eps)  # [m, l], [l]
+        else:
+            u_bar = v_bar
+        # 4-5. The routed experts, grouped by expert: $\bar z$, $\bar p$ and the three stacks.
+        z_bar, p_bar, grads["experts.w1"], grads["experts.w3"], grads["experts.w2"] = routed_experts_backward(
+            out.z, out.index, out.weights, params["experts.w1"], params["experts.w3"], params["experts.w2"],
+            u_bar, config)
+        # 2. The weights, through renormalization and scaling, to the chosen raw scores.
+        s_hat_bar = route_backward(out.scores, out.index, p_bar, renormalize=config.renormalize,
+                                   scaling_factor=config.routed_scaling_factor)  # [m, k]
+        # 1. The sigmoid, to the router logits (zero off the chosen experts).
+        logit_bar = router_backward(out.scores, out.index, s_hat_bar)  # [m, n]
+        # $$\bar W_r = \bar\ell^\top x, \qquad \bar x = \bar\ell\, W_r$$
+        grads["gate.weight"] = logit_bar.T @ h  # [n, d]
+        x_bar = logit_bar @ weight("gate.weight")  # [m, d]
+        # The bias only selects: $$\bar b = 0$$
+        grads["gate.e_score_correction_bias"] = xp.zeros(params["gate.e_score_correction_bias"].shape,
+                                                         dtype=dtype)
+        # 3. The down-projection: $$\bar W_\downarrow = \bar z^\top x, \qquad \bar x \mathrel{+}= \bar z W_\downarrow$$
+        if config.use_latent_projection:
+            grads["routed_expert_down_proj.weight"] = z_bar.T @ h  # [l, d]
+            x_bar = x_bar + z_bar @ weight("routed_expert_down_proj.weight")
+        else:
+            x_bar = x_bar + z_bar  # z = x
+        # 8. The shared experts on the full width.
+        shared_x_bar, grads["shared_experts.gate_proj.weight"], grads["shared_experts.up_proj.weight"], \
+            grads["shared_experts.down_proj.weight"] = shared_experts_backward(
+                h, weight("shared_experts.gate_proj.weight"), weight("shared_experts.up_proj.weight"),
+                weight("shared_experts.down_proj.weight"), y_bar, config)
+        x_bar = x_bar + shared_x_bar  # [m, d]
+        dparams = MoEParams((name, xp.astype(grads[name], _grad_dtype(xp, params[name], dtype)))
+                            for name in params)
+        return xp.astype(x_bar, x.dtype), dparams
+
+    return out.y, backward
+
+
+def _grad_dtype(xp: Any, param: Array, dtype: Any) -> Any:
+    """A gradient's dtype: its parameter's, unless that cannot hold it (a packed or integer store)."""
+    if getattr(param, "dtype", None) is not None and param.dtype in (xp.float32, xp.float64):
+        return param.dtype
+    return dtype

@@ -1,0 +1,342 @@
+"""Tests of the hand-written backward pass, `stable_latent_moe_vjp`.
+
+Three independent references:
+
+* **central finite differences** in float64 of the forward pass
+  `stable_latent_moe` (which the tests of `latent_moe` check against two
+  other computations), along random directions, on configurations drawn by
+  Hypothesis; draws where the perturbation would change a token's chosen
+  experts are rejected, since the layer jumps there;
+* **PyTorch autograd** of a transcription of the forward written for this
+  file only: every expert on every token (`einsum`), the route as a dense
+  mask from `torch.topk`, RMSNorm and SiTU-GLU from their formulas;
+* closed forms: the bias gradient is exactly zero, a top-1 renormalized
+  router gets exactly no gradient.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from refimpl._xp import to_numpy
+from refimpl.activations import situ_glu, situ_glu_grad, swiglu, swiglu_grad
+from refimpl.backward import glu_and_grad, rms_norm_backward, stable_latent_moe_vjp
+from refimpl.config import MoEConfig
+from refimpl.latent_moe import init_params, stable_latent_moe
+from refimpl.routing import route, router_scores
+
+torch = pytest.importorskip("torch")
+
+with_xp = settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+# ---------------------------------------------------------------------------
+# Drawing layers
+# ---------------------------------------------------------------------------
+
+@st.composite
+def configs(draw) -> MoEConfig:
+    """Small layers with every switch of `MoEConfig` the backward supports."""
+    use_projection = draw(st.booleans())
+    d = draw(st.integers(3, 7))
+    ell = draw(st.integers(2, d)) if use_projection else d
+    n_group = draw(st.sampled_from([1, 1, 2, 3]))
+    n = n_group * draw(st.integers(2 if n_group > 1 else 3, 4))
+    topk_group = draw(st.integers(1, n_group))
+    reachable = topk_group * (n // n_group)
+    k = draw(st.integers(1, min(reachable, 4)))
+    return MoEConfig.tiny(
+        hidden_size=d, latent_size=ell, num_experts=n, top_k=k,
+        intermediate_size=draw(st.integers(2, 5)),
+        num_shared_experts=draw(st.integers(0, 2)),
+        use_latent_projection=use_projection,
+        use_latent_norm=draw(st.booleans()),
+        renormalize=draw(st.booleans()),
+        routed_scaling_factor=draw(st.sampled_from([1.0, 2.5, 0.7])),
+        activation=draw(st.sampled_from(["situ", "swiglu"])),
+        situ_beta=draw(st.sampled_from([4.0, 1.5])),
+        situ_linear_beta=draw(st.sampled_from([25.0, 2.0])),
+        n_group=n_group, topk_group=topk_group)
+
+
+def make_layer(config: MoEConfig, seed: int, m: int, *, scale: float = 1.0):
+    """float64 weights (gain and bias not at their trivial values), tokens and an upstream gradient."""
+    rng = np.random.default_rng(seed)
+    params = init_params(config, rng, dtype=np.float64, bias_scale=0.2)
+    for name in params:
+        if name == "routed_expert_norm.weight":
+            params[name] = params[name] + 0.3 * rng.standard_normal(params[name].shape)
+        elif name != "gate.e_score_correction_bias":
+            params[name] = scale * params[name]
+    x = 1.5 * rng.standard_normal((m, config.d))
+    dy = rng.standard_normal((m, config.d))
+    return x, params, dy
+
+
+def loss(x, params, config, dy) -> float:
+    return float(np.sum(stable_latent_moe(x, params, config) * dy))
+
+
+def chosen(x, params, config) -> np.ndarray:
+    """The route (expert ids of each token) the forward pass takes."""
+    scores = router_scores(x, params["gate.weight"])
+    index, _ = route(scores, params["gate.e_score_correction_bias"], config.k, n_group=config.n_group,
+                     topk_group=config.topk_group)
+    return index
+
+
+def moved(x, params, name: str, delta):
+    """`(x, params)` with `delta` added to `x` (name "x") or to the parameter `name`."""
+    if name == "x":
+        return x + delta, params
+    return x, {**params, name: params[name] + delta}
+
+
+# ---------------------------------------------------------------------------
+# Finite differences
+# ---------------------------------------------------------------------------
+
+EPS = 1e-6
+
+
+@given(config=configs(), seed=st.integers(0, 2**32 - 1), m=st.integers(1, 6))
+@settings(max_examples=60, deadline=None)
+def test_directional_derivatives_match_central_differences(config, seed, m):
+    """For x and each parameter, <gradient, V> equals (L(θ + εV) - L(θ - εV)) / 2ε along a random V."""
+    x, params, dy = make_layer(config, seed, m)
+    y, backward = stable_latent_moe_vjp(x, params, config)
+    dx, dparams = backward(dy)
+    rng = np.random.default_rng(seed + 1)
+    names = ["x", *(name for name in params if name != "gate.e_score_correction_bias")]
+    for name in names:
+        value = x if name == "x" else params[name]
+        grad = dx if name == "x" else dparams[name]
+        direction = rng.standard_normal(value.shape)
+        plus = moved(x, params, name, +EPS * direction)
+        minus = moved(x, params, name, -EPS * direction)
+        # The layer jumps where a token's chosen set changes: keep only draws away from such ties.
+        assume(np.array_equal(chosen(*plus, config), chosen(*minus, config)))
+        numeric = (loss(*plus, config, dy) - loss(*minus, config, dy)) / (2 * EPS)
+        analytic = float(np.sum(grad * direction))
+        scale = float(np.sum(np.abs(grad * direction))) + 1e-12
+        assert abs(numeric - analytic) <= 1e-6 * scale + 1e-9, (name, numeric, analytic, config)
+
+
+def test_every_entry_matches_central_differences():
+    """Entry by entry, on one small layer with every stage on (norm, projections, shared, renormalized)."""
+    config = MoEConfig.tiny(num_shared_experts=1, routed_scaling_factor=1.7)
+    x, params, dy = make_layer(config, seed=3, m=5)
+    _, backward = stable_latent_moe_vjp(x, params, config)
+    dx, dparams = backward(dy)
+    for name in ["x", *params]:
+        value = x if name == "x" else params[name]
+        numeric = np.zeros_like(value)
+        for idx in np.ndindex(value.shape):
+            step = np.zeros_like(value)
+            step[idx] = EPS
+            plus, minus = moved(x, params, name, step), moved(x, params, name, -step)
+            numeric[idx] = (loss(*plus, config, dy) - loss(*minus, config, dy)) / (2 * EPS)
+        analytic = dx if name == "x" else dparams[name]
+        np.testing.assert_allclose(analytic, numeric, rtol=1e-6, atol=1e-8, err_msg=name)
+
+
+# ---------------------------------------------------------------------------
+# PyTorch autograd of an independent transcription
+# ---------------------------------------------------------------------------
+
+def torch_layer(x, p, config: MoEConfig):
+    """Eq. (11) in PyTorch, every expert on every token, for autograd."""
+    s = torch.sigmoid(x @ p["gate.weight"].T)  # [m, n]
+    biased = (s + p["gate.e_score_correction_bias"]).detach()  # selection only
+    m, n = s.shape
+    if config.n_group > 1:
+        grouped = biased.reshape(m, config.n_group, -1)
+        group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [m, G]
+        keep = torch.zeros_like(group_score).scatter(1, group_score.topk(config.topk_group, dim=-1).indices, 1.0)
+        biased = torch.where(keep.repeat_interleave(n // config.n_group, dim=1) > 0, biased, -torch.inf)
+    mask = torch.zeros_like(s).scatter(1, biased.topk(config.k, dim=-1).indices, 1.0)  # [m, n]
+    w = s * mask
+    if config.renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    w = w * config.routed_scaling_factor
+
+    def act(a, b):
+        if config.activation == "swiglu":
+            return a * torch.sigmoid(a) * b
+        b1, b2 = config.situ_beta, config.situ_linear_beta
+        return b1 * torch.tanh(a / b1) * torch.sigmoid(a) * b2 * torch.tanh(b / b2)
+
+    z = x @ p["routed_expert_down_proj.weight"].T if config.use_latent_projection else x
+    hidden = act(torch.einsum("ml,efl->mef", z, p["experts.w1"]), torch.einsum("ml,efl->mef", z, p["experts.w3"]))
+    u = torch.einsum("me,mef,elf->ml", w, hidden, p["experts.w2"])  # [m, l]
+    if config.use_latent_norm:
+        u = u / torch.sqrt((u * u).mean(-1, keepdim=True) + config.rms_norm_eps) * p["routed_expert_norm.weight"]
+    y = u @ p["routed_expert_up_proj.weight"].T if config.use_latent_projection else u
+    if config.shared_size:
+        shared = act(x @ p["shared_experts.gate_proj.weight"].T, x @ p["shared_experts.up_proj.weight"].T)
+        y = y + shared @ p["shared_experts.down_proj.weight"].T
+    return y
+
+
+def torch_gradients(x, params, config, dy):
+    tx = torch.tensor(x, requires_grad=True)
+    tp = {name: torch.tensor(v, requires_grad=True) for name, v in params.items()}
+    y = torch_layer(tx, tp, config)
+    (y * torch.tensor(dy)).sum().backward()
+    grads = {name: t.grad.numpy() if t.grad is not None else np.zeros(t.shape) for name, t in tp.items()}
+    return y.detach().numpy(), tx.grad.numpy(), grads
+
+
+@given(config=configs(), seed=st.integers(0, 2**32 - 1), m=st.integers(1, 8))
+@settings(max_examples=60, deadline=None)
+def test_matches_pytorch_autograd(config, seed, m):
+    x, params, dy = make_layer(config, seed, m)
+    y, backward = stable_latent_moe_vjp(x, params, config)
+    y_torch, dx_torch, grads_torch = torch_gradients(x, params, config, dy)
+    # torch.topk may order ties differently; with continuous random draws the routes agree.
+    assume(np.allclose(y, y_torch, rtol=1e-10, atol=1e-12))
+    dx, dparams = backward(dy)
+    np.testing.assert_allclose(dx, dx_torch, rtol=1e-9, atol=1e-11)
+    for name, grad in grads_torch.items():
+        np.testing.assert_allclose(dparams[name], grad, rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+def test_on_every_backend_matches_pytorch(xp):
+    """The same array-API code on NumPy, array_api_strict and CuPy, against PyTorch autograd."""
+    config = MoEConfig.tiny(n_group=2, topk_group=1, num_shared_experts=2, routed_scaling_factor=2.0)
+    x, params, dy = make_layer(config, seed=11, m=9)
+    _, dx_torch, grads_torch = torch_gradients(x, params, config, dy)
+    y, backward = stable_latent_moe_vjp(xp.asarray(x), {k: xp.asarray(v) for k, v in params.items()}, config)
+    dx, dparams = backward(xp.asarray(dy))
+    np.testing.assert_allclose(to_numpy(dx), dx_torch, rtol=1e-9, atol=1e-12)
+    assert list(dparams) == list(params)
+    for name, grad in grads_torch.items():
+        np.testing.assert_allclose(to_numpy(dparams[name]), grad, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def test_float32_matches_float64_to_float32_rounding():
+    config = MoEConfig.tiny()
+    x, params, dy = make_layer(config, seed=5, m=16)
+    _, back64 = stable_latent_moe_vjp(x, params, config)
+    dx64, dp64 = back64(dy)
+    p32 = {k: v.astype(np.float32) for k, v in params.items()}
+    y32, back32 = stable_latent_moe_vjp(x.astype(np.float32), p32, config)
+    dx32, dp32 = back32(dy.astype(np.float32))
+    assert dx32.dtype == np.float32 and y32.dtype == np.float32
+    np.testing.assert_allclose(dx32, dx64, rtol=2e-4, atol=2e-5)
+    for name in params:
+        assert dp32[name].dtype == np.float32, name
+        np.testing.assert_allclose(dp32[name], dp64[name], rtol=2e-4, atol=2e-5, err_msg=name)
+
+
+# ---------------------------------------------------------------------------
+# What receives no gradient
+# ---------------------------------------------------------------------------
+
+@given(config=configs(), seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=30, deadline=None)
+def test_bias_gradient_is_exactly_zero(config, seed):
+    x, params, dy = make_layer(config, seed, 5)
+    _, backward = stable_latent_moe_vjp(x, params, config)
+    _, dparams = backward(dy)
+    bias_grad = dparams["gate.e_score_correction_bias"]
+    assert bias_grad.shape == params["gate.e_score_correction_bias"].shape
+    assert np.all(bias_grad == 0.0)
+    assert sorted(dparams) == sorted(params)
+
+
+def test_top1_renormalized_router_gets_no_gradient():
+    """With k = 1 and renormalization every weight is the scaling factor: the router cannot learn through it."""
+    config = MoEConfig.tiny(top_k=1, routed_scaling_factor=1.5)
+    x, params, dy = make_layer(config, seed=2, m=6)
+    _, backward = stable_latent_moe_vjp(x, params, config)
+    _, dparams = backward(dy)
+    assert np.all(dparams["gate.weight"] == 0.0)
+    # Without renormalization the raw score is the weight and the router does learn.
+    config = config.replace(renormalize=False)
+    _, backward = stable_latent_moe_vjp(x, params, config)
+    _, dparams = backward(dy)
+    assert np.count_nonzero(dparams["gate.weight"]) > 0
+
+
+# ---------------------------------------------------------------------------
+# The pieces
+# ---------------------------------------------------------------------------
+
+@given(st.lists(st.floats(-60, 60), min_size=1, max_size=12), st.lists(st.floats(-80, 80), min_size=12,
+                                                                       max_size=12))
+def test_glu_and_grad_agrees_with_the_activation_module(a_list, b_list):
+    """Value and partials equal `situ_glu`/`swiglu` and their derivatives in `refimpl.activations`."""
+    a = np.array(a_list)
+    b = np.array(b_list[:len(a_list)])
+    h, da, db = glu_and_grad(a, b, "situ", 4.0, 25.0)
+    da_ref, db_ref = situ_glu_grad(a, b, 4.0, 25.0)
+    np.testing.assert_allclose(h, situ_glu(a, b, 4.0, 25.0), rtol=1e-13, atol=1e-300)
+    np.testing.assert_allclose(da, da_ref, rtol=1e-12, atol=1e-300)
+    np.testing.assert_allclose(db, db_ref, rtol=1e-12, atol=1e-300)
+    h, da, db = glu_and_grad(a, b, "swiglu")
+    da_ref, db_ref = swiglu_grad(a, b)
+    np.testing.assert_allclose(h, swiglu(a, b), rtol=1e-13, atol=1e-300)
+    np.testing.assert_allclose(da, da_ref, rtol=1e-12, atol=1e-300)
+    np.testing.assert_allclose(db, db_ref, rtol=1e-12, atol=1e-300)
+
+
+def test_glu_and_grad_uncapped_up_branch_matches_pytorch():
+    """`linear_beta=None`: softcap(a) σ(a) · b, against autograd."""
+    rng = np.random.default_rng(0)
+    a, b = 5 * rng.standard_normal(50), 40 * rng.standard_normal(50)
+    h, da, db = glu_and_grad(a, b, "situ", 4.0, None)
+    ta, tb = torch.tensor(a, requires_grad=True), torch.tensor(b, requires_grad=True)
+    th = 4.0 * torch.tanh(ta / 4.0) * torch.sigmoid(ta) * tb
+    th.sum().backward()
+    np.testing.assert_allclose(h, th.detach().numpy(), rtol=1e-13)
+    np.testing.assert_allclose(da, ta.grad.numpy(), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(db, tb.grad.numpy(), rtol=1e-12, atol=1e-15)
+    # Uncapped means large b passes straight through, unlike the capped branch.
+    assert np.max(np.abs(h)) > 100.0
+
+
+def test_rms_norm_backward_matches_pytorch():
+    rng = np.random.default_rng(1)
+    u, g, dv = rng.standard_normal((6, 5)), rng.standard_normal(5), rng.standard_normal((6, 5))
+    u[2] *= 1e-3  # a row whose mean square is near epsilon
+    du, dg = rms_norm_backward(u, g, dv, 1e-5)
+    tu, tg = torch.tensor(u, requires_grad=True), torch.tensor(g, requires_grad=True)
+    v = tu / torch.sqrt((tu * tu).mean(-1, keepdim=True) + 1e-5) * tg
+    (v * torch.tensor(dv)).sum().backward()
+    np.testing.assert_allclose(du, tu.grad.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(dg, tg.grad.numpy(), rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------
+
+def test_bad_upstream_gradient_is_refused_by_name():
+    config = MoEConfig.tiny()
+    x, params, dy = make_layer(config, seed=0, m=3)
+    _, backward = stable_latent_moe_vjp(x, params, config)
+    with pytest.raises(ValueError, match=r"dy must have the shape of y, \[3, 8\], got \[3, 7\]"):
+        backward(dy[:, :7])
+    with pytest.raises(TypeError, match="dy must be a real floating array"):
+        backward(np.ones((3, 8), dtype=np.int64))
+    with pytest.raises(TypeError, match="dy must be an array"):
+        backward([[0.0] * 8] * 3)
+    bad = dy.copy()
+    bad[1, 2] = np.nan
+    with pytest.raises(ValueError, match="dy must be finite"):
+        backward(bad)
+
+
+def test_bad_layer_input_is_refused_by_name():
+    config = MoEConfig.tiny()
+    x, params, _ = make_layer(config, seed=0, m=3)
+    with pytest.raises(ValueError, match=r"x must have shape \[m, 8\]"):
+        stable_latent_moe_vjp(x[:, :5], params, config)
+    with pytest.raises(ValueError, match="missing"):
+        stable_latent_moe_vjp(x, {k: v for k, v in params.items() if k != "experts.w2"}, config)
+    with pytest.raises(TypeError, match="config must be a MoEConfig"):
+        stable_latent_moe_vjp(x, params, {"hidden_size": 8})
