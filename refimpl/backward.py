@@ -327,21 +327,16 @@ def shared_experts_backward(x: Array, gate_proj: Array, up_proj: Array, down_pro
 # ---------------------------------------------------------------------------
 
 def _check_config_supported(config: MoEConfig) -> None:
-    """The backward covers the sigmoid router without token dropping; refuse anything else by name."""
+    """The backward covers the sigmoid router (with or without a capacity); refuse anything else by name."""
     score_function = getattr(config, "score_function", "sigmoid")
     if score_function != "sigmoid":
         raise ValueError(
             f"stable_latent_moe_vjp differentiates the sigmoid router only; config.score_function must be "
             f"'sigmoid', got {score_function!r}")
-    capacity = getattr(config, "capacity_factor", None)
-    if capacity is not None:
-        raise ValueError(
-            f"stable_latent_moe_vjp does not differentiate capacity dropping; config.capacity_factor must be "
-            f"None, got {capacity!r}")
 
 
 def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array],
-                          config: MoEConfig) -> tuple[Array, Backward]:
+                          config: MoEConfig, *, token_ids: Array | None = None) -> tuple[Array, Backward]:
     r"""One Stable LatentMoE layer and its vector–Jacobian product: `(y, backward)`.
 
     `y` is `stable_latent_moe(x, params, config)`, `[m, d]`, computed by that
@@ -353,10 +348,12 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array],
     dtype otherwise (a half-precision weight gets a float32 gradient). The
     bias entry is zeros (the bias only selects). The arithmetic runs in the
     forward's compute dtype (float32, or float64 for float64 input).
-    `backward` may be called more than once.
+    `backward` may be called more than once. `token_ids` (`[m]`) are passed to
+    a hash-routed layer; with a capacity, dropped assignments get no gradient.
     """
     _check_config_supported(config)
-    out = stable_latent_moe(x, params, config, return_intermediates=True)  # checks x, params, config
+    out = stable_latent_moe(x, params, config, return_intermediates=True,
+                            token_ids=token_ids)  # checks x, params, config
     xp = array_namespace(x, *params.values())
     dtype = compute_dtype(xp, x)
     m, d = x.shape
@@ -389,6 +386,9 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array],
         z_bar, p_bar, grads["experts.w1"], grads["experts.w3"], grads["experts.w2"] = routed_experts_backward(
             out.z, out.index, out.weights, params["experts.w1"], params["experts.w3"], params["experts.w2"],
             u_bar, config)
+        # A capacity holds a dropped assignment's weight at zero: no gradient reaches its score.
+        if out.kept is not None:
+            p_bar = p_bar * xp.astype(out.kept, p_bar.dtype)  # [m, k]
         # 2. The weights, through renormalization and scaling, to the chosen raw scores.
         s_hat_bar = route_backward(out.scores, out.index, p_bar, renormalize=config.renormalize,
                                    scaling_factor=config.routed_scaling_factor)  # [m, k]

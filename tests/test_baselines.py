@@ -520,3 +520,40 @@ def test_example_71_routes_nine_ways(tmp_path):
         row = rows[f"softmax + capacity {c}"]
         assert row["max_violation"] <= np.ceil(c * q) / q - 1 + 1e-12 and row["dropped"] > 0
     assert all(rows[name]["dropped"] == 0 for name in rows if "capacity" not in name)
+
+
+# ---------------------------------------------------------------------------
+# Gradients of the switched layer (the backward pass with a capacity or hash routing)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("switches", [dict(capacity_factor=0.75), dict(hash_routing=True, capacity_factor=1.0)],
+                         ids=["capacity", "hash+capacity"])
+def test_vjp_with_capacity_and_hash_matches_central_differences(switches):
+    from refimpl.backward import stable_latent_moe_vjp
+
+    config = MoEConfig.tiny(**switches)
+    params = init_params(config, 13, dtype=np.float64)
+    rng = np.random.default_rng(14)
+    x, dy = rng.standard_normal((12, config.d)), rng.standard_normal((12, config.d))
+    ids = rng.integers(0, 50, 12)
+    y, backward = stable_latent_moe_vjp(x, params, config, token_ids=ids)
+    dx, dparams = backward(dy)
+
+    def objective(x_, params_):
+        return float(np.sum(stable_latent_moe(x_, params_, config, token_ids=ids) * dy))
+
+    eps = 1e-6
+    for name in ("gate.weight", "experts.w2"):
+        flat = params[name].reshape(-1)
+        for j in rng.choice(flat.size, 6, replace=False):
+            plus, minus = dict(params), dict(params)
+            plus[name] = (flat + eps * (np.arange(flat.size) == j)).reshape(params[name].shape)
+            minus[name] = (flat - eps * (np.arange(flat.size) == j)).reshape(params[name].shape)
+            numeric = (objective(x, plus) - objective(x, minus)) / (2 * eps)
+            assert dparams[name].reshape(-1)[j] == pytest.approx(numeric, rel=1e-5, abs=1e-7)
+    i, c = 3, 5
+    step = np.zeros_like(x)
+    step[i, c] = eps
+    assert dx[i, c] == pytest.approx((objective(x + step, params) - objective(x - step, params)) / (2 * eps),
+                                     rel=1e-5, abs=1e-7)
