@@ -48,6 +48,11 @@ $t+1$ (Eq. 14). The balancers are a small table (`BALANCERS`):
 | `sign` | DeepSeek-V3's sign rule $b_j \leftarrow b_j + \gamma\,\operatorname{sign}(q - \text{load}_j)$ |
 | `none` | the bias stays zero |
 
+The rules K3 is compared with join the table from `refimpl.train_baselines`:
+`aux` (an auxiliary balance loss), `seq` (the sign rule with DeepSeek's
+sequence-wise loss), `capacity-1.0` and `capacity-1.25` (token dropping) and
+`hash` (hash routing on the byte being read).
+
 **What is measured.** Every step logs the loss and the *max violation*
 $\max_j \text{load}_j / q - 1$, $q = mk/n$, on that step's batch routed with
 the bias in use at that step (the largest over the layers, and each layer's).
