@@ -5,6 +5,8 @@ The public API re-exported here follows the paper section by section:
 * configuration: `MoEConfig`;
 * Eq. (12) and Appendix B: `softcap`, `situ_glu`, `swiglu`, their derivatives, `rms_norm`;
 * Eq. (13): `router_scores`, `route`, `selection_cutoff`, `expert_load`;
+* the other routers and balancers: `capacity_keep`, `expert_capacity`, `switch_balance_loss`,
+  `sequence_balance_loss`, `hash_route`, `route_by_hash`;
 * Eq. (11): `init_params`, `MoEParams`, `stable_latent_moe`, `stable_latent_moe_reference`;
 * its backward pass by hand: `stable_latent_moe_vjp`;
 * accounting: `parameter_counts`, `dispatch_payload`, `combinatorial_sparsity`;
@@ -48,6 +50,17 @@ from .balancing import (
     sign_balancing_update,
     target_load,
 )
+from .baselines import (
+    capacity_keep,
+    expert_capacity,
+    hash_route,
+    route_by_hash,
+    score_function_vjp,
+    sequence_balance_loss,
+    sequence_balance_loss_grad,
+    switch_balance_loss,
+    switch_balance_loss_grad,
+)
 from .checkpoint import ExpertStack, load_hf_layer, save_hf_layer
 from .config import MoEConfig
 from .dual import (
@@ -85,7 +98,15 @@ from .latent_moe import (
     stable_latent_moe_reference,
 )
 from .mx import mxfp4_decode, mxfp4_encode, mxfp8_round
-from .routing import biased_scores, expert_load, route, router_scores, selection_cutoff
+from .routing import (
+    biased_scores,
+    expert_load,
+    route,
+    router_scores,
+    score_function_values,
+    selection_cutoff,
+    softplus,
+)
 
 __version__ = "0.1.0"
 
@@ -98,6 +119,17 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "score_function_vjp",
+    "softplus",
+    "score_function_values",
+    "switch_balance_loss_grad",
+    "switch_balance_loss",
+    "sequence_balance_loss_grad",
+    "sequence_balance_loss",
+    "route_by_hash",
+    "hash_route",
+    "expert_capacity",
+    "capacity_keep",
     "AssignmentLP",
     "BalanceStep",
     "Balancer",

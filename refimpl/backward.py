@@ -74,8 +74,8 @@ import numpy as np
 from ._xp import Array, array_namespace, bincount, compute_dtype, to_numpy
 from .activations import _sech2, rms_norm, sigmoid
 from .config import MoEConfig
-from .latent_moe import MoEParams, _check_inputs
-from .routing import route, router_scores
+from .latent_moe import MoEParams, _check_inputs, _select
+from .routing import router_scores
 from .validation import check_finite, check_float_array
 
 __all__ = ["glu_and_grad", "rms_norm_backward", "stable_latent_moe_vjp"]
@@ -498,24 +498,16 @@ def shared_experts_backward(x: Array, gate_proj: Array, up_proj: Array, down_pro
 # ---------------------------------------------------------------------------
 
 def _check_config_supported(config: MoEConfig) -> None:
-    """The backward covers the sigmoid router without token dropping; refuse anything else by name."""
+    """The backward covers the sigmoid router (with or without a capacity); refuse anything else by name."""
     score_function = getattr(config, "score_function", "sigmoid")
     if score_function != "sigmoid":
         raise ValueError(
             f"stable_latent_moe_vjp differentiates the sigmoid router only; config.score_function must be "
             f"'sigmoid', got {score_function!r}")
-    if getattr(config, "hash_routing", False):
-        raise ValueError("stable_latent_moe_vjp differentiates the learned router only; config.hash_routing "
-                         "must be False")
-    capacity = getattr(config, "capacity_factor", None)
-    if capacity is not None:
-        raise ValueError(
-            f"stable_latent_moe_vjp does not differentiate capacity dropping; config.capacity_factor must be "
-            f"None, got {capacity!r}")
 
 
 def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array],
-                          config: MoEConfig) -> tuple[Array, Backward]:
+                          config: MoEConfig, *, token_ids: Array | None = None) -> tuple[Array, Backward]:
     r"""One Stable LatentMoE layer and its vector–Jacobian product: `(y, backward)`.
 
     `y` is the layer's output, `[m, d]`, equal to `stable_latent_moe(x,
@@ -527,7 +519,8 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array],
     dtype otherwise (a half-precision weight gets a float32 gradient). The
     bias entry is zeros (the bias only selects). The arithmetic runs in the
     forward's compute dtype (float32, or float64 for float64 input).
-    `backward` may be called more than once.
+    `backward` may be called more than once. `token_ids` (`[m]`) are passed to
+    a hash-routed layer; with a capacity, dropped assignments get no gradient.
     """
     _check_config_supported(config)
     _check_inputs(x, params, config)
@@ -543,9 +536,8 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array],
     h = xp.astype(x, dtype, copy=False)  # [m, d]
     # 1-2. Scores and route (Eq. 13), by the forward's own functions.
     scores = router_scores(h, weight("gate.weight"))  # [m, n]
-    index, weights = route(scores, params["gate.e_score_correction_bias"], config.k,
-                           renormalize=config.renormalize, scaling_factor=config.routed_scaling_factor,
-                           n_group=config.n_group, topk_group=config.topk_group)  # [m, k] each
+    # A hash-routed layer takes its experts from `token_ids`; a capacity zeroes dropped weights (`kept`).
+    index, weights, kept = _select(scores, params["gate.e_score_correction_bias"], config, token_ids)
     weights = xp.astype(weights, dtype)
     # 3. $$z = x W_\downarrow^\top$$
     z = h @ weight("routed_expert_down_proj.weight").T if config.use_latent_projection else h  # [m, l]
@@ -584,6 +576,9 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array],
         # 4-5. The routed experts, grouped by expert: $\bar z$, $\bar p$ and the three stacks.
         z_bar, p_bar, grads["experts.w1"], grads["experts.w3"], grads["experts.w2"] = routed_experts_backward(
             z, routed, params["experts.w1"], params["experts.w3"], params["experts.w2"], u_bar)
+        # A capacity holds a dropped assignment's weight at zero: no gradient reaches its score.
+        if kept is not None:
+            p_bar = p_bar * xp.astype(kept, p_bar.dtype)  # [m, k]
         # 2. The weights, through renormalization and scaling, to the chosen raw scores.
         s_hat_bar = route_backward(scores, index, p_bar, renormalize=config.renormalize,
                                    scaling_factor=config.routed_scaling_factor)  # [m, k]

@@ -25,6 +25,15 @@ compared on the same inputs:
   drops the shared down- and up-projections: an ordinary DeepSeek-style MoE
   whose experts see the full width.
 
+Three further switches run the systems K3 is compared with (the page "The
+other routers and balancers"): `score_function` (`"sigmoid"`, `"softmax"` or
+DeepSeek-V4's `"sqrtsoftplus"`), `capacity_factor` (None: every assignment
+is served; a number $c$: each expert serves at most $\lceil c\,mk/n \rceil$ and
+drops the rest) and `hash_routing` (the layer picks its experts by a fixed
+hash of the token id, DeepSeek-V4's first layers; `num_hash_layers` records how
+many of a model's MoE layers do). Presets give DeepSeek-V3 and, as far as the
+sources go, DeepSeek-V4 Flash and Pro.
+
 `MoEConfig.from_hf_config` reads the Hugging Face configuration of the
 released checkpoint, so a user can build the layer from a `config.json`. It
 gives each key the meaning the reference modeling code gives it, including
@@ -43,10 +52,15 @@ from dataclasses import asdict, dataclass, replace
 from dataclasses import fields as fields_of
 from typing import Any
 
-__all__ = ["ACTIVATIONS", "HF_ABSENT", "HF_KEYS", "TOPK_METHODS", "MoEConfig", "is_moe_layer"]
+__all__ = ["ACTIVATIONS", "HF_ABSENT", "HF_KEYS", "SCORE_FUNCTIONS", "TOPK_METHODS", "MoEConfig",
+           "is_moe_layer"]
 
 #: Activations the experts may use: K3's SiTU-GLU and the SwiGLU it replaces.
 ACTIVATIONS = ("situ", "swiglu")
+
+#: Router score functions (see `refimpl.routing.router_scores`): K3's sigmoid, the
+#: softmax of Switch Transformer and DeepSeek-V2, DeepSeek-V4's square root of softplus.
+SCORE_FUNCTIONS = ("sigmoid", "softmax", "sqrtsoftplus")
 
 #: Top-k methods implemented by `refimpl.routing.route`: DeepSeek-V3's `noaux_tc`
 #: (bias-corrected selection, optionally group-limited), which K3 uses. Other
@@ -109,6 +123,9 @@ class MoEConfig:
     n_group: int = 1
     topk_group: int = 1
     num_moe_layers: int = 92
+    capacity_factor: float | None = None
+    hash_routing: bool = False
+    num_hash_layers: int = 0
 
     # -- the paper's symbols -------------------------------------------------
     @property
@@ -180,8 +197,9 @@ class MoEConfig:
                 raise TypeError(f"MoEConfig.{name} must be True or False, got {type(value).__name__} {value!r}")
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"MoEConfig.topk_method must be one of {TOPK_METHODS}, got {self.topk_method!r}")
-        if self.score_function != "sigmoid":
-            raise ValueError(f"MoEConfig.score_function must be 'sigmoid', got {self.score_function!r}")
+        if self.score_function not in SCORE_FUNCTIONS:
+            raise ValueError(
+                f"MoEConfig.score_function must be one of {SCORE_FUNCTIONS}, got {self.score_function!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MoEConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.num_experts % self.n_group != 0:
@@ -193,6 +211,19 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.top_k={self.top_k} exceeds the {self.topk_group} x "
                 f"{self.num_experts // self.n_group} experts that group-limited routing can reach")
+        # The switches of the other systems (the page "The other routers and balancers").
+        if self.capacity_factor is not None:
+            c = self.capacity_factor
+            if isinstance(c, bool) or not isinstance(c, numbers.Real) or not (math.isfinite(c) and c > 0):
+                raise ValueError(
+                    f"MoEConfig.capacity_factor must be None (no dropping) or a positive finite number, got {c!r}")
+        if not isinstance(self.hash_routing, bool):
+            raise TypeError(f"MoEConfig.hash_routing must be True or False, got "
+                            f"{type(self.hash_routing).__name__} {self.hash_routing!r}")
+        hashed = self.num_hash_layers
+        if isinstance(hashed, bool) or not isinstance(hashed, int) or not 0 <= hashed <= self.num_moe_layers:
+            raise ValueError(f"MoEConfig.num_hash_layers must be an integer in [0, num_moe_layers="
+                             f"{self.num_moe_layers}], got {hashed!r}")
 
     # -- presets -------------------------------------------------------------
     @classmethod
@@ -216,6 +247,59 @@ class MoEConfig:
         """The benchmark layer: d=1024, l=512, n=128, k=8, f=384, shared width 768."""
         fields: dict[str, Any] = dict(hidden_size=1024, latent_size=512, num_experts=128, top_k=8,
                                       intermediate_size=384, num_shared_experts=2, num_moe_layers=1)
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def deepseek_v3(cls, **overrides: Any) -> MoEConfig:
+        """A DeepSeek-V3 MoE layer, from its published `config.json`.
+
+        d=7168, 256 routed experts of hidden size 2048, one shared expert,
+        top-8, sigmoid scores with the `noaux_tc` bias, group-limited routing
+        (8 groups, the best 4), routed scaling factor 2.5, SwiGLU experts, 58
+        MoE layers (61 layers, the first 3 dense). No latent projection and no
+        latent norm: a plain DeepSeekMoE layer.
+        """
+        fields: dict[str, Any] = dict(
+            hidden_size=7168, latent_size=7168, use_latent_projection=False, use_latent_norm=False,
+            num_experts=256, top_k=8, intermediate_size=2048, num_shared_experts=1, activation="swiglu",
+            n_group=8, topk_group=4, routed_scaling_factor=2.5, num_moe_layers=58)
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def deepseek_v4_flash(cls, *, hidden_size: int, **overrides: Any) -> MoEConfig:
+        r"""A DeepSeek-V4 Flash MoE layer, as far as the sources give it; `hidden_size` is yours to choose.
+
+        Given by the textbook seed: one shared expert, 256 routed experts,
+        top-6, expert hidden size 2048, the $\sqrt{\operatorname{softplus}}$
+        affinity, bias balancing (plus a small sequence-wise loss, which is
+        training, not configuration), no node limit on routing (one group),
+        and hash routing in the first three MoE layers (`num_hash_layers=3`;
+        the preset is a learned layer, `hash_routing=False`).
+
+        Not given, so not invented: the model width $d$ (a required argument),
+        the number of layers (`num_moe_layers` is 3, the fewest that hold the
+        three hash-routed layers; set the real count yourself), the routed scaling factor (left at 1.0) and whether the weights
+        are renormalized (left at True, as in DeepSeek-V3). DeepSeek-V4 has
+        no latent projection and no latent norm (a plain MoE, $\ell = d$), and
+        its experts are SwiGLU.
+        """
+        return cls._deepseek_v4(hidden_size, 256, 2048, overrides)
+
+    @classmethod
+    def deepseek_v4_pro(cls, *, hidden_size: int, **overrides: Any) -> MoEConfig:
+        """A DeepSeek-V4 Pro MoE layer: as `deepseek_v4_flash`, with 384 routed experts of hidden size 3072."""
+        return cls._deepseek_v4(hidden_size, 384, 3072, overrides)
+
+    @classmethod
+    def _deepseek_v4(cls, hidden_size: int, num_experts: int, intermediate_size: int,
+                     overrides: dict[str, Any]) -> MoEConfig:
+        fields: dict[str, Any] = dict(
+            hidden_size=hidden_size, latent_size=hidden_size, use_latent_projection=False,
+            use_latent_norm=False, num_experts=num_experts, top_k=6, intermediate_size=intermediate_size,
+            num_shared_experts=1, activation="swiglu", score_function="sqrtsoftplus", num_moe_layers=3,
+            num_hash_layers=3)
         fields.update(overrides)
         return cls(**fields)
 

@@ -50,8 +50,10 @@ Weights use the PyTorch `Linear` layout `[out, in]`, so a projection is
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import array_api_compat
@@ -59,6 +61,7 @@ import numpy as np
 
 from ._xp import Array, array_namespace, bincount, compute_dtype, is_numpy, to_numpy
 from .activations import rms_norm, situ_glu, swiglu
+from .baselines import capacity_keep, expert_capacity, route_by_hash
 from .config import MoEConfig
 from .mx import MX_BLOCK, mxfp8_round
 from .routing import route, router_scores
@@ -334,7 +337,8 @@ class MoEOutput:
     """The output `y` of a layer and every intermediate of Eq. (11), for teaching and tests.
 
     Shapes: `y`, `y_shared`, `y_routed` `[m, d]`; `scores` `[m, n]`; `index`,
-    `weights` `[m, k]`; `z`, `u`, `v` `[m, l]`.
+    `weights` `[m, k]` (zero where a capacity dropped the assignment); `z`, `u`, `v` `[m, l]`;
+    `kept` `[m, k]` bool, or None when the layer has no capacity.
     """
 
     y: Array
@@ -346,6 +350,7 @@ class MoEOutput:
     v: Array
     y_routed: Array
     y_shared: Array
+    kept: Array | None = None  # [m, k] bool, which assignments a capacity served (None: no capacity)
 
 
 def _check_inputs(x: Array, params: Mapping[str, Array], config: MoEConfig) -> None:
@@ -358,13 +363,46 @@ def _check_inputs(x: Array, params: Mapping[str, Array], config: MoEConfig) -> N
     check_params(params, config)
 
 
+def _select(scores: Array, bias: Array, config: MoEConfig,
+            token_ids: Array | None) -> tuple[Array, Array, Array | None]:
+    r"""The router's choice for the layer: `index`, `weights` `[m, k]`, and `kept` (None without a capacity).
+
+    * A learned layer selects by $s + b$ (Eq. 13); a hash-routed layer
+      (`config.hash_routing`, DeepSeek-V4's first layers) takes the experts a
+      hash of `token_ids` gives, weighted by their raw scores.
+    * With a capacity factor $c$, each expert serves at most
+      $C = \lceil c\,mk/n \rceil$ assignments, rank by rank, then token by
+      token; a dropped assignment's weight becomes 0 and the others are
+      **not** renormalized (`capacity_keep`).
+    """
+    if config.hash_routing:
+        if token_ids is None:
+            raise ValueError("token_ids must be given (an [m] integer array) when config.hash_routing is True")
+        index, weights = route_by_hash(scores, token_ids, config.k, renormalize=config.renormalize,
+                                       scaling_factor=config.routed_scaling_factor)  # [m, k] each
+    else:
+        index, weights = route(scores, bias, config.k, renormalize=config.renormalize,
+                               scaling_factor=config.routed_scaling_factor,
+                               n_group=config.n_group, topk_group=config.topk_group)  # [m, k] each
+    if config.capacity_factor is None:
+        return index, weights, None
+    xp = array_namespace(scores)
+    m = scores.shape[0]
+    capacity = expert_capacity(m, config.n, config.k, config.capacity_factor)
+    kept = capacity_keep(index, config.n, capacity)  # [m, k] bool
+    # Dropped assignments contribute nothing: $$p_{i,r} \leftarrow p_{i,r}\,\text{kept}_{i,r}$$
+    return index, weights * xp.astype(kept, weights.dtype), kept
+
+
 def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, *,
-                      return_intermediates: bool = False, mxfp8_inputs: bool = False) -> Array | MoEOutput:
+                      return_intermediates: bool = False, mxfp8_inputs: bool = False,
+                      token_ids: Array | None = None) -> Array | MoEOutput:
     r"""Eq. (11): one Stable LatentMoE layer on a batch `x` of shape `[m, d]`.
 
     `params` is any mapping with the names of `parameter_shapes(config)`; the
     expert stacks may be packed (`load_hf_layer` keeps MXFP4 experts packed
-    and they are decoded one expert at a time).
+    and they are decoded one expert at a time). `token_ids` (`[m]` integers)
+    are needed only by a hash-routed layer (`config.hash_routing`).
     Returns `y`, `[m, d]`, in the dtype of `x` (computed in float32, or float64
     for float64 input); with `return_intermediates=True`, a `MoEOutput` whose
     first field is `y`.
@@ -389,11 +427,10 @@ def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, 
 
     h = xp.astype(x, dtype, copy=False)  # [m, d]
     # 1. Router scores on the full width: $$s = \sigma(x W_r^\top)$$
-    scores = router_scores(h, weight("gate.weight"))  # [m, n]
+    # (or the softmax, or DeepSeek-V4's $\sqrt{\operatorname{softplus}}$, as `config.score_function` says).
+    scores = router_scores(h, weight("gate.weight"), config.score_function)  # [m, n]
     # 2. Selection by $s + b$, weights from raw $s$ (Eq. 13).
-    index, weights = route(scores, params["gate.e_score_correction_bias"], config.k,
-                           renormalize=config.renormalize, scaling_factor=config.routed_scaling_factor,
-                           n_group=config.n_group, topk_group=config.topk_group)  # [m, k] each
+    index, weights, kept = _select(scores, params["gate.e_score_correction_bias"], config, token_ids)
     weights = xp.astype(weights, dtype)
     # 3. One down-projection for all routed experts: $$z = x W_\downarrow^\top$$
     if config.use_latent_projection:
@@ -425,10 +462,25 @@ def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, 
     if not return_intermediates:
         return y
     return MoEOutput(y=y, scores=scores, index=index, weights=weights, z=z, u=u, v=v,
-                     y_routed=y_routed, y_shared=y_shared)
+                     y_routed=y_routed, y_shared=y_shared, kept=kept)
 
 
-def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: MoEConfig) -> np.ndarray:
+def _reference_hash(token_id: int, n: int, k: int, seed: int = 0) -> list[int]:
+    """Hash routing by hand, with Python integers: the `k` experts of largest splitmix64 key."""
+    mask = 2**64 - 1
+
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    v = mix(token_id + (seed << 32))
+    key = [mix((v + (e + 1) * 0x9E3779B97F4A7C15) & mask) >> 1 for e in range(n)]
+    return sorted(range(n), key=lambda e: (-key[e], e))[:k]
+
+
+def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: MoEConfig, *,
+                                token_ids: Array | None = None) -> np.ndarray:
     r"""Eq. (11) by hand: one token at a time, one expert at a time, in float64 NumPy.
 
     The same layer as `stable_latent_moe`, written as directly as possible and
@@ -448,9 +500,28 @@ def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: M
             return (b1 * np.tanh(a / b1) * sig) * (b if b2 is None else b2 * np.tanh(b / b2))
         return a * sig * b
 
-    y = np.zeros_like(xs)
+    def score(logits: np.ndarray) -> np.ndarray:
+        if config.score_function == "softmax":
+            e = np.exp(logits - logits.max())
+            return e / e.sum()
+        if config.score_function == "sqrtsoftplus":
+            return np.sqrt(np.logaddexp(0.0, logits))
+        return 1.0 / (1.0 + np.exp(-logits))
+
+    if config.hash_routing and token_ids is None:
+        raise ValueError("token_ids must be given (an [m] integer array) when config.hash_routing is True")
+    ids = None if token_ids is None else to_numpy(token_ids).tolist()
+    # A capacity, served in the sketch's order: every token's first choice, then every second choice, ...
+    capacity = None
+    if config.capacity_factor is not None:
+        exact = Fraction(str(config.capacity_factor)) * config.k * xs.shape[0] / config.n
+        capacity = math.ceil(exact)
+    routes = []
     for i, x_i in enumerate(xs):
-        s_i = 1.0 / (1.0 + np.exp(-(p["gate.weight"] @ x_i)))  # [n]
+        s_i = score(p["gate.weight"] @ x_i)  # [n]
+        if config.hash_routing:
+            routes.append((s_i, _reference_hash(int(ids[i]), config.n, config.k)))
+            continue
         biased = s_i + p["gate.e_score_correction_bias"]
         allowed = np.ones(config.n, dtype=bool)
         if config.n_group > 1:
@@ -460,10 +531,23 @@ def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: M
             allowed = np.array([j // size in best for j in range(config.n)])
         # Top-k by biased score, ties to the lower id.
         chosen = sorted((j for j in range(config.n) if allowed[j]), key=lambda j: (-biased[j], j))[:config.k]
+        routes.append((s_i, chosen))
+    served = [[True] * config.k for _ in routes]
+    if capacity is not None:
+        load = [0] * config.n
+        for r in range(config.k):
+            for i, (_, chosen) in enumerate(routes):
+                served[i][r] = load[chosen[r]] < capacity
+                load[chosen[r]] += served[i][r]
+
+    y = np.zeros_like(xs)
+    for i, x_i in enumerate(xs):
+        s_i, chosen = routes[i]
         p_i = np.array([s_i[j] for j in chosen])
         if config.renormalize:
             p_i = p_i / p_i.sum()
-        p_i = p_i * config.routed_scaling_factor
+        # Dropped assignments weigh nothing; the others keep their weights (no renormalization).
+        p_i = p_i * config.routed_scaling_factor * np.array(served[i], dtype=float)
         z_i = p["routed_expert_down_proj.weight"] @ x_i if config.use_latent_projection else x_i
         u_i = np.zeros(config.ell)
         for weight_ie, e in zip(p_i, chosen, strict=True):

@@ -20,6 +20,17 @@ scaling factor (1.0 in K3). The bias therefore decides which experts a token
 visits and never how much each contributes; it carries no gradient from the
 language-model loss. Quantile Balancing (Eq. 14) is what sets it.
 
+**Other score functions.** The systems K3 is compared with map the logits
+$z = x W_r^\top$ to scores differently, and `router_scores` computes each of
+them: the softmax of Switch Transformer and of the textbook sketch (the
+experts compete for one unit of probability), and DeepSeek-V4's
+$\sqrt{\operatorname{softplus}(z)}$ (positive and unbounded, written so that it
+stays finite and exact at $z = \pm 80$). Selection and weights then follow the
+same rule as above; with a softmax and `renormalize=True` the weights are
+$e^{z_j} / \sum_{r \in \mathcal{T}_i} e^{z_r}$, the softmax over the chosen
+logits, as in the sketch. The page "The other routers and balancers"
+(`baselines`) puts these rules side by side.
+
 Pitfalls this module guards against, each a bug seen in real routers:
 
 * **Weights from biased scores.** Using $s + b$ in $p$ leaks the balancer into
@@ -43,16 +54,77 @@ from ._xp import Array, array_namespace, bincount, compute_dtype, dtype_name, to
 from .activations import sigmoid
 from .validation import check_finite, check_float_array, check_int, check_positive
 
-__all__ = ["biased_scores", "expert_load", "route", "router_scores", "selection_cutoff"]
+__all__ = [
+    "SCORE_FUNCTIONS",
+    "biased_scores",
+    "expert_load",
+    "route",
+    "router_scores",
+    "score_function_values",
+    "selection_cutoff",
+    "softmax",
+    "softplus",
+]
 
 
-def router_scores(x: Array, router_weight: Array) -> Array:
+#: Score functions `router_scores` computes: K3's sigmoid, the softmax of Switch and of
+#: the seed's sketch, and DeepSeek-V4's square root of softplus.
+SCORE_FUNCTIONS = ("sigmoid", "softmax", "sqrtsoftplus")
+
+
+def softplus(z: Array) -> Array:
+    r"""$\operatorname{softplus}(z) = \log(1 + e^z)$, exact and finite for any finite $z$.
+
+    Written as $\max(z, 0) + \log(1 + e^{-|z|})$: the exponent is never
+    positive, so nothing overflows at large $z$, and for very negative $z$ the
+    result is $e^{z}$ to full relative precision rather than a rounded zero.
+    """
+    xp = array_namespace(z)
+    # $$\operatorname{softplus}(z) = \max(z, 0) + \log\bigl(1 + e^{-|z|}\bigr)$$
+    return xp.maximum(z, 0.0) + xp.log1p(xp.exp(-xp.abs(z)))
+
+
+def softmax(z: Array) -> Array:
+    r"""Softmax over the last axis, $e^{z_j - \max z} / \sum_r e^{z_r - \max z}$ (the shift avoids overflow)."""
+    xp = array_namespace(z)
+    # $$p_j = \frac{e^{z_j - \max_r z_r}}{\sum_r e^{z_r - \max_r z_r}}$$
+    e = xp.exp(z - xp.max(z, axis=-1, keepdims=True))  # [m, n]
+    return e / xp.sum(e, axis=-1, keepdims=True)
+
+
+def score_function_values(logits: Array, score_function: str = "sigmoid") -> Array:
+    r"""Router scores from router logits $z = x W_r^\top$, `[m, n]`.
+
+    * `"sigmoid"` (K3, DeepSeek-V3): $s_{i,j} = \sigma(z_{i,j})$, each score in $(0, 1)$ on its own;
+    * `"softmax"` (Switch Transformer, the textbook sketch): $s_{i,j} = e^{z_{i,j}} / \sum_r e^{z_{i,r}}$,
+      the experts compete and a token's scores sum to one;
+    * `"sqrtsoftplus"` (DeepSeek-V4): $s_{i,j} = \sqrt{\operatorname{softplus}(z_{i,j})}$, positive,
+      growing like $\sqrt{z}$ instead of saturating at one.
+    """
+    if score_function == "sigmoid":
+        # $$s_{i,j} = \sigma(z_{i,j})$$
+        return sigmoid(logits)
+    if score_function == "softmax":
+        # $$s_{i,j} = e^{z_{i,j}} \big/ \textstyle\sum_r e^{z_{i,r}}$$
+        return softmax(logits)
+    if score_function == "sqrtsoftplus":
+        xp = array_namespace(logits)
+        # $$s_{i,j} = \sqrt{\operatorname{softplus}(z_{i,j})}$$
+        return xp.sqrt(softplus(logits))
+    raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+
+
+def router_scores(x: Array, router_weight: Array, score_function: str = "sigmoid") -> Array:
     r"""Router scores $s = \sigma(x W_r^\top)$, `[m, n]`, in float32 or wider.
 
     `x` is `[m, d]` and `router_weight` ($W_r$, HF `gate.weight`) is `[n, d]`.
     The product is formed in float32 whatever the input dtype (float64 stays
-    float64), as the K3 code does.
+    float64), as the K3 code does. `score_function` chooses the map from
+    logits to scores: `"sigmoid"` (K3), `"softmax"` or `"sqrtsoftplus"`
+    (see `score_function_values`).
     """
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
     check_float_array("x", x, ndim=2)
     check_float_array("router_weight", router_weight, ndim=2)
     if router_weight.shape[1] != x.shape[1]:
@@ -61,9 +133,10 @@ def router_scores(x: Array, router_weight: Array) -> Array:
             f"got {list(router_weight.shape)}")
     xp = array_namespace(x, router_weight)
     dtype = compute_dtype(xp, x, router_weight)
-    # $$s_{i,j} = \sigma(x_i \cdot W_r[j])$$
+    # $$z_{i,j} = x_i \cdot W_r[j]$$
     logits = xp.astype(x, dtype, copy=False) @ xp.astype(router_weight, dtype, copy=False).T  # [m, n]
-    return sigmoid(logits)
+    # $$s_{i,j} = \sigma(z_{i,j})$$ (or softmax, or $\sqrt{\operatorname{softplus}}$)
+    return score_function_values(logits, score_function)
 
 
 def _check_scores_and_bias(scores: Array, bias: Array) -> None:

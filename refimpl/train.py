@@ -48,6 +48,11 @@ $t+1$ (Eq. 14). The balancers are a small table (`BALANCERS`):
 | `sign` | DeepSeek-V3's sign rule $b_j \leftarrow b_j + \gamma\,\operatorname{sign}(q - \text{load}_j)$ |
 | `none` | the bias stays zero |
 
+The rules K3 is compared with join the table from `refimpl.train_baselines`:
+`aux` (an auxiliary balance loss), `seq` (the sign rule with DeepSeek's
+sequence-wise loss), `capacity-1.0` and `capacity-1.25` (token dropping) and
+`hash` (hash routing on the byte being read).
+
 **What is measured.** Every step logs the loss and the *max violation*
 $\max_j \text{load}_j / q - 1$, $q = mk/n$, on that step's batch routed with
 the bias in use at that step (the largest over the layers, and each layer's).
@@ -99,10 +104,12 @@ import numpy as np
 
 from .backward import stable_latent_moe_vjp
 from .balancing import Balancer, QuantileBalancer, SignBalancer
+from .baselines import capacity_keep, expert_capacity, score_function_vjp
 from .config import ACTIVATIONS, MoEConfig
 from .histogram import histogram_balancing_update
 from .latent_moe import _glu, init_params, stable_latent_moe
 from .routing import route, router_scores
+from .train_baselines import AuxLossBalancer, CapacityBalancer, HashBalancer, SequenceLossBalancer
 
 __all__ = [
     "BALANCERS",
@@ -345,6 +352,12 @@ BALANCERS: dict[str, Callable[[TrainConfig], Balancer]] = {
                                                 micro_batches=config.micro_batches),
     "sign": lambda config: SignBalancer(config.experts, config.top_k, rate=config.sign_rate),
     "none": lambda config: FrozenBalancer(config.experts, config.top_k),
+    # The other balancers (refimpl.train_baselines): auxiliary losses, capacity with dropping, hash routing.
+    "aux": lambda config: AuxLossBalancer(config.experts, config.top_k),
+    "seq": lambda config: SequenceLossBalancer(config.experts, config.top_k, rate=config.sign_rate),
+    "capacity-1.0": lambda config: CapacityBalancer(config.experts, config.top_k, capacity_factor=1.0),
+    "capacity-1.25": lambda config: CapacityBalancer(config.experts, config.top_k, capacity_factor=1.25),
+    "hash": lambda config: HashBalancer(config.experts, config.top_k),
 }
 
 
@@ -504,6 +517,7 @@ class StepResult:
     grads: dict[str, np.ndarray]
     violations: list[float]
     stats: dict[str, list[float]] = field(default_factory=dict)
+    balancing: dict[str, list[float]] = field(default_factory=dict)  # per layer: aux_loss, drop_rate
 
 
 def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets: np.ndarray,
@@ -525,7 +539,15 @@ def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
     h = _rounded(embedded @ w_mix.T, precision)  # [m, d]
     backs, violations = [], []
     stats: dict[str, list[float]] = {"activation_peak": [], "routed_rms": []}
+    balancing: dict[str, list[float]] = {}
+    token_ids = tokens[:, -1]  # [m], the byte each position reads last (what hash routing keys on)
+    auxiliary_total = 0.0
     for layer, balancer in enumerate(balancers):
+        # The layer's switches for this balancer (a capacity, hash routing), and its token ids if it needs them.
+        layer_moe = moe.replace(**getattr(balancer, "layer_changes", {}))
+        layer_ids = token_ids if layer_moe.hash_routing else None
+        if getattr(balancer, "needs_token_ids", False):
+            balancer.token_ids = token_ids
         # Pre-norm: $$a = \operatorname{RMSNorm}(h) \odot g_l$$
         a, norm_back = rms_norm_vjp(h, params[f"layers.{layer}.norm.weight"], moe.rms_norm_eps)  # [m, d]
         a = _rounded(a, precision)
@@ -540,7 +562,18 @@ def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
         params[_moe_prefix(layer) + BIAS] = step.bias
         # $$\max_j \text{load}_j / q - 1$$
         violations.append(float(step.load.max() / q - 1.0))
-        y, moe_back = stable_latent_moe_vjp(a, layer_params, moe)  # [m, d]
+        # An auxiliary loss on the router scores: its value now, its gradient on the way back.
+        auxiliary = None
+        if hasattr(balancer, "auxiliary"):
+            value, dscores = balancer.auxiliary(np.asarray(scores, dtype=np.float64), np.asarray(step.index))
+            auxiliary_total += balancer.coefficient * value
+            auxiliary = balancer.coefficient * dscores  # [m, n]
+            balancing.setdefault("aux_loss", []).append(value)
+        if layer_moe.capacity_factor is not None:
+            capacity = expert_capacity(m, moe.n, moe.k, layer_moe.capacity_factor)
+            kept = capacity_keep(np.asarray(step.index), moe.n, capacity)  # [m, k], as the layer will serve
+            balancing.setdefault("drop_rate", []).append(float(1.0 - kept.mean()))
+        y, moe_back = stable_latent_moe_vjp(a, layer_params, layer_moe, token_ids=layer_ids)  # [m, d]
         if with_stats:
             out = stable_latent_moe(a, layer_params, moe, return_intermediates=True)
             stats["activation_peak"].append(routed_activation_peak(
@@ -549,7 +582,7 @@ def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
             stats["routed_rms"].append(float(np.sqrt(np.mean(np.asarray(out.u, dtype=np.float64) ** 2))))
         # Residual: $$h^{(l)} = h^{(l-1)} + \operatorname{MoE}_l(a)$$
         h = _rounded(h + _rounded(np.asarray(y), precision), precision)
-        backs.append((norm_back, moe_back))
+        backs.append((norm_back, moe_back, auxiliary, a, layer_params["gate.weight"]))
     # Output: $$z = (\operatorname{RMSNorm}(h^{(L)}) \odot g_f)\, W_{\text{out}}^\top$$
     a_f, final_back = rms_norm_vjp(h, params["norm.weight"], moe.rms_norm_eps)  # [m, d]
     a_f = _rounded(a_f, precision)
@@ -558,7 +591,7 @@ def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
     with np.errstate(invalid="ignore", over="ignore"):
         loss, dlogits = cross_entropy(logits, targets)
     if not math.isfinite(loss):
-        return StepResult(loss, {}, violations, stats)
+        return StepResult(loss, {}, violations, stats, balancing)
 
     # ---- backward: the same path in reverse ----
     grads: dict[str, np.ndarray] = {}
@@ -566,11 +599,16 @@ def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
     grads["out.weight"] = dlogits.T @ a_f  # [256, d]
     dh, grads["norm.weight"] = final_back(dlogits @ w_out)  # [m, d], [d]
     for layer in reversed(range(len(balancers))):
-        norm_back, moe_back = backs[layer]
+        norm_back, moe_back, auxiliary, a, w_gate = backs[layer]
         # The residual passes $\partial h$ through and adds the block's path.
         da, dmoe = moe_back(dh)  # [m, d], the layer's parameter gradients
         for name, value in dmoe.items():
             grads[_moe_prefix(layer) + name] = np.asarray(value)
+        if auxiliary is not None:
+            # The auxiliary loss reaches the router through the sigmoid: $$\bar z = \bar s\, s (1 - s)$$
+            logit_bar = score_function_vjp(a.astype(np.float64) @ w_gate.T.astype(np.float64), auxiliary)  # [m, n]
+            grads[_moe_prefix(layer) + "gate.weight"] += (logit_bar.T @ a).astype(np.float32)  # [n, d]
+            da = np.asarray(da) + (logit_bar @ w_gate).astype(np.float32)  # [m, d]
         dx, grads[f"layers.{layer}.norm.weight"] = norm_back(np.asarray(da))
         dh = dh + dx  # [m, d]
         if with_stats and moe.use_latent_projection:
@@ -584,18 +622,28 @@ def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
     grads["embed.weight"] = np.zeros_like(params["embed.weight"])
     np.add.at(grads["embed.weight"], tokens.reshape(m * c), dembedded)
     grads = {name: value.astype(np.float32) for name, value in grads.items()}
-    return StepResult(loss, grads, violations, stats)
+    if auxiliary_total:
+        balancing["objective"] = [loss + auxiliary_total]  # what the gradient is of; `loss` stays the LM loss
+    return StepResult(loss, grads, violations, stats, balancing)
 
 
 def evaluate(params: Mapping[str, np.ndarray], tokens: np.ndarray, targets: np.ndarray,
-             config: TrainConfig) -> float:
-    """The loss on held-out tokens with the biases frozen as they are (inference: no quantile is computed)."""
+             config: TrainConfig, layer_changes: Sequence[Mapping[str, Any]] | None = None) -> float:
+    """The loss on held-out tokens with the biases frozen as they are (inference: no quantile is computed).
+
+    `layer_changes` are each layer's `MoEConfig` switches (hash routing); a capacity is not applied at
+    evaluation, where nothing is dropped.
+    """
     moe = config.moe_config()
     m, c = tokens.shape
     h = params["embed.weight"][tokens].reshape(m, c * config.embed) @ params["mix.weight"].T  # [m, d]
     for layer in range(config.layers):
         a, _ = rms_norm_vjp(h, params[f"layers.{layer}.norm.weight"], moe.rms_norm_eps)
-        h = h + np.asarray(stable_latent_moe(a, _layer_params(params, layer), moe))
+        changes = {key: value for key, value in (layer_changes or [{}] * config.layers)[layer].items()
+                   if key != "capacity_factor"}
+        layer_moe = moe.replace(**changes)
+        ids = tokens[:, -1] if layer_moe.hash_routing else None
+        h = h + np.asarray(stable_latent_moe(a, _layer_params(params, layer), layer_moe, token_ids=ids))
     a_f, _ = rms_norm_vjp(h, params["norm.weight"], moe.rms_norm_eps)
     loss, _ = cross_entropy(a_f @ params["out.weight"].T, targets)
     return loss
@@ -654,7 +702,7 @@ def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool =
         with_stats = t % config.stats_every == 0 or t == 1 or config.precision != "float32"
         result = forward_backward(params, tokens, targets, balancers, config, with_stats=with_stats)
         record: dict[str, Any] = {"step": t, "loss": result.loss, "max_violation": max(result.violations),
-                                  "max_violation_layers": result.violations}
+                                  "max_violation_layers": result.violations, **result.balancing}
         overflow = bool(result.stats.get("activation_peak")) and max(result.stats["activation_peak"]) > peak_limit
         overflow_steps += overflow
         finite = bool(result.grads) and all(np.all(np.isfinite(g)) for g in result.grads.values())
@@ -669,7 +717,8 @@ def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool =
         if with_stats:
             record.update(result.stats)
         if t % config.eval_every == 0 or t == config.steps:
-            record["eval_loss"] = evaluate(params, eval_tokens, eval_targets, config)
+            record["eval_loss"] = evaluate(params, eval_tokens, eval_targets, config,
+                                           [getattr(b, "layer_changes", {}) for b in balancers])
         records.append(record)
         if progress:
             steps.set_postfix(loss=f"{result.loss:.3f}", viol=f"{record['max_violation']:.2f}")

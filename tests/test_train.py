@@ -304,7 +304,7 @@ def test_command_runs_as_a_module(tmp_path):
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--balancer", "aux"], "invalid choice: 'aux'"),
+    (["--balancer", "magic"], "invalid choice: 'magic'"),
     (["--precision", "float8"], "invalid choice: 'float8'"),
     (["--steps", "0"], "steps must be a positive integer, got 0"),
     (["--experts", "8", "--top-k", "8"], "top_k must be smaller than experts=8"),
@@ -320,7 +320,7 @@ def test_bad_flags_give_clear_errors(flags, message, capsys):
 
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="balancer must be one of"):
-        TrainConfig(balancer="aux")
+        TrainConfig(balancer="magic")
     with pytest.raises(TypeError, match="latent_norm must be True or False"):
         TrainConfig(latent_norm="off")
     assert dataclasses.replace(TrainConfig(), experts=128).target_load == 1024 * 4 / 128

@@ -37,6 +37,7 @@ adapts a PyTorch router).
 | `check_histogram_update` | `fn(blocks, bias, top_k) -> new_bias` | Eq. (14), within one bin | the same, plus the same bias for any split of the batch over ranks and micro-batches |
 | `check_balancer` | `make(initial_bias, top_k) -> step`, `step(scores) -> index` | `route` with the biases of Eq. (14) | no look-ahead: a batch is routed with a bias fixed before it was seen |
 | `check_forward` | `fn(x, params, config) -> y` | `stable_latent_moe` | within the `rtol`/`atol` you choose for your dtype |
+| `check_capacity` | `fn(index, weights, num_experts, capacity) -> (kept, new_weights)` | `capacity_keep` | capacity never exceeded; nothing dropped without need; rank order, then token order; no renormalization after a drop |
 
 Why invariants and not only agreement: a disagreement says *that* something
 is wrong; a broken invariant often says *what*. A router that subtracts the
@@ -95,6 +96,7 @@ except ImportError as exc:
     ) from exc
 
 from . import strategies
+from .capacity import check_capacity
 from .checks import (
     PROFILES,
     QUICK,
@@ -116,6 +118,7 @@ __all__ = [
     "CheckResult",
     "check_balancer",
     "check_balancing_update",
+    "check_capacity",
     "check_forward",
     "check_histogram_update",
     "check_router",

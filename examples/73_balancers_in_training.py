@@ -1,0 +1,143 @@
+r"""The balancers in training: Quantile Balancing against the rules it replaces
+
+The same small byte-level Stable LatentMoE model (`refimpl.train`: two MoE
+layers of 64 experts, top-4, on Python standard-library sources) is trained
+with seven ways of keeping its experts balanced, on the same data in the same
+order from the same initial weights:
+
+* `qb`: Quantile Balancing, Eq. (14);
+* `sign`: DeepSeek-V3's sign rule, $\gamma = 10^{-3}$;
+* `seq`: the sign rule plus DeepSeek's sequence-wise loss at $10^{-4}$;
+* `aux`: an auxiliary balance loss at Switch's coefficient $10^{-2}$, bias zero;
+* `capacity-1.0`, `capacity-1.25`: a capacity with token dropping, no other balancing;
+* `hash`: DeepSeek-V4's hash routing on the byte being read, in both layers.
+
+Per step the log holds the language-model loss (the auxiliary terms are
+logged apart), the worst overload $\max_j L_j/q - 1$ of the batch as routed
+(before any dropping) and, for the capacity runs, the share of assignments
+dropped. The held-out loss is measured every 50 steps with the biases
+frozen and nothing dropped.
+
+The long run is `python examples/73_balancers_in_training.py --full`, which
+writes `docs/results/balancers_training.json` (the command, seed and
+configuration inside); without `--full` the script trains every rule for
+20 steps live, then prints and plots that committed file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from refimpl.train import TrainConfig, train, train_many
+
+# %%
+RULES = ("qb", "sign", "seq", "aux", "capacity-1.0", "capacity-1.25", "hash")
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "balancers_training.json"
+STEPS, BATCH, SEED = 200, 512, 0
+
+
+def run_all(steps: int, batch: int, seed: int, processes: int = 2) -> list[dict]:
+    """One training run per rule, same seed (same weights, same batches)."""
+    configs = [TrainConfig(balancer=rule, steps=steps, batch=batch, seed=seed, eval_every=50) for rule in RULES]
+    return train_many(configs, processes=processes)
+
+
+def summarize(logs: list[dict], last: int = 50) -> list[dict]:
+    """Means over the last `last` steps, and the final held-out loss, per rule."""
+    rows = []
+    for log in logs:
+        tail = log["steps"][-last:]
+        drops = [np.mean(s["drop_rate"]) for s in tail if "drop_rate" in s]
+        rows.append({
+            "rule": log["config"]["balancer"],
+            "loss": float(np.mean([s["loss"] for s in tail])),
+            "max_violation": float(np.mean([s["max_violation"] for s in tail])),
+            "drop_rate": float(np.mean(drops)) if drops else 0.0,
+            "eval_loss": log["summary"]["final_eval_loss"],
+        })
+    return rows
+
+
+# %%
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
+    parser.add_argument("--full", action="store_true", help=f"run the long experiment and write {RESULTS.name}")
+    args = parser.parse_args(argv)
+    if args.full:
+        logs = run_all(STEPS, BATCH, SEED)
+        command = "python examples/73_balancers_in_training.py --full"
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        slim = [{"config": log["config"], "summary": log["summary"],
+                 "steps": [{key: s[key] for key in ("step", "loss", "max_violation", "drop_rate", "aux_loss",
+                                                     "eval_loss") if key in s} for s in log["steps"]]}
+                for log in logs]
+        RESULTS.write_text(json.dumps({"command": command, "seed": SEED, "steps": STEPS, "batch": BATCH,
+                                       "runs": slim}, indent=1) + "\n")
+        print(f"wrote {RESULTS}")
+    # A short live run: every rule, 20 steps of 256 tokens, here and now with this code.
+    live = [train(TrainConfig(balancer=rule, steps=20, batch=256, seed=SEED, eval_every=20, eval_batch=512))
+            for rule in RULES]
+    print("Live check: 20 steps of 256 tokens per rule, seed 0, means over the last 10 steps.")
+    show(summarize(live, last=10))
+    if not RESULTS.is_file():
+        print()
+        print(f"The long run has not been recorded: run `python examples/73_balancers_in_training.py --full` "
+              f"to write {RESULTS.name}.")
+        return []
+    results = json.loads(RESULTS.read_text())
+    print()
+    print(f"From {RESULTS.name}, written by `{results['command']}`: {results['steps']} steps of "
+          f"{results['batch']} tokens, seed {results['seed']}, means over the last 50 steps.")
+    rows = summarize(results["runs"])
+    show(rows)
+    if args.out is not None:
+        plot(results["runs"], args.out)
+    return rows
+
+
+def show(rows: list[dict]) -> None:
+    """The summary table."""
+    print(f"{'rule':<14} {'LM loss':>8} {'max L/q - 1':>11} {'dropped':>8} {'held-out loss':>13}")
+    for r in rows:
+        print(f"{r['rule']:<14} {r['loss']:>8.3f} {r['max_violation']:>11.2f} {r['drop_rate']:>8.1%} "
+              f"{r['eval_loss']:>13.3f}")
+
+
+# %%
+def plot(runs: list[dict], out: Path) -> None:
+    """Loss, worst overload and drop rate per step, one line per rule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for run in runs:
+        steps = [s["step"] for s in run["steps"]]
+        name = run["config"]["balancer"]
+        axes[0].plot(steps, [s["loss"] for s in run["steps"]], lw=0.9, label=name)
+        axes[1].plot(steps, [s["max_violation"] for s in run["steps"]], lw=0.9, label=name)
+        if "drop_rate" in run["steps"][0]:
+            axes[2].plot(steps, [np.mean(s["drop_rate"]) for s in run["steps"]], lw=0.9, label=name)
+    axes[0].set_title("language-model loss")
+    axes[1].set_title("worst overload  max L/q - 1")
+    axes[1].set_yscale("symlog", linthresh=0.1)
+    axes[2].set_title("assignments dropped (capacity runs)")
+    for ax in axes:
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize=7)
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "training.png", dpi=110)
+    plt.close(fig)
+
+
+# %%
+if __name__ == "__main__":
+    main()
