@@ -703,15 +703,18 @@ class ExampleRun:
 
 
 def example_key(path: Path) -> str:
-    """A hash of everything an example's output depends on: itself, helper scripts and `refimpl/`."""
+    """A hash of everything an example's output depends on: itself, helper scripts, `refimpl/` and the
+    recorded long runs in `docs/results/` that some examples print and plot."""
     digest = hashlib.sha256()
     digest.update(f"{GENERATOR_VERSION}|{sys.version_info[:2]}|".encode())
     helpers = [p for p in EXAMPLES.glob("*.py") if not re.match(r"\d\d_", p.name)]
-    sources = [path, *sorted(helpers), *sorted(PACKAGE.rglob("*.py")), DOCS / "notebooks.py"]
+    results = sorted((DOCS / "results").glob("*.json"))
+    sources = [path, *sorted(helpers), *sorted(PACKAGE.rglob("*.py")), DOCS / "notebooks.py", *results]
     for source in sources:
         if "__pycache__" in source.parts:
             continue
-        digest.update(source.name.encode() if source.parent == DOCS else str(source.relative_to(ROOT)).encode())
+        digest.update(str(source.relative_to(DOCS)).encode() if source.is_relative_to(DOCS)
+                      else str(source.relative_to(ROOT)).encode())
         digest.update(b"\0")
         digest.update(source.read_bytes())
         digest.update(b"\0")
