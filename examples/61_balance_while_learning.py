@@ -42,10 +42,11 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+from recorded_runs import results_file  # noqa: E402
 
 from refimpl.train import TrainConfig, load_corpus, noise_floor, train, train_many  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "61_balance_while_learning.json"
+RESULTS = results_file("61_balance_while_learning.json", globals().get("__file__"))
 COMMAND = "OPENBLAS_NUM_THREADS=1 python examples/61_balance_while_learning.py --full"
 SEED = 0
 STEPS = 150

@@ -31,12 +31,13 @@ import json
 from pathlib import Path
 
 import numpy as np
+from recorded_runs import results_file
 
 from refimpl.train import TrainConfig, train, train_many
 
 # %%
 RULES = ("qb", "sign", "seq", "aux", "capacity-1.0", "capacity-1.25", "hash")
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "balancers_training.json"
+RESULTS = results_file("balancers_training.json", globals().get("__file__"))
 STEPS, BATCH, SEED = 200, 512, 0
 
 
