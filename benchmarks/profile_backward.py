@@ -101,14 +101,14 @@ def main(argv: list[str] | None = None) -> None:
                            topk_group=config.topk_group)
     weights = weights.astype(np.float32)
     z = x @ p["routed_expert_down_proj.weight"].T
-    u, routed = bw.routed_experts_forward(z, index, weights, p["experts.w1"], p["experts.w3"], p["experts.w2"],
+    u, routed = bw._routed_forward(z, index, weights, p["experts.w1"], p["experts.w3"], p["experts.w2"],
                                           config)
     _, shared = bw.shared_experts_forward(x, p["shared_experts.gate_proj.weight"],
                                           p["shared_experts.up_proj.weight"], p["shared_experts.down_proj.weight"],
                                           config)
     v_bar = dy @ p["routed_expert_up_proj.weight"]
     u_bar, _ = bw.rms_norm_backward(u, p["routed_expert_norm.weight"], v_bar, config.rms_norm_eps)
-    z_bar, p_bar, *_ = bw.routed_experts_backward(z, routed, p["experts.w1"], p["experts.w3"], p["experts.w2"],
+    z_bar, p_bar, *_ = bw._routed_backward(z, routed, p["experts.w1"], p["experts.w3"], p["experts.w2"],
                                                   u_bar)
     s_bar = bw.route_backward(scores, index, p_bar, renormalize=config.renormalize,
                               scaling_factor=config.routed_scaling_factor)
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     stages = {
         "whole: forward (stable_latent_moe_vjp)": lambda: bw.stable_latent_moe_vjp(x, params, config),
         "whole: backward(dy)": lambda: backward(dy),
-        "fwd: routed experts (glu_and_grad)": lambda: bw.routed_experts_forward(
+        "fwd: routed experts (fast path, glu_and_grad)": lambda: bw._routed_forward(
             z, index, weights, p["experts.w1"], p["experts.w3"], p["experts.w2"], config),
         "fwd: shared experts": lambda: bw.shared_experts_forward(
             x, p["shared_experts.gate_proj.weight"], p["shared_experts.up_proj.weight"],
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         "bwd 7: up-projection (2 GEMMs)": lambda: (dy.T @ u, dy @ p["routed_expert_up_proj.weight"]),
         "bwd 6: rms_norm_backward": lambda: bw.rms_norm_backward(u, p["routed_expert_norm.weight"], v_bar,
                                                                  config.rms_norm_eps),
-        "bwd 4-5: routed_experts_backward": lambda: bw.routed_experts_backward(
+        "bwd 4-5: routed experts (fast path)": lambda: bw._routed_backward(
             z, routed, p["experts.w1"], p["experts.w3"], p["experts.w2"], u_bar),
         "bwd 2: route_backward": lambda: bw.route_backward(scores, index, p_bar, renormalize=config.renormalize,
                                                            scaling_factor=config.routed_scaling_factor),
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"m={m}, float32, median of {repeats} runs, seconds")
     for name, fn in stages.items():
         print(f"  {median_time(fn, repeats):7.3f}  {name}")
-    print("routed_experts_backward, by operation (one run, summed over experts):")
+    print("the readable routed_experts_backward, by operation (one run, summed over experts):")
     for name, t in routed_loop_breakdown(z, routed, p["experts.w1"], p["experts.w3"], p["experts.w2"],
                                          u_bar).items():
         print(f"  {t:7.3f}  {name}")

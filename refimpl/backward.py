@@ -335,6 +335,45 @@ def routed_experts_forward(z: Array, index: Array, weights: Array, w1: Array, w3
     return _combine(out_sorted, slots), _RoutedSaved(slots, hidden)
 
 
+# **Fast path** (NumPy only; the same products as `routed_experts_forward` above, which is the one to read).
+def _routed_experts_forward_fast(z: np.ndarray, index: Array, weights: Array, w1: Array, w3: Array, w2: Array,
+                                 config: MoEConfig) -> tuple[np.ndarray, _RoutedSaved]:
+    r"""`routed_experts_forward` for NumPy float32/float64: the gather and the weighted activation in reused buffers.
+
+    Each expert's latents are gathered into one buffer sized for the busiest
+    expert, $p\,h$ is formed in another, and the down-projection is written
+    straight into its rows of the sorted output (`out=`), so the only fresh
+    arrays per expert are the two products the backward keeps.
+    """
+    slots = _sort_slots(index, weights, w2.shape[0])
+    dtype = z.dtype
+    out_sorted = np.empty((index.shape[0] * index.shape[1], w2.shape[1]), dtype=dtype)  # [m*k, l]
+    hidden = {}
+    experts = slots.experts()
+    busiest = int(np.max(np.diff(slots.start))) if experts else 0
+    z_buf = np.empty((busiest, z.shape[1]), dtype=dtype)  # [m_e, l]
+    ph_buf = np.empty((busiest, w1.shape[1]), dtype=dtype)  # [m_e, f]
+    for e in experts:
+        rows = slots.rows(e)
+        m_e = rows.stop - rows.start
+        z_e, ph = z_buf[:m_e], ph_buf[:m_e]
+        np.take(z, slots.token[rows], axis=0, out=z_e, mode="clip")  # [m_e, l]
+        g_e, u_e, d_e = (np.asarray(w[e, ...], dtype=dtype) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
+        hidden[e] = _expert_glu_and_grad(z_e @ g_e.T, z_e @ u_e.T, config)  # [m_e, f] x3
+        np.multiply(hidden[e][0], slots.weight[rows, :], out=ph)
+        np.matmul(ph, d_e.T, out=out_sorted[rows, :])  # [m_e, l]
+    return _combine(out_sorted, slots), _RoutedSaved(slots, hidden)
+
+
+def _routed_forward(z: Array, index: Array, weights: Array, w1: Array, w3: Array, w2: Array,
+                    config: MoEConfig) -> tuple[Array, _RoutedSaved]:
+    """`routed_experts_forward`, by the fast path on NumPy float32/float64."""
+    if isinstance(z, np.ndarray) and isinstance(weights, np.ndarray) and z.dtype == weights.dtype \
+            and z.dtype in (np.float32, np.float64):
+        return _routed_experts_forward_fast(z, index, weights, w1, w3, w2, config)
+    return routed_experts_forward(z, index, weights, w1, w3, w2, config)
+
+
 def routed_experts_backward(z: Array, saved: _RoutedSaved, w1: Array, w3: Array, w2: Array,
                             du: Array) -> tuple[Array, Array, Array, Array, Array]:
     r"""Gradients of $u_i = \sum_{e \in \mathcal{T}_i} p_{i,e} E_e(z_i)$ in $z$, $p$ and the expert stacks.
@@ -617,8 +656,8 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array],
     # 3. $$z = x W_\downarrow^\top$$
     z = h @ weight("routed_expert_down_proj.weight").T if config.use_latent_projection else h  # [m, l]
     # 4-5. The routed experts, each activation's partials kept.
-    u, routed = routed_experts_forward(z, index, weights, params["experts.w1"], params["experts.w3"],
-                                       params["experts.w2"], config)  # [m, l]
+    u, routed = _routed_forward(z, index, weights, params["experts.w1"], params["experts.w3"],
+                                params["experts.w2"], config)  # [m, l]
     # 6. $$v = \operatorname{RMSNorm}(u) \odot g$$
     v = rms_norm(u, weight("routed_expert_norm.weight"), config.rms_norm_eps) if config.use_latent_norm else u
     # 7-9. $$y = y_{\text{shared}} + v W_\uparrow^\top$$

@@ -414,9 +414,10 @@ def test_output_is_the_forward_pass(config, seed, m):
        dtype=st.sampled_from([np.float32, np.float64]))
 @settings(max_examples=30)
 def test_routed_backward_fast_path_equals_the_readable_loop(config, seed, m, dtype):
-    """The NumPy fast path of the routed experts' backward gives the readable loop's gradients (idle experts too)."""
+    """The NumPy fast paths of the routed experts give the readable loops' output, saved state and gradients."""
     from refimpl.backward import (
         _routed_experts_backward_fast,
+        _routed_experts_forward_fast,
         routed_experts_backward,
         routed_experts_forward,
     )
@@ -430,10 +431,16 @@ def test_routed_backward_fast_path_equals_the_readable_loop(config, seed, m, dty
                            config.k, renormalize=config.renormalize, scaling_factor=config.routed_scaling_factor,
                            n_group=config.n_group, topk_group=config.topk_group)
     stacks = p["experts.w1"], p["experts.w3"], p["experts.w2"]
-    _, saved = routed_experts_forward(z, index, weights.astype(dtype), *stacks, config)
+    u, saved = routed_experts_forward(z, index, weights.astype(dtype), *stacks, config)
+    u_fast, saved_fast = _routed_experts_forward_fast(z, index, weights.astype(dtype), *stacks, config)
+    rtol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(u_fast, u, rtol=rtol, atol=rtol * max(1.0, float(np.max(np.abs(u)))))
+    assert saved_fast.hidden.keys() == saved.hidden.keys()
+    for e, kept in saved.hidden.items():
+        for want, have in zip(kept, saved_fast.hidden[e], strict=True):
+            np.testing.assert_allclose(have, want, rtol=rtol, atol=rtol * max(1.0, float(np.max(np.abs(want)))))
     expected = routed_experts_backward(z, saved, *stacks, du)
     got = _routed_experts_backward_fast(z, saved, *stacks, du)
-    rtol = 1e-5 if dtype == np.float32 else 1e-12
     for want, have in zip(expected, got, strict=True):
         assert have.dtype == dtype and have.shape == want.shape
         np.testing.assert_allclose(have, want, rtol=rtol, atol=rtol * max(1.0, float(np.max(np.abs(want)))))
