@@ -11,6 +11,7 @@ Run: `OPENBLAS_NUM_THREADS=1 python benchmarks/profile_backward.py --threads 1`.
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from collections import defaultdict
@@ -32,6 +33,18 @@ def median_time(fn, repeats: int) -> float:
         fn()
         runs.append(time.perf_counter() - t0)
     return statistics.median(runs)
+
+
+def backward_of(pair):
+    return pair[1]
+
+
+def kernel_time(fn) -> str:
+    """Wall seconds, minor page faults and kernel (system) seconds of one call."""
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    fn()
+    t, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+    return f"{t:7.3f} s, {r1.ru_minflt - r0.ru_minflt:6d} faults, {r1.ru_stime - r0.ru_stime:5.2f} s kernel"
 
 
 def routed_loop_breakdown(z, saved, w1, w3, w2, du) -> dict[str, float]:
@@ -140,6 +153,20 @@ def main(argv: list[str] | None = None) -> None:
     print(f"m={m}, float32, median of {repeats} runs, seconds")
     for name, fn in stages.items():
         print(f"  {median_time(fn, repeats):7.3f}  {name}")
+    print("routed experts' backward, readable loop and fast path, one run each, three times "
+          "(seconds, minor page faults, kernel seconds):")
+    stacks = p["experts.w1"], p["experts.w3"], p["experts.w2"]
+    for fn in (bw.routed_experts_backward, bw._routed_experts_backward_fast) * 3:
+        print(f"  {kernel_time(lambda fn=fn: fn(z, routed, *stacks, u_bar))}  {fn.__name__}")
+    print("one whole step (forward + backward), three times:")
+    for _ in range(3):
+        print(f"  {kernel_time(lambda: backward_of(bw.stable_latent_moe_vjp(x, params, config))(dy))}  step")
+    a_bar = rng.standard_normal((256, config.f), dtype=np.float32)
+    z_e = rng.standard_normal((256, config.ell), dtype=np.float32)
+    a_bar_t = np.ascontiguousarray(a_bar.T)
+    print("one weight-gradient product alone, [256, f]^T [256, l], 128 times:")
+    print(f"  {median_time(lambda: [a_bar.T @ z_e for _ in range(128)], repeats):7.3f}  a.T @ z (transposed view)")
+    print(f"  {median_time(lambda: [a_bar_t @ z_e for _ in range(128)], repeats):7.3f}  contiguous a^T @ z")
     print("the readable routed_experts_backward, by operation (one run, summed over experts):")
     for name, t in routed_loop_breakdown(z, routed, p["experts.w1"], p["experts.w3"], p["experts.w2"],
                                          u_bar).items():
