@@ -60,7 +60,12 @@ as in any autograd framework that saves activations.
 tokens: the $mk$ token-slots are sorted by expert exactly as in the forward,
 each expert gathers its tokens' latents and upstream gradients, and the
 latent gradients of the slots are summed back per token by the same
-slot-at-a-time combine.
+slot-at-a-time combine. On NumPy the VJP runs both expert loops by a
+labelled fast path (after the readable functions, which are the ones to
+read): the same products, written into a few reused buffers and straight
+into the gradient stacks, because at the benchmark size the fresh
+per-expert temporaries of the readable loops cost a large share of the
+step in the allocator and in page faults (the speed section below).
 """
 
 from __future__ import annotations
@@ -335,6 +340,45 @@ def routed_experts_forward(z: Array, index: Array, weights: Array, w1: Array, w3
     return _combine(out_sorted, slots), _RoutedSaved(slots, hidden)
 
 
+# **Fast path** (NumPy only; the same products as `routed_experts_forward` above, which is the one to read).
+def _routed_experts_forward_fast(z: np.ndarray, index: Array, weights: Array, w1: Array, w3: Array, w2: Array,
+                                 config: MoEConfig) -> tuple[np.ndarray, _RoutedSaved]:
+    r"""`routed_experts_forward` for NumPy float32/float64: the gather and the weighted activation in reused buffers.
+
+    Each expert's latents are gathered into one buffer sized for the busiest
+    expert, $p\,h$ is formed in another, and the down-projection is written
+    straight into its rows of the sorted output (`out=`), so the only fresh
+    arrays per expert are the two products the backward keeps.
+    """
+    slots = _sort_slots(index, weights, w2.shape[0])
+    dtype = z.dtype
+    out_sorted = np.empty((index.shape[0] * index.shape[1], w2.shape[1]), dtype=dtype)  # [m*k, l]
+    hidden = {}
+    experts = slots.experts()
+    busiest = int(np.max(np.diff(slots.start))) if experts else 0
+    z_buf = np.empty((busiest, z.shape[1]), dtype=dtype)  # [m_e, l]
+    ph_buf = np.empty((busiest, w1.shape[1]), dtype=dtype)  # [m_e, f]
+    for e in experts:
+        rows = slots.rows(e)
+        m_e = rows.stop - rows.start
+        z_e, ph = z_buf[:m_e], ph_buf[:m_e]
+        np.take(z, slots.token[rows], axis=0, out=z_e, mode="clip")  # [m_e, l]
+        g_e, u_e, d_e = (np.asarray(w[e, ...], dtype=dtype) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
+        hidden[e] = _expert_glu_and_grad(z_e @ g_e.T, z_e @ u_e.T, config)  # [m_e, f] x3
+        np.multiply(hidden[e][0], slots.weight[rows, :], out=ph)
+        np.matmul(ph, d_e.T, out=out_sorted[rows, :])  # [m_e, l]
+    return _combine(out_sorted, slots), _RoutedSaved(slots, hidden)
+
+
+def _routed_forward(z: Array, index: Array, weights: Array, w1: Array, w3: Array, w2: Array,
+                    config: MoEConfig) -> tuple[Array, _RoutedSaved]:
+    """`routed_experts_forward`, by the fast path on NumPy float32/float64."""
+    if isinstance(z, np.ndarray) and isinstance(weights, np.ndarray) and z.dtype == weights.dtype \
+            and z.dtype in (np.float32, np.float64):
+        return _routed_experts_forward_fast(z, index, weights, w1, w3, w2, config)
+    return routed_experts_forward(z, index, weights, w1, w3, w2, config)
+
+
 def routed_experts_backward(z: Array, saved: _RoutedSaved, w1: Array, w3: Array, w2: Array,
                             du: Array) -> tuple[Array, Array, Array, Array, Array]:
     r"""Gradients of $u_i = \sum_{e \in \mathcal{T}_i} p_{i,e} E_e(z_i)$ in $z$, $p$ and the expert stacks.
@@ -392,6 +436,73 @@ def routed_experts_backward(z: Array, saved: _RoutedSaved, w1: Array, w3: Array,
     # $$\bar z_i = \textstyle\sum_r \bigl(\bar a_{i,r} G_{\mathcal{T}_{i,r}} + \bar b_{i,r} U_{\mathcal{T}_{i,r}}\bigr)$$
     dweights = xp.reshape(xp.take(dp_sorted, xp.reshape(slots.position, (m * k,))), (m, k))  # [m, k]
     return _combine(dz_sorted, slots), dweights, dw1, dw3, dw2
+
+
+# **Fast path** (NumPy only; the same products as `routed_experts_backward` above, which is the one to read).
+def _routed_experts_backward_fast(z: np.ndarray, saved: _RoutedSaved, w1: Array, w3: Array, w2: Array,
+                                  du: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                           np.ndarray]:
+    """`routed_experts_backward` for NumPy float32/float64, with a handful of reused buffers.
+
+    The readable loop makes some fifteen fresh arrays per expert (gathers,
+    products, elementwise temporaries, then a copy of each weight gradient
+    into its stack). At the benchmark size that is close to a gigabyte of
+    short-lived memory per backward, which the allocator keeps handing back
+    to the system and faulting in again: the products themselves then run at
+    half the speed they reach alone. Here every per-expert array is a slice
+    of one of six buffers sized for the busiest expert, gathers and products
+    write into them (`out=`), and the three weight gradients are written by
+    their product straight into the stack (`out=dw[e]`), which is allocated
+    empty and zeroed only for experts without tokens. A transposed operand
+    (`a.T` of a C-contiguous block) costs no copy: BLAS reads it with its
+    transpose flag.
+    """
+    slots = saved.slots
+    (m, k), (n, ell, f) = slots.position.shape, w2.shape
+    dtype = z.dtype
+    dz_sorted = np.empty((m * k, ell), dtype=dtype)  # [m*k, l]
+    dp_sorted = np.empty((m * k,), dtype=dtype)  # [m*k]
+    dw1 = np.empty((n, f, ell), dtype=dtype)
+    dw3 = np.empty((n, f, ell), dtype=dtype)
+    dw2 = np.empty((n, ell, f), dtype=dtype)
+    experts = slots.experts()
+    idle = np.setdiff1d(np.arange(n), experts)
+    dw1[idle], dw3[idle], dw2[idle] = 0, 0, 0
+    busiest = int(np.max(np.diff(slots.start)))
+    z_buf, du_buf, lat_buf = (np.empty((busiest, ell), dtype=dtype) for _ in range(3))  # [m_e, l] each
+    o_buf, a_buf, b_buf = (np.empty((busiest, f), dtype=dtype) for _ in range(3))  # [m_e, f] each
+    for e in experts:
+        rows = slots.rows(e)
+        m_e = rows.stop - rows.start
+        z_e, du_e, lat, o_bar, a_bar, b_bar = (buf[:m_e] for buf in (z_buf, du_buf, lat_buf, o_buf, a_buf, b_buf))
+        np.take(z, slots.token[rows], axis=0, out=z_e, mode="clip")  # [m_e, l]
+        np.take(du, slots.token[rows], axis=0, out=du_e, mode="clip")  # [m_e, l]
+        p_e = slots.weight[rows, :]  # [m_e, 1]
+        h, dh_da, dh_db = saved.hidden[e]  # [m_e, f] each
+        g_e, u_e, d_e = (np.asarray(w[e, ...], dtype=dtype) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
+        np.matmul(du_e, d_e, out=o_bar)  # o_bar = du_e D_e
+        np.multiply(o_bar, h, out=a_bar)
+        np.sum(a_bar, axis=1, out=dp_sorted[rows])  # dp = o_bar . h
+        np.multiply(h, p_e, out=a_bar)
+        np.matmul(du_e.T, a_bar, out=dw2[e])  # dD_e = du_e^T (p h)
+        o_bar *= p_e  # h_bar
+        np.multiply(o_bar, dh_da, out=a_bar)
+        np.multiply(o_bar, dh_db, out=b_bar)
+        np.matmul(a_bar.T, z_e, out=dw1[e])  # dG_e = a_bar^T z_e
+        np.matmul(b_bar.T, z_e, out=dw3[e])  # dU_e = b_bar^T z_e
+        np.matmul(a_bar, g_e, out=dz_sorted[rows])  # a_bar G_e
+        dz_sorted[rows] += np.matmul(b_bar, u_e, out=lat)  # + b_bar U_e
+    dweights = np.take(dp_sorted, slots.position.reshape(m * k)).reshape(m, k)  # [m, k]
+    return _combine(dz_sorted, slots), dweights, dw1, dw3, dw2
+
+
+def _routed_backward(z: Array, saved: _RoutedSaved, w1: Array, w3: Array, w2: Array,
+                     du: Array) -> tuple[Array, Array, Array, Array, Array]:
+    """`routed_experts_backward`, by the fast path on NumPy float32/float64."""
+    if isinstance(z, np.ndarray) and isinstance(du, np.ndarray) and z.dtype == du.dtype \
+            and z.dtype in (np.float32, np.float64):
+        return _routed_experts_backward_fast(z, saved, w1, w3, w2, du)
+    return routed_experts_backward(z, saved, w1, w3, w2, du)
 
 
 # ---------------------------------------------------------------------------
@@ -542,8 +653,8 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array],
     # 3. $$z = x W_\downarrow^\top$$
     z = h @ weight("routed_expert_down_proj.weight").T if config.use_latent_projection else h  # [m, l]
     # 4-5. The routed experts, each activation's partials kept.
-    u, routed = routed_experts_forward(z, index, weights, params["experts.w1"], params["experts.w3"],
-                                       params["experts.w2"], config)  # [m, l]
+    u, routed = _routed_forward(z, index, weights, params["experts.w1"], params["experts.w3"],
+                                params["experts.w2"], config)  # [m, l]
     # 6. $$v = \operatorname{RMSNorm}(u) \odot g$$
     v = rms_norm(u, weight("routed_expert_norm.weight"), config.rms_norm_eps) if config.use_latent_norm else u
     # 7-9. $$y = y_{\text{shared}} + v W_\uparrow^\top$$
@@ -574,7 +685,7 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array],
         else:
             u_bar = v_bar
         # 4-5. The routed experts, grouped by expert: $\bar z$, $\bar p$ and the three stacks.
-        z_bar, p_bar, grads["experts.w1"], grads["experts.w3"], grads["experts.w2"] = routed_experts_backward(
+        z_bar, p_bar, grads["experts.w1"], grads["experts.w3"], grads["experts.w2"] = _routed_backward(
             z, routed, params["experts.w1"], params["experts.w3"], params["experts.w2"], u_bar)
         # A capacity holds a dropped assignment's weight at zero: no gradient reaches its score.
         if kept is not None:

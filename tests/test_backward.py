@@ -408,3 +408,39 @@ def test_output_is_the_forward_pass(config, seed, m):
     y32, _ = stable_latent_moe_vjp(x.astype(np.float32), p32, config)
     assert y32.dtype == np.float32
     np.testing.assert_allclose(y32, stable_latent_moe(x.astype(np.float32), p32, config), rtol=1e-5, atol=1e-5)
+
+
+@given(config=configs(), seed=st.integers(0, 2**32 - 1), m=st.integers(1, 12),
+       dtype=st.sampled_from([np.float32, np.float64]))
+@settings(max_examples=30)
+def test_routed_backward_fast_path_equals_the_readable_loop(config, seed, m, dtype):
+    """The NumPy fast paths of the routed experts give the readable loops' output, saved state and gradients."""
+    from refimpl.backward import (
+        _routed_experts_backward_fast,
+        _routed_experts_forward_fast,
+        routed_experts_backward,
+        routed_experts_forward,
+    )
+
+    x, params, _ = make_layer(config, seed, m)
+    p = {name: a.astype(dtype) for name, a in params.items()}
+    rng = np.random.default_rng(seed)
+    z = rng.standard_normal((m, config.ell)).astype(dtype)
+    du = rng.standard_normal((m, config.ell)).astype(dtype)
+    index, weights = route(router_scores(x.astype(dtype), p["gate.weight"]), p["gate.e_score_correction_bias"],
+                           config.k, renormalize=config.renormalize, scaling_factor=config.routed_scaling_factor,
+                           n_group=config.n_group, topk_group=config.topk_group)
+    stacks = p["experts.w1"], p["experts.w3"], p["experts.w2"]
+    u, saved = routed_experts_forward(z, index, weights.astype(dtype), *stacks, config)
+    u_fast, saved_fast = _routed_experts_forward_fast(z, index, weights.astype(dtype), *stacks, config)
+    rtol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(u_fast, u, rtol=rtol, atol=rtol * max(1.0, float(np.max(np.abs(u)))))
+    assert saved_fast.hidden.keys() == saved.hidden.keys()
+    for e, kept in saved.hidden.items():
+        for want, have in zip(kept, saved_fast.hidden[e], strict=True):
+            np.testing.assert_allclose(have, want, rtol=rtol, atol=rtol * max(1.0, float(np.max(np.abs(want)))))
+    expected = routed_experts_backward(z, saved, *stacks, du)
+    got = _routed_experts_backward_fast(z, saved, *stacks, du)
+    for want, have in zip(expected, got, strict=True):
+        assert have.dtype == dtype and have.shape == want.shape
+        np.testing.assert_allclose(have, want, rtol=rtol, atol=rtol * max(1.0, float(np.max(np.abs(want)))))
