@@ -375,6 +375,21 @@ def test_benchmark_smoke(tmp_path):
     assert results["flops_step"] == 3 * results["flops_forward"]
 
 
+def test_profile_smoke():
+    """`profile_backward.py --smoke` runs every stage it times and names each in its report."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "benchmarks/profile_backward.py", "--smoke"], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for stage in ("whole: forward", "whole: backward", "routed_experts_backward", "_routed_experts_backward_fast",
+                  "bwd 8: shared_experts_backward"):
+        assert stage in proc.stdout, stage
+
+
 @given(st.integers(1, 40), st.integers(1, 9), st.sampled_from(["situ", "swiglu"]), st.sampled_from([25.0, 2.0, None]),
        st.sampled_from([np.float32, np.float64]), st.integers(0, 2**32 - 1))
 def test_in_place_fast_path_equals_the_general_version(rows, width, activation, linear_beta, dtype, seed):
