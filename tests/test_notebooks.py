@@ -185,10 +185,11 @@ TIMED = {"80_balance_is_speed", "81_expert_parallel_mpi"}
 def without_timings(text: str, script: Path | None = None) -> str:
     """Printed text with run times ("1.2 s", "0.35s") replaced: the only thing two runs may print differently.
 
-    For the examples in `TIMED`, every decimal number is replaced; integers and words must still agree.
+    For the examples in `TIMED`, every decimal number is replaced, with the spaces that pad it to its
+    column; integers and words must still agree.
     """
     if script is not None and script.stem in TIMED:
-        return re.sub(r"\d+\.\d+", "<decimal>", text)
+        return re.sub(r" *\d+\.\d+", " <decimal>", text)  # with the padding that a number's width sets
     return re.sub(r"\d+\.\d+ ?s\b", "<time> s", text)
 
 
