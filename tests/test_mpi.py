@@ -10,21 +10,16 @@ checks that all ranks agree and exits non-zero otherwise.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import load_script
+from conftest import load_script, run_under_mpiexec
 
 from refimpl.histogram import histogram_balancing_update
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "22_mpi_allreduce.py"
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 SIZES = {"experts": 96, "top_k": 6, "bins": 500, "tokens": 700, "micro_batches": 3, "seed": 11}
 TIMEOUT = 180
 
@@ -47,28 +42,11 @@ def single_process_bias(ranks: int) -> np.ndarray:
     return histogram_balancing_update([np.concatenate(blocks)], bias, SIZES["top_k"], SIZES["bins"])
 
 
-def run_under_mpiexec(ranks: int, save: Path) -> subprocess.CompletedProcess:
-    assert MPIEXEC.is_file(), f"no mpiexec next to {sys.executable}: install the test extra (mpi4py, mpich)"
-    command = [str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "mpi4py", str(EXAMPLE),
-               *example_args(), f"--save-bias={save}"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
-    # A session of its own, so that a hung job can be killed whole (launcher and ranks).
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"mpiexec -n {ranks} did not finish in {TIMEOUT} s:\n{stdout}\n{stderr}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_mpi_run_equals_one_process_on_the_union(ranks, tmp_path):
     save = tmp_path / "bias.npy"
-    result = run_under_mpiexec(ranks, save)
+    result = run_under_mpiexec(ranks, [str(EXAMPLE), *example_args(), f"--save-bias={save}"], timeout=TIMEOUT)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert f"{ranks} ranks (mpiexec)" in out, out  # really launched by MPI, not simulated
