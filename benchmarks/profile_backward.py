@@ -15,6 +15,7 @@ import resource
 import statistics
 import time
 from collections import defaultdict
+from unittest import mock
 
 import numpy as np
 from common import base_parser, set_blas_threads
@@ -158,15 +159,25 @@ def main(argv: list[str] | None = None) -> None:
     stacks = p["experts.w1"], p["experts.w3"], p["experts.w2"]
     for fn in (bw.routed_experts_backward, bw._routed_experts_backward_fast) * 3:
         print(f"  {kernel_time(lambda fn=fn: fn(z, routed, *stacks, u_bar))}  {fn.__name__}")
-    print("one whole step (forward + backward), three times:")
+    print("one whole step (forward + backward), three times, with new gradient arrays and with out=:")
+    grads = backward_of(bw.stable_latent_moe_vjp(x, params, config))(dy)[1]
     for _ in range(3):
         print(f"  {kernel_time(lambda: backward_of(bw.stable_latent_moe_vjp(x, params, config))(dy))}  step")
+        print(f"  {kernel_time(lambda: backward_of(bw.stable_latent_moe_vjp(x, params, config))(dy, out=grads))}"
+              f"  step, backward(dy, out=grads)")
     a_bar = rng.standard_normal((256, config.f), dtype=np.float32)
     z_e = rng.standard_normal((256, config.ell), dtype=np.float32)
     a_bar_t = np.ascontiguousarray(a_bar.T)
     print("one weight-gradient product alone, [256, f]^T [256, l], 128 times:")
     print(f"  {median_time(lambda: [a_bar.T @ z_e for _ in range(128)], repeats):7.3f}  a.T @ z (transposed view)")
     print(f"  {median_time(lambda: [a_bar_t @ z_e for _ in range(128)], repeats):7.3f}  contiguous a^T @ z")
+    print("the activation with its partials (in place), 128 blocks [256, f], whole or by row chunks:")
+    block = rng.standard_normal((256, config.f), dtype=np.float32)
+    for chunk in (block.size, bw._GLU_CHUNK):
+        with mock.patch.object(bw, "_GLU_CHUNK", chunk):
+            seconds = median_time(lambda: [bw._expert_glu_and_grad(block.copy(), block.copy(), config)
+                                           for _ in range(128)], repeats)
+        print(f"  {seconds:7.3f}  chunks of {min(chunk, block.size)} entries")
     print("the readable routed_experts_backward, by operation (one run, summed over experts):")
     for name, t in routed_loop_breakdown(z, routed, p["experts.w1"], p["experts.w3"], p["experts.w2"],
                                          u_bar).items():

@@ -16,11 +16,14 @@ Three independent references:
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+import refimpl.backward as backward_module
 from refimpl._xp import to_numpy
 from refimpl.activations import situ_glu, situ_glu_grad, swiglu, swiglu_grad
 from refimpl.backward import glu_and_grad, rms_norm_backward, stable_latent_moe_vjp
@@ -370,7 +373,8 @@ def test_benchmark_smoke(tmp_path):
     assert (tmp_path / "backward.md").read_text().startswith("# Forward + backward")
     # float32 gradients of the two computations agree to float32 rounding.
     assert results["careful_rel_error"] < 1e-4 and results["naive_rel_error"] < 1e-4
-    assert set(results["timings"]) == {"refimpl_forward", "refimpl_step", "torch_careful", "torch_naive"}
+    assert set(results["timings"]) == {"refimpl_forward", "refimpl_step", "refimpl_step_out", "torch_careful",
+                                       "torch_naive"}
     assert all(t["median_s"] > 0 for t in results["timings"].values())
     assert results["flops_step"] == 3 * results["flops_forward"]
 
@@ -404,8 +408,11 @@ def test_in_place_fast_path_equals_the_general_version(rows, width, activation, 
     a, b = a.astype(dtype), b.astype(dtype)
     expected = glu_and_grad(a, b, activation, 4.0, linear_beta)
     got = _glu_and_grad_in_place(a.copy(), b.copy(), config)
+    # The same by row chunks of at most 3 rows each, as the layer runs it (a chunk boundary inside the block).
+    with mock.patch.object(backward_module, "_GLU_CHUNK", 3 * width):
+        chunked = backward_module._expert_glu_and_grad(a.copy(), b.copy(), config)
     rtol = 2e-6 if dtype == np.float32 else 1e-13
-    for want, have in zip(expected, got, strict=True):
+    for want, have in [*zip(expected, got, strict=True), *zip(expected, chunked, strict=True)]:
         assert have.dtype == dtype
         # Relative to the block's scale: gamma' is a sum whose terms can cancel, so either version's
         # last-bit rounding may be amplified in one entry.
@@ -459,3 +466,57 @@ def test_routed_backward_fast_path_equals_the_readable_loop(config, seed, m, dty
     for want, have in zip(expected, got, strict=True):
         assert have.dtype == dtype and have.shape == want.shape
         np.testing.assert_allclose(have, want, rtol=rtol, atol=rtol * max(1.0, float(np.max(np.abs(want)))))
+
+
+# ---------------------------------------------------------------------------
+# backward(dy, out=): writing into the gradients of an earlier step
+# ---------------------------------------------------------------------------
+
+@given(config=configs(), seed=st.integers(0, 2**32 - 1), m=st.integers(1, 8),
+       dtype=st.sampled_from([np.float32, np.float64]))
+@settings(max_examples=30)
+def test_out_gives_the_new_arrays_gradients_exactly(config, seed, m, dtype):
+    """`out=` filled with NaN (an idle expert's stale gradient included) ends equal, bit for bit, to a fresh call."""
+    x, params, dy = make_layer(config, seed, m)
+    x, dy = x.astype(dtype), dy.astype(dtype)
+    params = {name: a.astype(dtype) for name, a in params.items()}
+    _, backward = stable_latent_moe_vjp(x, params, config)
+    dx, fresh = backward(dy)
+    out = {name: np.full_like(g, np.nan) for name, g in fresh.items()}
+    dx_out, returned = backward(dy, out=out)
+    assert returned is out
+    np.testing.assert_array_equal(dx_out, dx)
+    for name in params:
+        np.testing.assert_array_equal(out[name], fresh[name], err_msg=name)
+
+
+def test_out_on_every_backend(xp):
+    """array_api_strict (and CuPy) take the readable path, which copies into `out`; the values are a fresh call's."""
+    config = MoEConfig.tiny(num_shared_experts=1)
+    x, params, dy = make_layer(config, seed=3, m=7)
+    _, backward = stable_latent_moe_vjp(xp.asarray(x), {k: xp.asarray(v) for k, v in params.items()}, config)
+    _, fresh = backward(xp.asarray(dy))
+    out = {name: xp.zeros(g.shape, dtype=g.dtype) for name, g in fresh.items()}
+    _, returned = backward(xp.asarray(dy), out=out)
+    assert returned is out
+    for name in params:
+        np.testing.assert_array_equal(to_numpy(out[name]), to_numpy(fresh[name]), err_msg=name)
+
+
+def test_bad_out_is_refused_by_name():
+    config = MoEConfig.tiny()
+    x, params, dy = make_layer(config, seed=1, m=4)
+    _, backward = stable_latent_moe_vjp(x, params, config)
+    _, good = backward(dy)
+    with pytest.raises(TypeError, match="out must be a mapping"):
+        backward(dy, out=[good["experts.w1"]])
+    with pytest.raises(ValueError, match=r"missing \['experts.w1'\]"):
+        backward(dy, out={k: v for k, v in good.items() if k != "experts.w1"})
+    with pytest.raises(ValueError, match=r"out\['experts.w2'\] must be an array of shape"):
+        backward(dy, out={**good, "experts.w2": good["experts.w2"][:1]})
+    with pytest.raises(ValueError, match=r"out\['gate.weight'\].*dtype float64.*float32"):
+        backward(dy, out={**good, "gate.weight": good["gate.weight"].astype(np.float32)})
+    frozen = good["experts.w3"].copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"out\['experts.w3'\] must be writable"):
+        backward(dy, out={**good, "experts.w3": frozen})
