@@ -8,12 +8,15 @@ measure is the **max violation** $\max_j \text{load}_j / q - 1$ ($q = mk/n$)
 of each step's own training batch, routed with the bias in use at that step,
 the largest of the model's two layers.
 
-Two sizes, both with $m = 1024$ tokens per step: $n = 64$ experts with
-$k = 4$ ($f = 32$, $q = 64$) and $n = 512$ with $k = 8$ ($f = 16$, the same
-activated expert width, $q = 16$). Balancers: exact Quantile Balancing
-(`qb`), DeepSeek-V3's sign rule at $\gamma = 10^{-3}$ (its published step)
-and none at both sizes; at $n = 64$ also QB's histogram estimate over 4
-micro-batches (`qb-hist`) and the sign rule at $\gamma = 10^{-2}$.
+Three sizes, all with $m = 1024$ tokens per step: $n = 64$ experts with
+$k = 4$ ($f = 32$, $q = 64$), $n = 256$ with $k = 8$ ($f = 16$, $q = 32$) and
+$n = 512$ with $k = 8$ ($f = 16$, the same activated expert width, $q = 16$).
+Balancers, at every size: exact Quantile Balancing (`qb`), DeepSeek-V3's sign
+rule at $\gamma = 10^{-3}$ (its published step) and at $\gamma = 10^{-2}$, and
+none; at $n = 64$ also QB's histogram estimate over 4 micro-batches
+(`qb-hist`). Every configuration is trained for 300 steps from seeds 0, 1
+and 2 (the seed sets the initial weights and the batches); the tables give
+the median over the three seeds and, in brackets, the smallest and largest.
 
 Two floors put the numbers in scale. **Sampling noise**: the max violation of
 $m$ tokens that each pick $k$ experts uniformly at random (every expected
@@ -42,33 +45,34 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
-from recorded_runs import results_file  # noqa: E402
+from recorded_runs import band, per_step, record_runs, replay, results_file, show, write_record  # noqa: E402
 
-from refimpl.train import TrainConfig, load_corpus, noise_floor, train, train_many  # noqa: E402
+from refimpl.train import TrainConfig, load_corpus, noise_floor, train  # noqa: E402
 
 RESULTS = results_file("61_balance_while_learning.json", globals().get("__file__"))
 COMMAND = "OPENBLAS_NUM_THREADS=1 python examples/61_balance_while_learning.py --full"
-SEED = 0
-STEPS = 150
+SEEDS = (0, 1, 2)
+STEPS = 300
 SIZES = {
     "n=64": dict(experts=64, top_k=4, intermediate=32, batch=1024),
+    "n=256": dict(experts=256, top_k=8, intermediate=16, batch=1024),
     "n=512": dict(experts=512, top_k=8, intermediate=16, batch=1024),
 }
+KEEP = ("step", "loss", "max_violation", "eval_loss")
 
 # %%
 
 
 def grid() -> dict[str, TrainConfig]:
-    """Every run of the experiment, by label."""
+    """Every configuration of the experiment, by label (each is trained once per seed of `SEEDS`)."""
     runs: dict[str, TrainConfig] = {}
     for size, sizes in SIZES.items():
-        common = dict(steps=STEPS, seed=SEED, stats_every=STEPS, eval_every=50, **sizes)
+        common = dict(steps=STEPS, seed=SEEDS[0], stats_every=STEPS, eval_every=50, **sizes)
         runs[f"{size} qb"] = TrainConfig(balancer="qb", **common)
         if size == "n=64":
             runs[f"{size} qb-hist"] = TrainConfig(balancer="qb-hist", **common)
         runs[f"{size} sign 1e-3"] = TrainConfig(balancer="sign", sign_rate=1e-3, **common)
-        if size == "n=64":
-            runs[f"{size} sign 1e-2"] = TrainConfig(balancer="sign", sign_rate=1e-2, **common)
+        runs[f"{size} sign 1e-2"] = TrainConfig(balancer="sign", sign_rate=1e-2, **common)
         runs[f"{size} none"] = TrainConfig(balancer="none", **common)
         if size == "n=64":
             runs[f"{size} qb, router frozen"] = TrainConfig(balancer="qb", **{**common, "lr": 1e-7})
@@ -76,21 +80,12 @@ def grid() -> dict[str, TrainConfig]:
 
 
 def run_full(path: Path) -> None:
-    """The long run: train every configuration of `grid()` and write the results JSON."""
-    runs = grid()
-    logs = train_many(list(runs.values()), processes=2)
-    floors = {size: noise_floor(s["batch"], s["experts"], s["top_k"], draws=200, seed=SEED).tolist()
-              for size, s in SIZES.items()}
-    keep = ("step", "loss", "max_violation", "eval_loss")
-    result = {"command": COMMAND, "seed": SEED, "floors": floors,
-              "runs": {label: {"config": log["config"], "summary": log["summary"],
-                               "steps": [{key: record[key] for key in keep if key in record}
-                                         for record in log["steps"]]}
-                       for label, log in zip(runs, logs, strict=True)},
-              "corpus": logs[0]["corpus"]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, separators=(",", ":")) + "\n")
-    print(f"wrote {path}")
+    """The long run: train every configuration of `grid()` for every seed and write the results JSON."""
+    record = record_runs(COMMAND, grid(), SEEDS, KEEP)
+    # The sampling-noise floor depends only on m, n and k (its draws have their own fixed seed).
+    record["floors"] = {size: noise_floor(s["batch"], s["experts"], s["top_k"], draws=200, seed=0).tolist()
+                        for size, s in SIZES.items()}
+    write_record(path, record)
 
 
 # %%
@@ -108,42 +103,54 @@ def steps_to_reach(values: np.ndarray, level: float, width: int = 10) -> int | N
 
 
 def summarize(results: dict) -> dict[str, dict]:
-    """Per run: violations at a few steps, the settled level, the steps to QB's band, the losses."""
+    """Per configuration and seed: violations at a few steps, the settled level, the steps to QB's band, the
+    losses. QB's band is that of the same seed: 1.2 times QB's own median violation over its last 50 steps."""
     table = {}
-    for label, run in results["runs"].items():
+    for label, by_seed in results["runs"].items():
         size = label.split()[0]
-        violation = np.array([r["max_violation"] for r in run["steps"]])
-        qb = np.array([r["max_violation"] for r in results["runs"][f"{size} qb"]["steps"]])
-        band = 1.2 * float(np.median(qb[-50:]))
-        loss = np.array([r["loss"] for r in run["steps"]])
-        table[label] = {"early": [float(violation[t - 1]) for t in (1, 2, 5, 10, 50)],
-                        "settled": float(np.median(violation[-50:])),
-                        "reach": steps_to_reach(violation, band), "band": band,
-                        "loss": float(np.mean(loss[-20:])), "eval": float(run["summary"]["final_eval_loss"])}
+        violation = per_step(by_seed, lambda r: r["max_violation"])  # [seeds, steps]
+        qb = per_step(results["runs"][f"{size} qb"], lambda r: r["max_violation"])  # [seeds, steps]
+        bands = 1.2 * np.median(qb[:, -50:], axis=1)  # [seeds]
+        loss = per_step(by_seed, lambda r: r["loss"])  # [seeds, steps]
+        table[label] = {"early": {t: violation[:, t - 1].tolist() for t in (1, 2, 5, 10, 50)},
+                        "settled": np.median(violation[:, -50:], axis=1).tolist(),
+                        "reach": [steps_to_reach(v, level) for v, level in zip(violation, bands, strict=True)],
+                        "band": bands.tolist(),
+                        "loss": np.mean(loss[:, -20:], axis=1).tolist(),
+                        "eval": [run["summary"]["final_eval_loss"] for run in by_seed.values()]}
     return table
 
 
 def print_results(results: dict) -> dict[str, dict]:
     table = summarize(results)
-    print(f"Recorded run ({results['command']}), seed {results['seed']}, {STEPS} steps, two MoE layers, "
+    seeds = ", ".join(map(str, results["seeds"]))
+    print(f"Recorded run ({results['command']}): seeds {seeds}, {STEPS} steps, two MoE layers, "
           f"d = 64, l = 32, SiTU-GLU, latent norm on, Adam lr 3e-3.")
-    print("max violation = max_j load_j / q - 1 on each step's batch with the bias in use (largest of the layers)")
+    print("max violation = max_j load_j / q - 1 on each step's batch with the bias in use (largest of the layers);")
+    print("each entry: median over the seeds [smallest-largest]; steps 1 to 50: the median only")
     for size, s in SIZES.items():
         floor = np.array(results["floors"][size])
         q = s["batch"] * s["top_k"] / s["experts"]
         print(f"\n{size}, k = {s['top_k']}, f = {s['intermediate']}, m = {s['batch']} (q = {q:g}); sampling-noise "
               f"floor: median {np.median(floor):.3f} (90% of draws below {np.quantile(floor, 0.9):.3f})")
-        print(f"  {'balancer':<22}{'step 1':>8}{'2':>7}{'5':>7}{'10':>7}{'50':>7}{'last 50':>9}"
-              f"{'steps to QB band':>18}{'train loss':>12}{'held-out':>10}")
+        print(f"  {'balancer':<19}{'step 1':>7}{'2':>7}{'5':>7}{'10':>7}{'50':>7}  {'last 50 steps':<25}"
+              f"{'steps to QB band':<19}{'train loss':<24}{'held-out loss'}")
         for label, row in table.items():
             if not label.startswith(size + " "):
                 continue
-            reach = "never" if row["reach"] is None else str(row["reach"])
-            early = "".join(f"{v:>7.2f}" for v in row["early"][1:])
-            print(f"  {label[len(size) + 1:]:<22}{row['early'][0]:>8.2f}{early}{row['settled']:>9.3f}"
-                  f"{reach:>18}{row['loss']:>12.4f}{row['eval']:>10.4f}")
-        print(f"  (QB band: running median of 10 steps <= 1.2 x QB's own median of the last 50 steps "
-              f"= {table[size + ' qb']['band']:.3f})")
+            early = "".join(f"{np.median(v):>7.2f}" for v in row["early"].values())
+            print(f"  {label[len(size) + 1:]:<19}{early}  {show(row['settled']):<25}"
+                  f"{show(row['reach'], 'g'):<19}{show(row['loss'], '.4f'):<24}{show(row['eval'], '.4f')}")
+        print(f"  (QB band: running median of 10 steps <= 1.2 x QB's own median of its last 50 steps, per seed: "
+              f"{show(table[size + ' qb']['band'])})")
+        print("  loss minus QB's loss of the same seed (same batches), smallest to largest over the seeds:")
+        qb = table[size + " qb"]
+        for label, row in table.items():
+            if label.startswith(size + " ") and "qb" not in label:
+                train_gap = np.subtract(row["loss"], qb["loss"])
+                eval_gap = np.subtract(row["eval"], qb["eval"])
+                print(f"    {label[len(size) + 1:]:<11} training {train_gap.min():+.4f} to {train_gap.max():+.4f}, "
+                      f"held-out {eval_gap.min():+.4f} to {eval_gap.max():+.4f}")
     return table
 
 
@@ -151,26 +158,24 @@ def print_results(results: dict) -> dict[str, dict]:
 
 
 def live_check(results: dict) -> dict[str, float]:
-    """Replay the first steps of the recorded n = 64 QB run, then a short fresh comparison, QB against none."""
-    corpus = load_corpus()
-    recorded = results["runs"]["n=64 qb"]
-    config = TrainConfig(**{**recorded["config"], "betas": tuple(recorded["config"]["betas"]), "steps": 3,
-                            "eval_every": 1000})
-    replay = train(config, corpus=corpus)
-    pairs = list(zip(replay["steps"], recorded["steps"][:3], strict=True))
+    """Replay the first steps of a recorded n = 64 QB run, then a short fresh comparison, QB against none."""
+    seed = str(results["seeds"][0])
+    recorded = results["runs"]["n=64 qb"][seed]
+    pairs = list(zip(replay(recorded, 3), recorded["steps"][:3], strict=True))
     # Bit for bit with the recorded BLAS thread count; another count sums the products in another order.
     drift = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in pairs)
     same = drift <= 1e-5 and all(a["max_violation"] == b["max_violation"] for a, b in pairs)
-    print(f"\nLive check 1: the first 3 steps of the recorded 'n=64 qb' run, replayed: "
+    print(f"\nLive check 1: the first 3 steps of the recorded 'n=64 qb' run of seed {seed}, replayed: "
           f"{'the same violations, losses within ' + f'{drift:.1e}' + ' relative' if same else 'DIFFERENT from the record'}")
+    corpus = load_corpus()
     short = {}
     for balancer in ("qb", "none"):
         log = train(TrainConfig(balancer=balancer, steps=25, d=32, latent=16, experts=32, top_k=2,
                                 intermediate=16, batch=512, layers=1, stats_every=100, eval_every=100),
                     corpus=corpus)
         short[balancer] = float(np.median([r["max_violation"] for r in log["steps"][-10:]]))
-    print(f"Live check 2: 25 steps, n = 32, k = 2, m = 512, one layer; median max violation of steps 16-25: "
-          f"QB {short['qb']:.3f}, none {short['none']:.3f}")
+    print(f"Live check 2: 25 steps, n = 32, k = 2, m = 512, one layer, seed 0; median max violation of steps "
+          f"16-25: QB {short['qb']:.3f}, none {short['none']:.3f}")
     return {"replay_identical": float(same), **short}
 
 
@@ -181,34 +186,36 @@ def plot(out: Path, results: dict) -> None:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
+    fig, axes = plt.subplots(2, len(SIZES), figsize=(17, 8.5), constrained_layout=True)
     colours = {"qb": "#1f77b4", "qb-hist": "#17becf", "sign 1e-3": "#ff7f0e",
                "sign 1e-2": "#d62728", "none": "#7f7f7f", "qb, router frozen": "#2ca02c"}
+    seeds = ", ".join(map(str, results["seeds"]))
     for column, (size, s) in enumerate(SIZES.items()):
         ax, bx = axes[0, column], axes[1, column]
-        for label, run in results["runs"].items():
+        for label, by_seed in results["runs"].items():
             if not label.startswith(size + " "):
                 continue
             name = label[len(size) + 1:]
-            steps = np.array([r["step"] for r in run["steps"]])
-            violation = np.array([r["max_violation"] for r in run["steps"]])
-            style = ":" if "frozen" in name else "-"
-            ax.plot(steps, violation, style, color=colours[name], linewidth=0.9, label=name)
+            steps = np.array([r["step"] for r in next(iter(by_seed.values()))["steps"]])
+            violation = per_step(by_seed, lambda r: r["max_violation"])  # [seeds, steps]
+            band(ax, steps, violation, colours[name], name, ":" if "frozen" in name else "-")
             if "frozen" not in name:
-                loss = np.array([r["loss"] for r in run["steps"]])
-                smooth = np.convolve(loss, np.ones(10) / 10, mode="valid")
-                bx.plot(steps[9:], smooth, color=colours[name], linewidth=0.9, label=name)
+                loss = per_step(by_seed, lambda r: r["loss"])  # [seeds, steps]
+                smooth = np.array([np.convolve(row, np.ones(10) / 10, mode="valid") for row in loss])
+                band(bx, steps[9:], smooth, colours[name], name)
         floor = np.array(results["floors"][size])
-        ax.axhspan(np.quantile(floor, 0.05), np.quantile(floor, 0.95), color="0.85", label="sampling noise (5-95%)")
+        ax.axhspan(np.quantile(floor, 0.05), np.quantile(floor, 0.95), color="0.8", zorder=0,
+                   label="sampling noise (5-95%)")
         ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_ylabel("max violation (max load / q - 1)")
-        ax.set_title(f"{size}, k = {s['top_k']}, m = {s['batch']}, seed {results['seed']}")
+        ax.set_title(f"{size}, k = {s['top_k']}, m = {s['batch']}; median of seeds {seeds}, band min-max",
+                     fontsize=10)
         ax.legend(fontsize=7, ncol=2)
         bx.set_xlabel("step")
         bx.set_ylabel("training loss (mean of 10 steps), nats/byte")
-        bx.set_title(f"{size}: the loss under each balancer")
-        bx.set_ylim(top=3.0)
+        bx.set_title(f"{size}: the loss under each balancer (seeds {seeds})", fontsize=10)
+        bx.set_ylim(1.5, 3.0)
         bx.legend(fontsize=7)
     fig.savefig(out / "balance_while_learning.png", dpi=110)
     plt.close(fig)
@@ -221,7 +228,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
     parser.add_argument("--full", action="store_true",
-                        help=f"rerun the long experiment (about 10 min of CPU time) and rewrite {RESULTS.name}")
+                        help=f"rerun the long experiment (about 32 min of CPU time, 16 min on two cores) and rewrite "
+                             f"{RESULTS.name}")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if args.full:
