@@ -7,9 +7,9 @@ $W_\uparrow$ directly, and it depends on which experts were chosen and how
 their weights have grown. This example trains the small model of
 `refimpl.train` ($n = 64$, $k = 4$, two layers, SiTU-GLU, QB) with the norm
 off and on, at learning rates $10^{-3}$, $3 \cdot 10^{-3}$ (the default),
-$10^{-2}$ and $3 \cdot 10^{-2}$ for 300 steps, each from seeds 0, 1 and 2
-(the seed sets the initial weights and the batches), and logs every other
-step:
+$10^{-2}$, $3 \cdot 10^{-2}$, $10^{-1}$ and $3 \cdot 10^{-1}$ for 300 steps,
+each from seeds 0, 1 and 2 (the seed sets the initial weights and the
+batches), and logs every other step:
 
 * the RMS of the routed sum $u$ (before the norm), per layer;
 * the norms of the gradients of the two latent projections, $W_\downarrow$
@@ -18,7 +18,10 @@ step:
   the learning rate).
 
 The tables give the median over the three seeds and, in brackets, the
-smallest and largest.
+smallest and largest. At the largest rates some runs diverge: their values
+become non-finite where `refimpl.train` cannot skip the step (it raises), and
+the run is recorded up to that step. The table gives the step for each seed
+that diverged, and the losses over the seeds that finished.
 
 The long run is recorded in `docs/results/63_latent_norm_while_training.json`;
 this page prints and plots it, and replays a few steps as a live check.
@@ -38,7 +41,18 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
-from recorded_runs import band, per_step, record_runs, replay, results_file, show, write_record  # noqa: E402
+from recorded_runs import (  # noqa: E402
+    band,
+    diverged_at,
+    finished,
+    per_step,
+    record_runs,
+    replay,
+    results_file,
+    show,
+    show_finished,
+    write_record,
+)
 
 from refimpl.train import TrainConfig  # noqa: E402
 
@@ -46,7 +60,7 @@ RESULTS = results_file("63_latent_norm_while_training.json", globals().get("__fi
 COMMAND = "OPENBLAS_NUM_THREADS=1 python examples/63_latent_norm_while_training.py --full"
 SEEDS = (0, 1, 2)
 STEPS = 300
-RATES = (1e-3, 3e-3, 1e-2, 3e-2)
+RATES = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
 KEEP = ("step", "loss", "eval_loss", "routed_rms", "grad_norm_down", "grad_norm_up", "grad_norm", "skipped")
 
 # %%
@@ -68,11 +82,13 @@ def run_full(path: Path) -> None:
 
 
 def series(by_seed: dict, key: str) -> tuple[np.ndarray, np.ndarray]:
-    """Steps and the per-step largest-over-layers value of a statistic logged every other step, `[seeds, steps]`."""
-    first = next(iter(by_seed.values()))["steps"]
-    steps = np.array([r["step"] for r in first if key in r])
-    values = np.array([[max(r[key]) for r in run["steps"] if key in r] for run in by_seed.values()])
-    return steps, values
+    """Steps and the per-step largest-over-layers value of a statistic logged every other step, `[seeds, steps]`.
+
+    NaN where a seed has no value: after it diverged, or on a step whose router scores were not finite.
+    """
+    logged = [{r["step"]: max(r[key]) for r in run["steps"] if r.get(key)} for run in by_seed.values()]
+    steps = np.array(sorted(set().union(*logged)))
+    return steps, np.array([[row.get(t, np.nan) for t in steps] for row in logged])
 
 
 def summarize(results: dict) -> dict[str, dict]:
@@ -83,12 +99,18 @@ def summarize(results: dict) -> dict[str, dict]:
         _, down = series(by_seed, "grad_norm_down")
         _, up = series(by_seed, "grad_norm_up")
         loss = per_step(by_seed, lambda r: r["loss"])  # [seeds, steps]
-        table[label] = {"rms_first": rms[:, 0].tolist(), "rms_last": rms[:, -1].tolist(),
-                        "rms_max": rms.max(axis=1).tolist(),
-                        "down_median": np.median(down, axis=1).tolist(), "up_median": np.median(up, axis=1).tolist(),
-                        "down_max": down.max(axis=1).tolist(), "up_max": up.max(axis=1).tolist(),
-                        "loss": np.mean(loss[:, -10:], axis=1).tolist(),
-                        "eval": [run["summary"]["final_eval_loss"] for run in by_seed.values()]}
+        last = [row[np.isfinite(row)][-1] for row in rms]  # the last logged value, before any divergence
+        table[label] = {"rms_first": rms[:, 0].tolist(), "rms_last": last,
+                        "rms_max": np.nanmax(rms, axis=1).tolist(),
+                        "down_median": np.nanmedian(down, axis=1).tolist(),
+                        "up_median": np.nanmedian(up, axis=1).tolist(),
+                        "down_max": np.nanmax(down, axis=1).tolist(), "up_max": np.nanmax(up, axis=1).tolist(),
+                        "loss": np.mean(loss[:, -10:], axis=1).tolist(),  # NaN for a seed that diverged
+                        "eval": [run["summary"]["final_eval_loss"] for run in by_seed.values()],
+                        "skipped": [run["summary"]["skipped_steps"] for run in by_seed.values()],
+                        "diverged": {**{seed: "NaN at the end" for seed, run in by_seed.items()
+                                        if not np.isfinite(run["summary"]["final_eval_loss"])},
+                                     **{seed: f"at {step}" for seed, step in diverged_at(by_seed).items()}}}
     return table
 
 
@@ -100,21 +122,28 @@ def print_results(results: dict) -> dict[str, dict]:
     print("RMS of u = root mean square of the routed latent sum before the norm (larger of the two layers); "
           "gradient norms: Frobenius, larger layer, median over the logged steps;")
     print("each entry: median over the seeds [smallest-largest]")
-    print(f"  {'run':<19}{'RMS u, step 1':<21}{'RMS u, last':<27}{'|dW_down| median':<26}"
-          f"{'|dW_up| median':<26}{'train loss':<24}{'held-out loss'}")
+    print("RMS u, last: at the last logged step (before the divergence for a run that diverged); "
+          "skipped: steps with a non-finite loss or gradient;")
+    print("losses over the seeds that finished with a finite held-out loss; diverged: the seeds that raised "
+          "(at the step) or ended with a NaN held-out loss")
+    print(f"  {'run':<19}{'RMS u, step 1':<21}{'RMS u, last':<33}{'|dW_down| median':<26}"
+          f"{'|dW_up| median':<26}{'skipped':<16}{'train loss':<34}{'held-out loss':<34}{'diverged'}")
     for label, row in table.items():
-        print(f"  {label:<19}{show(row['rms_first']):<21}{show(row['rms_last']):<27}"
+        diverged = ", ".join(f"{seed} {what}" for seed, what in sorted(row["diverged"].items())) or "-"
+        print(f"  {label:<19}{show(row['rms_first']):<21}{show(row['rms_last']):<33}"
               f"{show(row['down_median'], '.4f'):<26}{show(row['up_median'], '.4f'):<26}"
-              f"{show(row['loss'], '.4f'):<24}{show(row['eval'], '.4f')}")
-    print("\nheld-out loss against the learning rate (median [smallest-largest] over the seeds):")
-    print((f"  {'':<10}" + "".join(f"{'lr ' + format(lr, 'g'):<26}" for lr in RATES)).rstrip())
+              f"{show(row['skipped'], 'g'):<16}{show_finished(row['loss']):<34}{show_finished(row['eval']):<34}{diverged}")
+    print("\nheld-out loss against the learning rate (median [smallest-largest] over the seeds that finished):")
+    print((f"  {'':<10}" + "".join(f"{'lr ' + format(lr, 'g'):<34}" for lr in RATES)).rstrip())
     for norm in ("off", "on"):
-        cells = "".join(f"{show(table[f'norm {norm} lr {lr:g}']['eval'], '.4f'):<26}" for lr in RATES)
+        cells = "".join(f"{show_finished(table[f'norm {norm} lr {lr:g}']['eval']):<34}" for lr in RATES)
         print(f"  norm {norm:<5}{cells}".rstrip())
-    print("norm on minus norm off, same seed (same batches), smallest to largest over the seeds:")
+    print("norm on minus norm off, same seed (same batches), smallest to largest over the seeds where both finished:")
     for key, name in (("eval", "held-out"), ("loss", "training")):
-        gaps = [np.subtract(table[f"norm on lr {lr:g}"][key], table[f"norm off lr {lr:g}"][key]) for lr in RATES]
-        print((f"  {name:<10}" + "".join(f"{f'{g.min():+.4f} to {g.max():+.4f}':<26}" for g in gaps)).rstrip())
+        gaps = [finished(np.subtract(table[f"norm on lr {lr:g}"][key], table[f"norm off lr {lr:g}"][key]).tolist())
+                for lr in RATES]
+        cells = [f"{min(g):+.4f} to {max(g):+.4f}" if g else "-" for g in gaps]
+        print((f"  {name:<10}" + "".join(f"{cell:<34}" for cell in cells)).rstrip())
     return table
 
 
@@ -143,7 +172,7 @@ def plot(out: Path, results: dict) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 5, figsize=(23, 4.6), constrained_layout=True)
-    shade = dict(zip(RATES, (0.35, 0.55, 0.75, 1.0), strict=True))
+    shade = dict(zip(RATES, np.linspace(0.3, 1.0, len(RATES)).tolist(), strict=True))
     seeds = ", ".join(map(str, results["seeds"]))
     for label, by_seed in results["runs"].items():
         config = next(iter(by_seed.values()))["config"]
@@ -167,14 +196,16 @@ def plot(out: Path, results: dict) -> None:
     cx = axes[4]
     for norm, colour in ((False, "#a6501a"), (True, "#2b4c9a")):
         evals = np.array([[run["summary"]["final_eval_loss"] for run in results["runs"][
-            f"norm {'on' if norm else 'off'} lr {lr:g}"].values()] for lr in RATES])  # [rates, seeds]
-        middle = np.median(evals, axis=1)
-        cx.errorbar(RATES, middle, yerr=[middle - evals.min(axis=1), evals.max(axis=1) - middle], capsize=3,
-                    marker="o", color=colour, label=f"norm {'on' if norm else 'off'}")
+            f"norm {'on' if norm else 'off'} lr {lr:g}"].values()] for lr in RATES])  # [rates, seeds], NaN: diverged
+        done = np.isfinite(evals).any(axis=1)  # rates where at least one seed finished
+        middle = np.nanmedian(evals[done], axis=1)
+        cx.errorbar(np.array(RATES)[done], middle,
+                    yerr=[middle - np.nanmin(evals[done], axis=1), np.nanmax(evals[done], axis=1) - middle],
+                    capsize=3, marker="o", color=colour, label=f"norm {'on' if norm else 'off'}")
     cx.set_xscale("log")
     cx.set_xlabel("learning rate")
     cx.set_ylabel("held-out loss at the end, nats/byte")
-    cx.set_title(f"held-out loss: median, min-max of seeds {seeds}", fontsize=10)
+    cx.set_title(f"held-out loss, seeds {seeds}: median, min-max of those that finished", fontsize=9)
     cx.legend(fontsize=8)
     fig.savefig(out / "latent_norm_while_training.png", dpi=110)
     plt.close(fig)
@@ -187,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
     parser.add_argument("--full", action="store_true",
-                        help=f"rerun the long experiment (about 10 min of CPU time, 5 min on two cores) and rewrite "
+                        help=f"rerun the long experiment (about 16 min of CPU time, 8 min on two cores) and rewrite "
                              f"{RESULTS.name}")
     args = parser.parse_args(argv)
     start = time.perf_counter()

@@ -7,20 +7,23 @@ no `__file__`, above its working folder, so open the notebooks from a clone's
 
 Examples 61–63 record every configuration once per seed; the helpers below
 train and record such a grid, summarize a quantity over the seeds (median and
-range) and replay the first steps of a recorded run.
+range) and replay the first steps of a recorded run. A run whose values
+become non-finite somewhere `refimpl.train` does not skip (it raises there)
+is recorded up to that step, with the step and the error in its summary.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from refimpl.train import TrainConfig, load_corpus, train, train_many
+from refimpl.train import TrainConfig, load_corpus, train
 
 
 def results_file(name: str, script: str | None) -> Path:
@@ -35,9 +38,36 @@ def results_file(name: str, script: str | None) -> Path:
 # Several seeds per configuration: the record, the spread over seeds, the replay.
 
 
+def train_or_diverged(config: TrainConfig) -> dict[str, Any]:
+    """`train(config)`, or, where training raises on non-finite values, the log up to the step that raised.
+
+    The partial log's summary holds `diverged_at` (the step), `error` and a NaN held-out loss; its steps are
+    read from the `train` frame of the traceback, so nothing is trained twice.
+    """
+    try:
+        return train(config)
+    except ValueError as error:
+        if "finite" not in str(error):
+            raise
+        tb = error.__traceback__
+        while tb is not None and tb.tb_frame.f_code is not train.__code__:
+            tb = tb.tb_next
+        if tb is None:
+            raise
+        frame = tb.tb_frame.f_locals
+        steps = frame["records"]
+        record = asdict(config)
+        record["betas"] = list(config.betas)
+        return {"config": record, "steps": steps,
+                "summary": {"diverged_at": frame["t"], "error": str(error), "final_eval_loss": float("nan"),
+                            "skipped_steps": sum(1 for step in steps if step.get("skipped"))}}
+
+
 def record_runs(command: str, runs: Mapping[str, TrainConfig], seeds: Sequence[int],
                 keep: Sequence[str]) -> dict[str, Any]:
     """Train every configuration of `runs` once per seed (two processes) and return the record to write.
+
+    A run that raises on non-finite values is kept up to that step (`train_or_diverged`).
 
     The record is `{"command", "seeds", "runs": {label: {seed: {"config", "summary", "steps"}}}, "corpus"}`,
     each step keeping only the keys in `keep`. The most expensive runs (most experts, most steps) start first,
@@ -45,7 +75,8 @@ def record_runs(command: str, runs: Mapping[str, TrainConfig], seeds: Sequence[i
     """
     jobs = sorted(((label, seed) for label in runs for seed in seeds),
                   key=lambda job: -runs[job[0]].experts * runs[job[0]].steps)
-    logs = train_many([replace(runs[label], seed=seed) for label, seed in jobs], processes=2)
+    with get_context("fork").Pool(2) as pool:
+        logs = pool.map(train_or_diverged, [replace(runs[label], seed=seed) for label, seed in jobs], chunksize=1)
     record: dict[str, Any] = {"command": command, "seeds": list(seeds), "runs": {label: {} for label in runs}}
     for (label, seed), log in zip(jobs, logs, strict=True):
         record["runs"][label][str(seed)] = {
@@ -53,7 +84,7 @@ def record_runs(command: str, runs: Mapping[str, TrainConfig], seeds: Sequence[i
             "steps": [{key: step[key] for key in keep if key in step} for step in log["steps"]]}
     record["runs"] = {label: dict(sorted(by_seed.items(), key=lambda item: int(item[0])))
                       for label, by_seed in record["runs"].items()}
-    record["corpus"] = logs[0]["corpus"]
+    record["corpus"] = next(log["corpus"] for log in logs if "corpus" in log)
     return record
 
 
@@ -65,8 +96,10 @@ def write_record(path: Path, record: Mapping[str, Any]) -> None:
 
 
 def per_step(by_seed: Mapping[str, Mapping[str, Any]], value: Callable[[dict], float]) -> np.ndarray:
-    """`value(step record)` for every step of every seed's run, `[seeds, steps]`."""
-    return np.array([[value(step) for step in run["steps"]] for run in by_seed.values()], dtype=float)
+    """`value(step record)` for every step of every seed's run, `[seeds, steps]` (NaN after a run diverged)."""
+    rows = [[value(step) for step in run["steps"]] for run in by_seed.values()]
+    longest = max(len(row) for row in rows)
+    return np.array([row + [np.nan] * (longest - len(row)) for row in rows], dtype=float)
 
 
 def spread(values: Sequence[float | None]) -> tuple[float, float, float]:
@@ -82,6 +115,24 @@ def show(values: Sequence[float | None], fmt: str = ".3f") -> str:
 
     middle, low, high = spread(values)
     return one(middle) if low == high else f"{one(middle)} [{one(low)}-{one(high)}]"
+
+
+def finished(values: Sequence[float]) -> list[float]:
+    """The values of the seeds whose run finished (a diverged run's loss is NaN)."""
+    return [v for v in values if np.isfinite(v)]
+
+
+def show_finished(values: Sequence[float], fmt: str = ".4f") -> str:
+    """`show` over the seeds that finished, with how many they are when not all."""
+    kept = finished(values)
+    if not kept:
+        return "none finished"
+    return show(kept, fmt) + ("" if len(kept) == len(values) else f" ({len(kept)} seeds)")
+
+
+def diverged_at(by_seed: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """The step at which each seed's run diverged, for the seeds that did."""
+    return {seed: run["summary"]["diverged_at"] for seed, run in by_seed.items() if "diverged_at" in run["summary"]}
 
 
 def replay(recorded: Mapping[str, Any], steps: int) -> list[dict[str, Any]]:
