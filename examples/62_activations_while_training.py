@@ -5,11 +5,15 @@ SwiGLU has no bound. Whether that matters depends on whether the routed
 experts' activations actually grow in training. This example trains the small
 model of `refimpl.train` ($n = 64$, $k = 4$, two layers, latent norm on, QB)
 with each activation at learning rates $3 \cdot 10^{-3}$ (the default),
-$3 \cdot 10^{-2}$ and $10^{-1}$ for 300 steps, and logs every step the largest $|h|$ over
-all routed-expert activations, $h = \operatorname{GLU}(z G_e^\top, z U_e^\top)$.
-Every configuration is trained from seeds 0, 1 and 2 (the seed sets the
-initial weights and the batches); the table gives the median over the three
-seeds and, in brackets, the smallest and largest.
+$3 \cdot 10^{-2}$, $10^{-1}$ and $3 \cdot 10^{-1}$ for 300 steps, and logs every step the largest $|h|$
+over all routed-expert activations, $h = \operatorname{GLU}(z G_e^\top, z U_e^\top)$,
+and counts the loss spikes (steps whose loss exceeds 1.2 times the median of
+the ten before). Every configuration is trained from seeds 0, 1 and 2 (the
+seed sets the initial weights and the batches); the table gives the median
+over the three seeds and, in brackets, the smallest and largest. A run whose
+values become non-finite where `refimpl.train` cannot skip the step (it
+raises) has diverged: it is recorded up to that step, and the table gives the
+step for each seed that diverged and the losses over the seeds that finished.
 
 Then the same two models at the largest rate in low precision. The forward
 pass is rounded to float16 or bfloat16 (weights, block inputs and outputs,
@@ -38,7 +42,17 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
-from recorded_runs import band, per_step, record_runs, replay, results_file, show, write_record  # noqa: E402
+from recorded_runs import (  # noqa: E402
+    band,
+    diverged_at,
+    per_step,
+    record_runs,
+    replay,
+    results_file,
+    show,
+    show_finished,
+    write_record,
+)
 
 from refimpl.train import TrainConfig  # noqa: E402
 
@@ -46,7 +60,7 @@ RESULTS = results_file("62_activations_while_training.json", globals().get("__fi
 COMMAND = "OPENBLAS_NUM_THREADS=1 python examples/62_activations_while_training.py --full"
 SEEDS = (0, 1, 2)
 STEPS = 300
-RATES = (3e-3, 3e-2, 1e-1)
+RATES = (3e-3, 3e-2, 1e-1, 3e-1)
 LOW_PRECISION_RATE = 1e-1
 KEEP = ("step", "loss", "max_violation", "eval_loss", "activation_peak", "overflow", "skipped")
 
@@ -74,22 +88,34 @@ def run_full(path: Path) -> None:
 
 
 def loss_spikes(loss: np.ndarray, factor: float = 1.2, window: int = 10) -> int:
-    """Steps whose loss exceeds `factor` times the median of the `window` steps before it."""
+    """Steps whose loss exceeds `factor` times the median of the `window` steps before it.
+
+    A NaN loss (a skipped step, or the steps after a run diverged) compares false either way, so it is no spike.
+    """
     return sum(1 for t in range(window, loss.size) if loss[t] > factor * np.median(loss[t - window:t]))
+
+
+def peak_of(step: dict) -> float:
+    """The step's largest routed activation over the layers; NaN on a step whose router scores were not finite."""
+    return max(step["activation_peak"]) if step.get("activation_peak") else np.nan
 
 
 def summarize(results: dict) -> dict[str, dict]:
     """Per configuration, one entry per seed: the routed activation's peaks, overflows, skips, spikes, losses."""
     table = {}
     for label, by_seed in results["runs"].items():
-        peak = per_step(by_seed, lambda r: max(r["activation_peak"]))  # [seeds, steps]
+        peak = per_step(by_seed, peak_of)  # [seeds, steps]
         loss = per_step(by_seed, lambda r: r["loss"])  # [seeds, steps]
-        table[label] = {"peak_first": peak[:, 0].tolist(), "peak_max": peak.max(axis=1).tolist(),
-                        "peak_last": peak[:, -1].tolist(), "over_fp16": np.sum(peak > 65504.0, axis=1).tolist(),
+        table[label] = {"peak_first": peak[:, 0].tolist(), "peak_max": np.nanmax(peak, axis=1).tolist(),
+                        "peak_last": [row[np.isfinite(row)][-1] for row in peak],
+                        "over_fp16": np.sum(peak > 65504.0, axis=1).tolist(),
                         "skipped": [run["summary"]["skipped_steps"] for run in by_seed.values()],
                         "spikes": [loss_spikes(row) for row in loss],
-                        "loss": np.mean(loss[:, -10:], axis=1).tolist(),
-                        "eval": [run["summary"]["final_eval_loss"] for run in by_seed.values()]}
+                        # The last 10 steps' mean; NaN for a seed that diverged before the end.
+                        "loss": [np.nan if seed in diverged_at(by_seed) else float(np.mean(row[-10:]))
+                                 for seed, row in zip(by_seed, loss, strict=True)],
+                        "eval": [run["summary"]["final_eval_loss"] for run in by_seed.values()],
+                        "diverged": diverged_at(by_seed)}
     return table
 
 
@@ -100,13 +126,15 @@ def print_results(results: dict) -> dict[str, dict]:
           f"d = 64, l = 32, two layers, latent norm on, QB, m = 1024, Adam without clipping.")
     print("peak = largest |h| over all routed-expert activations of a step (both layers); "
           "spikes = steps with loss > 1.2 x the median of the 10 before;")
-    print("each entry: median over the seeds [smallest-largest]")
+    print("each entry: median over the seeds [smallest-largest]; losses over the seeds that finished; "
+          "diverged: seed at step")
     print(f"  {'run':<25}{'peak step 1':<20}{'max peak':<33}{'steps > 65504':<16}{'skipped':<16}"
-          f"{'spikes':<8}{'train loss':<24}{'held-out loss'}")
+          f"{'spikes':<12}{'train loss':<34}{'held-out loss':<34}{'diverged'}")
     for label, row in table.items():
+        diverged = ", ".join(f"{seed} at {step}" for seed, step in row["diverged"].items()) or "-"
         print(f"  {label:<25}{show(row['peak_first'], '.1f'):<20}{show(row['peak_max'], '.4g'):<33}"
-              f"{show(row['over_fp16'], 'g'):<16}{show(row['skipped'], 'g'):<16}{show(row['spikes'], 'g'):<8}"
-              f"{show(row['loss'], '.4f'):<24}{show(row['eval'], '.4f')}")
+              f"{show(row['over_fp16'], 'g'):<16}{show(row['skipped'], 'g'):<16}{show(row['spikes'], 'g'):<12}"
+              f"{show_finished(row['loss']):<34}{show_finished(row['eval']):<34}{diverged}")
     return table
 
 
@@ -140,16 +168,16 @@ def plot(out: Path, results: dict) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(17, 4.8), constrained_layout=True)
-    shades = dict(zip(RATES, ("#9ecae1", "#2171b5", "#08306b"), strict=True))
-    warm = dict(zip(RATES, ("#fdae6b", "#d94801", "#7f2704"), strict=True))
+    shades = dict(zip(RATES, ("#9ecae1", "#4292c6", "#08519c", "#08306b"), strict=True))
+    warm = dict(zip(RATES, ("#fdae6b", "#f16913", "#d94801", "#7f2704"), strict=True))
     seeds = ", ".join(map(str, results["seeds"]))
     for label, by_seed in results["runs"].items():
         config = next(iter(by_seed.values()))["config"]
-        steps = np.array([r["step"] for r in next(iter(by_seed.values()))["steps"]])
+        steps = np.array([r["step"] for r in max((run["steps"] for run in by_seed.values()), key=len)])
         style = {"float32": "-", "float16": "--", "bfloat16": ":"}[config["precision"]]
         if config["precision"] == "float32":
             colour = (warm if config["activation"] == "swiglu" else shades)[config["lr"]]
-            band(ax, steps, per_step(by_seed, lambda r: max(r["activation_peak"])), colour,
+            band(ax, steps, per_step(by_seed, peak_of), colour,
                  label.replace(" float32", ""))
         if config["lr"] == LOW_PRECISION_RATE:
             colour = "#d94801" if config["activation"] == "swiglu" else "#2171b5"
@@ -187,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
     parser.add_argument("--full", action="store_true",
-                        help=f"rerun the long experiment (about 15 min of CPU time, 8 min on two cores) and rewrite "
+                        help=f"rerun the long experiment (about 18 min of CPU time, 9 min on two cores) and rewrite "
                              f"{RESULTS.name}")
     args = parser.parse_args(argv)
     start = time.perf_counter()

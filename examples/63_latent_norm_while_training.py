@@ -105,7 +105,9 @@ def summarize(results: dict) -> dict[str, dict]:
                         "down_median": np.nanmedian(down, axis=1).tolist(),
                         "up_median": np.nanmedian(up, axis=1).tolist(),
                         "down_max": np.nanmax(down, axis=1).tolist(), "up_max": np.nanmax(up, axis=1).tolist(),
-                        "loss": np.mean(loss[:, -10:], axis=1).tolist(),  # NaN for a seed that diverged
+                        # The last 10 steps' mean; NaN for a seed that diverged before the end.
+                        "loss": [np.nan if seed in diverged_at(by_seed) else float(np.mean(row[-10:]))
+                                 for seed, row in zip(by_seed, loss, strict=True)],
                         "eval": [run["summary"]["final_eval_loss"] for run in by_seed.values()],
                         "skipped": [run["summary"]["skipped_steps"] for run in by_seed.values()],
                         "diverged": {**{seed: "NaN at the end" for seed, run in by_seed.items()
