@@ -554,7 +554,8 @@ def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
         layer_params = {name: (value if name == BIAS else _rounded(value, precision))
                         for name, value in _layer_params(params, layer).items()}
         scores = router_scores(a, layer_params["gate.weight"])  # [m, n], float32
-        if not np.all(np.isfinite(scores)):
+        # A forward pass that overflowed (a sigmoid can turn an infinite input into a finite score): no step.
+        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(scores))):
             return StepResult(math.nan, {}, [math.nan] * len(balancers))
         # Route with the bias held from the previous step; the balancer then computes the next one.
         step = balancer.step(scores)
@@ -599,6 +600,9 @@ def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
     grads["out.weight"] = dlogits.T @ a_f  # [256, d]
     dh, grads["norm.weight"] = final_back(dlogits @ w_out)  # [m, d], [d]
     for layer in reversed(range(len(balancers))):
+        if not np.all(np.isfinite(dh)):
+            # The gradient overflowed on its way back: no update this step, as for a non-finite loss.
+            return StepResult(loss, {}, violations, stats, balancing)
         norm_back, moe_back, auxiliary, a, w_gate = backs[layer]
         # The residual passes $\partial h$ through and adds the block's path.
         da, dmoe = moe_back(dh)  # [m, d], the layer's parameter gradients
@@ -639,6 +643,8 @@ def evaluate(params: Mapping[str, np.ndarray], tokens: np.ndarray, targets: np.n
     h = params["embed.weight"][tokens].reshape(m, c * config.embed) @ params["mix.weight"].T  # [m, d]
     for layer in range(config.layers):
         a, _ = rms_norm_vjp(h, params[f"layers.{layer}.norm.weight"], moe.rms_norm_eps)
+        if not np.all(np.isfinite(a)):
+            return math.nan  # a model that has diverged: its activations overflow
         changes = {key: value for key, value in (layer_changes or [{}] * config.layers)[layer].items()
                    if key != "capacity_factor"}
         layer_moe = moe.replace(**changes)
@@ -674,7 +680,10 @@ def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool =
     `activation_peak`, `routed_rms`, `grad_norm_down` and `grad_norm_up`; on every `eval_every`-th step
     `eval_loss`, `overflow: true` where the largest routed activation lies
     beyond the precision's range, and `skipped: true` where the update was
-    skipped (an overflow, or a loss or gradient that is not finite). `summary` has the
+    skipped (an overflow, or a loss or gradient that is not finite). A run
+    whose weights grow until its forward pass overflows has diverged: it goes
+    on to the end with every step skipped and its loss NaN, and its held-out
+    loss is NaN. `summary` has the
     wall time and the throughput in tokens per second. If `final_params` is a
     dict, it receives the trained weights.
     """

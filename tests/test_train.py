@@ -272,6 +272,26 @@ def test_low_precision_runs_log_what_overflows(corpus):
     assert "activation_peak" in log["steps"][0]
 
 
+def test_a_diverging_run_skips_its_steps_to_the_end(corpus):
+    """At a learning rate of 1 the model blows up within a few dozen steps: every non-finite step is skipped.
+
+    The weights grow until the forward pass overflows (layer inputs that are infinite), which the loop must
+    meet with a skipped step, as it meets an infinite loss or gradient, not with an error.
+    """
+    config = TrainConfig(lr=1.0, steps=60, batch=256, eval_every=1000, stats_every=1000)
+    log = train(config, corpus=corpus)
+    loss = np.array([r["loss"] for r in log["steps"]])
+    skipped = np.array([bool(r.get("skipped")) for r in log["steps"]])
+    assert len(loss) == config.steps
+    # A skipped step is one with no finite gradient; no step updates the weights with a non-finite loss.
+    assert np.all(skipped[~np.isfinite(loss)])
+    assert log["summary"]["skipped_steps"] == int(skipped.sum()) > 0
+    # Diverged for good: the loss is NaN from some step to the end, and so is the held-out loss.
+    first = int(np.flatnonzero(np.isfinite(loss))[-1]) + 1
+    assert first < config.steps and not np.any(np.isfinite(loss[first:]))
+    assert np.isnan(log["summary"]["final_eval_loss"])
+
+
 # ---------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------
