@@ -10,10 +10,11 @@ over all routed-expert activations, $h = \operatorname{GLU}(z G_e^\top, z U_e^\t
 and counts the loss spikes (steps whose loss exceeds 1.2 times the median of
 the ten before). Every configuration is trained from seeds 0, 1 and 2 (the
 seed sets the initial weights and the batches); the table gives the median
-over the three seeds and, in brackets, the smallest and largest. A run whose
-values become non-finite where `refimpl.train` cannot skip the step (it
-raises) has diverged: it is recorded up to that step, and the table gives the
-step for each seed that diverged and the losses over the seeds that finished.
+over the three seeds and, in brackets, the smallest and largest. A run has
+diverged when its weights have grown until its forward pass overflows:
+`refimpl.train` skips every step from then on (its loss is NaN) to the end.
+The table gives, for each seed that diverged, the step from which its loss
+is NaN, and the losses over the seeds that finished.
 
 Then the same two models at the largest rate in low precision. The forward
 pass is rounded to float16 or bfloat16 (weights, block inputs and outputs,
@@ -111,8 +112,8 @@ def summarize(results: dict) -> dict[str, dict]:
                         "over_fp16": np.sum(peak > 65504.0, axis=1).tolist(),
                         "skipped": [run["summary"]["skipped_steps"] for run in by_seed.values()],
                         "spikes": [loss_spikes(row) for row in loss],
-                        # The last 10 steps' mean; NaN for a seed that diverged before the end.
-                        "loss": [np.nan if seed in diverged_at(by_seed) else float(np.mean(row[-10:]))
+                        # The mean of the last 10 steps that were not skipped; NaN for a seed that diverged.
+                        "loss": [np.nan if seed in diverged_at(by_seed) else float(np.mean(row[np.isfinite(row)][-10:]))
                                  for seed, row in zip(by_seed, loss, strict=True)],
                         "eval": [run["summary"]["final_eval_loss"] for run in by_seed.values()],
                         "diverged": diverged_at(by_seed)}

@@ -18,10 +18,11 @@ batches), and logs every other step:
   the learning rate).
 
 The tables give the median over the three seeds and, in brackets, the
-smallest and largest. At the largest rates some runs diverge: their values
-become non-finite where `refimpl.train` cannot skip the step (it raises), and
-the run is recorded up to that step. The table gives the step for each seed
-that diverged, and the losses over the seeds that finished.
+smallest and largest. At the largest rates some runs diverge: their weights
+grow until the forward pass overflows, and `refimpl.train` skips every step
+from then on (its loss is NaN) to the end. The table gives, for each seed
+that diverged, the step from which its loss is NaN, and the losses over the
+seeds that finished.
 
 The long run is recorded in `docs/results/63_latent_norm_while_training.json`;
 this page prints and plots it, and replays a few steps as a live check.
@@ -105,8 +106,8 @@ def summarize(results: dict) -> dict[str, dict]:
                         "down_median": np.nanmedian(down, axis=1).tolist(),
                         "up_median": np.nanmedian(up, axis=1).tolist(),
                         "down_max": np.nanmax(down, axis=1).tolist(), "up_max": np.nanmax(up, axis=1).tolist(),
-                        # The last 10 steps' mean; NaN for a seed that diverged before the end.
-                        "loss": [np.nan if seed in diverged_at(by_seed) else float(np.mean(row[-10:]))
+                        # The mean of the last 10 steps that were not skipped; NaN for a seed that diverged.
+                        "loss": [np.nan if seed in diverged_at(by_seed) else float(np.mean(row[np.isfinite(row)][-10:]))
                                  for seed, row in zip(by_seed, loss, strict=True)],
                         "eval": [run["summary"]["final_eval_loss"] for run in by_seed.values()],
                         "skipped": [run["summary"]["skipped_steps"] for run in by_seed.values()],
@@ -126,8 +127,8 @@ def print_results(results: dict) -> dict[str, dict]:
     print("each entry: median over the seeds [smallest-largest]")
     print("RMS u, last: at the last logged step (before the divergence for a run that diverged); "
           "skipped: steps with a non-finite loss or gradient;")
-    print("losses over the seeds that finished with a finite held-out loss; diverged: the seeds that raised "
-          "(at the step) or ended with a NaN held-out loss")
+    print("losses over the seeds that finished with a finite held-out loss; diverged: the seeds whose loss is "
+          "NaN from a step on (at that step) or that ended with a NaN held-out loss")
     print(f"  {'run':<19}{'RMS u, step 1':<21}{'RMS u, last':<33}{'|dW_down| median':<26}"
           f"{'|dW_up| median':<26}{'skipped':<16}{'train loss':<34}{'held-out loss':<34}{'diverged'}")
     for label, row in table.items():

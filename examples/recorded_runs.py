@@ -7,16 +7,16 @@ no `__file__`, above its working folder, so open the notebooks from a clone's
 
 Examples 61–63 record every configuration once per seed; the helpers below
 train and record such a grid, summarize a quantity over the seeds (median and
-range) and replay the first steps of a recorded run. A run whose values
-become non-finite somewhere `refimpl.train` does not skip (it raises there)
-is recorded up to that step, with the step and the error in its summary.
+range) and replay the first steps of a recorded run. A run that diverges
+goes on to the end: `refimpl.train` skips every step whose loss or gradient
+is not finite, so a diverged run's loss is NaN from some step on.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -38,36 +38,9 @@ def results_file(name: str, script: str | None) -> Path:
 # Several seeds per configuration: the record, the spread over seeds, the replay.
 
 
-def train_or_diverged(config: TrainConfig) -> dict[str, Any]:
-    """`train(config)`, or, where training raises on non-finite values, the log up to the step that raised.
-
-    The partial log's summary holds `diverged_at` (the step), `error` and a NaN held-out loss; its steps are
-    read from the `train` frame of the traceback, so nothing is trained twice.
-    """
-    try:
-        return train(config)
-    except ValueError as error:
-        if "finite" not in str(error):
-            raise
-        tb = error.__traceback__
-        while tb is not None and tb.tb_frame.f_code is not train.__code__:
-            tb = tb.tb_next
-        if tb is None:
-            raise
-        frame = tb.tb_frame.f_locals
-        steps = frame["records"]
-        record = asdict(config)
-        record["betas"] = list(config.betas)
-        return {"config": record, "steps": steps,
-                "summary": {"diverged_at": frame["t"], "error": str(error), "final_eval_loss": float("nan"),
-                            "skipped_steps": sum(1 for step in steps if step.get("skipped"))}}
-
-
 def record_runs(command: str, runs: Mapping[str, TrainConfig], seeds: Sequence[int],
                 keep: Sequence[str]) -> dict[str, Any]:
     """Train every configuration of `runs` once per seed (two processes) and return the record to write.
-
-    A run that raises on non-finite values is kept up to that step (`train_or_diverged`).
 
     The record is `{"command", "seeds", "runs": {label: {seed: {"config", "summary", "steps"}}}, "corpus"}`,
     each step keeping only the keys in `keep`. The most expensive runs (most experts, most steps) start first,
@@ -76,7 +49,7 @@ def record_runs(command: str, runs: Mapping[str, TrainConfig], seeds: Sequence[i
     jobs = sorted(((label, seed) for label in runs for seed in seeds),
                   key=lambda job: -runs[job[0]].experts * runs[job[0]].steps)
     with get_context("fork").Pool(2) as pool:
-        logs = pool.map(train_or_diverged, [replace(runs[label], seed=seed) for label, seed in jobs], chunksize=1)
+        logs = pool.map(train, [replace(runs[label], seed=seed) for label, seed in jobs], chunksize=1)
     record: dict[str, Any] = {"command": command, "seeds": list(seeds), "runs": {label: {} for label in runs}}
     for (label, seed), log in zip(jobs, logs, strict=True):
         record["runs"][label][str(seed)] = {
@@ -131,8 +104,13 @@ def show_finished(values: Sequence[float], fmt: str = ".4f") -> str:
 
 
 def diverged_at(by_seed: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
-    """The step at which each seed's run diverged, for the seeds that did."""
-    return {seed: run["summary"]["diverged_at"] for seed, run in by_seed.items() if "diverged_at" in run["summary"]}
+    """The step from which each seed's loss is NaN to the end (the model has diverged), for the seeds that did."""
+    steps = {}
+    for seed, run in by_seed.items():
+        finite = np.isfinite(np.array([step["loss"] for step in run["steps"]], dtype=float))
+        if not finite[-1]:
+            steps[seed] = int(run["steps"][int(np.flatnonzero(finite)[-1]) + 1]["step"]) if finite.any() else 1
+    return steps
 
 
 def replay(recorded: Mapping[str, Any], steps: int) -> list[dict[str, Any]]:
