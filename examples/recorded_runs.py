@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from refimpl.train import TrainConfig, load_corpus, train
+from refimpl.train import TrainConfig, load_corpus, train, train_many
 
 
 def results_file(name: str, script: str | None) -> Path:
@@ -48,8 +47,7 @@ def record_runs(command: str, runs: Mapping[str, TrainConfig], seeds: Sequence[i
     """
     jobs = sorted(((label, seed) for label in runs for seed in seeds),
                   key=lambda job: -runs[job[0]].experts * runs[job[0]].steps)
-    with get_context("fork").Pool(2) as pool:
-        logs = pool.map(train, [replace(runs[label], seed=seed) for label, seed in jobs], chunksize=1)
+    logs = train_many([replace(runs[label], seed=seed) for label, seed in jobs], processes=2)
     record: dict[str, Any] = {"command": command, "seeds": list(seeds), "runs": {label: {} for label in runs}}
     for (label, seed), log in zip(jobs, logs, strict=True):
         record["runs"][label][str(seed)] = {
