@@ -394,9 +394,30 @@ def _select(scores: Array, bias: Array, config: MoEConfig,
     return index, weights * xp.astype(kept, weights.dtype), kept
 
 
+def _given_routing(routing: Any, m: int, config: MoEConfig) -> tuple[Array, Array, None]:
+    """Check a route passed as `routing=(index, weights)`: two `[m, k]` arrays, ids in `[0, n)`."""
+    if not (isinstance(routing, tuple | list) and len(routing) == 2):
+        raise TypeError(f"routing must be a pair (index, weights) of [m, k] arrays, got {type(routing).__name__}")
+    index, weights = routing
+    for name, a in (("index", index), ("weights", weights)):
+        if tuple(getattr(a, "shape", ())) != (m, config.k):
+            raise ValueError(f"routing's {name} must have shape [{m}, {config.k}] (tokens, top_k), "
+                             f"got {list(getattr(a, 'shape', ()))}")
+    check_float_array("routing's weights", weights)
+    xp = array_namespace(index)
+    if not xp.isdtype(index.dtype, "integral"):
+        raise TypeError(f"routing's index must be an integer array, got dtype {index.dtype}")
+    if m and (int(xp.min(index)) < 0 or int(xp.max(index)) >= config.n):
+        raise ValueError(f"routing's index must hold expert ids in [0, {config.n - 1}], got values in "
+                         f"[{int(xp.min(index))}, {int(xp.max(index))}]")
+    check_finite("routing's weights", weights)
+    return index, weights, None
+
+
 def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, *,
                       return_intermediates: bool = False, mxfp8_inputs: bool = False,
-                      token_ids: Array | None = None) -> Array | MoEOutput:
+                      token_ids: Array | None = None,
+                      routing: tuple[Array, Array] | None = None) -> Array | MoEOutput:
     r"""Eq. (11): one Stable LatentMoE layer on a batch `x` of shape `[m, d]`.
 
     `params` is any mapping with the names of `parameter_shapes(config)`; the
@@ -412,6 +433,12 @@ def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, 
     and the arithmetic stays in float32 (the weights are MXFP4 when the
     stacks are; see `routed_experts`). It needs NumPy arrays and
     `latent_size`, `intermediate_size` that are multiples of 32.
+
+    `routing=(index, weights)` (both `[m, k]`) replaces step 2: the layer
+    runs with that route instead of its own selection. It is the seam for
+    comparing the layer under another routing convention (the conformance
+    kit uses it to reproduce known porting mistakes); the layer's capacity,
+    if any, is not applied to a given route.
     """
     _check_inputs(x, params, config)
     if mxfp8_inputs and (config.ell % MX_BLOCK or config.f % MX_BLOCK):
@@ -430,7 +457,10 @@ def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, 
     # (or the softmax, or DeepSeek-V4's $\sqrt{\operatorname{softplus}}$, as `config.score_function` says).
     scores = router_scores(h, weight("gate.weight"), config.score_function)  # [m, n]
     # 2. Selection by $s + b$, weights from raw $s$ (Eq. 13).
-    index, weights, kept = _select(scores, params["gate.e_score_correction_bias"], config, token_ids)
+    if routing is None:
+        index, weights, kept = _select(scores, params["gate.e_score_correction_bias"], config, token_ids)
+    else:
+        index, weights, kept = _given_routing(routing, x.shape[0], config)
     weights = xp.astype(weights, dtype)
     # 3. One down-projection for all routed experts: $$z = x W_\downarrow^\top$$
     if config.use_latent_projection:

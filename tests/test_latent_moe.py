@@ -492,3 +492,26 @@ def test_check_params_accepts_lazy_stacks_of_the_right_shape_only():
     params["experts.w1"] = _CountingStack(params["experts.w1"][:, :, :2])
     with pytest.raises(ValueError, match=r"params\['experts.w1'\] must have shape \[6, 6, 4\], got \[6, 6, 2\]"):
         check_params(params, config)
+
+
+def test_a_given_routing_replaces_the_selection():
+    """`routing=(index, weights)` runs the layer with that route: its own route gives the same `y`, another
+    route gives the layer of that route (checked against the per-token reference with the bias that forces it)."""
+    config = MoEConfig.tiny()
+    params = init_params(config, 3, dtype=np.float64)
+    x = np.random.default_rng(3).standard_normal((7, config.d))
+    out = stable_latent_moe(x, params, config, return_intermediates=True)
+    again = stable_latent_moe(x, params, config, routing=(out.index, out.weights))
+    np.testing.assert_allclose(again, out.y, rtol=1e-13, atol=1e-13)
+    # A bias of +10 on experts 0 and 1 forces them: the same route passed by hand gives the same layer.
+    forced = dict(params)
+    forced["gate.e_score_correction_bias"] = np.array([10.0, 9.0, 0, 0, 0, 0])
+    expected = stable_latent_moe_reference(x, forced, config)
+    scores = out.scores[:, :2]
+    index = np.tile([0, 1], (7, 1))
+    given = stable_latent_moe(x, params, config, routing=(index, scores / scores.sum(1, keepdims=True)))
+    np.testing.assert_allclose(given, expected, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"routing's index must have shape \[7, 2\]"):
+        stable_latent_moe(x, params, config, routing=(index[:, :1], scores[:, :1]))
+    with pytest.raises(ValueError, match=r"expert ids in \[0, 5\]"):
+        stable_latent_moe(x, params, config, routing=(index + 5, scores))
