@@ -20,9 +20,11 @@ from unittest import mock
 import numpy as np
 from common import base_parser, set_blas_threads
 
+from refimpl import _fast
 from refimpl import backward as bw
+from refimpl.activations import expert_glu_and_grad, rms_norm_backward
 from refimpl.config import MoEConfig
-from refimpl.latent_moe import init_params
+from refimpl.latent_moe import combine, init_params, routed_experts, shared_experts
 from refimpl.routing import route, router_scores
 
 
@@ -51,7 +53,7 @@ def kernel_time(fn) -> str:
 def routed_loop_breakdown(z, saved, w1, w3, w2, du) -> dict[str, float]:
     """The operations of `routed_experts_backward`'s loop, each timed and summed over experts."""
     acc: dict[str, float] = defaultdict(float)
-    slots = saved.slots
+    slots = saved.dispatch
     n, ell, f = w2.shape
     m, k = slots.position.shape
 
@@ -89,7 +91,7 @@ def routed_loop_breakdown(z, saved, w1, w3, w2, du) -> dict[str, float]:
         t = tick("dG_e, dU_e = a_bar^T z_e, b_bar^T z_e", t)
         dz_sorted[rows] = a_bar @ g_e + b_bar @ u_e
         t = tick("dz = a_bar G_e + b_bar U_e", t)
-    bw._combine(dz_sorted, slots)
+    combine(dz_sorted, slots)
     tick("combine", t)
     return dict(acc)
 
@@ -115,14 +117,13 @@ def main(argv: list[str] | None = None) -> None:
                            topk_group=config.topk_group)
     weights = weights.astype(np.float32)
     z = x @ p["routed_expert_down_proj.weight"].T
-    u, routed = bw._routed_forward(z, index, weights, p["experts.w1"], p["experts.w3"], p["experts.w2"],
-                                          config)
-    _, shared = bw.shared_experts_forward(x, p["shared_experts.gate_proj.weight"],
-                                          p["shared_experts.up_proj.weight"], p["shared_experts.down_proj.weight"],
-                                          config)
+    u, routed = routed_experts(z, index, weights, p["experts.w1"], p["experts.w3"], p["experts.w2"], config,
+                               save=True)
+    _, shared = shared_experts(x, p["shared_experts.gate_proj.weight"], p["shared_experts.up_proj.weight"],
+                               p["shared_experts.down_proj.weight"], config, save=True)
     v_bar = dy @ p["routed_expert_up_proj.weight"]
-    u_bar, _ = bw.rms_norm_backward(u, p["routed_expert_norm.weight"], v_bar, config.rms_norm_eps)
-    z_bar, p_bar, *_ = bw._routed_backward(z, routed, p["experts.w1"], p["experts.w3"], p["experts.w2"],
+    u_bar, _ = rms_norm_backward(u, p["routed_expert_norm.weight"], v_bar, config.rms_norm_eps)
+    z_bar, p_bar, *_ = bw.routed_experts_backward(z, routed, p["experts.w1"], p["experts.w3"], p["experts.w2"],
                                                   u_bar)
     s_bar = bw.route_backward(scores, index, p_bar, renormalize=config.renormalize,
                               scaling_factor=config.routed_scaling_factor)
@@ -132,15 +133,15 @@ def main(argv: list[str] | None = None) -> None:
     stages = {
         "whole: forward (stable_latent_moe_vjp)": lambda: bw.stable_latent_moe_vjp(x, params, config),
         "whole: backward(dy)": lambda: backward(dy),
-        "fwd: routed experts (fast path, glu_and_grad)": lambda: bw._routed_forward(
-            z, index, weights, p["experts.w1"], p["experts.w3"], p["experts.w2"], config),
-        "fwd: shared experts": lambda: bw.shared_experts_forward(
+        "fwd: routed experts (fast path, glu_and_grad)": lambda: routed_experts(
+            z, index, weights, p["experts.w1"], p["experts.w3"], p["experts.w2"], config, save=True),
+        "fwd: shared experts": lambda: shared_experts(
             x, p["shared_experts.gate_proj.weight"], p["shared_experts.up_proj.weight"],
-            p["shared_experts.down_proj.weight"], config),
+            p["shared_experts.down_proj.weight"], config, save=True),
         "bwd 7: up-projection (2 GEMMs)": lambda: (dy.T @ u, dy @ p["routed_expert_up_proj.weight"]),
-        "bwd 6: rms_norm_backward": lambda: bw.rms_norm_backward(u, p["routed_expert_norm.weight"], v_bar,
-                                                                 config.rms_norm_eps),
-        "bwd 4-5: routed experts (fast path)": lambda: bw._routed_backward(
+        "bwd 6: rms_norm_backward": lambda: rms_norm_backward(u, p["routed_expert_norm.weight"], v_bar,
+                                                              config.rms_norm_eps),
+        "bwd 4-5: routed experts (fast path)": lambda: bw.routed_experts_backward(
             z, routed, p["experts.w1"], p["experts.w3"], p["experts.w2"], u_bar),
         "bwd 2: route_backward": lambda: bw.route_backward(scores, index, p_bar, renormalize=config.renormalize,
                                                            scaling_factor=config.routed_scaling_factor),
@@ -157,8 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     print("routed experts' backward, readable loop and fast path, one run each, three times "
           "(seconds, minor page faults, kernel seconds):")
     stacks = p["experts.w1"], p["experts.w3"], p["experts.w2"]
-    for fn in (bw.routed_experts_backward, bw._routed_experts_backward_fast) * 3:
-        print(f"  {kernel_time(lambda fn=fn: fn(z, routed, *stacks, u_bar))}  {fn.__name__}")
+    readable = mock.patch.object(_fast, "ENABLED", False)
+    for _ in range(3):
+        with readable:
+            print(f"  {kernel_time(lambda: bw.routed_experts_backward(z, routed, *stacks, u_bar))}  readable loop")
+        print(f"  {kernel_time(lambda: _fast.routed_experts_backward_in_buffers(z, routed, *stacks, u_bar))}  fast path")
     print("one whole step (forward + backward), three times, with new gradient arrays and with out=:")
     grads = backward_of(bw.stable_latent_moe_vjp(x, params, config))(dy)[1]
     for _ in range(3):
@@ -173,9 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  {median_time(lambda: [a_bar_t @ z_e for _ in range(128)], repeats):7.3f}  contiguous a^T @ z")
     print("the activation with its partials (in place), 128 blocks [256, f], whole or by row chunks:")
     block = rng.standard_normal((256, config.f), dtype=np.float32)
-    for chunk in (block.size, bw._GLU_CHUNK):
-        with mock.patch.object(bw, "_GLU_CHUNK", chunk):
-            seconds = median_time(lambda: [bw._expert_glu_and_grad(block.copy(), block.copy(), config)
+    for chunk in (block.size, _fast.GLU_CHUNK):
+        with mock.patch.object(_fast, "GLU_CHUNK", chunk):
+            seconds = median_time(lambda: [expert_glu_and_grad(block.copy(), block.copy(), config)
                                            for _ in range(128)], repeats)
         print(f"  {seconds:7.3f}  chunks of {min(chunk, block.size)} entries")
     print("the readable routed_experts_backward, by operation (one run, summed over experts):")

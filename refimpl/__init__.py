@@ -55,7 +55,6 @@ from .baselines import (
     expert_capacity,
     hash_route,
     route_by_hash,
-    score_function_vjp,
     sequence_balance_loss,
     sequence_balance_loss_grad,
     switch_balance_loss,
@@ -104,6 +103,8 @@ from .routing import (
     route,
     router_scores,
     score_function_values,
+    score_function_vjp,
+    select_experts,
     selection_cutoff,
     softplus,
 )
@@ -120,6 +121,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "score_function_vjp",
+    "select_experts",
     "softplus",
     "score_function_values",
     "switch_balance_loss_grad",

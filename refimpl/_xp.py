@@ -11,9 +11,9 @@ passed; the benchmark page has the run).
 
 The standard has no top-k, no bincount and no scatter-add. This module gives
 each one a portable definition built from standard functions (stable sorts,
-`searchsorted`, cumulative sums), and a fast path that calls the native NumPy
-or CuPy routine when the input is one of those. Both paths return the same
-values, and the tests check that they do.
+`searchsorted`, cumulative sums), and calls the native NumPy or CuPy routine
+(or the partitioning top-k of `refimpl._fast`) when the input is one of
+those. Both paths return the same values, and the tests check that they do.
 
 Tie order is part of the contract: `topk` ranks equal values by the lower
 index first, which is the rule Eq. (13) uses to resolve ties between experts.
@@ -25,6 +25,8 @@ from typing import Any
 
 import array_api_compat
 import numpy as np
+
+from ._fast import topk_by_partition
 
 Array = Any  # any array of an array-API namespace (NumPy, CuPy, array_api_strict, ...)
 
@@ -112,10 +114,9 @@ def topk(x: Array, k: int) -> tuple[Array, Array]:
     equal values are ordered by the lower index first, so the result is fully
     determined by the input.
 
-    The NumPy fast path partitions instead of sorting every row: it costs
-    O(n) per row plus a sort of the k survivors. Rows where the k-th value is
-    tied with an unselected entry (where a partition may pick either) are
-    redone with a stable sort, so the tie rule holds there too.
+    The readable definition is a stable descending sort. On NumPy the fast
+    path (`refimpl._fast.topk_by_partition`) partitions instead, O(n) per row plus a sort
+    of the k survivors, with the same tie rule.
     """
     xp = array_namespace(x)
     n = x.shape[-1]
@@ -124,32 +125,11 @@ def topk(x: Array, k: int) -> tuple[Array, Array]:
     if not 0 <= k <= n:
         raise ValueError(f"k must be in [0, {n}] for rows of length {n}, got k={k}")
     if is_numpy(xp) and 0 < k < n:
-        return _topk_numpy(np.asarray(x), k)
+        return topk_by_partition(np.asarray(x), k)
     # Portable definition: a stable descending sort keeps lower indices first among equals.
     index = xp.argsort(x, axis=-1, descending=True, stable=True)[..., :k]  # [..., k]
     values = xp.take_along_axis(x, index, axis=-1)  # [..., k]
     return values, index
-
-
-def _topk_numpy(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])  # [rows, n]
-    # The k largest in arbitrary order, found by partitioning: [rows, k].
-    index = np.argpartition(x2, -k, axis=-1)[:, -k:]
-    values = np.take_along_axis(x2, index, axis=-1)
-    # A partition breaks ties at the k-th value arbitrarily; find the rows where that matters.
-    kth = values.min(axis=-1, keepdims=True)  # [rows, 1]
-    ambiguous = np.count_nonzero(x2 >= kth, axis=-1) > k  # [rows]
-    if ambiguous.any():
-        rows = np.flatnonzero(ambiguous)
-        index[rows] = np.argsort(-x2[rows], axis=-1, kind="stable")[:, :k]
-    # Order the survivors: by index first, then a stable sort by value descending.
-    index.sort(axis=-1)
-    values = np.take_along_axis(x2, index, axis=-1)
-    order = np.argsort(-values, axis=-1, kind="stable")
-    index = np.take_along_axis(index, order, axis=-1)
-    values = np.take_along_axis(values, order, axis=-1)
-    return values.reshape(*shape[:-1], k), index.reshape(*shape[:-1], k)
 
 
 def bincount(index: Array, n: int) -> Array:

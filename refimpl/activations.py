@@ -48,15 +48,23 @@ bfloat16 inputs work and stay bounded.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ._fast import fast_path_applies, glu_and_grad_by_chunks, glu_in_place
 from ._xp import Array, array_namespace, compute_dtype
 from .validation import check_float_array, check_positive
 
+if TYPE_CHECKING:
+    from .config import MoEConfig
+
 __all__ = [
+    "expert_glu",
+    "expert_glu_and_grad",
+    "glu_and_grad",
     "hard_clamp",
     "hard_clamp_grad",
     "rms_norm",
+    "rms_norm_backward",
     "sigmoid",
     "situ_glu",
     "situ_glu_grad",
@@ -195,16 +203,60 @@ def situ_glu(gate: Array, up: Array, beta: float = 4.0, linear_beta: float | Non
     return xp.astype(capped_gate * capped_up, gate.dtype, copy=False)
 
 
+def glu_and_grad(a: Array, b: Array, activation: str = "situ", beta: float = 4.0,
+                 linear_beta: float | None = 25.0) -> tuple[Array, Array, Array]:
+    r"""The GLU $h = \phi(a, b)$ and its partials $\partial_a \phi$, $\partial_b \phi$, all three at once.
+
+    For SiTU-GLU, $\phi(a, b) = \gamma(a)\,\lambda(b)$ with the capped gate
+    $\gamma(a) = \operatorname{softcap}(a, \beta_1)\,\sigma(a)$ and the capped
+    up branch $\lambda(b) = \operatorname{softcap}(b, \beta_2)$; `linear_beta=None`
+    leaves the up branch uncapped, $\lambda(b) = b$. For SwiGLU
+    (`activation="swiglu"`), $\gamma(a) = a\,\sigma(a)$ and $\lambda(b) = b$. In every case
+
+    $$\partial_a \phi = \gamma'(a)\,\lambda(b), \qquad \partial_b \phi = \gamma(a)\,\lambda'(b),$$
+
+    with $\gamma'(a) = \operatorname{sech}^2(a/\beta_1)\,\sigma(a) + \operatorname{softcap}(a,\beta_1)\,\sigma'(a)$
+    for SiTU and $\sigma(a) + a\,\sigma'(a)$ for SwiGLU. The three share their
+    sigmoid and tanh, which is why they are computed together: this is the
+    one place the derivative of Eq. (12) is written, used by `situ_glu_grad`,
+    `swiglu_grad` and the backward pass. `a` and `b` are pre-activations of
+    the same shape in float32 or float64 (the caller's compute dtype).
+    """
+    xp = array_namespace(a, b)
+    sig = sigmoid(a)
+    # $$\sigma'(a) = \sigma(a)\,\sigma(-a)$$ (no cancellation, unlike $\sigma(1 - \sigma)$)
+    sig_prime = sig * sigmoid(-a)
+    if activation == "situ":
+        capped = beta * xp.tanh(a / beta)
+        # $$\gamma(a) = \beta_1 \tanh(a/\beta_1)\,\sigma(a)$$
+        gamma = capped * sig
+        # $$\gamma'(a) = \operatorname{sech}^2(a/\beta_1)\,\sigma(a) + \beta_1\tanh(a/\beta_1)\,\sigma'(a)$$
+        gamma_prime = _sech2(a / beta) * sig + capped * sig_prime
+    else:
+        # $$\gamma(a) = a\,\sigma(a), \qquad \gamma'(a) = \sigma(a) + a\,\sigma'(a)$$
+        gamma = a * sig
+        gamma_prime = sig + a * sig_prime
+    if activation == "situ" and linear_beta is not None:
+        # $$\lambda(b) = \beta_2 \tanh(b/\beta_2), \qquad \lambda'(b) = \operatorname{sech}^2(b/\beta_2)$$
+        lam = linear_beta * xp.tanh(b / linear_beta)
+        d_up = gamma * _sech2(b / linear_beta)
+    else:
+        # Uncapped up branch: $$\lambda(b) = b, \qquad \lambda'(b) = 1$$
+        lam = b
+        d_up = gamma
+    return gamma * lam, gamma_prime * lam, d_up
+
+
 def situ_glu_grad(gate: Array, up: Array, beta: float = 4.0,
                   linear_beta: float | None = 25.0) -> tuple[Array, Array]:
     r"""Partial derivatives of `situ_glu` in `gate` and in `up`, returned as a pair.
 
     With $g(a) = \operatorname{softcap}(a,\beta_1)\sigma(a)$ and $h(b) = \operatorname{softcap}(b,\beta_2)$:
-    $\partial_a = g'(a)\,h(b)$ where
+    $\partial_a = g'(a)\,h(b)$ with
     $g'(a) = \operatorname{sech}^2(a/\beta_1)\,\sigma(a) + \operatorname{softcap}(a,\beta_1)\,\sigma(a)\sigma(-a)$,
-    and $\partial_b = g(a)\,\operatorname{sech}^2(b/\beta_2)$. ($\sigma(a)\sigma(-a)$ is
-    $\sigma'(a) = \sigma(a)(1 - \sigma(a))$ written without cancellation.)
+    and $\partial_b = g(a)\,\operatorname{sech}^2(b/\beta_2)$ (see `glu_and_grad`, which computes them).
     With `linear_beta=None` (uncapped up branch) $h(b) = b$ and $h'(b) = 1$.
+    Computed in float32 or wider and returned in the input dtype.
     """
     _check_pair(gate, up)
     check_positive("beta", beta)
@@ -212,19 +264,8 @@ def situ_glu_grad(gate: Array, up: Array, beta: float = 4.0,
         check_positive("linear_beta", linear_beta)
     xp = array_namespace(gate, up)
     _, (a, b) = _upcast(xp, gate, up)
-    sig = sigmoid(a)
-    # $$g(a) = \beta_1 \tanh(a/\beta_1)\,\sigma(a)$$
-    capped = beta * xp.tanh(a / beta)
-    g = capped * sig
-    # $$g'(a) = \operatorname{sech}^2(a/\beta_1)\,\sigma(a) + \beta_1\tanh(a/\beta_1)\,\sigma(a)\sigma(-a)$$
-    g_prime = _sech2(a / beta) * sig + capped * sig * sigmoid(-a)
-    if linear_beta is None:
-        # The uncapped up branch: $$h(b) = b, \qquad h'(b) = 1$$
-        return xp.astype(g_prime * b, gate.dtype, copy=False), xp.astype(g, gate.dtype, copy=False)
-    # $$h(b) = \beta_2 \tanh(b/\beta_2), \qquad h'(b) = \operatorname{sech}^2(b/\beta_2)$$
-    h = linear_beta * xp.tanh(b / linear_beta)
-    h_prime = _sech2(b / linear_beta)
-    return xp.astype(g_prime * h, gate.dtype, copy=False), xp.astype(g * h_prime, gate.dtype, copy=False)
+    _, d_gate, d_up = glu_and_grad(a, b, "situ", beta, linear_beta)
+    return xp.astype(d_gate, gate.dtype, copy=False), xp.astype(d_up, gate.dtype, copy=False)
 
 
 def swiglu(gate: Array, up: Array) -> Array:
@@ -237,14 +278,11 @@ def swiglu(gate: Array, up: Array) -> Array:
 
 
 def swiglu_grad(gate: Array, up: Array) -> tuple[Array, Array]:
-    r"""Partial derivatives of `swiglu`: $(\sigma(a) + a\sigma(a)\sigma(-a))\,b$ and $a\sigma(a)$."""
+    r"""Partial derivatives of `swiglu`: $(\sigma(a) + a\sigma(a)\sigma(-a))\,b$ and $a\sigma(a)$ (see `glu_and_grad`)."""
     _check_pair(gate, up)
     xp = array_namespace(gate, up)
     _, (a, b) = _upcast(xp, gate, up)
-    sig = sigmoid(a)
-    # $$\partial_a = \bigl(\sigma(a) + a\,\sigma(a)(1 - \sigma(a))\bigr)\, b$$
-    d_gate = (sig + a * sig * sigmoid(-a)) * b
-    d_up = a * sig
+    _, d_gate, d_up = glu_and_grad(a, b, "swiglu")
     return xp.astype(d_gate, gate.dtype, copy=False), xp.astype(d_up, gate.dtype, copy=False)
 
 
@@ -268,3 +306,60 @@ def rms_norm(x: Array, weight: Array, eps: float = 1e-5) -> Array:
     # $$\operatorname{rms}(x) = \sqrt{\tfrac{1}{\ell}\textstyle\sum_c x_c^2 + \varepsilon}$$
     rms = xp.sqrt(xp.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # [..., 1]
     return xp.astype(x32 / rms * g, x.dtype, copy=False)
+
+
+def rms_norm_backward(u: Array, weight: Array, dv: Array, eps: float) -> tuple[Array, Array]:
+    r"""Gradients of $v = \operatorname{RMSNorm}(u) \odot g$ in $u$ and in the gain $g$, from $\bar v$.
+
+    With $\rho_i = \sqrt{\operatorname{mean}_c(u_{i,c}^2) + \varepsilon}$ and
+    $\hat u_i = u_i / \rho_i$, $v_i = \hat u_i \odot g$, so
+    $\bar g = \sum_i \bar v_i \odot \hat u_i$ and, writing $\bar{\hat u} = \bar v \odot g$,
+
+    $$\bar u_i = \frac{1}{\rho_i}\Bigl(\bar{\hat u}_i - \hat u_i\,
+    \operatorname{mean}_c\bigl(\bar{\hat u}_{i,c}\,\hat u_{i,c}\bigr)\Bigr).$$
+
+    The second term is the norm's own Jacobian: the component of the
+    gradient along $u_i$ is removed (up to $\varepsilon$), because scaling
+    $u_i$ does not change $v_i$. `u`, `dv` are `[..., width]` and `weight`
+    `[width]`, in the caller's compute dtype; returns `(du, dweight)`. The
+    latent norm of the layer and the training model's pre-norms both use it.
+    """
+    xp = array_namespace(u, weight, dv)
+    # $$\rho_i = \sqrt{\tfrac{1}{\ell}\textstyle\sum_c u_{i,c}^2 + \varepsilon}$$
+    rho = xp.sqrt(xp.mean(u * u, axis=-1, keepdims=True) + eps)  # [m, 1]
+    u_hat = u / rho  # [m, l]
+    # $$\bar g = \textstyle\sum_i \bar v_i \odot \hat u_i$$
+    dweight = xp.sum(xp.reshape(dv * u_hat, (-1, u.shape[-1])), axis=0)  # [l]
+    du_hat = dv * weight  # [m, l]
+    # $$\bar u_i = \bigl(\bar{\hat u}_i - \hat u_i \operatorname{mean}(\bar{\hat u}_i \odot \hat u_i)\bigr) / \rho_i$$
+    du = (du_hat - u_hat * xp.mean(du_hat * u_hat, axis=-1, keepdims=True)) / rho  # [m, l]
+    return du, dweight
+
+
+# ---------------------------------------------------------------------------
+# The layer's activation, as its configuration chooses it
+# ---------------------------------------------------------------------------
+
+def expert_glu(a: Array, b: Array, config: MoEConfig) -> Array:
+    r"""The experts' activation $\phi(a, b)$ of a layer: SiTU-GLU with the config's caps (K3), or SwiGLU.
+
+    `a`, `b` are fresh products (gate and up pre-activations) in the compute
+    dtype. On NumPy the fast path (`refimpl._fast.glu_in_place`) overwrites
+    them instead of allocating; the values are those of `situ_glu` / `swiglu`.
+    """
+    if fast_path_applies(a, b):
+        return glu_in_place(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
+    if config.activation == "situ":
+        return situ_glu(a, b, config.situ_beta, config.situ_linear_beta)
+    return swiglu(a, b)
+
+
+def expert_glu_and_grad(a: Array, b: Array, config: MoEConfig) -> tuple[Array, Array, Array]:
+    r"""`glu_and_grad` with the layer's activation and caps: $(h, \partial_a\phi, \partial_b\phi)$ of fresh products.
+
+    On NumPy the fast path (`refimpl._fast.glu_and_grad_by_chunks`) writes the
+    three into the products' buffers, a few rows at a time.
+    """
+    if fast_path_applies(a, b):
+        return glu_and_grad_by_chunks(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
+    return glu_and_grad(a, b, config.activation, config.situ_beta, config.situ_linear_beta)

@@ -135,20 +135,31 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ._xp import Array, array_namespace, compute_dtype, dtype_name, is_cupy, is_numpy, to_numpy
+from ._fast import (
+    cutoffs_by_blocks,
+    expert_major_margins_by_blocks,
+    kth_largest_by_sampling,
+    kth_largest_cupy,
+)
+from ._xp import Array, array_namespace, compute_dtype, is_cupy, is_numpy, to_numpy
 from .routing import expert_load, route, selection_cutoff
-from .validation import check_finite, check_float_array, check_int, check_positive, check_shape
+from .validation import check_bias, check_finite, check_float_array, check_int, check_positive, check_shape
 
 __all__ = [
     "BalanceStep",
     "Balancer",
     "QuantileBalancer",
     "SignBalancer",
+    "cutoff_values",
     "cutoffs",
+    "expert_major_margins",
     "interpolated_kth_largest",
+    "kth_largest",
     "load_ratio",
     "margins",
     "quantile_balancing_update",
+    "quantile_rank",
+    "quantile_thresholds",
     "sign_balancing_update",
     "target_load",
 ]
@@ -158,94 +169,38 @@ __all__ = [
 # Order statistics: the one primitive Eq. (14) needs
 # ---------------------------------------------------------------------------
 
-def _kth_largest(x: Array, r: int, *, previous: bool = False, overwrite: bool = False) -> Array | tuple:
-    r"""The $r$-th largest entry of each row of `x` (`[p, L]`, $1 \le r \le L$).
+def kth_largest(x: Array, r: int, *, previous: bool = False, overwrite: bool = False) -> Array | tuple:
+    r"""The $r$-th largest entry of each row of `x` (`[p, L]`, $1 \le r \le L$), the one primitive Eq. (14) needs.
 
     With `previous=True` also returns the $(r-1)$-th largest (needs $r \ge 2$),
     as `(r_th, previous_th)`. Ranks count equal values separately, as order
     statistics do. `overwrite=True` allows reordering `x` in place (the
     caller's scratch array), which saves a copy of the whole matrix.
 
-    The portable path sorts each row. NumPy selects instead of sorting,
-    $O(L)$ per row (see `_select_numpy`); CuPy selects with its own kernel
-    when $r$ is small (the cutoffs, $r = k + 1$) and sorts otherwise.
+    The readable definition sorts each row. On NumPy and CuPy a selection does
+    the same in $O(L)$ per row (`refimpl._fast.kth_largest_by_sampling`, a sample that
+    discards most entries first, and CuPy's selection kernel).
     """
     xp = array_namespace(x)
     length = x.shape[-1]
     if is_numpy(xp):
         part = x if overwrite and x.flags.c_contiguous else np.array(x, order="C", copy=True)
-        return _select_numpy(part, r, previous)
+        return kth_largest_by_sampling(part, r, previous)
     if is_cupy(xp):
-        import cupy
-
-        # CuPy's partition runs a selection kernel only when the position it is asked for is small (it
-        # sorts whole rows otherwise), and the r-th largest sits near the end of a row. So it selects
-        # the r-th *smallest* of -x instead: the r smallest of -x come first, the r-th at position r - 1.
-        part = cupy.partition(-x, r - 1, axis=-1)  # [p, L]
-        kth = -part[:, r - 1]
-        return (kth, -part[:, :r - 1].max(axis=-1)) if previous else kth
-    ordered = xp.sort(x, axis=-1)  # [p, L] ascending: the r-th largest sits at position L - r
+        return kth_largest_cupy(x, r, previous)
+    # $$x_{(r)} = \text{sort}(x)_{L - r}$$ (ascending: the r-th largest sits at position L - r)
+    ordered = xp.sort(x, axis=-1)  # [p, L]
     if previous:
         return ordered[:, length - r], ordered[:, length - r + 1]
     return ordered[:, length - r]
 
 
-def _partition_select(part: np.ndarray, r: int, previous: bool) -> Any:
-    """`np.partition` around position L - r (in place); the r - 1 entries right of it are the larger ones."""
-    pos = part.shape[-1] - r
-    part.partition(pos, axis=-1)
-    kth = part[:, pos].copy()  # [p]
-    return (kth, part[:, pos + 1:].min(axis=-1)) if previous else kth
-
-
-def _select_numpy(part: np.ndarray, r: int, previous: bool) -> Any:
-    r"""Row-wise selection with a sample to discard most entries first (Floyd and Rivest's idea).
-
-    Partitioning costs several nanoseconds per entry, comparing well under
-    one. When the wanted rank is near the top of long rows (Eq. 14 asks for
-    about the $mk/n$-th largest of $m$ margins, the top 2% at K3's sizes), a
-    strided sample of each row gives a value `low` that, with high
-    probability, still has at least $r$ entries above it. One comparison pass
-    keeps only the entries $\ge$ `low`, and the small candidate matrix is
-    partitioned. A row where the sample was unlucky (fewer than $r$ kept) is
-    redone with a plain partition, so the answer never depends on the sample.
-    """
-    p, length = part.shape
-    stride = 16
-    expected = r / stride  # sample entries expected among the r largest of a row
-    t = math.ceil(expected + 4.0 * math.sqrt(expected) + 4.0)  # rank in the sample, with a safety margin
-    if length < 64 * stride or t * stride > length // 4:
-        return _partition_select(part, r, previous)
-    # A lower bound for the r-th largest, from every 16th entry: [p].
-    sample = part[:, ::stride].copy()  # [p, L/16]
-    low = _partition_select(sample, t, previous=False)  # [p]
-    keep = part >= low[:, None]  # [p, L]
-    count = keep.sum(axis=1)  # [p]
-    # Pack each row's candidates to the left of a [p, width] matrix padded with -inf (at least r wide, so
-    # that the selection below is defined even where every row was unlucky).
-    width = max(int(count.max()), r)
-    candidates = np.full((p, width), -np.inf, dtype=part.dtype)  # [p, width]
-    row_of = np.repeat(np.arange(p), count)
-    slot = np.arange(row_of.size) - np.repeat(np.cumsum(count) - count, count)
-    candidates[row_of, slot] = part[keep]
-    result = _partition_select(candidates, r, previous)
-    # Rows with fewer than r candidates: the sample overestimated the bound; select on the full row.
-    unlucky = np.flatnonzero(count < r)
-    if unlucky.size:
-        redo = _partition_select(part[unlucky], r, previous)
-        if previous:
-            result[0][unlucky], result[1][unlucky] = redo
-        else:
-            result[unlucky] = redo
-    return result
-
-
 def _interpolated_rows(x: Array, whole: int, frac: float, *, overwrite: bool = False) -> Array:
     r"""Row-wise $x_{(\rho)}$ for the rank $\rho = $ `whole + frac` ($0 \le$ `frac` $< 1$)."""
     if frac == 0.0:
-        return _kth_largest(x, whole, overwrite=overwrite)
+        return kth_largest(x, whole, overwrite=overwrite)
     # The (whole+1)-th largest and, from the same partition, the whole-th largest.
-    lower, upper = _kth_largest(x, whole + 1, previous=True, overwrite=overwrite)  # [p], [p]
+    lower, upper = kth_largest(x, whole + 1, previous=True, overwrite=overwrite)  # [p], [p]
     # $$x_{(\rho)} = x_{(\lfloor\rho\rfloor)} + (\rho - \lfloor\rho\rfloor)\,(x_{(\lfloor\rho\rfloor+1)} - x_{(\lfloor\rho\rfloor)})$$
     return upper + frac * (lower - upper)
 
@@ -311,8 +266,13 @@ def target_load(m: int, n: int, top_k: int) -> float:
     return m * top_k / n
 
 
-def _check_batch(m: int, n: int, top_k: int) -> tuple[int, float]:
-    r"""Validate $k$ and the batch size; return $\lfloor q \rfloor$ and $q - \lfloor q \rfloor$, computed exactly."""
+def quantile_rank(m: int, n: int, top_k: int) -> tuple[int, float]:
+    r"""The target load $q = mk/n$ as $(\lfloor q \rfloor, q - \lfloor q \rfloor)$, exactly, after checking that the batch can give it.
+
+    Eq. (14) reads the $(q+1)$-th largest margin of each expert (interpolated
+    for a fractional $q$), which exists only when $m$ is large enough: at
+    least $n/(n-k)$ tokens.
+    """
     if m < 1:
         raise ValueError("scores must hold at least one token (got m=0)")
     top_k = check_int("top_k", top_k, low=1, high=n)
@@ -324,11 +284,6 @@ def _check_batch(m: int, n: int, top_k: int) -> tuple[int, float]:
             f"the ({whole + (1 if rest else 0) + 1})-th largest margin of each expert, but m={m}; "
             f"use at least n/(n-k) = {n / (n - top_k):.4g} tokens")
     return whole, rest / n
-
-
-def _check_bias_dtype(bias: Array) -> None:
-    if dtype_name(bias.dtype) in ("float16", "bfloat16"):
-        raise TypeError(f"bias must be float32 or float64, got {bias.dtype}")
 
 
 def _biased(scores: Array, bias: Array) -> Array:
@@ -343,73 +298,54 @@ def _biased(scores: Array, bias: Array) -> Array:
     return xp.astype(scores, dtype, copy=False) + xp.astype(bias, dtype, copy=False)[None, :]
 
 
-#: Tokens per block on NumPy. The cutoffs read 4096 tokens' biased scores at a time, so the whole [m, n]
-#: matrix of them is never allocated; the margins are transposed 256 tokens at a time, which keeps both
-#: the rows read and the columns written in the cache.
-_CUTOFF_BLOCK = 4096
-_TRANSPOSE_BLOCK = 256
+def cutoff_values(scores: Array, bias: Array, top_k: int, *, with_kth: bool = False) -> Array | tuple:
+    r"""$\alpha_i$, the $(k+1)$-th largest biased score of each token (and the $k$-th, $\kappa_i$, if asked), unchecked.
 
-
-def _blocks(xp: Any, size: int, block: int) -> list[slice]:
-    """Slices covering `range(size)`: blocks of `block` on NumPy, one slice elsewhere.
-
-    Blocking changes no value, only how much memory is touched at once:
-    NumPy transposes element by element and pays for every fresh page of a
-    half-gigabyte temporary, and at K3's sizes either costs more than the
-    arithmetic. Other libraries get the plain whole-array code.
+    The values of `refimpl.routing.selection_cutoff` (a test checks it bit
+    for bit) without ranking expert ids: each row is selected, not sorted.
+    For inputs the caller has validated (`cutoffs` is the checked form); on
+    NumPy it runs by blocks of tokens (`refimpl._fast.cutoffs_by_blocks`),
+    so the whole `[m, n]` matrix of biased scores is never allocated.
     """
-    step = block if is_numpy(xp) else max(size, 1)
-    return [slice(first, min(size, first + step)) for first in range(0, size, step)]
+    if is_numpy(array_namespace(scores, bias)):
+        return cutoffs_by_blocks(np.asarray(scores), np.asarray(bias), top_k, with_kth=with_kth)
+    # $$\alpha_i = (s_i + b)_{(k+1)}, \qquad \kappa_i = (s_i + b)_{(k)}$$
+    return kth_largest(_biased(scores, bias), top_k + 1, previous=with_kth, overwrite=True)
 
 
-def _cutoffs(scores: Array, bias: Array, top_k: int, *, with_kth: bool = False) -> Array | tuple:
-    r"""$\alpha_i$, the $(k+1)$-th largest biased score of each token (and the $k$-th, $\kappa_i$, if asked).
-
-    The values equal those of `refimpl.routing.selection_cutoff` (a test
-    checks it bit for bit); only the values are needed here, so each row is
-    partitioned instead of ranked, which is cheaper.
-    """
-    xp = array_namespace(scores, bias)
-    alphas, kappas = [], []
-    for rows in _blocks(xp, scores.shape[0], _CUTOFF_BLOCK):
-        # $$\alpha_i = (s_i + b)_{(k+1)}, \qquad \kappa_i = (s_i + b)_{(k)}$$
-        cut = _kth_largest(_biased(scores[rows, :], bias), top_k + 1, previous=with_kth, overwrite=True)
-        alphas.append(cut[0] if with_kth else cut)
-        kappas.append(cut[1] if with_kth else None)
-    alpha = xp.concat(alphas)  # [m]
-    return (alpha, xp.concat(kappas)) if with_kth else alpha
-
-
-def _expert_major_margins(scores: Array, alpha: Array, *, bias: Array | None = None,
-                          kappa: Array | None = None) -> Array:
+def expert_major_margins(scores: Array, alpha: Array, *, bias: Array | None = None,
+                         kappa: Array | None = None) -> Array:
     r"""The margins transposed, `[n, m]`: one row per expert, so that each expert's quantile is a row operation.
 
-    With `bias` and `kappa` given, the leave-one-out margins of the extension.
+    $M_{i,j} = s_{i,j} - \alpha_i$; with `bias` and `kappa` given, the
+    leave-one-out margins of the extension. On NumPy by blocks of tokens
+    (`refimpl._fast.expert_major_margins_by_blocks`: NumPy transposes element
+    by element, and blocks keep both sides in cache).
     """
     xp = array_namespace(scores, alpha)
-    m, n = scores.shape
-    s = xp.astype(scores, alpha.dtype, copy=False)  # [m, n]
-    out = xp.empty((n, m), dtype=alpha.dtype)  # [n, m]
-    for rows in _blocks(xp, m, _TRANSPOSE_BLOCK):
-        s_t = s[rows, :].T  # [n, block]
-        # $$M_{i,j} = s_{i,j} - \alpha_i$$
-        margin_t = s_t - alpha[rows][None, :]  # [n, block]
-        if kappa is not None:
-            # Leave-one-out: an expert outside token i's top-k must beat the k-th score, kappa_i, not alpha_i.
-            # $$c_{i,j} = \alpha_i \text{ if } s_{i,j} + b_j > \alpha_i \text{ else } \kappa_i$$
-            chosen_t = (s_t + xp.astype(bias, alpha.dtype)[:, None]) > alpha[rows][None, :]  # [n, block]
-            margin_t = xp.where(chosen_t, margin_t, s_t - kappa[rows][None, :])  # [n, block]
-        out[:, rows] = margin_t
-    return out
+    if is_numpy(xp):
+        return expert_major_margins_by_blocks(np.asarray(scores), np.asarray(alpha),
+                                                    None if bias is None else np.asarray(bias), kappa)
+    s_t = xp.astype(scores, alpha.dtype).T  # [n, m]
+    # $$M_{i,j} = s_{i,j} - \alpha_i$$
+    margin_t = s_t - alpha[None, :]  # [n, m]
+    if kappa is None:
+        return margin_t
+    # Leave-one-out: an expert outside token i's top-k must beat the k-th score, kappa_i, not alpha_i.
+    # $$c_{i,j} = \alpha_i \text{ if } s_{i,j} + b_j > \alpha_i \text{ else } \kappa_i$$
+    chosen_t = (s_t + xp.astype(bias, alpha.dtype)[:, None]) > alpha[None, :]  # [n, m]
+    return xp.where(chosen_t, margin_t, s_t - kappa[None, :])
 
 
-def _quantile_thresholds(scores: Array, alpha: Array, whole: int, frac: float, *,
-                         bias: Array | None = None, kappa: Array | None = None) -> Array:
+def quantile_thresholds(scores: Array, alpha: Array, whole: int, frac: float, *,
+                        bias: Array | None = None, kappa: Array | None = None) -> Array:
     r"""$M_{(q+1), j}$ for every expert: the interpolated $(q+1)$-th largest margin of each column, `[n]`.
 
-    Eq. (14) negates it; the $\beta$-step of `refimpl.dual` is this value itself.
+    `whole`, `frac` are $\lfloor q \rfloor$ and $q - \lfloor q \rfloor$
+    (`quantile_rank`). Eq. (14) negates it; the $\beta$-step of
+    `refimpl.dual` is this value itself.
     """
-    margins_t = _expert_major_margins(scores, alpha, bias=bias, kappa=kappa)  # [n, m]
+    margins_t = expert_major_margins(scores, alpha, bias=bias, kappa=kappa)  # [n, m]
     # $$M_{(q+1),j}$$, with the interpolation rule for a fractional q
     return _interpolated_rows(margins_t, whole + 1, frac, overwrite=True)  # [n]
 
@@ -422,14 +358,12 @@ def cutoffs(scores: Array, bias: Array, top_k: int) -> Array:
     the histogram estimator (Appendix D) need when the route itself is not.
     """
     check_float_array("scores", scores, ndim=2)
-    check_float_array("bias", bias, ndim=1)
-    check_shape("bias", bias, (scores.shape[1],))
-    _check_bias_dtype(bias)
+    check_bias(bias, scores.shape[1], context=f"to match scores {list(scores.shape)}")
     n = scores.shape[1]
     top_k = check_int("top_k", top_k, low=1, high=n - 1)
     check_finite("scores", scores)
     check_finite("bias", bias)
-    return _cutoffs(scores, bias, top_k)  # [m]
+    return cutoff_values(scores, bias, top_k)  # [m]
 
 
 def margins(scores: Array, bias: Array, top_k: int) -> Array:
@@ -486,11 +420,9 @@ def quantile_balancing_update(scores: Array, bias: Array, top_k: int, *, center:
         $n/(n-k)$ tokens (the needed order statistic does not exist).
     """
     check_float_array("scores", scores, ndim=2)
-    check_float_array("bias", bias, ndim=1)
-    check_shape("bias", bias, (scores.shape[1],))
-    _check_bias_dtype(bias)
+    check_bias(bias, scores.shape[1], context=f"to match scores {list(scores.shape)}")
     m, n = scores.shape
-    whole, frac = _check_batch(m, n, top_k)
+    whole, frac = quantile_rank(m, n, top_k)
     check_finite("scores", scores)
     check_finite("bias", bias)
     xp = array_namespace(scores, bias)
@@ -499,11 +431,11 @@ def quantile_balancing_update(scores: Array, bias: Array, top_k: int, *, center:
         b = xp.astype(bias, compute_dtype(xp, scores, bias))
         return _center(b) if center else b
     # Step 1: the cutoffs, from the top-(k+1) of the biased scores.
-    cut = _cutoffs(scores, bias, top_k, with_kth=leave_one_out)
+    cut = cutoff_values(scores, bias, top_k, with_kth=leave_one_out)
     alpha, kappa = cut if leave_one_out else (cut, None)  # [m], [m] or None
     # Step 2: the interpolated (q+1)-th largest margin of each expert, negated.
     # $$\tilde b_j = -M_{(q+1),j}$$
-    b_tilde = -_quantile_thresholds(scores, alpha, whole, frac, bias=bias, kappa=kappa)  # [n]
+    b_tilde = -quantile_thresholds(scores, alpha, whole, frac, bias=bias, kappa=kappa)  # [n]
     # Step 3: remove the mean, which changes no top-k.
     return _center(b_tilde) if center else b_tilde
 
@@ -512,12 +444,12 @@ def _update_from_cutoffs(scores: Array, bias: Array, top_k: int, alpha: Array, *
                          leave_one_out: bool = False) -> Array:
     """Eq. (14) when the router has already produced the cutoffs (the balancer's path)."""
     m, n = scores.shape
-    whole, frac = _check_batch(m, n, top_k)
+    whole, frac = quantile_rank(m, n, top_k)
     kappa = None
     if leave_one_out:
-        _, kappa = _cutoffs(scores, bias, top_k, with_kth=True)  # the k-th largest, [m]
+        _, kappa = cutoff_values(scores, bias, top_k, with_kth=True)  # the k-th largest, [m]
     # $$\tilde b_j = -M_{(q+1),j}$$
-    return _center(-_quantile_thresholds(scores, alpha, whole, frac, bias=bias, kappa=kappa))
+    return _center(-quantile_thresholds(scores, alpha, whole, frac, bias=bias, kappa=kappa))
 
 
 # ---------------------------------------------------------------------------
@@ -545,9 +477,7 @@ def sign_balancing_update(load: Array, bias: Array, rate: float) -> Array:
     -------
     `[n]` new bias in the dtype of `bias`.
     """
-    check_float_array("bias", bias, ndim=1)
-    _check_bias_dtype(bias)
-    check_finite("bias", bias)
+    check_bias(bias)
     rate = check_positive("rate", rate)
     xp = array_namespace(load, bias)
     if not xp.isdtype(load.dtype, "integral"):

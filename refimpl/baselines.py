@@ -109,19 +109,21 @@ Ravishankar (1998) for rendezvous hashing; splitmix64 (Steele, Lea and Flood,
 from __future__ import annotations
 
 import math
+import numbers
 from fractions import Fraction
 
 from ._xp import Array, array_namespace, bincount, topk
-from .activations import sigmoid
-from .routing import SCORE_FUNCTIONS, softmax, softplus
-from .validation import check_float_array, check_int
+from .config import MoEConfig
+from .routing import register_expert_choice, register_serving_rule, score_function_vjp
+from .validation import check_finite, check_float_array, check_int
 
 __all__ = [
     "capacity_keep",
+    "capacity_serving",
     "expert_capacity",
+    "hash_choice",
     "hash_route",
     "route_by_hash",
-    "score_function_vjp",
     "sequence_balance_loss",
     "sequence_balance_loss_grad",
     "switch_balance_loss",
@@ -143,7 +145,7 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
     num_tokens = check_int("num_tokens", num_tokens, low=0)
     num_experts = check_int("num_experts", num_experts, low=1)
     top_k = check_int("top_k", top_k, low=1, high=num_experts)
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, int | float):
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real):
         raise TypeError(f"capacity_factor must be a real number, got {type(capacity_factor).__name__}")
     if not (math.isfinite(capacity_factor) and capacity_factor > 0):
         raise ValueError(f"capacity_factor must be positive and finite, got {capacity_factor}")
@@ -208,7 +210,7 @@ def switch_balance_loss(probs: Array, index: Array, num_experts: int) -> float:
     """
     num_experts = check_int("num_experts", num_experts, low=1)
     _check_index(index, num_experts)
-    _check_probabilities("probs", probs, index, num_experts)
+    _check_probabilities("probs", probs, index, num_experts, kind="probabilities")
     if index.shape[0] == 0:
         raise ValueError("index must hold at least one token, got shape " + str(list(index.shape)))
     xp = array_namespace(probs, index)
@@ -239,34 +241,6 @@ def switch_balance_loss_grad(logits: Array, index: Array, num_experts: int) -> A
     return score_function_vjp(z, g[None, :] + xp.zeros_like(z), "softmax")  # [m, n]
 
 
-def score_function_vjp(logits: Array, dscores: Array, score_function: str = "sigmoid") -> Array:
-    r"""Carry a gradient in the scores back to the logits: $\partial\mathcal{L}/\partial z$, `[m, n]`.
-
-    For the auxiliary losses of a training loop whose router is not a softmax:
-
-    * sigmoid: $\partial s / \partial z = s (1 - s)$;
-    * softmax: $\partial\mathcal{L}/\partial z_j = p_j (g_j - \sum_i p_i g_i)$;
-    * sqrt-softplus: $\partial s / \partial z = \sigma(z) / (2 \sqrt{\operatorname{softplus}(z)})$.
-    """
-    if score_function not in SCORE_FUNCTIONS:
-        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
-    check_float_array("logits", logits, ndim=2)
-    check_float_array("dscores", dscores, ndim=2)
-    if tuple(dscores.shape) != tuple(logits.shape):
-        raise ValueError(f"dscores must have the shape of logits {list(logits.shape)}, got {list(dscores.shape)}")
-    xp = array_namespace(logits, dscores)
-    if score_function == "sigmoid":
-        s = sigmoid(logits)
-        # $$\partial s / \partial z = s\,(1 - s)$$
-        return dscores * s * (1.0 - s)
-    if score_function == "softmax":
-        p = softmax(logits)
-        # $$\partial\mathcal{L}/\partial z_j = p_j\,(g_j - p \cdot g)$$
-        return p * (dscores - xp.sum(p * dscores, axis=-1, keepdims=True))
-    # $$\partial s / \partial z = \sigma(z) \,/\, \bigl(2\sqrt{\operatorname{softplus}(z)}\bigr)$$
-    return dscores * sigmoid(logits) / (2.0 * xp.sqrt(softplus(logits)))
-
-
 # ---------------------------------------------------------------------------
 # DeepSeek's sequence-wise balance loss
 # ---------------------------------------------------------------------------
@@ -274,7 +248,7 @@ def score_function_vjp(logits: Array, dscores: Array, score_function: str = "sig
 def _sequences(scores: Array, index: Array, num_experts: int, seq_len: int) -> tuple[int, int, int]:
     num_experts_checked = check_int("num_experts", num_experts, low=1)
     _check_index(index, num_experts_checked)
-    _check_probabilities("scores", scores, index, num_experts_checked)
+    _check_probabilities("scores", scores, index, num_experts_checked, kind="scores")
     seq_len = check_int("seq_len", seq_len, low=1)
     m, k = index.shape
     if m == 0 or m % seq_len:
@@ -394,6 +368,7 @@ def route_by_hash(scores: Array, token_ids: Array, top_k: int, *, renormalize: b
     how these layers weigh their experts).
     """
     check_float_array("scores", scores, ndim=2)
+    check_finite("scores", scores)
     m, n = scores.shape
     index = hash_route(token_ids, n, top_k, seed)  # [m', k]
     if index.shape[0] != m:
@@ -402,8 +377,15 @@ def route_by_hash(scores: Array, token_ids: Array, top_k: int, *, renormalize: b
     xp = array_namespace(scores, index)
     raw = xp.take_along_axis(scores, index, axis=-1)  # [m, k]
     if renormalize:
+        total = xp.sum(raw, axis=-1, keepdims=True)  # [m, 1]
+        if m and not bool(xp.all(total > 0)):
+            # The hash ignores the scores, so nothing keeps its experts' scores from being 0 (an underflowed
+            # sqrt-softplus): the weights s / sum(s) would be 0/0.
+            raise ValueError("scores of the hashed experts must have a positive sum for every token to be "
+                             "renormalized, got a sum <= 0 for "
+                             f"{int(xp.sum(xp.astype(~(total > 0), xp.int64)))} token(s)")
         # $$p_{i,j} = s_{i,j} / \textstyle\sum_{r \in \mathcal{T}_i} s_{i,r}$$
-        raw = raw / xp.sum(raw, axis=-1, keepdims=True)
+        raw = raw / total
     return index, raw * scaling_factor
 
 
@@ -427,13 +409,71 @@ def _check_integers(name: str, a: Array, shape_text: str, low: int, high: int) -
 
 
 def _check_index(index: Array, num_experts: int) -> None:
-    """`index` must be an `[m, k]` integer array of expert ids in `[0, num_experts)`."""
+    """`index` must be an `[m, k]` integer array of expert ids in `[0, num_experts)`, with `k >= 1`."""
     _check_integers("index (expert ids)", index, "[m, k]", 0, num_experts)
+    if index.shape[1] < 1:
+        raise ValueError(f"index must choose at least one expert per token (k >= 1), got shape {list(index.shape)}")
 
 
-def _check_probabilities(name: str, probs: Array, index: Array, num_experts: int) -> None:
+def _check_probabilities(name: str, probs: Array, index: Array, num_experts: int, *,
+                         kind: str = "logits") -> None:
+    """`probs` must be a finite `[m, n]` float array matching `index`; `kind` says what else it must be.
+
+    * `"logits"`: any finite values;
+    * `"scores"`: non-negative affinities with a positive sum per token (sigmoid or sqrt-softplus scores);
+    * `"probabilities"`: non-negative, each row summing to 1 (a softmax), to the rounding of its dtype.
+    """
     check_float_array(name, probs, ndim=2)
     if tuple(probs.shape) != (index.shape[0], num_experts):
         raise ValueError(
             f"{name} must have shape [m, n] = [{index.shape[0]}, {num_experts}] to match index "
             f"{list(index.shape)} and num_experts={num_experts}, got {list(probs.shape)}")
+    check_finite(name, probs)
+    if kind == "logits" or probs.shape[0] == 0:
+        return
+    xp = array_namespace(probs)
+    if bool(xp.any(probs < 0)):
+        raise ValueError(f"{name} must be non-negative ({kind}), got a minimum of {float(xp.min(probs)):.6g}")
+    total = xp.sum(xp.astype(probs, xp.float64), axis=-1)  # [m]
+    if kind == "scores":
+        if bool(xp.any(total <= 0)):
+            raise ValueError(f"{name} must have a positive sum for every token (the sum normalizes them), "
+                             f"got {int(xp.sum(xp.astype(total <= 0, xp.int64)))} token(s) whose scores are all 0")
+        return
+    # A softmax in float32 over n experts sums to 1 within about n rounding errors.
+    tolerance = 8 * num_experts * float(xp.finfo(probs.dtype).eps) if probs.dtype in (xp.float32, xp.float64) \
+        else 1e-2
+    worst = float(xp.max(xp.abs(total - 1.0)))
+    if worst > tolerance:
+        raise ValueError(f"{name} must be probabilities whose rows sum to 1 (a softmax over the experts), "
+                         f"got a row sum off by {worst:.3g} (tolerance {tolerance:.1g})")
+
+
+# ---------------------------------------------------------------------------
+# The two extension points of the layer's selection
+# ---------------------------------------------------------------------------
+
+def hash_choice(scores: Array, bias: Array, config: MoEConfig, token_ids: Array | None) -> tuple[Array, Array]:
+    """The choice rule `"hash"` of a layer with `config.hash_routing`: `route_by_hash` with the layer's switches."""
+    if token_ids is None:
+        raise ValueError("token_ids must be given (an [m] integer array) when config.hash_routing is True")
+    return route_by_hash(scores, token_ids, config.k, renormalize=config.renormalize,
+                         scaling_factor=config.routed_scaling_factor)
+
+
+def capacity_serving(index: Array, weights: Array, config: MoEConfig) -> tuple[Array, Array]:
+    r"""The serving rule `"capacity"` of a layer with `config.capacity_factor` $c$: `(weights, kept)`.
+
+    Each expert serves at most $C = \lceil c\,mk/n \rceil$ assignments, rank
+    by rank, then token by token (`capacity_keep`); a dropped assignment's
+    weight becomes 0 and the others are **not** renormalized.
+    """
+    xp = array_namespace(index, weights)
+    capacity = expert_capacity(index.shape[0], config.n, config.k, config.capacity_factor)
+    kept = capacity_keep(index, config.n, capacity)  # [m, k] bool
+    # Dropped assignments contribute nothing: $$p_{i,r} \leftarrow p_{i,r}\,\text{kept}_{i,r}$$
+    return weights * xp.astype(kept, weights.dtype), kept
+
+
+register_expert_choice("hash", hash_choice)
+register_serving_rule("capacity", capacity_serving)

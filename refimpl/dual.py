@@ -76,7 +76,7 @@ import scipy.optimize
 import scipy.sparse
 
 from ._xp import Array, array_namespace, compute_dtype, to_numpy
-from .balancing import _check_batch, _kth_largest, _quantile_thresholds
+from .balancing import kth_largest, quantile_rank, quantile_thresholds
 from .routing import expert_load, route
 from .validation import check_finite, check_float_array, check_int, check_shape
 
@@ -142,7 +142,7 @@ def alpha_step(scores: Array, beta: Array, top_k: int) -> Array:
     dtype = compute_dtype(xp, scores, beta)
     # $$\alpha_i = (s_i - \beta)_{(k+1)}$$
     shifted = xp.astype(scores, dtype) - xp.astype(beta, dtype)[None, :]  # [m, n]
-    return _kth_largest(shifted, top_k + 1, overwrite=True)
+    return kth_largest(shifted, top_k + 1, overwrite=True)
 
 
 def beta_step(scores: Array, alpha: Array, top_k: int) -> Array:
@@ -154,12 +154,12 @@ def beta_step(scores: Array, alpha: Array, top_k: int) -> Array:
     This is Eq. (14)'s quantile before centering, $\beta = -\tilde b$.
     """
     m, n = _check_scores(scores)
-    whole, frac = _check_batch(m, n, top_k)
+    whole, frac = quantile_rank(m, n, top_k)
     _check_vector("alpha", alpha, m)
     xp = array_namespace(scores, alpha)
     dtype = compute_dtype(xp, scores, alpha)
     # $$\beta_j = (s_{:,j} - \alpha)_{(q+1)}$$
-    return _quantile_thresholds(xp.astype(scores, dtype), xp.astype(alpha, dtype), whole, frac)
+    return quantile_thresholds(xp.astype(scores, dtype), xp.astype(alpha, dtype), whole, frac)
 
 
 def beta_subgradient(scores: Array, alpha: Array, beta: Array, top_k: int) -> Array:
@@ -250,7 +250,7 @@ def coordinate_descent(scores: Array, top_k: int, *, bias: Array | None = None,
     """
     m, n = _check_scores(scores)
     top_k = check_int("top_k", top_k, low=1, high=n - 1)
-    _check_batch(m, n, top_k)
+    quantile_rank(m, n, top_k)
     iterations = check_int("iterations", iterations, low=0)
     xp = array_namespace(scores)
     dtype = compute_dtype(xp, scores)

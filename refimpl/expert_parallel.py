@@ -78,35 +78,55 @@ per weight over `[n, C, l]` blocks; `padding_waste` is the formula. The page
 "Balance is speed" measures both against the balance that zero bias, the sign
 rule and Quantile Balancing reach.
 
+**One layer on every rank count.** `ep_forward` does not write the layer
+again: it calls the functions of the forward page (`router_scores`,
+`select_experts`, `routed_experts`, `rms_norm`, `shared_experts`) and only
+moves their inputs and outputs between ranks, so every configuration the
+single-process layer accepts (any score function, groups, hash routing with
+`token_ids`, a capacity) computes the same layer here, and the tests hold
+the two side by side under `mpiexec -n 1`, `-n 2` and `-n 4`. A capacity
+is the one rule that needs to see other ranks' tokens: an expert serves its
+first $C$ assignments in the order of the whole batch (every token's first
+choice before any second choice, tokens in rank order), so the ranks
+exchange their routes (`allgather`, $mk$ integers) and each applies the
+serving rule to the whole batch and keeps its own rows.
+
+**Ranks that disagree.** Before its first exchange, every function here
+gathers from every rank what must be the same everywhere (the
+configuration, the dtype, the shard layout, a digest of the bias) together
+with any error a rank met while checking its own inputs, in one small
+`allgather`. If a rank failed or two ranks disagree, every rank raises the
+same error, naming the rank and the values, instead of some ranks waiting
+in an exchange for ever.
+
 **What is and is not here.** The exchange is MPI (mpi4py), on host buffers:
 arrays from any array-API library are copied to NumPy for the two
 `Alltoallv` calls and back. There is no overlap of communication with
-computation, no capacity limit (every routed slot is computed; see
-`capacity_keep` for dropping), and no node-limited routing. The forward pass
-only: the gradient of an expert-parallel layer would run the same two
-exchanges in reverse.
+computation and no node-limited routing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from ._xp import Array, array_namespace, bincount, compute_dtype, dtype_name, to_numpy
-from .activations import rms_norm
+from ._xp import Array, array_namespace, compute_dtype, dtype_name, to_numpy
+from .activations import expert_glu, rms_norm
 from .config import MoEConfig
 from .histogram import BiasHistogram
-from .latent_moe import _expert_glu, parameter_shapes, routed_experts, shared_experts
-from .routing import route, router_scores
+from .latent_moe import dispatch_by_expert, parameter_shapes, routed_experts, shared_experts
+from .routing import Selection, router_scores, select_experts, serving_rule
 from .validation import check_finite, check_float_array, check_int
 
 __all__ = [
     "EPStats",
+    "check_ranks_agree",
     "ep_balance_update",
     "ep_forward",
     "expected_remote_ranks",
@@ -219,10 +239,48 @@ def _check_ep_inputs(x: Array, params: Mapping[str, Array], config: MoEConfig, s
 
 
 def _check_comm(comm: Any) -> tuple[int, int]:
-    if not all(hasattr(comm, name) for name in ("Get_size", "Get_rank", "Alltoall", "Alltoallv")):
-        raise TypeError(f"comm must be an mpi4py communicator (Get_size, Get_rank, Alltoall, Alltoallv), "
-                        f"got {type(comm).__name__}")
+    if not all(hasattr(comm, name) for name in ("Get_size", "Get_rank", "Alltoall", "Alltoallv", "allgather")):
+        raise TypeError(f"comm must be an mpi4py communicator (Get_size, Get_rank, Alltoall, Alltoallv, "
+                        f"allgather), got {type(comm).__name__}")
     return int(comm.Get_size()), int(comm.Get_rank())
+
+
+def digest(a: Array | None) -> str | None:
+    """A short SHA-256 of an array's dtype, shape and bytes: what ranks compare to agree on a bias."""
+    if a is None:
+        return None
+    values = np.ascontiguousarray(to_numpy(a))
+    head = f"{values.dtype.str}{values.shape}".encode()
+    return hashlib.sha256(head + values.tobytes()).hexdigest()[:16]
+
+
+def check_ranks_agree(comm: Any, what: str, fingerprint: Mapping[str, Any],
+                      error: BaseException | None = None) -> None:
+    r"""Before any exchange: one `allgather` of what must agree, and the same error on every rank if it does not.
+
+    `fingerprint` maps names to plain values that must be equal on every
+    rank (sizes, a dtype name, a digest of the bias); `error` is what this
+    rank met while checking its own inputs (None if nothing). Every rank
+    receives every rank's pair, so every rank can tell, identically, whether
+    some rank failed (its error is raised everywhere, naming the rank) or
+    two ranks disagree (a `ValueError` naming the field and each rank's
+    value). Called by every rank of `comm`, like any collective; it never
+    hangs the others, because it is the first exchange and every rank reaches it.
+    """
+    size = int(comm.Get_size())
+    report = None if error is None else (type(error).__name__, str(error))
+    entries = comm.allgather((dict(fingerprint), report))
+    failed = [(rank, entry[1]) for rank, entry in enumerate(entries) if entry[1] is not None]
+    if failed:
+        rank, (kind, text) = failed[0]
+        others = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+        cls = TypeError if kind == "TypeError" else ValueError
+        raise cls(f"{what}: rank {rank} of {size}{others}: {text}")
+    for key in fingerprint:
+        values = [entry[0].get(key) for entry in entries]
+        if any(v != values[0] for v in values[1:]):
+            listed = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            raise ValueError(f"{what}: the {size} ranks must agree on {key}, got {listed}")
 
 
 # ---------------------------------------------------------------------------
@@ -324,7 +382,7 @@ def _exchange_counts(comm: Any, send_rows: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------
 
 def _local_experts(z: Array, local_id: Array, weight: Array, w1: Array, w3: Array, w2: Array,
-                   config: MoEConfig, padded: bool) -> tuple[Array, Array]:
+                   config: MoEConfig, padded: bool, mxfp8_inputs: bool = False) -> tuple[Array, Array]:
     r"""Each arrived pair's partial sum $\sum_{e \text{ here}} p_{i,e} E_e(z_i)$, `[R, l]`, and the local loads `[n/P]`.
 
     The pairs' slots (those with `local_id >= 0`) are laid out one per row,
@@ -337,15 +395,17 @@ def _local_experts(z: Array, local_id: Array, weight: Array, w1: Array, w3: Arra
     slot_expert = local_id[valid][:, None]  # [T, 1]
     slot_weight = weight[valid][:, None]  # [T, 1]
     z_slots = xp.take(z, slot_pair, axis=0)  # [T, l]
-    experts = padded_routed_experts if padded else routed_experts
     # $$o_t = p_{i,e}\, E_e(z_i)$$ for every slot $t = (i, e)$ computed here
-    out = experts(z_slots, slot_expert, slot_weight, w1, w3, w2, config)  # [T, l]
+    if padded:
+        out = padded_routed_experts(z_slots, slot_expert, slot_weight, w1, w3, w2, config)  # [T, l]
+    else:
+        out = routed_experts(z_slots, slot_expert, slot_weight, w1, w3, w2, config, mxfp8_inputs=mxfp8_inputs)
     # Slot number of (pair, r), valid where `valid`.
     slot_position = xp.reshape(xp.cumulative_sum(xp.reshape(xp.astype(valid, xp.int64), (-1,))) - 1,
                                valid.shape)  # [R, k]
     # $$u^{(p)}_i = \sum_{e \in \mathcal{T}_i \cap \mathcal{E}_p} o_{(i, e)}$$
     partial = _sum_rows(out, slot_position, valid)  # [R, l]
-    load = bincount(slot_expert, w1.shape[0])  # [n/P]
+    load = dispatch_by_expert(slot_expert, slot_weight, w1.shape[0]).load  # [n/P]
     return partial, load
 
 
@@ -396,7 +456,8 @@ class EPStats:
 
 
 def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, *,
-               padded: bool = False, reduce_before_norm: bool = True) -> tuple[Array, EPStats]:
+               padded: bool = False, reduce_before_norm: bool = True, token_ids: Array | None = None,
+               mxfp8_inputs: bool = False) -> tuple[Array, EPStats]:
     r"""Eq. (11) with the routed experts spread over the ranks of `comm`; call it on every rank.
 
     Parameters
@@ -411,7 +472,9 @@ def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: A
         `[n/P, l, f]` hold only this rank's block of experts,
         $[r\,n/P, (r+1)\,n/P)$ (see `shard_params`).
     config
-        The layer's `MoEConfig`; $P$ must divide $n$.
+        The layer's `MoEConfig`; $P$ must divide $n$. Every configuration of
+        `stable_latent_moe` runs: any score function, groups, a capacity
+        (served in the order of the whole batch, tokens in rank order), hash routing.
     comm
         An mpi4py communicator of $P$ ranks (`MPI.COMM_WORLD`; `MPI.COMM_SELF`
         runs the whole layer in one process through the same code).
@@ -421,19 +484,40 @@ def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: A
     reduce_before_norm
         `False` demonstrates the pitfall: each rank normalizes its partial
         sum before sending it back. Wrong on purpose; for measuring the error.
+    token_ids
+        `[m_r]` integers, this rank's tokens' ids: needed by a hash-routed layer.
+    mxfp8_inputs
+        Round each local expert product's input to MXFP8, as `stable_latent_moe` does.
 
     Returns
     -------
     y
         `[m_r, d]` the layer's output for this rank's tokens, in the dtype of
-        `x`; equal to `stable_latent_moe` of the same tokens up to rounding
-        (the partial sums are added in another order).
+        `x`; equal to `stable_latent_moe` of the union of all ranks' tokens
+        (in rank order), restricted to these, up to rounding (the partial
+        sums are added in another order).
     stats
         An `EPStats`: bytes sent to other ranks in each exchange, pairs per
         peer, the loads of the local experts.
+
+    Raises the same error on every rank when a rank's inputs are malformed or
+    the ranks disagree on the configuration, dtype, shard layout or bias.
     """
     size, rank = _check_comm(comm)
-    per_rank = _check_ep_inputs(x, params, config, size)
+    error: Exception | None = None
+    try:
+        per_rank = _check_ep_inputs(x, params, config, size)
+        if mxfp8_inputs and padded:
+            raise ValueError("mxfp8_inputs=True runs the grouped expert loop: pass padded=False")
+    except (TypeError, ValueError) as exc:
+        error = exc
+    fingerprint = {} if error is not None else {
+        "config": asdict(config), "dtype": dtype_name(x.dtype), "ranks": size,
+        "expert block shape": [list(params[name].shape) for name in EXPERT_STACKS],
+        "bias": digest(params["gate.e_score_correction_bias"]),
+        "token_ids given": token_ids is not None, "reduce_before_norm": bool(reduce_before_norm),
+        "mxfp8_inputs": bool(mxfp8_inputs)}
+    check_ranks_agree(comm, "ep_forward", fingerprint, error)
     xp = array_namespace(x, *params.values())
     dtype = compute_dtype(xp, x)
 
@@ -441,18 +525,16 @@ def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: A
         return xp.astype(params[name], dtype, copy=False)
 
     h = xp.astype(x, dtype, copy=False)  # [m, d]
-    # 1. Route locally, with the replicated router and bias (Eq. 13).
+    # 1. Route locally, with the replicated router and bias: the layer's own selection (Eq. 13).
     # $$s = \sigma(x W_r^\top), \qquad \mathcal{T}_i = \operatorname{argtopk}_k(s_i + b)$$
-    scores = router_scores(h, weight("gate.weight"))  # [m, n]
-    index, weights = route(scores, params["gate.e_score_correction_bias"], config.k,
-                           renormalize=config.renormalize, scaling_factor=config.routed_scaling_factor,
-                           n_group=config.n_group, topk_group=config.topk_group)  # [m, k] each
-    weights = xp.astype(weights, dtype)
+    scores = router_scores(h, weight("gate.weight"), config.score_function)  # [m, n]
+    selection = _select_across_ranks(comm, scores, params["gate.e_score_correction_bias"], config, token_ids)
+    weights = xp.astype(selection.weights, dtype)  # [m, k]
     # The latent, once per token, before anything is sent: $$z = x W_\downarrow^\top$$
     z = h @ weight("routed_expert_down_proj.weight").T if config.use_latent_projection else h  # [m, l]
 
     # 2. Dispatch: each token's latent to every rank that holds one of its experts, once per rank.
-    plan = _dispatch_plan(index, weights, per_rank, size)
+    plan = _dispatch_plan(selection.index, weights, per_rank, size)
     recv_rows = _exchange_counts(comm, plan.send_rows)  # [P], pairs each rank sends here
     z_arrived = _alltoallv(comm, xp.take(z, plan.pair_token, axis=0), plan.send_rows, recv_rows)  # [R, l]
     id_arrived = _alltoallv(comm, plan.local_id, plan.send_rows, recv_rows)  # [R, k]
@@ -461,7 +543,8 @@ def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: A
     # 3. This rank's experts on what arrived, reduced per pair: one l-vector per (token, rank).
     started, started_cpu = time.perf_counter(), time.process_time()
     partial, load = _local_experts(z_arrived, id_arrived, weight_arrived, params["experts.w1"],
-                                   params["experts.w3"], params["experts.w2"], config, padded)  # [R, l]
+                                   params["experts.w3"], params["experts.w2"], config, padded,
+                                   mxfp8_inputs)  # [R, l]
     expert_seconds, expert_cpu_seconds = time.perf_counter() - started, time.process_time() - started_cpu
     if not reduce_before_norm and config.use_latent_norm:
         # THE PITFALL, on purpose: normalizing a partial sum, $$\operatorname{RMSNorm}(u^{(p)}_i) \odot g$$
@@ -501,6 +584,29 @@ def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: A
     return y, stats
 
 
+def _select_across_ranks(comm: Any, scores: Array, bias: Array, config: MoEConfig,
+                         token_ids: Array | None) -> Selection:
+    """The layer's selection of this rank's tokens, as the single-process layer makes it for the whole batch.
+
+    Every rule but a capacity looks at one token at a time, so the local
+    `select_experts` is already the right one. A capacity serves assignments
+    in the order of the whole batch: the ranks gather their routes (in rank
+    order, the order of the union of their tokens), each applies the serving
+    rule to the whole batch, and keeps its own rows.
+    """
+    if config.capacity_factor is None:
+        return select_experts(scores, bias, config, token_ids=token_ids)
+    choice = select_experts(scores, bias, config.replace(capacity_factor=None), token_ids=token_ids)
+    xp = array_namespace(scores)
+    routes = comm.allgather(np.asarray(to_numpy(choice.index), dtype=np.int64))  # P arrays [m_p, k]
+    whole = np.concatenate(routes, axis=0)  # [m, k], the whole batch in rank order
+    first = sum(route.shape[0] for route in routes[:int(comm.Get_rank())])
+    _, kept = serving_rule("capacity")(whole, np.ones(whole.shape, dtype=np.float64), config)  # [m, k] bool
+    mine = xp.asarray(np.asarray(kept[first:first + scores.shape[0]]))  # [m_r, k]
+    # Dropped assignments contribute nothing (no renormalization), as in the single-process layer.
+    return Selection(choice.index, choice.weights * xp.astype(mine, choice.weights.dtype), mine)
+
+
 # ---------------------------------------------------------------------------
 # The balancer across ranks
 # ---------------------------------------------------------------------------
@@ -510,16 +616,26 @@ def ep_balance_update(scores: Array, bias: Array, top_k: int, comm: Any, *, bins
 
     `scores` `[m_r, n]` are this rank's sigmoid router scores for the step
     (any `m_r`, zero included), `bias` `[n]` the bias that routed it (the same
-    on every rank). Each rank counts its required biases into the
-    $n \times B$ histogram, one integer `Allreduce` sums the counts, and each
-    rank reads the new, centred bias from the global histogram: the quantile
-    of the union of all ranks' tokens, within one bin width of the exact
-    Eq. (14) update.
+    on every rank: checked first). Each rank counts its required biases into
+    the $n \times B$ histogram, one integer `Allreduce` sums the counts, and
+    each rank reads the new, centred bias from the global histogram: the
+    quantile of the union of all ranks' tokens, within one bin width of the
+    exact Eq. (14) update.
     """
-    if not hasattr(comm, "Allreduce"):
-        raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
-    histogram = BiasHistogram(bias, top_k, bins)
-    histogram.add(scores)
+    if not all(hasattr(comm, name) for name in ("Get_size", "allgather", "Allreduce")):
+        raise TypeError(f"comm must be an mpi4py communicator (Get_size, allgather, Allreduce), "
+                        f"got {type(comm).__name__}")
+    error: Exception | None = None
+    histogram = None
+    try:
+        histogram = BiasHistogram(bias, top_k, bins)
+        histogram.add(scores)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    fingerprint = {} if error is not None else {
+        "experts": int(bias.shape[0]), "top_k": int(top_k), "bins": int(bins),
+        "bias dtype": dtype_name(bias.dtype), "bias": digest(bias)}
+    check_ranks_agree(comm, "ep_balance_update", fingerprint, error)
     counts = np.ascontiguousarray(to_numpy(histogram.counts))  # [n, B] int64
     from mpi4py import MPI
 
@@ -571,14 +687,12 @@ def padded_routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3:
     n, ell = w2.shape[0], w2.shape[1]
     if m == 0:
         return xp.zeros((0, ell), dtype=z.dtype)
-    # Slots sorted by expert, as in `routed_experts`: slot $t = i k + r$.
-    slot_expert = xp.reshape(index, (m * k,))  # [m*k]
-    order = xp.argsort(slot_expert, stable=True)  # [m*k]
-    token_sorted = order // k  # [m*k]
-    p_sorted = xp.take(xp.reshape(weights, (m * k,)), order)  # [m*k]
-    load = bincount(slot_expert, n)  # [n]
-    start = xp.cumulative_sum(load, include_initial=True)[:-1]  # [n], first sorted slot of each expert
-    largest = int(xp.max(load))
+    # Slots sorted by expert, as in `routed_experts`.
+    dispatch = dispatch_by_expert(index, weights, n)
+    token_sorted, p_sorted = dispatch.token, dispatch.weight[:, 0]  # [m*k] each
+    load = xp.asarray(dispatch.load)  # [n]
+    start = xp.asarray(dispatch.start[:-1])  # [n], first sorted slot of each expert
+    largest = int(dispatch.load.max())
     if capacity is None:
         capacity = largest
     capacity = check_int("capacity", capacity, low=largest)
@@ -593,13 +707,12 @@ def padded_routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3:
     p_blocks = xp.where(filled, xp.reshape(xp.take(p_sorted, cell_slot), (n, capacity)), zero)  # [n, C]
     g, u_, d = (xp.astype(w, z.dtype, copy=False) for w in (w1, w3, w2))  # [n,f,l] [n,f,l] [n,l,f]
     # All experts at once: $$H_e = \operatorname{SiTU\text{-}GLU}(Z_e G_e^\top, Z_e U_e^\top)$$
-    h = _expert_glu(z_blocks @ xp.matrix_transpose(g), z_blocks @ xp.matrix_transpose(u_), config)  # [n, C, f]
+    h = expert_glu(z_blocks @ xp.matrix_transpose(g), z_blocks @ xp.matrix_transpose(u_), config)  # [n, C, f]
     # $$O_e = (p_e \odot H_e)\, D_e^\top$$
     out = xp.reshape((p_blocks[:, :, None] * h) @ xp.matrix_transpose(d), (n * capacity, ell))  # [n*C, l]
     # Combine: slot (i, r) sits in cell index[i, r] * C + (its sorted position - start of its expert).
-    position = xp.reshape(xp.argsort(order), (m, k))  # [m, k]
     first = xp.reshape(xp.take(start, xp.reshape(index, (m * k,))), (m, k))  # [m, k]
-    cell = index * capacity + position - first  # [m, k]
+    cell = index * capacity + dispatch.position - first  # [m, k]
     u = xp.zeros((m, ell), dtype=z.dtype)  # [m, l]
     for r in range(k):
         # $$u_i \mathrel{+}= p_{i,r}\, E_{\mathcal{T}_{i,r}}(z_i)$$

@@ -138,13 +138,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 
-from ._xp import Array, array_namespace, bincount, compute_dtype, dtype_name, is_numpy
-from .balancing import _cutoffs
-from .validation import check_finite, check_float_array, check_int
+from ._fast import fast_path_applies, histogram_count_by_experts
+from ._xp import Array, array_namespace, bincount, compute_dtype, dtype_name
+from .balancing import cutoff_values
+from .validation import check_bias, check_finite, check_float_array, check_int
 
 __all__ = [
     "BiasHistogram",
@@ -153,23 +153,9 @@ __all__ = [
     "required_bias",
 ]
 
-# Margins processed per pass of the NumPy fast path: its work arrays (a few MB) then stay in cache.
-_PASS_MARGINS = 1 << 18
-
-
 # ---------------------------------------------------------------------------
 # The range and the values that are counted
 # ---------------------------------------------------------------------------
-
-
-def _check_bias(bias: Any) -> None:
-    check_float_array("bias", bias, ndim=1)
-    if bias.shape[0] < 1:
-        raise ValueError(f"bias must hold at least one expert, got shape {list(bias.shape)}")
-    if dtype_name(bias.dtype) in ("float16", "bfloat16"):
-        raise TypeError(f"bias must be float32 or float64, got {bias.dtype} (a half-precision bias loses "
-                        "the differences between experts)")
-    check_finite("bias", bias)
 
 
 def histogram_range(bias: Array) -> tuple[float, float]:
@@ -179,7 +165,7 @@ def histogram_range(bias: Array) -> tuple[float, float]:
     the same interval from the same bias, so no communication is needed to
     agree on the bin edges.
     """
-    _check_bias(bias)
+    check_bias(bias)
     xp = array_namespace(bias)
     # $$r_{i,j} \in [\min_j b_j - 1,\ \max_j b_j + 1]$$
     return float(xp.min(bias)) - 1.0, float(xp.max(bias)) + 1.0
@@ -192,7 +178,7 @@ def _cutoff(scores: Array, bias: Array, top_k: int) -> Array:
     if top_k == n:
         return xp.full((m,), -xp.inf, dtype=compute_dtype(xp, scores, bias))
     # The same values as `selection_cutoff`, from Eq. (14)'s values-only selection (no ranking of ids).
-    return _cutoffs(scores, bias, top_k)  # [m]
+    return cutoff_values(scores, bias, top_k)  # [m]
 
 
 def required_bias(scores: Array, bias: Array, top_k: int) -> Array:
@@ -204,7 +190,7 @@ def required_bias(scores: Array, bias: Array, top_k: int) -> Array:
     and is meant for small batches (plots, tests); `BiasHistogram` never forms
     more than a chunk of them.
     """
-    _check_bias(bias)
+    check_bias(bias)
     check_float_array("scores", scores, ndim=2)
     n = bias.shape[0]
     if scores.shape[1] != n:
@@ -237,37 +223,6 @@ def _count_portable(counts: Array, s: Array, alpha: Array, low: Array, scale: Ar
     flat = bin_ + xp.arange(n, dtype=xp.int64)[None, :] * bins  # [c, n]
     added = xp.reshape(bincount(flat, n * bins), (n, bins))  # [n, B]
     return counts + xp.astype(added, counts.dtype)
-
-
-def _count_numpy(counts: np.ndarray, s: np.ndarray, alpha: np.ndarray, low: np.generic,
-                 scale: np.generic) -> None:
-    """NumPy fast path of `_count_portable`: the same operations, in place, a few experts at a time.
-
-    Each pass takes a group of expert columns small enough that its work
-    arrays stay in cache, and reuses the same buffers, so no large array is
-    allocated per chunk. The float operations are those of the portable path
-    (subtract the low end from the cutoff, subtract the score, multiply, clip, then truncate,
-    which is the floor for the non-negative clipped values), so both paths give identical bins.
-    """
-    c = s.shape[0]
-    n, bins = counts.shape
-    group = max(1, min(n, _PASS_MARGINS // max(c, 1)))  # experts per pass
-    # Ids fit in int32 unless the group holds 2^31 bins; int32 converts from float much faster than int64.
-    id_dtype = np.int32 if group * bins < 2**31 else np.intp
-    t_buffer = np.empty(c * group, dtype=alpha.dtype)
-    id_buffer = np.empty(c * group, dtype=id_dtype)
-    offset = np.arange(group, dtype=id_dtype) * bins  # [G], the first id of each expert in the group
-    a = (alpha - low)[:, None]  # [c, 1]
-    for j0 in range(0, n, group):
-        g = min(group, n - j0)
-        t = t_buffer[: c * g].reshape(c, g)  # [c, g]
-        ids = id_buffer[: c * g].reshape(c, g)  # [c, g]
-        np.subtract(a, s[:, j0:j0 + g], out=t)
-        np.multiply(t, scale, out=t)
-        np.clip(t, 0.0, float(bins - 1), out=t)
-        np.copyto(ids, t, casting="unsafe")  # truncation toward zero: the floor, as t >= 0
-        np.add(ids, offset[None, :g], out=ids)
-        counts[j0:j0 + g] += np.bincount(id_buffer[: c * g], minlength=g * bins).reshape(g, bins)
 
 
 # ---------------------------------------------------------------------------
@@ -339,7 +294,7 @@ class BiasHistogram:
     """
 
     def __init__(self, bias: Array, top_k: int, bins: int = 1000, *, chunk_size: int = 1 << 22) -> None:
-        _check_bias(bias)
+        check_bias(bias)
         n = bias.shape[0]
         self.top_k = check_int("top_k", top_k, low=1, high=n)
         self.bins = check_int("bins", bins, low=1)
@@ -411,9 +366,8 @@ class BiasHistogram:
             alpha = _cutoff(s, self.bias, self.top_k) if cutoff is None else cutoff[start:stop]  # [c]
             s = xp.astype(s, dtype)
             alpha = xp.astype(alpha, dtype)
-            if is_numpy(xp):
-                _count_numpy(self.counts, np.asarray(s), np.asarray(alpha), np.asarray(low)[()],
-                             np.asarray(scale)[()])
+            if fast_path_applies(s, alpha) and isinstance(self.counts, np.ndarray):
+                histogram_count_by_experts(self.counts, s, alpha, np.asarray(low)[()], np.asarray(scale)[()])
             else:
                 self.counts = _count_portable(self.counts, s, alpha, low, scale)
         return self

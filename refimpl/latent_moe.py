@@ -37,12 +37,25 @@ norm is on). Under tensor or expert parallelism the partial sums of $u$ must be
 Switching the norm off gives the original LatentMoE; $\alpha = 1$ without the
 projections gives an ordinary DeepSeek-style MoE (see `MoEConfig`).
 
-**The computation.** `stable_latent_moe` is the fast path: it sorts the
-$m k$ token-slots by expert, runs one matrix product per expert on its
-contiguous slice, puts the results back in slot order and combines. Its loop
-runs over experts, never over tokens. `stable_latent_moe_reference` is the same
-equation written token by token, for reading and for testing; it is slow on
-purpose.
+**The computation.** `stable_latent_moe` sorts the $m k$ token-slots by
+expert (`dispatch_by_expert`), runs one matrix product per expert on its
+contiguous slice, and adds each token's $k$ results back together
+(`combine`). Its loop runs over experts, never over tokens. Every other path
+of this package (the backward pass, expert parallelism over MPI, the
+training loop) calls these same functions: there is one layer, computed
+once. `stable_latent_moe_reference` is the same equation written token by
+token, independently of the rest of the package, for reading and for
+testing; it is slow on purpose.
+
+**After the layer: the extension points.** The K3 layer is what this page
+computes first. The systems it is compared with (other score functions,
+capacity with token dropping, hash routing) and K3's deployment precision
+(MXFP8 activations) plug into named places of the same computation, which
+the section "Extension points" at the end of the page lists: a table of
+score functions, the choice rule and the serving rule of step 2 (the
+routing page holds them, the page "The other routers and balancers"
+registers its rules there), and a rounding hook on the experts' inputs. The
+code of the layer does not branch on any of them.
 
 Weights use the PyTorch `Linear` layout `[out, in]`, so a projection is
 `x @ W.T`, and carry the Hugging Face names of the released checkpoint.
@@ -51,7 +64,7 @@ Weights use the PyTorch `Linear` layout `[out, in]`, so a projection is
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -59,19 +72,26 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
+from ._fast import combine_in_buffers, fast_path_applies, routed_experts_in_buffers
 from ._xp import Array, array_namespace, bincount, compute_dtype, is_numpy, to_numpy
-from .activations import rms_norm, situ_glu, swiglu
-from .baselines import capacity_keep, expert_capacity, route_by_hash
+from .activations import expert_glu, expert_glu_and_grad, rms_norm
 from .config import MoEConfig
 from .mx import MX_BLOCK, mxfp8_round
-from .routing import route, router_scores
+from .routing import Selection, router_scores, select_experts
 from .validation import check_finite, check_float_array
 
 __all__ = [
+    "EXPERT_INPUT_PRECISIONS",
+    "Dispatch",
     "MoEOutput",
     "MoEParams",
+    "RoutedActivations",
+    "check_layer_inputs",
     "check_params",
+    "combine",
+    "dispatch_by_expert",
     "init_params",
+    "is_packed_stack",
     "parameter_shapes",
     "routed_experts",
     "shared_experts",
@@ -151,8 +171,8 @@ def init_params(config: MoEConfig, rng: np.random.Generator | int | None = None,
     return params
 
 
-def _is_lazy_stack(w: Any) -> bool:
-    """True for an expert stack that is not an array but decodes one expert on `w[e]` (a packed stack)."""
+def is_packed_stack(w: Any) -> bool:
+    """True for an expert stack that is not an array but decodes one expert on `w[e]` (a packed MXFP4 stack)."""
     return not array_api_compat.is_array_api_obj(w) and hasattr(w, "__getitem__")
 
 
@@ -171,7 +191,7 @@ def check_params(params: Mapping[str, Array], config: MoEConfig) -> None:
     if missing or extra:
         raise ValueError(f"params must have exactly the names {sorted(shapes)}; missing {missing}, extra {extra}")
     for name, shape in shapes.items():
-        if name.startswith("experts.") and _is_lazy_stack(params[name]):
+        if name.startswith("experts.") and is_packed_stack(params[name]):
             if not (hasattr(params[name], "shape") and hasattr(params[name], "dtype")):
                 raise TypeError(f"params[{name!r}] must be an array or an expert stack with shape and dtype, "
                                 f"got {type(params[name]).__name__}")
@@ -182,63 +202,101 @@ def check_params(params: Mapping[str, Array], config: MoEConfig) -> None:
 
 
 # ---------------------------------------------------------------------------
+# The dispatch: token-slots sorted by expert, and the combine
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Dispatch:
+    r"""The $mk$ token-slots of a route, sorted by expert: the dispatch and combine of an MoE kernel.
+
+    Slot $t = i k + r$ is the $r$-th expert of token $i$. `token` `[m*k]`
+    and `weight` `[m*k, 1]` are the sorted slots' token and mixture weight;
+    expert $e$ owns sorted slots `start[e] : start[e + 1]` (`rows(e)`);
+    `position[i, r]` is where slot $i k + r$ went (the inverse permutation),
+    which is all the combine needs.
+    """
+
+    token: Array
+    weight: Array
+    start: np.ndarray
+    position: Array
+
+    def rows(self, e: int) -> slice:
+        """The sorted slots of expert `e`."""
+        return slice(int(self.start[e]), int(self.start[e + 1]))
+
+    def experts(self) -> list[int]:
+        """The experts that received at least one slot, in id order."""
+        return np.flatnonzero(np.diff(self.start)).tolist()
+
+    @property
+    def load(self) -> np.ndarray:
+        """Slots per expert, `[n]` (NumPy)."""
+        return np.diff(self.start)
+
+
+def dispatch_by_expert(index: Array, weights: Array, n: int) -> Dispatch:
+    """Sort the token-slots of a route `index`, `weights` `[m, k]` by expert (stable: tokens keep their order)."""
+    xp = array_namespace(index, weights)
+    m, k = index.shape
+    # Flatten the token-slots: slot $t = i k + r$ is the $r$-th expert of token $i$.
+    slot_expert = xp.reshape(index, (m * k,))  # [m*k]
+    order = xp.argsort(slot_expert, stable=True)  # [m*k]
+    count = to_numpy(bincount(slot_expert, n))  # [n]
+    return Dispatch(token=order // k,  # [m*k], the token of each sorted slot
+                    weight=xp.take(xp.reshape(weights, (m * k,)), order)[:, None],  # [m*k, 1]
+                    start=np.concatenate(([0], np.cumsum(count))),  # [n + 1]
+                    position=xp.reshape(xp.argsort(order), (m, k)))  # [m, k]
+
+
+def combine(sorted_rows: Array, dispatch: Dispatch) -> Array:
+    r"""Each token's $k$ sorted rows added back into one row per token: $u_i = \sum_r o_{\text{position}[i, r]}$.
+
+    `sorted_rows` is `[m*k, width]` in the order of the dispatch; returns
+    `[m, width]`. The portable form of a scatter-add: one routing slot at a
+    time, the $r$-th rows of all tokens are gathered and added, so no
+    unsorted copy of the $mk$ rows is made.
+    """
+    if fast_path_applies(sorted_rows):
+        return combine_in_buffers(sorted_rows, dispatch.position)
+    xp = array_namespace(sorted_rows)
+    m, k = dispatch.position.shape
+    total = xp.zeros((m, sorted_rows.shape[1]), dtype=sorted_rows.dtype)  # [m, width]
+    for r in range(k):
+        # $$u_i \mathrel{+}= o_{\text{position}[i, r]}$$ for every token $i$ at once
+        total += xp.take(sorted_rows, dispatch.position[:, r], axis=0)  # [m, width]
+    return total
+
+
+# ---------------------------------------------------------------------------
 # The two branches
 # ---------------------------------------------------------------------------
 
-def _glu(a: Array, b: Array, config: MoEConfig) -> Array:
-    """The expert activation chosen by the config: SiTU-GLU (K3) or SwiGLU."""
-    if config.activation == "situ":
-        return situ_glu(a, b, config.situ_beta, config.situ_linear_beta)
-    return swiglu(a, b)
+@dataclass(frozen=True)
+class RoutedActivations:
+    r"""What the routed experts' forward keeps for the backward: the dispatch and, per expert, $h$ and its partials.
 
-
-def _glu_in_place(a: Array, b: Array, config: MoEConfig) -> Array:
-    r"""`_glu(a, b, config)` for NumPy float32/float64 blocks, overwriting `a` and `b`.
-
-    The same formula as `situ_glu` (or `swiglu`), evaluated with `out=` so that
-    an expert's `[m_e, f]` block is transformed where it lies, in cache, with
-    one temporary instead of the dozen of the general version; at the
-    benchmark size this is four times faster than `_glu`. Use it only on
-    fresh products that nothing else holds. The sigmoid is the branch-free
-    form of the accurate one in `activations.sigmoid`:
-    $\sigma(a) = e^{\min(a, 0)} / (1 + e^{-|a|})$, exact on both sides, never
-    overflowing.
+    `hidden[e] = (h, da, db)`, each `[m_e, f]`: the GLU output of expert
+    $e$'s slots and $\partial_a\phi$, $\partial_b\phi$ (from
+    `expert_glu_and_grad`, the same exponentials as the value). `workspace`
+    is the `[m*k, l]` buffer of the sorted outputs, spent once combined,
+    which the backward may reuse (None when there is none to reuse).
     """
-    # $$\sigma(a) = e^{\min(a, 0)} \,/\, (1 + e^{-|a|})$$
-    sig = np.minimum(a, 0.0)  # [m_e, f], the only temporary besides the denominator
-    np.exp(sig, out=sig)
-    denominator = np.abs(a)
-    np.negative(denominator, out=denominator)
-    np.exp(denominator, out=denominator)
-    denominator += 1.0
-    sig /= denominator
-    if config.activation == "situ":
-        # $$\operatorname{softcap}(a, \beta_1) = \beta_1 \tanh(a / \beta_1)$$
-        np.divide(a, config.situ_beta, out=a)
-        np.tanh(a, out=a)
-        a *= config.situ_beta
-        if config.situ_linear_beta is not None:  # None: the up branch stays uncapped
-            # $$\operatorname{softcap}(b, \beta_2) = \beta_2 \tanh(b / \beta_2)$$
-            np.divide(b, config.situ_linear_beta, out=b)
-            np.tanh(b, out=b)
-            b *= config.situ_linear_beta
-    # SiTU-GLU: $$[\operatorname{softcap}(a, \beta_1)\,\sigma(a)] \odot \operatorname{softcap}(b, \beta_2)$$
-    # (SwiGLU: $[a\,\sigma(a)] \odot b$.)
-    a *= sig
-    a *= b
-    return a
 
+    dispatch: Dispatch
+    hidden: dict[int, tuple[Array, Array, Array]]
+    workspace: Array | None = None
 
-def _expert_glu(a: Array, b: Array, config: MoEConfig) -> Array:
-    """The expert activation on fresh products `a`, `b`: in place on NumPy, `_glu` elsewhere."""
-    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype \
-            and a.dtype in (np.float32, np.float64):
-        return _glu_in_place(a, b, config)
-    return _glu(a, b, config)
+    def peak(self) -> float:
+        r"""The largest $|h|$ of any routed slot: what SiTU-GLU bounds by $\beta_1\beta_2$ and SwiGLU does not."""
+        return max((float(to_numpy(array_namespace(h).max(array_namespace(h).abs(h))))
+                    for h, _, _ in self.hidden.values() if h.shape[0]), default=0.0)
 
 
 def routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array, w2: Array,
-                   config: MoEConfig, *, mxfp8_inputs: bool = False) -> Array:
+                   config: MoEConfig, *, mxfp8_inputs: bool = False,
+                   expert_input: Callable[[Array], Array] | None = None,
+                   save: bool = False) -> Array | tuple[Array, RoutedActivations]:
     r"""The routed sum $u_i = \sum_{e \in \mathcal{T}_i} p_{i,e}\,E_e(z_i)$, grouped by expert.
 
     `z` is the latent `[m, l]`, `index` and `weights` are `[m, k]`, and the
@@ -250,82 +308,72 @@ def routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array,
     and dropped before the next expert's, so at most one expert is ever held
     in the compute dtype.
 
-    `mxfp8_inputs=True` is K3's deployment precision for the activations:
-    the input of each expert product (the latents $z$ before $G_e, U_e$ and
-    the hidden activation $h$ before $D_e$) is rounded to MXFP8 and back
-    (`refimpl.mx.mxfp8_round`, blocks of 32 along the product's inner axis)
-    and the products run in the compute dtype. The mixture weight then
-    multiplies the expert output, as in the reference code, so that it does
-    not change what is rounded. NumPy only.
+    The $mk$ slots are sorted by expert (`dispatch_by_expert`), so each
+    expert's tokens form one contiguous slice; each expert gathers its
+    tokens' latents, runs one GLU on them and writes its outputs to its
+    slice, and `combine` adds each token's $k$ results. The mixture weight
+    $p_{i,e}$ multiplies the hidden activation (width $f$) before the
+    down-projection rather than its output (width $\ell$), since
+    $(p\,h) D^\top = p\,(h D^\top)$.
 
-    The $mk$ (token, expert) pairs are sorted by expert so that each expert's
-    tokens form one contiguous slice; each expert gathers its tokens'
-    latents, runs one GLU on them and writes its outputs to its slice. This
-    is the dispatch / compute / combine of an MoE kernel, on one device.
-    Choices that keep it fast without changing the arithmetic's meaning:
-
-    * the mixture weight $p_{i,e}$ multiplies the expert's hidden activation
-      (width $f$) before the down-projection rather than its output (width
-      $\ell$), since $(p\,h) D^\top = p\,(h D^\top)$;
-    * each expert gathers only its own tokens, a block that is used at once
-      while it is in cache, instead of one sorted copy of all $mk$ latents;
-    * the combine, the portable form of a scatter-add, takes one routing slot
-      at a time: the $r$-th outputs of all tokens are gathered from the
-      sorted rows and added, so no unsorted copy of the $mk$ outputs is made.
-      (Fewer large temporaries also means fewer page faults, which on a CPU
-      cost as much as the copies themselves.)
+    Extension points (see the end of the page): `expert_input` rounds the
+    input of each expert product (the latents before $G_e, U_e$ and the
+    hidden activation before $D_e$), and the weight then multiplies the
+    expert's output, as the deployment code does; `mxfp8_inputs=True` is
+    `expert_input=EXPERT_INPUT_PRECISIONS["mxfp8"]`. `save=True` also returns
+    the `RoutedActivations` the backward pass reads.
     """
+    if mxfp8_inputs:
+        expert_input = EXPERT_INPUT_PRECISIONS["mxfp8"]
     xp = array_namespace(z, index, weights)
-    m, k = index.shape
-    n, ell = w2.shape[0], w2.shape[1]
-    # Flatten the token-slots: slot $t = i k + r$ is the $r$-th expert of token $i$.
-    slot_expert = xp.reshape(index, (m * k,))  # [m*k]
-    # Dispatch: order the slots by expert id (stable, so tokens keep their order within an expert).
-    order = xp.argsort(slot_expert, stable=True)  # [m*k]
-    token_sorted = order // k  # [m*k], the token of each sorted slot
-    p_sorted = xp.take(xp.reshape(weights, (m * k,)), order)[:, None]  # [m*k, 1]
-    # Expert $e$ owns sorted slots `start[e] : start[e + 1]`.
-    count = to_numpy(bincount(slot_expert, n))  # [n]
-    start = np.concatenate(([0], np.cumsum(count)))  # [n + 1]
-    out_sorted = xp.empty((m * k, ell), dtype=z.dtype)  # [m*k, l]
-    for e in np.flatnonzero(count).tolist():
-        rows = slice(int(start[e]), int(start[e + 1]))
-        z_e = xp.take(z, token_sorted[rows], axis=0)  # [m_e, l], the latents of expert e's tokens
+    dispatch = dispatch_by_expert(index, weights, w2.shape[0])
+    if expert_input is None and fast_path_applies(z, weights):
+        u, hidden, workspace = routed_experts_in_buffers(
+            z, dispatch, w1, w3, w2, (config.activation, config.situ_beta, config.situ_linear_beta), save=save)
+        return (u, RoutedActivations(dispatch, hidden, workspace)) if save else u
+    out_sorted = xp.empty((index.shape[0] * index.shape[1], w2.shape[1]), dtype=z.dtype)  # [m*k, l]
+    hidden: dict[int, tuple[Array, Array, Array]] = {}
+    for e in dispatch.experts():
+        rows = dispatch.rows(e)
+        p_e = dispatch.weight[rows, :]  # [m_e, 1]
+        z_e = xp.take(z, dispatch.token[rows], axis=0)  # [m_e, l], the latents of expert e's tokens
         # Expert $e$'s matrices in the dtype of `z` (free unless the stacks are stored narrower or packed).
         g_e, u_e, d_e = (xp.astype(w[e, ...], z.dtype, copy=False) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
-        if mxfp8_inputs:
-            # Deployment precision: $$h = \operatorname{SiTU\text{-}GLU}(Q_8(z) G_e^\top, Q_8(z) U_e^\top)$$
-            z_q = xp.astype(mxfp8_round(z_e), z.dtype, copy=False)  # [m_e, l]
-            h = _expert_glu(z_q @ g_e.T, z_q @ u_e.T, config)  # [m_e, f]
-            # $$p_{i,e}\, E_e(z_i) = p_{i,e}\,(Q_8(h_i)\, D_e^\top)$$
-            h_q = xp.astype(mxfp8_round(h), z.dtype, copy=False)  # [m_e, f]
-            out_sorted[rows, :] = p_sorted[rows, :] * (h_q @ d_e.T)  # [m_e, l]
+        if expert_input is not None:
+            z_e = xp.astype(expert_input(z_e), z.dtype, copy=False)  # the rounded input, $Q(z)$
+        # $$h = \operatorname{SiTU\text{-}GLU}(z G_e^\top, z U_e^\top)$$
+        if save:
+            hidden[e] = expert_glu_and_grad(z_e @ g_e.T, z_e @ u_e.T, config)  # [m_e, f] x3, with the partials
+            h = hidden[e][0]
         else:
-            # $$h = \operatorname{SiTU\text{-}GLU}(z G_e^\top, z U_e^\top)$$
-            h = _expert_glu(z_e @ g_e.T, z_e @ u_e.T, config)  # [m_e, f]
+            h = expert_glu(z_e @ g_e.T, z_e @ u_e.T, config)  # [m_e, f]
+        if expert_input is None:
             # $$p_{i,e}\, E_e(z_i) = (p_{i,e}\, h_i)\, D_e^\top$$
-            out_sorted[rows, :] = (p_sorted[rows, :] * h) @ d_e.T  # [m_e, l]
+            out_sorted[rows, :] = (p_e * h) @ d_e.T  # [m_e, l]
+        else:
+            # $$p_{i,e}\, E_e(z_i) = p_{i,e}\,(Q(h_i)\, D_e^\top)$$: the weight cannot change what is rounded
+            out_sorted[rows, :] = p_e * (xp.astype(expert_input(h), z.dtype, copy=False) @ d_e.T)  # [m_e, l]
         del g_e, u_e, d_e, h  # drop this expert before the next one is decoded
-    # Combine: slot $t = i k + r$ sits at sorted position `position[i, r]` (the inverse permutation).
-    position = xp.reshape(xp.argsort(order), (m, k))  # [m, k]
-    u = xp.zeros((m, ell), dtype=z.dtype)  # [m, l]
-    for r in range(k):
-        # $$u_i \mathrel{+}= p_{i,r}\, E_{\mathcal{T}_{i,r}}(z_i)$$ for every token $i$ at once
-        u += xp.take(out_sorted, position[:, r], axis=0)  # [m, l]
-    return u
+    u = combine(out_sorted, dispatch)  # [m, l]
+    return (u, RoutedActivations(dispatch, hidden)) if save else u
 
 
-def shared_experts(x: Array, gate_proj: Array, up_proj: Array, down_proj: Array,
-                   config: MoEConfig) -> Array:
+def shared_experts(x: Array, gate_proj: Array, up_proj: Array, down_proj: Array, config: MoEConfig, *,
+                   save: bool = False) -> Array | tuple[Array, tuple[Array, Array, Array] | None]:
     r"""The shared experts on the full width: $\operatorname{SiTU\text{-}GLU}(x G_s^\top, x U_s^\top)\,D_s^\top$, `[m, d]`.
 
     $N_s$ shared experts of width $f$ summed are one GLU of width $N_s f$,
-    which is how the checkpoint stores them.
+    which is how the checkpoint stores them. `save=True` also returns
+    $(h, \partial_a\phi, \partial_b\phi)$ for the backward (None without shared experts).
     """
     xp = array_namespace(x)
     if gate_proj.shape[0] == 0:  # no shared experts
-        return xp.zeros(x.shape, dtype=x.dtype)
-    return _expert_glu(x @ gate_proj.T, x @ up_proj.T, config) @ down_proj.T
+        zero = xp.zeros(x.shape, dtype=x.dtype)
+        return (zero, None) if save else zero
+    if save:
+        hidden = expert_glu_and_grad(x @ gate_proj.T, x @ up_proj.T, config)  # [m, N_s f] x3
+        return hidden[0] @ down_proj.T, hidden
+    return expert_glu(x @ gate_proj.T, x @ up_proj.T, config) @ down_proj.T
 
 
 # ---------------------------------------------------------------------------
@@ -334,11 +382,13 @@ def shared_experts(x: Array, gate_proj: Array, up_proj: Array, down_proj: Array,
 
 @dataclass(frozen=True)
 class MoEOutput:
-    """The output `y` of a layer and every intermediate of Eq. (11), for teaching and tests.
+    """The output `y` of a layer and every intermediate of Eq. (11), for teaching, tests and the backward.
 
     Shapes: `y`, `y_shared`, `y_routed` `[m, d]`; `scores` `[m, n]`; `index`,
     `weights` `[m, k]` (zero where a capacity dropped the assignment); `z`, `u`, `v` `[m, l]`;
-    `kept` `[m, k]` bool, or None when the layer has no capacity.
+    `kept` `[m, k]` bool, or None when the layer has no capacity. With
+    `save_for_backward=True`, `routed` holds the `RoutedActivations` and
+    `shared` the shared experts' $(h, \\partial_a\\phi, \\partial_b\\phi)$.
     """
 
     y: Array
@@ -351,9 +401,12 @@ class MoEOutput:
     y_routed: Array
     y_shared: Array
     kept: Array | None = None  # [m, k] bool, which assignments a capacity served (None: no capacity)
+    routed: RoutedActivations | None = None
+    shared: tuple[Array, Array, Array] | None = None
 
 
-def _check_inputs(x: Array, params: Mapping[str, Array], config: MoEConfig) -> None:
+def check_layer_inputs(x: Array, params: Mapping[str, Array], config: MoEConfig) -> None:
+    """Raise a readable error unless `x` is a finite `[m, d]` float array and `params` fit `config`."""
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     check_float_array("x", x, ndim=2)
@@ -363,39 +416,108 @@ def _check_inputs(x: Array, params: Mapping[str, Array], config: MoEConfig) -> N
     check_params(params, config)
 
 
-def _select(scores: Array, bias: Array, config: MoEConfig,
-            token_ids: Array | None) -> tuple[Array, Array, Array | None]:
-    r"""The router's choice for the layer: `index`, `weights` `[m, k]`, and `kept` (None without a capacity).
+def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, *,
+                      return_intermediates: bool = False, mxfp8_inputs: bool = False,
+                      token_ids: Array | None = None,
+                      routing: tuple[Array, Array] | None = None,
+                      save_for_backward: bool = False) -> Array | MoEOutput:
+    r"""Eq. (11): one Stable LatentMoE layer on a batch `x` of shape `[m, d]`.
 
-    * A learned layer selects by $s + b$ (Eq. 13); a hash-routed layer
-      (`config.hash_routing`, DeepSeek-V4's first layers) takes the experts a
-      hash of `token_ids` gives, weighted by their raw scores.
-    * With a capacity factor $c$, each expert serves at most
-      $C = \lceil c\,mk/n \rceil$ assignments, rank by rank, then token by
-      token; a dropped assignment's weight becomes 0 and the others are
-      **not** renormalized (`capacity_keep`).
+    `params` is any mapping with the names of `parameter_shapes(config)`; the
+    expert stacks may be packed (`load_hf_layer` keeps MXFP4 experts packed
+    and they are decoded one expert at a time). Returns `y`, `[m, d]`, in the
+    dtype of `x` (computed in float32, or float64 for float64 input); with
+    `return_intermediates=True`, a `MoEOutput` whose first field is `y`.
+
+    The keywords are the extension points of the end of the page:
+    `token_ids` (`[m]` integers) are read by a hash-routed layer
+    (`config.hash_routing`); `mxfp8_inputs=True` runs the routed experts at
+    K3's deployment precision for activations (each expert product's input
+    rounded to MXFP8 and back, the arithmetic in float32; NumPy only, and
+    `latent_size`, `intermediate_size` multiples of 32); `routing=(index,
+    weights)` (both `[m, k]`) replaces step 2 with a given route (the seam the
+    conformance kit uses to reproduce other routing conventions; a capacity is
+    not applied to it); `save_for_backward=True` keeps what
+    `refimpl.backward.stable_latent_moe_vjp` reads (and implies
+    `return_intermediates`).
     """
-    if config.hash_routing:
-        if token_ids is None:
-            raise ValueError("token_ids must be given (an [m] integer array) when config.hash_routing is True")
-        index, weights = route_by_hash(scores, token_ids, config.k, renormalize=config.renormalize,
-                                       scaling_factor=config.routed_scaling_factor)  # [m, k] each
+    check_layer_inputs(x, params, config)
+    if mxfp8_inputs and (config.ell % MX_BLOCK or config.f % MX_BLOCK):
+        raise ValueError(f"mxfp8_inputs=True needs latent_size and intermediate_size that are multiples of "
+                         f"{MX_BLOCK} (MXFP8 blocks), got {config.ell} and {config.f}")
+    xp = array_namespace(x, *(a for a in params.values() if not is_packed_stack(a)))
+    if mxfp8_inputs and not is_numpy(xp):
+        raise TypeError("mxfp8_inputs=True needs NumPy arrays (refimpl.mx is NumPy code)")
+    dtype = compute_dtype(xp, x)
+
+    def weight(name: str) -> Array:
+        return xp.astype(params[name], dtype, copy=False)
+
+    h = xp.astype(x, dtype, copy=False)  # [m, d]
+    # 1. Router scores on the full width: $$s = \sigma(x W_r^\top)$$
+    scores = router_scores(h, weight("gate.weight"), config.score_function)  # [m, n]
+    # 2. Selection by $s + b$, weights from the raw $s$ (Eq. 13): $$\mathcal{T}_i = \operatorname{argtopk}_k(s_i + b)$$
+    if routing is None:
+        selection = select_experts(scores, params["gate.e_score_correction_bias"], config, token_ids=token_ids)
     else:
-        index, weights = route(scores, bias, config.k, renormalize=config.renormalize,
-                               scaling_factor=config.routed_scaling_factor,
-                               n_group=config.n_group, topk_group=config.topk_group)  # [m, k] each
-    if config.capacity_factor is None:
-        return index, weights, None
-    xp = array_namespace(scores)
-    m = scores.shape[0]
-    capacity = expert_capacity(m, config.n, config.k, config.capacity_factor)
-    kept = capacity_keep(index, config.n, capacity)  # [m, k] bool
-    # Dropped assignments contribute nothing: $$p_{i,r} \leftarrow p_{i,r}\,\text{kept}_{i,r}$$
-    return index, weights * xp.astype(kept, weights.dtype), kept
+        selection = _given_routing(routing, x.shape[0], config)
+    weights = xp.astype(selection.weights, dtype)  # [m, k]
+    # 3. One down-projection for all routed experts: $$z = x W_\downarrow^\top$$
+    z = h @ weight("routed_expert_down_proj.weight").T if config.use_latent_projection else h  # [m, l]
+    # 4-5. Each token's k experts on the latent, mixed in the latent space:
+    # $$u_i = \textstyle\sum_{e \in \mathcal{T}_i} p_{i,e} E_e(z_i)$$
+    # The expert stacks go in as stored: `routed_experts` casts one expert at a time, so a
+    # float16 checkpoint of K3's 896 experts is never copied whole.
+    routed = routed_experts(z, selection.index, weights, params["experts.w1"], params["experts.w3"],
+                            params["experts.w2"], config, mxfp8_inputs=mxfp8_inputs,
+                            save=save_for_backward)
+    u, routed_saved = routed if save_for_backward else (routed, None)  # [m, l]
+    # 6. The Stable addition: $$v = \operatorname{RMSNorm}(u) \odot g$$
+    v = rms_norm(u, weight("routed_expert_norm.weight"), config.rms_norm_eps) if config.use_latent_norm else u
+    # 7. One up-projection, once per token after the combine: $$y_{\text{routed}} = v W_\uparrow^\top$$
+    y_routed = v @ weight("routed_expert_up_proj.weight").T if config.use_latent_projection else v  # [m, d]
+    # 8. Shared experts on the full width, one merged GLU of width $N_s f$.
+    shared = shared_experts(h, weight("shared_experts.gate_proj.weight"), weight("shared_experts.up_proj.weight"),
+                            weight("shared_experts.down_proj.weight"), config, save=save_for_backward)
+    y_shared, shared_saved = shared if save_for_backward else (shared, None)  # [m, d]
+    # 9. $$y = y_{\text{shared}} + y_{\text{routed}}$$
+    y = xp.astype(y_shared + y_routed, x.dtype)
+    if not (return_intermediates or save_for_backward):
+        return y
+    return MoEOutput(y=y, scores=scores, index=selection.index, weights=weights, z=z, u=u, v=v,
+                     y_routed=y_routed, y_shared=y_shared, kept=selection.kept, routed=routed_saved,
+                     shared=shared_saved)
 
 
-def _given_routing(routing: Any, m: int, config: MoEConfig) -> tuple[Array, Array, None]:
-    """Check a route passed as `routing=(index, weights)`: two `[m, k]` arrays, ids in `[0, n)`."""
+# ---------------------------------------------------------------------------
+# Extension points
+# ---------------------------------------------------------------------------
+
+# Everything above is K3's layer. The systems it is compared with, and the precision it is deployed in,
+# change the layer only at these named places; the code above calls them and never branches on a system:
+#
+# * **The score function** (step 1): `config.score_function` names an entry of the routing page's table
+#   of score functions: K3's sigmoid, the softmax of Switch Transformer, DeepSeek-V4's $\sqrt{\operatorname{softplus}}$.
+# * **The choice rule** (step 2): `config.hash_routing` picks the rule registered as `"hash"` instead of
+#   K3's biased top-$k$ (`refimpl.routing.EXPERT_CHOICE`); it reads `token_ids`.
+# * **The serving rule** (step 2): `config.capacity_factor` applies the rule registered as `"capacity"`
+#   (`refimpl.routing.SERVING`), which drops the assignments an expert has no room for.
+# * **The experts' input precision** (steps 4-5): `mxfp8_inputs=True` rounds each expert product's input
+#   with the entry `"mxfp8"` below.
+# * **A given route** (step 2): `routing=(index, weights)` bypasses the selection altogether.
+#
+# The page "The other routers and balancers" registers its choice and serving rules; the kit and the
+# training loop use nothing else.
+
+#: Roundings of the experts' inputs, by name (the keyword `mxfp8_inputs=True` uses `"mxfp8"`).
+EXPERT_INPUT_PRECISIONS: dict[str, Callable[[Array], Array]] = {
+    # MXFP8: E4M3 elements, one E8M0 scale per 32 values along the product's inner axis (`refimpl.mx`).
+    "mxfp8": mxfp8_round,
+}
+
+
+def _given_routing(routing: Any, m: int, config: MoEConfig) -> Selection:
+    """A route passed as `routing=(index, weights)`: two `[m, k]` arrays, ids in `[0, n)`, finite weights."""
     if not (isinstance(routing, tuple | list) and len(routing) == 2):
         raise TypeError(f"routing must be a pair (index, weights) of [m, k] arrays, got {type(routing).__name__}")
     index, weights = routing
@@ -411,103 +533,12 @@ def _given_routing(routing: Any, m: int, config: MoEConfig) -> tuple[Array, Arra
         raise ValueError(f"routing's index must hold expert ids in [0, {config.n - 1}], got values in "
                          f"[{int(xp.min(index))}, {int(xp.max(index))}]")
     check_finite("routing's weights", weights)
-    return index, weights, None
+    return Selection(index, weights)
 
 
-def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, *,
-                      return_intermediates: bool = False, mxfp8_inputs: bool = False,
-                      token_ids: Array | None = None,
-                      routing: tuple[Array, Array] | None = None) -> Array | MoEOutput:
-    r"""Eq. (11): one Stable LatentMoE layer on a batch `x` of shape `[m, d]`.
-
-    `params` is any mapping with the names of `parameter_shapes(config)`; the
-    expert stacks may be packed (`load_hf_layer` keeps MXFP4 experts packed
-    and they are decoded one expert at a time). `token_ids` (`[m]` integers)
-    are needed only by a hash-routed layer (`config.hash_routing`).
-    Returns `y`, `[m, d]`, in the dtype of `x` (computed in float32, or float64
-    for float64 input); with `return_intermediates=True`, a `MoEOutput` whose
-    first field is `y`.
-
-    `mxfp8_inputs=True` runs the routed experts at K3's deployment precision
-    for activations: each expert product's input is rounded to MXFP8 and back
-    and the arithmetic stays in float32 (the weights are MXFP4 when the
-    stacks are; see `routed_experts`). It needs NumPy arrays and
-    `latent_size`, `intermediate_size` that are multiples of 32.
-
-    `routing=(index, weights)` (both `[m, k]`) replaces step 2: the layer
-    runs with that route instead of its own selection. It is the seam for
-    comparing the layer under another routing convention (the conformance
-    kit uses it to reproduce known porting mistakes); the layer's capacity,
-    if any, is not applied to a given route.
-    """
-    _check_inputs(x, params, config)
-    if mxfp8_inputs and (config.ell % MX_BLOCK or config.f % MX_BLOCK):
-        raise ValueError(f"mxfp8_inputs=True needs latent_size and intermediate_size that are multiples of "
-                         f"{MX_BLOCK} (MXFP8 blocks), got {config.ell} and {config.f}")
-    xp = array_namespace(x, *(a for a in params.values() if not _is_lazy_stack(a)))
-    if mxfp8_inputs and not is_numpy(xp):
-        raise TypeError("mxfp8_inputs=True needs NumPy arrays (refimpl.mx is NumPy code)")
-    dtype = compute_dtype(xp, x)
-
-    def weight(name: str) -> Array:
-        return xp.astype(params[name], dtype, copy=False)
-
-    h = xp.astype(x, dtype, copy=False)  # [m, d]
-    # 1. Router scores on the full width: $$s = \sigma(x W_r^\top)$$
-    # (or the softmax, or DeepSeek-V4's $\sqrt{\operatorname{softplus}}$, as `config.score_function` says).
-    scores = router_scores(h, weight("gate.weight"), config.score_function)  # [m, n]
-    # 2. Selection by $s + b$, weights from raw $s$ (Eq. 13).
-    if routing is None:
-        index, weights, kept = _select(scores, params["gate.e_score_correction_bias"], config, token_ids)
-    else:
-        index, weights, kept = _given_routing(routing, x.shape[0], config)
-    weights = xp.astype(weights, dtype)
-    # 3. One down-projection for all routed experts: $$z = x W_\downarrow^\top$$
-    if config.use_latent_projection:
-        z = h @ weight("routed_expert_down_proj.weight").T  # [m, l]
-    else:
-        z = h  # alpha = 1, no projection: a plain MoE
-    # 4-5. Each token's k experts on the latent, mixed in the latent space:
-    # $$u_i = \textstyle\sum_{e \in \mathcal{T}_i} p_{i,e} E_e(z_i)$$
-    # The expert stacks go in as stored: `routed_experts` casts one expert at a time, so a
-    # float16 checkpoint of K3's 896 experts is never copied whole.
-    u = routed_experts(z, index, weights, params["experts.w1"], params["experts.w3"],
-                       params["experts.w2"], config, mxfp8_inputs=mxfp8_inputs)  # [m, l]
-    # 6. The Stable addition: $$v = \operatorname{RMSNorm}(u) \odot g$$
-    if config.use_latent_norm:
-        v = rms_norm(u, weight("routed_expert_norm.weight"), config.rms_norm_eps)  # [m, l]
-    else:
-        v = u  # the original LatentMoE
-    # 7. One up-projection, once per token after the combine: $$y_{\text{routed}} = v W_\uparrow^\top$$
-    if config.use_latent_projection:
-        y_routed = v @ weight("routed_expert_up_proj.weight").T  # [m, d]
-    else:
-        y_routed = v
-    # 8. Shared experts on the full width, one merged GLU of width $N_s f$.
-    y_shared = shared_experts(h, weight("shared_experts.gate_proj.weight"),
-                              weight("shared_experts.up_proj.weight"),
-                              weight("shared_experts.down_proj.weight"), config)  # [m, d]
-    # 9. $$y = y_{\text{shared}} + y_{\text{routed}}$$
-    y = xp.astype(y_shared + y_routed, x.dtype)
-    if not return_intermediates:
-        return y
-    return MoEOutput(y=y, scores=scores, index=index, weights=weights, z=z, u=u, v=v,
-                     y_routed=y_routed, y_shared=y_shared, kept=kept)
-
-
-def _reference_hash(token_id: int, n: int, k: int, seed: int = 0) -> list[int]:
-    """Hash routing by hand, with Python integers: the `k` experts of largest splitmix64 key."""
-    mask = 2**64 - 1
-
-    def mix(z: int) -> int:
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-        return z ^ (z >> 31)
-
-    v = mix(token_id + (seed << 32))
-    key = [mix((v + (e + 1) * 0x9E3779B97F4A7C15) & mask) >> 1 for e in range(n)]
-    return sorted(range(n), key=lambda e: (-key[e], e))[:k]
-
+# ---------------------------------------------------------------------------
+# By hand
+# ---------------------------------------------------------------------------
 
 def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: MoEConfig, *,
                                 token_ids: Array | None = None) -> np.ndarray:
@@ -515,11 +546,12 @@ def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: M
 
     The same layer as `stable_latent_moe`, written as directly as possible and
     independently of the rest of the package (its own sigmoid, SiTU-GLU,
-    top-k and RMSNorm), so the two can check each other. It loops over tokens
-    in Python: use it on small inputs only.
+    top-k, RMSNorm, and its own versions of the other systems' rules), so the
+    two can check each other. It loops over tokens in Python: use it on small
+    inputs only.
     """
-    _check_inputs(x, params, config)
-    p = {name: (np.stack([np.asarray(a[e], dtype=np.float64) for e in range(config.n)]) if _is_lazy_stack(a)
+    check_layer_inputs(x, params, config)
+    p = {name: (np.stack([np.asarray(a[e], dtype=np.float64) for e in range(config.n)]) if is_packed_stack(a)
                  else to_numpy(a).astype(np.float64)) for name, a in params.items()}
     xs = to_numpy(x).astype(np.float64)
     b1, b2 = config.situ_beta, config.situ_linear_beta
@@ -538,20 +570,8 @@ def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: M
             return np.sqrt(np.logaddexp(0.0, logits))
         return 1.0 / (1.0 + np.exp(-logits))
 
-    if config.hash_routing and token_ids is None:
-        raise ValueError("token_ids must be given (an [m] integer array) when config.hash_routing is True")
-    ids = None if token_ids is None else to_numpy(token_ids).tolist()
-    # A capacity, served in the sketch's order: every token's first choice, then every second choice, ...
-    capacity = None
-    if config.capacity_factor is not None:
-        exact = Fraction(str(config.capacity_factor)) * config.k * xs.shape[0] / config.n
-        capacity = math.ceil(exact)
-    routes = []
-    for i, x_i in enumerate(xs):
-        s_i = score(p["gate.weight"] @ x_i)  # [n]
-        if config.hash_routing:
-            routes.append((s_i, _reference_hash(int(ids[i]), config.n, config.k)))
-            continue
+    def biased_top_k(s_i: np.ndarray) -> list[int]:
+        """K3's choice for one token: the k largest s + b (within the best groups), ties to the lower id."""
         biased = s_i + p["gate.e_score_correction_bias"]
         allowed = np.ones(config.n, dtype=bool)
         if config.n_group > 1:
@@ -559,11 +579,32 @@ def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: M
             group_score = [sum(sorted(biased[g * size:(g + 1) * size])[-2:]) for g in range(config.n_group)]
             best = sorted(range(config.n_group), key=lambda g: (-group_score[g], g))[:config.topk_group]
             allowed = np.array([j // size in best for j in range(config.n)])
-        # Top-k by biased score, ties to the lower id.
-        chosen = sorted((j for j in range(config.n) if allowed[j]), key=lambda j: (-biased[j], j))[:config.k]
-        routes.append((s_i, chosen))
+        return sorted((j for j in range(config.n) if allowed[j]), key=lambda j: (-biased[j], j))[:config.k]
+
+    def hashed_experts(token_id: int) -> list[int]:
+        """The hash-routing rule by hand, with Python integers: the k experts of largest splitmix64 key."""
+        mask = 2**64 - 1
+
+        def mix(z: int) -> int:
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+            return z ^ (z >> 31)
+
+        v = mix(token_id)
+        key = [mix((v + (e + 1) * 0x9E3779B97F4A7C15) & mask) >> 1 for e in range(config.n)]
+        return sorted(range(config.n), key=lambda e: (-key[e], e))[:config.k]
+
+    if config.hash_routing and token_ids is None:
+        raise ValueError("token_ids must be given (an [m] integer array) when config.hash_routing is True")
+    ids = None if token_ids is None else to_numpy(token_ids).tolist()
+    routes = []
+    for i, x_i in enumerate(xs):
+        s_i = score(p["gate.weight"] @ x_i)  # [n]
+        routes.append((s_i, hashed_experts(int(ids[i])) if config.hash_routing else biased_top_k(s_i)))
+    # A capacity serves every token's first choice, then every second choice, ..., tokens in order.
     served = [[True] * config.k for _ in routes]
-    if capacity is not None:
+    if config.capacity_factor is not None:
+        capacity = math.ceil(Fraction(str(config.capacity_factor)) * config.k * xs.shape[0] / config.n)
         load = [0] * config.n
         for r in range(config.k):
             for i, (_, chosen) in enumerate(routes):

@@ -50,26 +50,35 @@ Pitfalls this module guards against, each a bug seen in real routers:
 
 from __future__ import annotations
 
-from ._xp import Array, array_namespace, bincount, compute_dtype, dtype_name, topk
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ._xp import Array, array_namespace, bincount, compute_dtype, topk
 from .activations import sigmoid
-from .validation import check_finite, check_float_array, check_int, check_positive
+from .config import SCORE_FUNCTIONS, MoEConfig
+from .validation import check_bias, check_finite, check_float_array, check_int, check_positive
 
 __all__ = [
+    "EXPERT_CHOICE",
     "SCORE_FUNCTIONS",
+    "SERVING",
+    "Selection",
     "biased_scores",
+    "biased_top_k",
     "expert_load",
+    "register_expert_choice",
+    "register_serving_rule",
     "route",
     "router_scores",
+    "score_function_grad",
     "score_function_values",
+    "score_function_vjp",
+    "select_experts",
     "selection_cutoff",
+    "serving_rule",
     "softmax",
     "softplus",
 ]
-
-
-#: Score functions `router_scores` computes: K3's sigmoid, the softmax of Switch and of
-#: the seed's sketch, and DeepSeek-V4's square root of softplus.
-SCORE_FUNCTIONS = ("sigmoid", "softmax", "sqrtsoftplus")
 
 
 def softplus(z: Array) -> Array:
@@ -114,6 +123,53 @@ def score_function_values(logits: Array, score_function: str = "sigmoid") -> Arr
     raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
 
 
+def score_function_grad(scores: Array, dscores: Array, score_function: str = "sigmoid") -> Array:
+    r"""Carry a gradient in the scores back to the logits, $\partial\mathcal{L}/\partial z$ `[m, n]`, from the scores.
+
+    The backward of each entry of the table above, written with the scores
+    $s$ the forward produced (so the logits need not be kept):
+
+    * sigmoid: $\partial s / \partial z = s (1 - s)$;
+    * softmax: $\partial\mathcal{L}/\partial z_j = s_j (g_j - \sum_i s_i g_i)$ (every score depends on every logit);
+    * $\sqrt{\operatorname{softplus}}$: $\partial s / \partial z = \sigma(z) / (2 s)$ with
+      $\sigma(z) = 1 - e^{-\operatorname{softplus}(z)} = -\operatorname{expm1}(-s^2)$; as $z \to -\infty$
+      the ratio tends to $s/2 \to 0$, and it is 0 where $s$ has underflowed to 0 (not $0/0$).
+
+    `dscores` $g = \partial\mathcal{L}/\partial s$ has the shape of `scores`.
+    """
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+    xp = array_namespace(scores, dscores)
+    if score_function == "sigmoid":
+        # $$\partial s / \partial z = s\,(1 - s)$$
+        return dscores * scores * (1.0 - scores)
+    if score_function == "softmax":
+        # $$\partial\mathcal{L}/\partial z_j = s_j\,(g_j - s \cdot g)$$
+        return scores * (dscores - xp.sum(scores * dscores, axis=-1, keepdims=True))
+    # $$\partial s / \partial z = \frac{\sigma(z)}{2 s} = \frac{-\operatorname{expm1}(-s^2)}{2 s}$$
+    positive = scores > 0
+    safe = xp.where(positive, scores, xp.ones_like(scores))
+    return xp.where(positive, dscores * (-xp.expm1(-(safe * safe))) / (2.0 * safe), xp.zeros_like(scores))
+
+
+def score_function_vjp(logits: Array, dscores: Array, score_function: str = "sigmoid") -> Array:
+    r"""Carry a gradient in the scores back to the logits $z$, `[m, n]`: `score_function_grad` of the scores of `logits`.
+
+    For the auxiliary losses of a training loop and for tests that hold the
+    logits; the layer's backward uses `score_function_grad` on the scores it
+    kept. `logits` and `dscores` are `[m, n]` float arrays, finite.
+    """
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+    check_float_array("logits", logits, ndim=2)
+    check_float_array("dscores", dscores, ndim=2)
+    if tuple(dscores.shape) != tuple(logits.shape):
+        raise ValueError(f"dscores must have the shape of logits {list(logits.shape)}, got {list(dscores.shape)}")
+    check_finite("logits", logits)
+    check_finite("dscores", dscores)
+    return score_function_grad(score_function_values(logits, score_function), dscores, score_function)
+
+
 def router_scores(x: Array, router_weight: Array, score_function: str = "sigmoid") -> Array:
     r"""Router scores $s = \sigma(x W_r^\top)$, `[m, n]`, in float32 or wider.
 
@@ -141,16 +197,8 @@ def router_scores(x: Array, router_weight: Array, score_function: str = "sigmoid
 
 def _check_scores_and_bias(scores: Array, bias: Array) -> None:
     check_float_array("scores", scores, ndim=2)
-    check_float_array("bias", bias, ndim=1)
-    n = scores.shape[1]
-    if bias.shape[0] != n:
-        raise ValueError(f"bias must have shape [{n}] to match scores {list(scores.shape)}, got {list(bias.shape)}")
-    if dtype_name(bias.dtype) in ("float16", "bfloat16"):
-        raise TypeError(
-            f"bias must be float32 or float64, got {bias.dtype}: a half-precision bias far from zero "
-            "merges distinct values and changes the top-k (keep it in float32 and mean-centred)")
+    check_bias(bias, scores.shape[1], context=f"to match scores {list(scores.shape)}")
     check_finite("scores", scores)
-    check_finite("bias", bias)
 
 
 def biased_scores(scores: Array, bias: Array) -> Array:
@@ -234,8 +282,15 @@ def route(scores: Array, bias: Array, top_k: int, *, renormalize: bool = True,
     # The weights use the raw scores of the chosen experts, never the biased ones.
     raw = xp.take_along_axis(xp.astype(scores, biased.dtype), index, axis=-1)  # [m, k]
     if renormalize:
+        total = xp.sum(raw, axis=-1, keepdims=True)  # [m, 1]
+        if m and not bool(xp.all(total > 0)):
+            # Scores that underflowed to 0 (a sigmoid below -103 in float32, a sqrt-softplus below -104):
+            # the weights s / sum(s) would be 0/0, and NaN would flow into the layer.
+            raise ValueError("scores of the chosen experts must have a positive sum for every token to be "
+                             "renormalized, got a sum of 0 for "
+                             f"{int(xp.sum(xp.astype(~(total > 0), xp.int64)))} token(s) (the scores underflowed)")
         # $$p_{i,j} = s_{i,j} / \textstyle\sum_{r \in \mathcal{T}_i} s_{i,r}$$
-        raw = raw / xp.sum(raw, axis=-1, keepdims=True)
+        raw = raw / total
     return index, raw * scaling_factor
 
 
@@ -276,3 +331,94 @@ def expert_load(index: Array, n: int) -> Array:
             f"index must hold expert ids in [0, {n - 1}], got values in "
             f"[{int(xp.min(index))}, {int(xp.max(index))}]")
     return bincount(index, n)
+
+
+# ---------------------------------------------------------------------------
+# A layer's selection, and its extension points
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Selection:
+    """Step 2 of a layer: which experts each token visits, and with what weight.
+
+    `index` `[m, k]` holds each token's experts in rank order (best first),
+    `weights` `[m, k]` their mixture weights, zero where an assignment was
+    dropped; `kept` `[m, k]` bool says which assignments were served (None
+    when every one is, as in K3).
+    """
+
+    index: Array
+    weights: Array
+    kept: Array | None = None
+
+
+def biased_top_k(scores: Array, bias: Array, config: MoEConfig, token_ids: Array | None = None) -> tuple[Array, Array]:
+    r"""K3's choice rule, Eq. (13) with the layer's switches: `route` by $s + b$, weights from the raw $s$."""
+    return route(scores, bias, config.k, renormalize=config.renormalize,
+                 scaling_factor=config.routed_scaling_factor, n_group=config.n_group, topk_group=config.topk_group)
+
+
+#: A choice rule: `(scores [m, n], bias [n], config, token_ids [m] or None) -> (index [m, k], weights [m, k])`.
+ChoiceRule = Callable[[Array, Array, MoEConfig, "Array | None"], tuple[Array, Array]]
+#: A serving rule: `(index [m, k], weights [m, k], config) -> (weights [m, k], kept [m, k] bool)`.
+ServingRule = Callable[[Array, Array, MoEConfig], tuple[Array, Array]]
+
+#: How a layer chooses its experts, by name. K3's rule is `"biased-top-k"`; a layer with
+#: `config.hash_routing` uses `"hash"`, which the page "The other routers and balancers" registers.
+EXPERT_CHOICE: dict[str, ChoiceRule] = {"biased-top-k": biased_top_k}
+
+#: Which of the chosen assignments a layer serves, by name, when not all of them: a layer with a
+#: `config.capacity_factor` uses `"capacity"`, registered by the page "The other routers and balancers".
+SERVING: dict[str, ServingRule] = {}
+
+
+def register_expert_choice(name: str, rule: ChoiceRule) -> None:
+    """Make `rule` the choice rule called `name` (an extension point of the layer's step 2)."""
+    EXPERT_CHOICE[name] = rule
+
+
+def register_serving_rule(name: str, rule: ServingRule) -> None:
+    """Make `rule` the serving rule called `name` (an extension point of the layer's step 2)."""
+    SERVING[name] = rule
+
+
+def _registered(table: dict, name: str, switch: str) -> Callable:
+    if name not in table:
+        raise ValueError(f"{switch} needs the rule {name!r}, which is not registered (known: {sorted(table)}); "
+                         "it is registered when refimpl.baselines is imported, as `import refimpl` does")
+    return table[name]
+
+
+def serving_rule(name: str) -> ServingRule:
+    """The serving rule registered as `name` (`"capacity"`), or a `ValueError` saying it is not registered."""
+    return _registered(SERVING, name, f"the serving rule {name!r}")
+
+
+def select_experts(scores: Array, bias: Array, config: MoEConfig, *, token_ids: Array | None = None) -> Selection:
+    r"""Step 2 of a layer with the switches of `config`: the experts of each token and their weights.
+
+    For K3 this is Eq. (13) and nothing else: the top-$k$ of $s + b$, the raw
+    scores of the chosen experts renormalized and scaled (`biased_top_k`).
+    The switches of the systems K3 is compared with call the rules
+    registered under their names instead, through the same function, so
+    every path of the package (the forward, the backward, expert parallelism,
+    training) selects the same way:
+
+    * `config.hash_routing`: the experts come from the `"hash"` choice rule,
+      a fixed function of `token_ids` (`[m]` integers, required then);
+    * `config.capacity_factor`: the `"capacity"` serving rule keeps at most
+      $C = \lceil c\,mk/n \rceil$ assignments per expert; a dropped
+      assignment's weight becomes 0 (`kept` says which).
+    """
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    if config.hash_routing:
+        choose = _registered(EXPERT_CHOICE, "hash", "config.hash_routing=True")
+    else:
+        choose = EXPERT_CHOICE["biased-top-k"]
+    index, weights = choose(scores, bias, config, token_ids)  # [m, k] each
+    if config.capacity_factor is None:
+        return Selection(index, weights)
+    serve = _registered(SERVING, "capacity", f"config.capacity_factor={config.capacity_factor}")
+    weights, kept = serve(index, weights, config)  # [m, k], [m, k] bool
+    return Selection(index, weights, kept)

@@ -102,13 +102,14 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .activations import expert_glu
 from .backward import stable_latent_moe_vjp
 from .balancing import Balancer, QuantileBalancer, SignBalancer
-from .baselines import capacity_keep, expert_capacity, score_function_vjp
+from .baselines import capacity_keep, expert_capacity
 from .config import ACTIVATIONS, MoEConfig
 from .histogram import histogram_balancing_update
-from .latent_moe import _glu, init_params, stable_latent_moe
-from .routing import route, router_scores
+from .latent_moe import init_params, stable_latent_moe
+from .routing import route, router_scores, score_function_vjp
 from .train_baselines import AuxLossBalancer, CapacityBalancer, HashBalancer, SequenceLossBalancer
 
 __all__ = [
@@ -504,7 +505,7 @@ def routed_activation_peak(z: np.ndarray, index: np.ndarray, w1: np.ndarray, w3:
     for e in np.unique(index).tolist():
         rows = np.flatnonzero(np.any(index == e, axis=1))  # the tokens that chose expert e
         z_e = z[rows]  # [m_e, l]
-        h = _glu(z_e @ w1[e].T, z_e @ w3[e].T, config)  # [m_e, f]
+        h = expert_glu(z_e @ w1[e].T, z_e @ w3[e].T, config)  # [m_e, f]
         peak = max(peak, float(np.max(np.abs(h))))
     return peak
 

@@ -12,9 +12,10 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
-from ._xp import Array, array_namespace, is_real_floating
+from ._xp import Array, array_namespace, dtype_name, is_real_floating
 
 __all__ = [
+    "check_bias",
     "check_finite",
     "check_float_array",
     "check_int",
@@ -77,3 +78,25 @@ def check_positive(name: str, value: Any) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be positive and finite, got {value}")
     return value
+
+
+def check_bias(bias: Any, n: int | None = None, *, name: str = "bias", context: str = "(one entry per expert)") -> None:
+    r"""`bias` must be a finite `[n]` selection bias in float32 or float64 (never a half dtype).
+
+    The bias drifts far from zero while it balances. In bfloat16 (8
+    significant bits) values near 10 are 0.0625 apart, coarser than the score
+    differences they must separate, so hundreds of distinct biases collapse
+    onto a few and most tokens' top-$k$ changes: a half-precision bias is
+    refused, not rounded. `n` (if given) is the number of experts it must
+    have; `context` says why, in the message.
+    """
+    check_float_array(name, bias, ndim=1)
+    if n is not None and bias.shape[0] != n:
+        raise ValueError(f"{name} must have shape [{n}] {context}, got {list(bias.shape)}")
+    if bias.shape[0] < 1:
+        raise ValueError(f"{name} must hold at least one expert, got shape {list(bias.shape)}")
+    if dtype_name(bias.dtype) in ("float16", "bfloat16"):
+        raise TypeError(
+            f"{name} must be float32 or float64, got {bias.dtype}: a half-precision bias far from zero merges "
+            "distinct values and changes the top-k (keep it in float32 and mean-centred)")
+    check_finite(name, bias)

@@ -20,10 +20,10 @@ from refimpl.balancing import (
     Balancer,
     QuantileBalancer,
     SignBalancer,
-    _kth_largest,
-    _select_numpy,
+    cutoff_values,
     cutoffs,
     interpolated_kth_largest,
+    kth_largest,
     load_ratio,
     margins,
     quantile_balancing_update,
@@ -302,13 +302,11 @@ def test_margins_use_the_routing_cutoff(batch):
 
 
 def test_fast_cutoff_equals_selection_cutoff_bit_for_bit():
-    from refimpl.balancing import _cutoffs
-
     rng = np.random.default_rng(5)
     s = rng.random((300, 64), dtype=np.float32)
     b = (rng.normal(size=64) * 0.1).astype(np.float32)
     _, alpha = selection_cutoff(s, b, 7)
-    np.testing.assert_array_equal(_cutoffs(s, b, 7), alpha)
+    np.testing.assert_array_equal(cutoff_values(s, b, 7), alpha)
 
 
 @given(st.integers(1, 30), st.integers(0, 10**6), st.sampled_from([0.0, 0.25, 0.5, 0.99]))
@@ -333,32 +331,6 @@ def test_interpolated_kth_largest_rejects_ranks_outside_the_data():
         interpolated_kth_largest(v, 0.5)
     with pytest.raises(TypeError, match="rank must be a finite real"):
         interpolated_kth_largest(v, float("nan"))
-
-
-@pytest.mark.parametrize("previous", [False, True])
-def test_sampled_selection_equals_sort_on_long_rows(previous):
-    rng = np.random.default_rng(11)
-    x = rng.normal(size=(6, 5000)).astype(np.float32)
-    x[1] = np.round(x[1])  # heavy ties
-    x[2] = np.sort(x[2])  # sorted rows: the strided sample is spread evenly
-    x[3, ::16] = 100.0  # an unlucky sample: every sampled entry is huge, so the bound keeps too few entries
-    x[4] = 0.5  # one value only
-    desc = -np.sort(-x, axis=1)
-    for r in (2, 40, 301):
-        got = _select_numpy(x.copy(), r, previous)
-        if previous:
-            np.testing.assert_array_equal(got[0], desc[:, r - 1])
-            np.testing.assert_array_equal(got[1], desc[:, r - 2])
-        else:
-            np.testing.assert_array_equal(got, desc[:, r - 1])
-
-
-def test_sampled_selection_when_every_row_is_unlucky():
-    x = np.zeros((3, 4096))
-    x[:, ::16] = 1.0  # the sample sees only the 256 ones; the bound is 1.0 and keeps 256 < 300 entries
-    for previous in (False, True):
-        got = _select_numpy(x.copy(), 300, previous)
-        np.testing.assert_array_equal(got[0] if previous else got, np.zeros(3))
 
 
 def test_cupy_branch_of_the_update_with_numpy_standing_in(monkeypatch):
@@ -393,7 +365,7 @@ def test_kth_largest_portable_path_matches(xp):
     rng = np.random.default_rng(2)
     x = rng.normal(size=(4, 50))
     desc = -np.sort(-x, axis=1)
-    kth, prev = _kth_largest(xp.asarray(x), 7, previous=True)
+    kth, prev = kth_largest(xp.asarray(x), 7, previous=True)
     np.testing.assert_array_equal(to_numpy(kth), desc[:, 6])
     np.testing.assert_array_equal(to_numpy(prev), desc[:, 5])
 

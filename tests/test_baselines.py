@@ -39,7 +39,20 @@ from refimpl import (
     switch_balance_loss_grad,
 )
 from refimpl._xp import to_numpy
-from refimpl.latent_moe import _reference_hash
+
+def _reference_hash(token_id: int, n: int, k: int, seed: int = 0) -> list[int]:
+    """Hash routing by hand, with Python integers: the `k` experts of largest splitmix64 key."""
+    mask = 2**64 - 1
+
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    v = mix(token_id + (seed << 32))
+    key = [mix((v + (e + 1) * 0x9E3779B97F4A7C15) & mask) >> 1 for e in range(n)]
+    return sorted(range(n), key=lambda e: (-key[e], e))[:k]
+
 
 # ---------------------------------------------------------------------------
 # Independent references

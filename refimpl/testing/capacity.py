@@ -38,7 +38,7 @@ from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
 from ..baselines import capacity_keep
-from .checks import _settings
+from .checks import kit_settings
 from .report import CheckResult, Invariant, Violation, call_user, errors, run_check
 
 __all__ = ["CapacityCase", "capacity_cases", "check_capacity"]
@@ -247,4 +247,4 @@ def check_capacity(fn: Callable[[np.ndarray, np.ndarray, int, int], Any], *, rto
         Invariant("same as capacity_keep", "the sketch's overflow rule, as refimpl.baselines implements it",
                   cases, reference, describe=describe),
     ]
-    return run_check("check_capacity", invariants, _settings(settings))
+    return run_check("check_capacity", invariants, kit_settings(settings))

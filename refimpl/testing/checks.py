@@ -39,7 +39,7 @@ from ..latent_moe import routed_experts, stable_latent_moe
 from ..routing import route
 from . import strategies as rst
 from .report import (
-    _COMMON,
+    COMMON_SETTINGS,
     CheckFailure,
     CheckResult,
     Code,
@@ -70,9 +70,9 @@ __all__ = [
 # ---------------------------------------------------------------------------
 
 #: Quick local runs: 50 examples per invariant, the same examples every run.
-QUICK = Settings(max_examples=50, derandomize=True, **_COMMON)
+QUICK = Settings(max_examples=50, derandomize=True, **COMMON_SETTINGS)
 #: Thorough runs (CI, before a release): 300 random examples per invariant.
-THOROUGH = Settings(max_examples=300, derandomize=False, **_COMMON)
+THOROUGH = Settings(max_examples=300, derandomize=False, **COMMON_SETTINGS)
 #: The profiles by name; `REFIMPL_TESTING_PROFILE` picks the default one.
 PROFILES = {"quick": QUICK, "thorough": THOROUGH}
 
@@ -96,7 +96,8 @@ def profile(name: str | Settings | None = None) -> Settings:
     return PROFILES[name]
 
 
-def _settings(settings: str | Settings | None) -> Settings:
+def kit_settings(settings: str | Settings | None) -> Settings:
+    """The Hypothesis settings a check runs with: a profile's name, your own `settings`, or the quick default."""
     return resolved_settings(profile(settings), QUICK)
 
 
@@ -377,7 +378,7 @@ def check_router(fn: Callable[[np.ndarray, np.ndarray, int], tuple[Any, Any]], *
         invariants.append(Invariant(
             "tie order: lower id first", "SPEC §3: ties resolve to the lower expert id", tied, lower_id_ties,
             describe=inputs))
-    return run_check("check_router", invariants, _settings(settings))
+    return run_check("check_router", invariants, kit_settings(settings))
 
 
 # ---------------------------------------------------------------------------
@@ -469,7 +470,7 @@ def check_forward(fn: Callable[[np.ndarray, dict[str, np.ndarray], MoEConfig], A
                   "Eq. (11): y = shared(x) + W_up RMSNorm(sum_e p_e E_e(W_down x)), reduced before the norm",
                   cases, matches, describe=inputs),
     ]
-    return run_check("check_forward", invariants, _settings(settings))
+    return run_check("check_forward", invariants, kit_settings(settings))
 
 
 class _ConfigRepr:
@@ -630,7 +631,7 @@ def check_balancing_update(fn: Callable[[np.ndarray, np.ndarray, int], Any], *, 
     invariants = _bias_invariants(
         new_bias, reference, close, cases, dtype, "matches Eq. (14)",
         "b~_j = -(the (q+1)-th largest margin s_ij - alpha_i of expert j), alpha_i the (k+1)-th of s_i + b")
-    return run_check("check_balancing_update", invariants, _settings(settings))
+    return run_check("check_balancing_update", invariants, kit_settings(settings))
 
 
 # ---------------------------------------------------------------------------
@@ -746,7 +747,7 @@ def check_histogram_update(fn: Callable[[list[np.ndarray], np.ndarray, int], Any
         "partition invariance",
         "Appendix D: counts add, so any split over ranks and micro-batches gives the same bias",
         cases.flatmap(with_partition), partition, describe=partition_inputs))
-    return run_check("check_histogram_update", invariants, _settings(settings))
+    return run_check("check_histogram_update", invariants, kit_settings(settings))
 
 
 # ---------------------------------------------------------------------------
@@ -860,4 +861,4 @@ def check_balancer(make_balancer: Callable[[np.ndarray, int], Callable[[np.ndarr
         invariants.append(Invariant(
             "follows the update rule", "batch t is routed by top-k of s + b(t), b(t+1) = update(s(t), b(t))",
             drawn, follows_rule, describe=drawn_inputs))
-    return run_check("check_balancer", invariants, _settings(settings))
+    return run_check("check_balancer", invariants, kit_settings(settings))

@@ -24,6 +24,7 @@ from hypothesis.strategies import SearchStrategy
 from .._xp import dtype_name
 
 __all__ = [
+    "COMMON_SETTINGS",
     "Code",
     "CheckFailure",
     "CheckResult",
@@ -304,7 +305,7 @@ def run_check(check: str, invariants: Sequence[Invariant], settings: Settings) -
 # Settings shared by the profiles: no deadline (the first call of a framework can be slow),
 # no example database (a check must not write files into the user's directory), and the
 # health checks that complain about slow or large inputs switched off.
-_COMMON = dict(deadline=None, database=None, verbosity=Verbosity.quiet,
-               phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                      HealthCheck.filter_too_much, HealthCheck.large_base_example])
+COMMON_SETTINGS = dict(deadline=None, database=None, verbosity=Verbosity.quiet,
+                       phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),
+                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                              HealthCheck.filter_too_much, HealthCheck.large_base_example])

@@ -1,0 +1,220 @@
+"""The fast paths of `refimpl._fast`, each held against the readable code it replaces.
+
+Every function of `refimpl._fast` is a NumPy (or CuPy) arrangement of a
+computation that a teaching module writes plainly. Each test here runs both
+on the same drawn input: the readable one either called directly (a
+function of the teaching module that does not dispatch) or with the fast
+path switched off (`_fast.ENABLED` set to False), and compares bit for
+bit where the operations are the same and to rounding where the order of a
+sum or of the operations changes.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from unittest import mock
+
+import array_api_strict
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refimpl import _fast
+from refimpl._xp import to_numpy, topk
+from refimpl.activations import glu_and_grad, situ_glu, swiglu
+from refimpl.backward import routed_experts_backward
+from refimpl.balancing import cutoff_values, expert_major_margins, kth_largest
+from refimpl.config import MoEConfig
+from refimpl.histogram import BiasHistogram
+from refimpl.latent_moe import combine, dispatch_by_expert, init_params, routed_experts
+from refimpl.routing import route, router_scores
+
+#: The readable paths, forced: with the fast paths off every teaching module takes its portable code.
+readable = mock.patch.object(_fast, "ENABLED", False)
+
+
+def close(have, want, dtype):
+    rtol = 2e-6 if dtype == np.float32 else 1e-13
+    np.testing.assert_allclose(have, want, rtol=rtol, atol=rtol * max(1.0, float(np.max(np.abs(want)))))
+
+
+# ---------------------------------------------------------------------------
+# The expert activation
+# ---------------------------------------------------------------------------
+
+blocks = st.tuples(st.integers(1, 40), st.integers(1, 9), st.sampled_from(["situ", "swiglu"]),
+                   st.sampled_from([25.0, 2.0, None]), st.sampled_from([np.float32, np.float64]),
+                   st.integers(0, 2**32 - 1))
+
+
+def drawn_block(rows, width, dtype, seed):
+    rng = np.random.default_rng(seed)
+    a, b = (rng.standard_normal((rows, width)) * rng.choice([0.1, 3.0, 40.0]) for _ in range(2))
+    return a.astype(dtype), b.astype(dtype)
+
+
+@given(blocks)
+def test_glu_in_place_equals_situ_glu_and_swiglu(block):
+    rows, width, activation, linear_beta, dtype, seed = block
+    a, b = drawn_block(rows, width, dtype, seed)
+    want = situ_glu(a, b, 4.0, linear_beta) if activation == "situ" else swiglu(a, b)
+    have = _fast.glu_in_place(a.copy(), b.copy(), activation, 4.0, linear_beta)
+    assert have.dtype == dtype
+    close(have, want, dtype)
+
+
+@given(blocks)
+def test_glu_and_grad_in_place_and_by_chunks_equal_the_readable_version(block):
+    rows, width, activation, linear_beta, dtype, seed = block
+    a, b = drawn_block(rows, width, dtype, seed)
+    expected = glu_and_grad(a, b, activation, 4.0, linear_beta)
+    whole = _fast.glu_and_grad_in_place(a.copy(), b.copy(), activation, 4.0, linear_beta)
+    # By row chunks of at most 3 rows, as the layer runs it (a chunk boundary inside the block).
+    with mock.patch.object(_fast, "GLU_CHUNK", 3 * width):
+        chunked = _fast.glu_and_grad_by_chunks(a.copy(), b.copy(), activation, 4.0, linear_beta)
+    for want, have in [*zip(expected, whole, strict=True), *zip(expected, chunked, strict=True)]:
+        assert have.dtype == dtype
+        # gamma' is a sum whose terms can cancel: either version's last-bit rounding may be amplified.
+        close(have, want, dtype)
+
+
+# ---------------------------------------------------------------------------
+# The routed experts
+# ---------------------------------------------------------------------------
+
+@st.composite
+def routed_cases(draw):
+    config = MoEConfig.tiny(
+        hidden_size=draw(st.integers(3, 7)), latent_size=3, num_experts=draw(st.integers(3, 7)),
+        top_k=draw(st.integers(1, 3)), intermediate_size=draw(st.integers(2, 5)),
+        activation=draw(st.sampled_from(["situ", "swiglu"])),
+        situ_linear_beta=draw(st.sampled_from([25.0, None])))
+    return config, draw(st.integers(0, 2**32 - 1)), draw(st.integers(1, 12)), \
+        draw(st.sampled_from([np.float32, np.float64]))
+
+
+def route_of(config, seed, m, dtype):
+    rng = np.random.default_rng(seed)
+    p = {name: a.astype(dtype) for name, a in init_params(config, rng, dtype=np.float64, bias_scale=0.3).items()}
+    x = rng.standard_normal((m, config.d)).astype(dtype)
+    z = rng.standard_normal((m, config.ell)).astype(dtype)
+    du = rng.standard_normal((m, config.ell)).astype(dtype)
+    index, weights = route(router_scores(x, p["gate.weight"]), p["gate.e_score_correction_bias"], config.k)
+    return p, z, du, index, weights.astype(dtype)
+
+
+@given(routed_cases())
+@settings(max_examples=40)
+def test_routed_experts_fast_path_equals_the_readable_loop(case):
+    """Forward (with and without saving), saved activations and the backward, fast against readable."""
+    config, seed, m, dtype = case
+    p, z, du, index, weights = route_of(config, seed, m, dtype)
+    stacks = p["experts.w1"], p["experts.w3"], p["experts.w2"]
+    u_fast = routed_experts(z, index, weights, *stacks, config)
+    u_fast_saved, saved_fast = routed_experts(z, index, weights, *stacks, config, save=True)
+    with readable:
+        u = routed_experts(z, index, weights, *stacks, config)
+        u_saved, saved = routed_experts(z, index, weights, *stacks, config, save=True)
+        expected = routed_experts_backward(z, saved, *stacks, du)
+    close(u_fast, u, dtype)
+    close(u_fast_saved, u_saved, dtype)
+    assert saved_fast.hidden.keys() == saved.hidden.keys()
+    for e, kept in saved.hidden.items():
+        for want, have in zip(kept, saved_fast.hidden[e], strict=True):
+            close(have, want, dtype)
+    got = routed_experts_backward(z, saved_fast, *stacks, du)
+    for want, have in zip(expected, got, strict=True):
+        assert have.dtype == dtype and have.shape == want.shape
+        close(have, want, dtype)
+
+
+def test_combine_fast_path_is_the_readable_sum_bit_for_bit():
+    rng = np.random.default_rng(4)
+    index = np.stack([rng.permutation(9)[:4] for _ in range(11)])  # [11, 4], distinct experts per token
+    dispatch = dispatch_by_expert(index, rng.random((11, 4)), 9)
+    rows = rng.standard_normal((44, 5))
+    with readable:
+        want = combine(rows, dispatch)
+    np.testing.assert_array_equal(_fast.combine_in_buffers(rows, dispatch.position), want)
+
+
+# ---------------------------------------------------------------------------
+# Top-k and order statistics
+# ---------------------------------------------------------------------------
+
+@given(seed=st.integers(0, 2**32 - 1), k=st.integers(1, 7), ties=st.booleans())
+def test_topk_fast_path_equals_the_portable_sort(seed, k, ties):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 3, size=(6, 8)).astype(np.float64) if ties else rng.standard_normal((6, 8))
+    values, index = _fast.topk_by_partition(x, k)
+    strict_values, strict_index = topk(array_api_strict.asarray(x), k)
+    np.testing.assert_array_equal(index, to_numpy(strict_index))
+    np.testing.assert_array_equal(values, to_numpy(strict_values))
+
+
+@pytest.mark.parametrize("previous", [False, True])
+def test_sampled_selection_equals_sort_on_long_rows(previous):
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(6, 5000)).astype(np.float32)
+    x[1] = np.round(x[1])  # heavy ties
+    x[2] = np.sort(x[2])  # sorted rows: the strided sample is spread evenly
+    x[3, ::16] = 100.0  # an unlucky sample: every sampled entry is huge, so the bound keeps too few entries
+    x[4] = 0.5  # one value only
+    desc = -np.sort(-x, axis=1)
+    for r in (2, 40, 301):
+        got = _fast.kth_largest_by_sampling(x.copy(), r, previous)
+        portable = kth_largest(array_api_strict.asarray(x), r, previous=previous)
+        if previous:
+            np.testing.assert_array_equal(got[0], desc[:, r - 1])
+            np.testing.assert_array_equal(got[1], desc[:, r - 2])
+            np.testing.assert_array_equal(got[0], to_numpy(portable[0]))
+        else:
+            np.testing.assert_array_equal(got, desc[:, r - 1])
+            np.testing.assert_array_equal(got, to_numpy(portable))
+
+
+def test_sampled_selection_when_every_row_is_unlucky():
+    x = np.zeros((3, 4096))
+    x[:, ::16] = 1.0  # the sample sees only the 256 ones; the bound is 1.0 and keeps 256 < 300 entries
+    for previous in (False, True):
+        got = _fast.kth_largest_by_sampling(x.copy(), 300, previous)
+        np.testing.assert_array_equal(got[0] if previous else got, np.zeros(3))
+
+
+def test_cupy_selection_with_numpy_standing_in(monkeypatch):
+    """`kth_largest_cupy` without a GPU: NumPy's `partition`, which has CuPy's contract, stands in for CuPy's."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(partition=np.partition))
+    x = np.random.default_rng(3).normal(size=(5, 300))
+    desc = -np.sort(-x, axis=1)
+    kth, prev = _fast.kth_largest_cupy(x, 17, previous=True)
+    np.testing.assert_array_equal(kth, desc[:, 16])
+    np.testing.assert_array_equal(prev, desc[:, 15])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_blocked_cutoffs_and_margins_equal_the_whole_array_computation(dtype, monkeypatch):
+    """More tokens than one block of each: the blocked passes give exactly the unblocked values."""
+    rng = np.random.default_rng(9)
+    m, n, k = 2 * _fast.CUTOFF_BLOCK + 37, 12, 3
+    s = rng.random((m, n)).astype(dtype)
+    b = (0.1 * rng.standard_normal(n)).astype(dtype)
+    alpha, kappa = _fast.cutoffs_by_blocks(s, b, k, with_kth=True)
+    strict = array_api_strict.asarray
+    want_alpha, want_kappa = cutoff_values(strict(s), strict(b), k, with_kth=True)
+    np.testing.assert_array_equal(alpha, to_numpy(want_alpha))
+    np.testing.assert_array_equal(kappa, to_numpy(want_kappa))
+    margins_t = _fast.expert_major_margins_by_blocks(s, alpha, b, kappa)
+    want = expert_major_margins(strict(s), strict(alpha), bias=strict(b), kappa=strict(kappa))
+    np.testing.assert_array_equal(margins_t, to_numpy(want))
+
+
+def test_histogram_count_equals_the_portable_scatter_add():
+    rng = np.random.default_rng(12)
+    s = rng.random((700, 9))
+    bias = 0.2 * rng.standard_normal(9)
+    fast = BiasHistogram(bias, 2, bins=50).add(s)
+    portable = BiasHistogram(array_api_strict.asarray(bias), 2, bins=50).add(array_api_strict.asarray(s))
+    np.testing.assert_array_equal(fast.counts, to_numpy(portable.counts))
