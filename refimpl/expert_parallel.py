@@ -110,17 +110,25 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ._xp import Array, array_namespace, compute_dtype, dtype_name, to_numpy
-from .activations import expert_glu, rms_norm
+from .activations import expert_glu, rms_norm, rms_norm_backward
+from .backward import route_backward, routed_experts_backward, router_backward, shared_experts_backward
 from .config import MoEConfig
 from .histogram import BiasHistogram
-from .latent_moe import dispatch_by_expert, parameter_shapes, routed_experts, shared_experts
+from .latent_moe import (
+    MoEParams,
+    RoutedActivations,
+    dispatch_by_expert,
+    parameter_shapes,
+    routed_experts,
+    shared_experts,
+)
 from .routing import Selection, router_scores, select_experts, serving_rule
 from .validation import check_finite, check_float_array, check_int
 
@@ -129,6 +137,7 @@ __all__ = [
     "check_ranks_agree",
     "ep_balance_update",
     "ep_forward",
+    "ep_vjp",
     "expected_remote_ranks",
     "expert_block",
     "padded_routed_experts",
@@ -381,13 +390,26 @@ def _exchange_counts(comm: Any, send_rows: np.ndarray) -> np.ndarray:
 # The experts of this rank, on what arrived
 # ---------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class _LocalSlots:
+    """The slots of the pairs that arrived, one row per (pair, local expert), and what their backward reads."""
+
+    valid: Array  # [R, k] bool, which entries of each pair are experts of this rank
+    slot_pair: Array  # [T], the pair of each slot (row-major: pair by pair)
+    slot_position: Array  # [R, k], the slot number of (pair, r) where valid
+    z_slots: Array  # [T, l], each slot's latent
+    routed: RoutedActivations | None  # what `routed_experts(..., save=True)` kept
+
+
 def _local_experts(z: Array, local_id: Array, weight: Array, w1: Array, w3: Array, w2: Array,
-                   config: MoEConfig, padded: bool, mxfp8_inputs: bool = False) -> tuple[Array, Array]:
+                   config: MoEConfig, padded: bool, mxfp8_inputs: bool = False,
+                   save: bool = False) -> tuple[Array, Array, _LocalSlots]:
     r"""Each arrived pair's partial sum $\sum_{e \text{ here}} p_{i,e} E_e(z_i)$, `[R, l]`, and the local loads `[n/P]`.
 
     The pairs' slots (those with `local_id >= 0`) are laid out one per row,
     the grouped loop of `routed_experts` (or the padded product) runs on them
     with one expert each, and each pair's rows are added back together.
+    With `save`, the routed activations are kept for the backward.
     """
     xp = array_namespace(z, local_id, weight)
     valid = local_id >= 0  # [R, k]
@@ -395,9 +417,12 @@ def _local_experts(z: Array, local_id: Array, weight: Array, w1: Array, w3: Arra
     slot_expert = local_id[valid][:, None]  # [T, 1]
     slot_weight = weight[valid][:, None]  # [T, 1]
     z_slots = xp.take(z, slot_pair, axis=0)  # [T, l]
+    routed = None
     # $$o_t = p_{i,e}\, E_e(z_i)$$ for every slot $t = (i, e)$ computed here
     if padded:
         out = padded_routed_experts(z_slots, slot_expert, slot_weight, w1, w3, w2, config)  # [T, l]
+    elif save:
+        out, routed = routed_experts(z_slots, slot_expert, slot_weight, w1, w3, w2, config, save=True)
     else:
         out = routed_experts(z_slots, slot_expert, slot_weight, w1, w3, w2, config, mxfp8_inputs=mxfp8_inputs)
     # Slot number of (pair, r), valid where `valid`.
@@ -406,7 +431,7 @@ def _local_experts(z: Array, local_id: Array, weight: Array, w1: Array, w3: Arra
     # $$u^{(p)}_i = \sum_{e \in \mathcal{T}_i \cap \mathcal{E}_p} o_{(i, e)}$$
     partial = _sum_rows(out, slot_position, valid)  # [R, l]
     load = dispatch_by_expert(slot_expert, slot_weight, w1.shape[0]).load  # [n/P]
-    return partial, load
+    return partial, load, _LocalSlots(valid, slot_pair, slot_position, z_slots, routed)
 
 
 # ---------------------------------------------------------------------------
@@ -431,6 +456,11 @@ class EPStats:
       the processor time the process used meanwhile, which other jobs on a
       shared machine do not inflate (with one BLAS thread per rank, it is the
       rank's own work).
+    * `seconds`: wall time by stage: `"dispatch"` (the counts and the three
+      dispatch exchanges, waiting for the other ranks included), `"experts"`,
+      `"combine"` (the combine exchange); `ep_vjp`'s backward adds
+      `"backward exchanges"` (the two transposed exchanges) and
+      `"backward experts"`.
 
     Also readable as a mapping: `stats["dispatch_bytes"]`.
     """
@@ -443,6 +473,7 @@ class EPStats:
     expert_load: np.ndarray
     expert_seconds: float = 0.0
     expert_cpu_seconds: float = 0.0
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> Any:
         if key not in self.__dataclass_fields__:
@@ -503,6 +534,31 @@ def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: A
     Raises the same error on every rank when a rank's inputs are malformed or
     the ranks disagree on the configuration, dtype, shard layout or bias.
     """
+    y, stats, _ = _ep_layer(x, params, config, comm, padded=padded, reduce_before_norm=reduce_before_norm,
+                            token_ids=token_ids, mxfp8_inputs=mxfp8_inputs, save=False, what="ep_forward")
+    return y, stats
+
+
+@dataclass(frozen=True)
+class _EPSaved:
+    """What the expert-parallel forward keeps for `ep_vjp`'s backward."""
+
+    h: Array  # [m, d] the tokens in the compute dtype
+    scores: Array  # [m, n]
+    selection: Selection
+    z: Array  # [m, l]
+    u: Array  # [m, l]
+    v: Array  # [m, l]
+    plan: _Plan
+    recv_rows: np.ndarray  # [P]
+    slots: _LocalSlots
+    shared: tuple[Array, Array, Array] | None
+
+
+def _ep_layer(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, *, padded: bool,
+              reduce_before_norm: bool, token_ids: Array | None, mxfp8_inputs: bool, save: bool,
+              what: str) -> tuple[Array, EPStats, _EPSaved | None]:
+    """The expert-parallel layer, for `ep_forward` and `ep_vjp`: `(y, stats, saved)`."""
     size, rank = _check_comm(comm)
     error: Exception | None = None
     try:
@@ -517,9 +573,10 @@ def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: A
         "bias": digest(params["gate.e_score_correction_bias"]),
         "token_ids given": token_ids is not None, "reduce_before_norm": bool(reduce_before_norm),
         "mxfp8_inputs": bool(mxfp8_inputs)}
-    check_ranks_agree(comm, "ep_forward", fingerprint, error)
+    check_ranks_agree(comm, what, fingerprint, error)
     xp = array_namespace(x, *params.values())
     dtype = compute_dtype(xp, x)
+    seconds: dict[str, float] = {}
 
     def weight(name: str) -> Array:
         return xp.astype(params[name], dtype, copy=False)
@@ -534,24 +591,29 @@ def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: A
     z = h @ weight("routed_expert_down_proj.weight").T if config.use_latent_projection else h  # [m, l]
 
     # 2. Dispatch: each token's latent to every rank that holds one of its experts, once per rank.
+    started = time.perf_counter()
     plan = _dispatch_plan(selection.index, weights, per_rank, size)
     recv_rows = _exchange_counts(comm, plan.send_rows)  # [P], pairs each rank sends here
     z_arrived = _alltoallv(comm, xp.take(z, plan.pair_token, axis=0), plan.send_rows, recv_rows)  # [R, l]
     id_arrived = _alltoallv(comm, plan.local_id, plan.send_rows, recv_rows)  # [R, k]
     weight_arrived = _alltoallv(comm, plan.weight, plan.send_rows, recv_rows)  # [R, k]
+    seconds["dispatch"] = time.perf_counter() - started
 
     # 3. This rank's experts on what arrived, reduced per pair: one l-vector per (token, rank).
     started, started_cpu = time.perf_counter(), time.process_time()
-    partial, load = _local_experts(z_arrived, id_arrived, weight_arrived, params["experts.w1"],
-                                   params["experts.w3"], params["experts.w2"], config, padded,
-                                   mxfp8_inputs)  # [R, l]
+    partial, load, slots = _local_experts(z_arrived, id_arrived, weight_arrived, params["experts.w1"],
+                                          params["experts.w3"], params["experts.w2"], config, padded,
+                                          mxfp8_inputs, save=save)  # [R, l]
     expert_seconds, expert_cpu_seconds = time.perf_counter() - started, time.process_time() - started_cpu
+    seconds["experts"] = expert_seconds
     if not reduce_before_norm and config.use_latent_norm:
         # THE PITFALL, on purpose: normalizing a partial sum, $$\operatorname{RMSNorm}(u^{(p)}_i) \odot g$$
         partial = rms_norm(partial, weight("routed_expert_norm.weight"), config.rms_norm_eps)
 
     # 4. Combine: the partial sums travel back (the dispatch's counts reversed) and add up per token.
+    started = time.perf_counter()
     returned = _alltoallv(comm, partial, recv_rows, plan.send_rows)  # [S, l], in the order sent
+    seconds["combine"] = time.perf_counter() - started
     # $$u_i = \sum_{p} u^{(p)}_i$$, in rank order
     u = _sum_rows(returned, plan.position, plan.present)  # [m, l]
     # Then, and only then, the norm of the whole sum: $$v = \operatorname{RMSNorm}(u) \odot g$$
@@ -561,9 +623,9 @@ def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: A
         v = u
     # W_up once per token, after the combine: $$y_{\text{routed}} = v W_\uparrow^\top$$
     y_routed = v @ weight("routed_expert_up_proj.weight").T if config.use_latent_projection else v  # [m, d]
-    y_shared = shared_experts(h, weight("shared_experts.gate_proj.weight"),
-                              weight("shared_experts.up_proj.weight"),
-                              weight("shared_experts.down_proj.weight"), config)  # [m, d]
+    shared = shared_experts(h, weight("shared_experts.gate_proj.weight"), weight("shared_experts.up_proj.weight"),
+                            weight("shared_experts.down_proj.weight"), config, save=save)  # [m, d]
+    y_shared, shared_saved = shared if save else (shared, None)
     y = xp.astype(y_shared + y_routed, x.dtype)
 
     # What went to other ranks: every pair except those this rank sent to itself.
@@ -580,8 +642,10 @@ def ep_forward(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: A
         expert_load=to_numpy(load).astype(np.int64),
         expert_seconds=expert_seconds,
         expert_cpu_seconds=expert_cpu_seconds,
+        seconds=seconds,
     )
-    return y, stats
+    saved = _EPSaved(h, scores, selection, z, u, v, plan, recv_rows, slots, shared_saved) if save else None
+    return y, stats, saved
 
 
 def _select_across_ranks(comm: Any, scores: Array, bias: Array, config: MoEConfig,
@@ -605,6 +669,127 @@ def _select_across_ranks(comm: Any, scores: Array, bias: Array, config: MoEConfi
     mine = xp.asarray(np.asarray(kept[first:first + scores.shape[0]]))  # [m_r, k]
     # Dropped assignments contribute nothing (no renormalization), as in the single-process layer.
     return Selection(choice.index, choice.weights * xp.astype(mine, choice.weights.dtype), mine)
+
+
+# ---------------------------------------------------------------------------
+# The backward pass across ranks
+# ---------------------------------------------------------------------------
+
+def ep_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, *,
+           token_ids: Array | None = None) -> tuple[Array, EPStats, Callable[..., tuple[Array, MoEParams]]]:
+    r"""`ep_forward` and its vector–Jacobian product, through the transposed exchanges: `(y, stats, backward)`.
+
+    Call it on every rank, as `ep_forward` (same arguments; the grouped expert
+    loop). `backward(dy)` (every rank, collectively) takes this rank's
+    upstream gradient `[m_r, d]` and returns `(dx, dparams)`:
+
+    * `dx` `[m_r, d]`: the gradient in this rank's tokens;
+    * for the expert stacks, `dparams` holds the gradient of **this rank's
+      block** `[n/P, ...]`, complete: every slot any rank routed to these
+      experts was computed here;
+    * for the replicated parameters (router, projections, norm, shared
+      experts) it holds **this rank's share**, the gradient of its own
+      tokens; summed over the ranks (one `Allreduce`, as data parallelism
+      would), it is the single-process gradient of the union of all ranks'
+      tokens. The bias entry is zeros (the bias only selects).
+
+    The backward runs the forward's two exchanges transposed. The combine
+    sent each pair's partial sum $u^{(p)}_i$ back to the token's rank, so
+    its transpose sends $\bar u_i$ to each rank that computed a part of it;
+    the experts' backward then gives each slot's $\bar z$ and $\bar p$, and the
+    transpose of the dispatch sends them back, to be summed per token. As in
+    the forward, every arithmetic step is a function of the one-process
+    layer (`routed_experts_backward`, `rms_norm_backward`, `route_backward`,
+    `router_backward`, `shared_experts_backward`).
+    """
+    y, stats, saved = _ep_layer(x, params, config, comm, padded=False, reduce_before_norm=True,
+                                token_ids=token_ids, mxfp8_inputs=False, save=True, what="ep_vjp")
+    xp = array_namespace(x, *params.values())
+    dtype = compute_dtype(xp, x)
+    m, d = x.shape
+
+    def weight(name: str) -> Array:
+        return xp.astype(params[name], dtype, copy=False)
+
+    def backward(dy: Array) -> tuple[Array, MoEParams]:
+        error: Exception | None = None
+        try:
+            check_float_array("dy", dy, ndim=2)
+            if tuple(dy.shape) != (m, d):
+                raise ValueError(f"dy must have the shape of this rank's y, [{m}, {d}], got {list(dy.shape)}")
+            check_finite("dy", dy)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        check_ranks_agree(comm, "ep_vjp's backward", {"dtype": dtype_name(dtype)}, error)
+        grads: dict[str, Array] = {}
+        h, plan = saved.h, saved.plan
+        y_bar = xp.astype(dy, dtype, copy=False)  # [m, d]
+        # 7. $$\bar W_\uparrow = \bar y^\top v, \qquad \bar v = \bar y W_\uparrow$$ (this rank's share)
+        if config.use_latent_projection:
+            grads["routed_expert_up_proj.weight"] = y_bar.T @ saved.v  # [d, l]
+            v_bar = y_bar @ weight("routed_expert_up_proj.weight")  # [m, l]
+        else:
+            v_bar = y_bar
+        # 6. The norm of the whole sum, on the token's own rank.
+        if config.use_latent_norm:
+            u_bar, grads["routed_expert_norm.weight"] = rms_norm_backward(
+                saved.u, weight("routed_expert_norm.weight"), v_bar, config.rms_norm_eps)  # [m, l], [l]
+        else:
+            u_bar = v_bar
+        # The combine, transposed: each pair's partial sum receives its token's $\bar u_i$.
+        started = time.perf_counter()
+        partial_bar = _alltoallv(comm, xp.take(u_bar, plan.pair_token, axis=0), plan.send_rows,
+                                 saved.recv_rows)  # [R, l]
+        exchange = time.perf_counter() - started
+        # 4-5. This rank's experts: each slot's $\bar o_t = \bar u^{(p)}_{\text{pair}(t)}$.
+        started = time.perf_counter()
+        slots = saved.slots
+        out_bar = xp.take(partial_bar, slots.slot_pair, axis=0)  # [T, l]
+        dz_slots, dp_slots, grads["experts.w1"], grads["experts.w3"], grads["experts.w2"] = routed_experts_backward(
+            slots.z_slots, slots.routed, params["experts.w1"], params["experts.w3"], params["experts.w2"],
+            out_bar)  # [T, l], [T, 1], this rank's block
+        # Per pair: the latent gradients of its slots summed, the weight gradients in their columns.
+        dz_arrived = _sum_rows(dz_slots, slots.slot_position, slots.valid)  # [R, l]
+        dp_arrived = xp.where(slots.valid, xp.take(xp.reshape(dp_slots, (-1,)), xp.where(
+            slots.valid, slots.slot_position, xp.zeros((), dtype=slots.slot_position.dtype))),
+            xp.zeros((), dtype=dp_slots.dtype))  # [R, k]
+        seconds_experts = time.perf_counter() - started
+        # The dispatch, transposed: the pairs' gradients travel back to the tokens' ranks.
+        started = time.perf_counter()
+        dz_pairs = _alltoallv(comm, dz_arrived, saved.recv_rows, plan.send_rows)  # [S, l]
+        dp_pairs = _alltoallv(comm, dp_arrived, saved.recv_rows, plan.send_rows)  # [S, k]
+        exchange += time.perf_counter() - started
+        stats.seconds["backward exchanges"] = exchange
+        stats.seconds["backward experts"] = seconds_experts
+        # $$\bar z_i = \sum_p \bar z^{(p)}_i, \qquad \bar p_{i,r}$$ from the rank that holds expert $\mathcal{T}_{i,r}$
+        z_bar = _sum_rows(dz_pairs, plan.position, plan.present)  # [m, l]
+        p_bar = _sum_rows(dp_pairs, plan.position, plan.present)  # [m, k]
+        selection = saved.selection
+        if selection.kept is not None:
+            p_bar = p_bar * xp.astype(selection.kept, p_bar.dtype)  # a dropped assignment gets no gradient
+        # 2-1. Through renormalization and the score function, to the router.
+        s_hat_bar = route_backward(saved.scores, selection.index, p_bar, renormalize=config.renormalize,
+                                   scaling_factor=config.routed_scaling_factor)  # [m, k]
+        logit_bar = router_backward(saved.scores, selection.index, s_hat_bar, config.score_function)  # [m, n]
+        grads["gate.weight"] = logit_bar.T @ h  # [n, d]
+        x_bar = logit_bar @ weight("gate.weight")  # [m, d]
+        grads["gate.e_score_correction_bias"] = xp.zeros(params["gate.e_score_correction_bias"].shape,
+                                                         dtype=dtype)
+        # 3. $$\bar W_\downarrow = \bar z^\top x, \qquad \bar x \mathrel{+}= \bar z W_\downarrow$$
+        if config.use_latent_projection:
+            grads["routed_expert_down_proj.weight"] = z_bar.T @ h  # [l, d]
+            x_bar = x_bar + z_bar @ weight("routed_expert_down_proj.weight")
+        else:
+            x_bar = x_bar + z_bar
+        # 8. The shared experts, replicated: this rank's share.
+        shared_x_bar, grads["shared_experts.gate_proj.weight"], grads["shared_experts.up_proj.weight"], \
+            grads["shared_experts.down_proj.weight"] = shared_experts_backward(
+                h, weight("shared_experts.gate_proj.weight"), weight("shared_experts.up_proj.weight"),
+                weight("shared_experts.down_proj.weight"), saved.shared, y_bar)
+        x_bar = xp.astype(x_bar + shared_x_bar, x.dtype, copy=False)  # [m, d]
+        return x_bar, MoEParams((name, grads[name]) for name in params)
+
+    return y, stats, backward
 
 
 # ---------------------------------------------------------------------------

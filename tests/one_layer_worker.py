@@ -10,8 +10,8 @@ every preset of `MoEConfig` at a small width.
 Run as `mpiexec -n P python -m mpi4py tests/one_layer_worker.py OUT`: every
 rank builds the same whole layers from one seed, keeps its uneven shard of
 the tokens (`SHARDS[P]`, an empty one included) and its block of experts,
-runs `ep_forward` grouped and padded, and rank 0 saves every rank's `y` to
-`OUT` (`.npz`). `tests/test_one_layer.py` computes the single-process
+runs `ep_forward` grouped and padded and `ep_vjp` with its backward, and
+rank 0 saves every rank's results to `OUT` (`.npz`). `tests/test_one_layer.py` computes the single-process
 layer on the union of the tokens and compares.
 """
 
@@ -79,10 +79,17 @@ def tokens(size: int, d: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
     return np.split(x, cut), np.split(ids, cut)
 
 
+def upstream(size: int, d: int) -> list[np.ndarray]:
+    """Each rank's upstream gradient `[m_r, d]`, from one stream like the tokens."""
+    counts = SHARDS[size]
+    dy = np.random.default_rng(SEED + 1).standard_normal((sum(counts), d))
+    return np.split(dy, np.cumsum(counts)[:-1])
+
+
 def main(out: str) -> None:
     from mpi4py import MPI
 
-    from refimpl.expert_parallel import ep_forward, shard_params
+    from refimpl.expert_parallel import ep_forward, ep_vjp, shard_params
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -95,6 +102,14 @@ def main(out: str) -> None:
         for padded in (False, True):
             y, _ = ep_forward(xs[rank], mine, config, comm, padded=padded, token_ids=token_ids)
             results[f"{number}_{int(padded)}"] = y
+        # The backward: an upstream gradient drawn from one stream too, this rank's rows of it.
+        y, _, backward = ep_vjp(xs[rank], mine, config, comm, token_ids=token_ids)
+        dy = upstream(size, config.d)[rank]
+        dx, dparams = backward(dy)
+        results[f"{number}_vjp_y"] = y
+        results[f"{number}_vjp_dx"] = dx
+        for key, grad in dparams.items():
+            results[f"{number}_vjp_d:{key}"] = np.asarray(grad)
     gathered = comm.gather(results, root=0)
     if rank == 0:
         np.savez(out, size=size, **{f"{key}_{r}": y for r, per_rank in enumerate(gathered)

@@ -40,6 +40,7 @@ from refimpl import (
 )
 from refimpl._xp import to_numpy
 
+
 def _reference_hash(token_id: int, n: int, k: int, seed: int = 0) -> list[int]:
     """Hash routing by hand, with Python integers: the `k` experts of largest splitmix64 key."""
     mask = 2**64 - 1

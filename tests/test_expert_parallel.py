@@ -472,3 +472,41 @@ def test_benchmark_smoke_writes_the_step_table(tmp_path):
         assert sum(row["rank_loads"]) == 2 * 128 * 4
         assert row["rank_max_over_mean"] == pytest.approx(max(row["rank_loads"]) / (sum(row["rank_loads"]) / 2))
     assert "ep_forward step by number of ranks" in (tmp_path / "expert_parallel.md").read_text()
+
+
+# ---------------------------------------------------------------------------
+# Ranks that disagree, or fail, end the job with one error instead of a hang
+# ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "expected"), [
+    ("bias", r"ValueError: ep_forward: the 2 ranks must agree on bias"),
+    ("top_k", r"ValueError: ep_forward: the 2 ranks must agree on config"),
+    ("experts", r"ep_forward: rank 1 of 2: params\['gate.weight'\] must have shape \[4, 8\]|must agree on config"),
+    ("dtype", r"ValueError: ep_forward: the 2 ranks must agree on dtype, got rank 0: 'float64', rank 1: 'float32'"),
+    ("width", r"ValueError: ep_forward: rank 1 of 2: x must have shape \[m, 8\]"),
+    ("balance", r"ValueError: ep_balance_update: the 2 ranks must agree on bias"),
+    ("vjp", r"ValueError: ep_vjp: rank 1 of 2: x must have shape \[m, 8\]"),
+])
+def test_ranks_that_disagree_get_the_same_error(case, expected):
+    import re
+
+    proc = run_under_mpiexec(2, ["tests/disagree_worker.py", case], timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == 2, proc.stdout
+    messages = [line.split(": ", 1)[1] for line in lines]
+    assert messages[0] == messages[1], messages  # the same error on every rank
+    assert re.search(expected, messages[0]), messages[0]
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_ends_the_job():
+    """An uncaught exception on rank 1, before its first exchange, ends the job within the timeout (nonzero exit)."""
+    import time
+
+    started = time.perf_counter()
+    proc = run_under_mpiexec(2, ["tests/disagree_worker.py", "crash"], timeout=60)
+    assert proc.returncode != 0
+    assert "rank 1 fails in its own code" in proc.stderr
+    assert time.perf_counter() - started < 60

@@ -87,6 +87,39 @@ def test_ep_forward_under_mpiexec_computes_the_forward(size, tmp_path):
             assert relative(y, expected) <= RTOL, (name, size, padded, relative(y, expected))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 4])
+def test_ep_vjp_under_mpiexec_is_the_one_process_vjp(size, tmp_path):
+    """y, dx per rank, each rank's expert block and the ranks' shares of the replicated gradients, summed."""
+    out = tmp_path / "ranks.npz"
+    proc = run_under_mpiexec(size, ["tests/one_layer_worker.py", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    saved = np.load(out)
+    for number, name in enumerate(NAMES):
+        config, params = worker.layer(name)
+        xs, ids = worker.tokens(size, config.d)
+        x, token_ids = np.concatenate(xs), np.concatenate(ids)
+        y, backward = stable_latent_moe_vjp(x, params, config, token_ids=token_ids if config.hash_routing else None)
+        dx, dparams = backward(np.concatenate(worker.upstream(size, config.d)))
+        have_y = np.concatenate([saved[f"{number}_vjp_y_{r}"] for r in range(size)])
+        have_dx = np.concatenate([saved[f"{number}_vjp_dx_{r}"] for r in range(size)])
+        assert relative(have_y, y) <= RTOL, name
+        assert relative(have_dx, dx) <= RTOL, name
+        per_rank = config.n // size
+        for key, grad in dparams.items():
+            parts = [saved[f"{number}_vjp_d:{key}_{r}"] for r in range(size)]
+            if key.startswith("experts."):
+                have = np.concatenate(parts)  # each rank's block, in expert order
+            else:
+                have = np.sum(parts, axis=0)  # the ranks' shares of a replicated parameter
+            assert have.shape == grad.shape, (name, key)
+            assert relative(have, grad) <= RTOL or float(np.max(np.abs(grad), initial=0.0)) == 0.0, (
+                name, key, relative(have, grad))
+            if key == "gate.e_score_correction_bias":
+                assert not np.any(have)
+        assert per_rank * size == config.n
+
+
 def test_a_route_that_cannot_be_computed_is_refused_by_name():
     """Hash routing without token ids, on every path, names the missing argument."""
     MPI = pytest.importorskip("mpi4py.MPI")
