@@ -123,12 +123,18 @@ def _sech2(u: Array) -> Array:
     return 4.0 * e / ((1.0 + e) * (1.0 + e))
 
 
-def softcap(x: Array, beta: float) -> Array:
-    r"""Smoothly cap `x` to $(-\beta, \beta)$: $\operatorname{softcap}(x, \beta) = \beta\tanh(x/\beta)$."""
+def _capped_input(x: Array, beta: float) -> tuple[Any, Array]:
+    """Check a cap's input and its bound; return the namespace and `x` in the compute dtype."""
     check_float_array("x", x)
     check_positive("beta", beta)
     xp = array_namespace(x)
     _, (x32,) = _upcast(xp, x)
+    return xp, x32
+
+
+def softcap(x: Array, beta: float) -> Array:
+    r"""Smoothly cap `x` to $(-\beta, \beta)$: $\operatorname{softcap}(x, \beta) = \beta\tanh(x/\beta)$."""
+    xp, x32 = _capped_input(x, beta)
     # $$\beta \tanh(x / \beta)$$
     out = beta * xp.tanh(x32 / beta)
     return xp.astype(out, x.dtype, copy=False)
@@ -141,10 +147,7 @@ def softcap_grad(x: Array, beta: float) -> Array:
     non-zero, as it is mathematically, far past the cap, until the exponential
     underflows.
     """
-    check_float_array("x", x)
-    check_positive("beta", beta)
-    xp = array_namespace(x)
-    _, (x32,) = _upcast(xp, x)
+    xp, x32 = _capped_input(x, beta)
     # $$\frac{d}{dx}\,\beta\tanh(x/\beta) = \operatorname{sech}^2(x/\beta)$$
     return xp.astype(_sech2(x32 / beta), x.dtype, copy=False)
 
@@ -155,19 +158,13 @@ def hard_clamp(x: Array, beta: float) -> Array:
     Computed in float32 or wider and returned in the dtype of `x`, like the
     other activations (NumPy's `clip` refuses bfloat16 directly).
     """
-    check_float_array("x", x)
-    check_positive("beta", beta)
-    xp = array_namespace(x)
-    _, (x32,) = _upcast(xp, x)
+    xp, x32 = _capped_input(x, beta)
     return xp.astype(xp.clip(x32, -beta, beta), x.dtype, copy=False)
 
 
 def hard_clamp_grad(x: Array, beta: float) -> Array:
     r"""Derivative of `hard_clamp`: 1 inside $(-\beta, \beta)$, exactly 0 outside."""
-    check_float_array("x", x)
-    check_positive("beta", beta)
-    xp = array_namespace(x)
-    _, (x32,) = _upcast(xp, x)
+    xp, x32 = _capped_input(x, beta)
     return xp.astype(xp.abs(x32) < beta, x.dtype, copy=False)
 
 

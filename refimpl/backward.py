@@ -86,8 +86,10 @@ from .routing import score_function_grad
 from .validation import check_finite, check_float_array
 
 __all__ = [
+    "latent_output_backward",
     "route_backward",
     "routed_experts_backward",
+    "router_and_input_backward",
     "router_backward",
     "shared_experts_backward",
     "stable_latent_moe_vjp",
@@ -262,6 +264,78 @@ def shared_experts_backward(x: Array, gate_proj: Array, up_proj: Array, down_pro
 
 
 # ---------------------------------------------------------------------------
+# The stages around the routed experts, in the order the backward meets them
+# ---------------------------------------------------------------------------
+
+def latent_output_backward(y_bar: Array, u: Array, v: Array, weight: Callable[[str], Array],
+                           config: MoEConfig) -> tuple[Array, dict[str, Array]]:
+    r"""Stages 9, 7 and 6 in reverse: from $\bar y$ to $\bar u$, with the up-projection's and the norm's gradients.
+
+    $y = y_s + y_r$ passes $\bar y$ to both branches; then
+    $\bar W_\uparrow = \bar y^\top v$, $\bar v = \bar y W_\uparrow$, and the norm's
+    backward (`refimpl.activations.rms_norm_backward`) gives $\bar u$ and $\bar g$.
+    `u`, `v` are the forward's `[m, l]`; `weight(name)` a parameter in the
+    compute dtype. Returns `(u_bar [m, l], grads)`.
+    """
+    grads: dict[str, Array] = {}
+    # 7. The up-projection: $$\bar W_\uparrow = \bar y^\top v, \qquad \bar v = \bar y W_\uparrow$$
+    if config.use_latent_projection:
+        grads["routed_expert_up_proj.weight"] = y_bar.T @ v  # [d, l]
+        v_bar = y_bar @ weight("routed_expert_up_proj.weight")  # [m, l]
+    else:
+        v_bar = y_bar
+    # 6. RMSNorm on the latent sum.
+    if config.use_latent_norm:
+        u_bar, grads["routed_expert_norm.weight"] = rms_norm_backward(
+            u, weight("routed_expert_norm.weight"), v_bar, config.rms_norm_eps)  # [m, l], [l]
+    else:
+        u_bar = v_bar
+    return u_bar, grads
+
+
+def router_and_input_backward(h: Array, y_bar: Array, scores: Array, index: Array, kept: Array | None,
+                              p_bar: Array, z_bar: Array, shared: tuple[Array, Array, Array] | None,
+                              weight: Callable[[str], Array], params: Mapping[str, Array], config: MoEConfig, *,
+                              dscores: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    r"""Stages 2, 1, 3 and 8 in reverse: from $\bar p$ and $\bar z$ to $\bar x$, with the router's, the down-projection's and the shared experts' gradients.
+
+    `h` is the input in the compute dtype, `y_bar` the upstream gradient,
+    `scores`, `index`, `kept` the forward's selection, `p_bar` `[m, k]` and
+    `z_bar` `[m, l]` what the routed experts' backward returned, `shared` the
+    shared experts' saved activations. Returns `(x_bar [m, d], grads)` with
+    the router's, the bias's (zeros), the down-projection's and the shared
+    experts' gradients.
+    """
+    xp = array_namespace(h, y_bar)
+    grads: dict[str, Array] = {}
+    # A capacity holds a dropped assignment's weight at zero: no gradient reaches its score.
+    if kept is not None:
+        p_bar = p_bar * xp.astype(kept, p_bar.dtype)  # [m, k]
+    # 2. The weights, through renormalization and scaling, to the chosen raw scores.
+    s_hat_bar = route_backward(scores, index, p_bar, renormalize=config.renormalize,
+                               scaling_factor=config.routed_scaling_factor)  # [m, k]
+    # 1. The score function, to the router logits (for the sigmoid: zero off the chosen experts).
+    logit_bar = router_backward(scores, index, s_hat_bar, config.score_function, dscores)  # [m, n]
+    # $$\bar W_r = \bar z^\top x, \qquad \bar x = \bar z\, W_r$$
+    grads["gate.weight"] = logit_bar.T @ h  # [n, d]
+    x_bar = logit_bar @ weight("gate.weight")  # [m, d]
+    # The bias only selects: $$\bar b = 0$$
+    grads["gate.e_score_correction_bias"] = xp.zeros(params["gate.e_score_correction_bias"].shape, dtype=h.dtype)
+    # 3. The down-projection: $$\bar W_\downarrow = \bar z^\top x, \qquad \bar x \mathrel{+}= \bar z W_\downarrow$$
+    if config.use_latent_projection:
+        grads["routed_expert_down_proj.weight"] = z_bar.T @ h  # [l, d]
+        x_bar = x_bar + z_bar @ weight("routed_expert_down_proj.weight")
+    else:
+        x_bar = x_bar + z_bar  # z = x
+    # 8. The shared experts on the full width.
+    shared_x_bar, grads["shared_experts.gate_proj.weight"], grads["shared_experts.up_proj.weight"], \
+        grads["shared_experts.down_proj.weight"] = shared_experts_backward(
+            h, weight("shared_experts.gate_proj.weight"), weight("shared_experts.up_proj.weight"),
+            weight("shared_experts.down_proj.weight"), shared, y_bar)
+    return x_bar + shared_x_bar, grads
+
+
+# ---------------------------------------------------------------------------
 # The whole layer
 # ---------------------------------------------------------------------------
 
@@ -325,52 +399,18 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConf
             check_finite("dscores", dscores)
         if out is not None:
             _check_out(out, params, lambda name: _grad_dtype(xp, params[name], dtype), inputs={"x": x, "dy": dy})
-        grads: dict[str, Array] = {}
         h = xp.astype(x, dtype, copy=False)  # [m, d]
         y_bar = xp.astype(dy, dtype, copy=False)  # [m, d]
-        # 9. $$y = y_s + y_r \;\Rightarrow\; \bar y_s = \bar y_r = \bar y$$
-        # 7. The up-projection: $$\bar W_\uparrow = \bar y^\top v, \qquad \bar v = \bar y W_\uparrow$$
-        if config.use_latent_projection:
-            grads["routed_expert_up_proj.weight"] = y_bar.T @ fwd.v  # [d, l]
-            v_bar = y_bar @ weight("routed_expert_up_proj.weight")  # [m, l]
-        else:
-            v_bar = y_bar
-        # 6. RMSNorm on the latent sum (`refimpl.activations.rms_norm_backward`).
-        if config.use_latent_norm:
-            u_bar, grads["routed_expert_norm.weight"] = rms_norm_backward(
-                fwd.u, weight("routed_expert_norm.weight"), v_bar, config.rms_norm_eps)  # [m, l], [l]
-        else:
-            u_bar = v_bar
+        # 9-6. $$y = y_s + y_r \;\Rightarrow\; \bar y_s = \bar y_r = \bar y$$, then the up-projection and the norm.
+        u_bar, grads = latent_output_backward(y_bar, fwd.u, fwd.v, weight, config)  # [m, l]
         # 4-5. The routed experts, grouped by expert: $\bar z$, $\bar p$ and the three stacks.
         z_bar, p_bar, grads["experts.w1"], grads["experts.w3"], grads["experts.w2"] = routed_experts_backward(
             fwd.z, fwd.routed, params["experts.w1"], params["experts.w3"], params["experts.w2"], u_bar,
             None if out is None else (out["experts.w1"], out["experts.w3"], out["experts.w2"]))
-        # A capacity holds a dropped assignment's weight at zero: no gradient reaches its score.
-        if fwd.kept is not None:
-            p_bar = p_bar * xp.astype(fwd.kept, p_bar.dtype)  # [m, k]
-        # 2. The weights, through renormalization and scaling, to the chosen raw scores.
-        s_hat_bar = route_backward(fwd.scores, fwd.index, p_bar, renormalize=config.renormalize,
-                                   scaling_factor=config.routed_scaling_factor)  # [m, k]
-        # 1. The score function, to the router logits (for the sigmoid: zero off the chosen experts).
-        logit_bar = router_backward(fwd.scores, fwd.index, s_hat_bar, config.score_function, dscores)  # [m, n]
-        # $$\bar W_r = \bar z^\top x, \qquad \bar x = \bar z\, W_r$$
-        grads["gate.weight"] = logit_bar.T @ h  # [n, d]
-        x_bar = logit_bar @ weight("gate.weight")  # [m, d]
-        # The bias only selects: $$\bar b = 0$$
-        grads["gate.e_score_correction_bias"] = xp.zeros(params["gate.e_score_correction_bias"].shape,
-                                                         dtype=dtype)
-        # 3. The down-projection: $$\bar W_\downarrow = \bar z^\top x, \qquad \bar x \mathrel{+}= \bar z W_\downarrow$$
-        if config.use_latent_projection:
-            grads["routed_expert_down_proj.weight"] = z_bar.T @ h  # [l, d]
-            x_bar = x_bar + z_bar @ weight("routed_expert_down_proj.weight")
-        else:
-            x_bar = x_bar + z_bar  # z = x
-        # 8. The shared experts on the full width.
-        shared_x_bar, grads["shared_experts.gate_proj.weight"], grads["shared_experts.up_proj.weight"], \
-            grads["shared_experts.down_proj.weight"] = shared_experts_backward(
-                h, weight("shared_experts.gate_proj.weight"), weight("shared_experts.up_proj.weight"),
-                weight("shared_experts.down_proj.weight"), fwd.shared, y_bar)
-        x_bar = x_bar + shared_x_bar  # [m, d]
+        # 2, 1, 3, 8. The weights to the router, the latent to the input, the shared experts.
+        x_bar, more = router_and_input_backward(h, y_bar, fwd.scores, fwd.index, fwd.kept, p_bar, z_bar,
+                                                fwd.shared, weight, params, config, dscores=dscores)
+        grads.update(more)
         x_bar = xp.astype(x_bar, x.dtype, copy=False)
         if out is None:
             return x_bar, MoEParams((name, xp.astype(grads[name], _grad_dtype(xp, params[name], dtype),

@@ -7,7 +7,7 @@ so that it can be run on the same batch as Eq. (13) and (14) and compared.
 
 | rule | system | what it does about an overloaded expert |
 |---|---|---|
-| `capacity_keep` | GShard, Switch Transformer, the textbook sketch | serves at most $C$ assignments per expert and **drops** the rest |
+| `capacity_keep` | GShard, Switch Transformer, the teaching `sparse_moe` sketch | serves at most $C$ assignments per expert and **drops** the rest |
 | `switch_balance_loss` | Switch Transformer | adds $a \cdot n \sum_i f_i P_i$ to the loss, so the router's gradient pushes probability off busy experts |
 | `sequence_balance_loss` | DeepSeek-V3, DeepSeek-V4 | the same product, taken within each sequence, at a tiny coefficient, next to the bias |
 | `hash_route` | DeepSeek-V4's first MoE layers | ignores the router for selection: a fixed hash of the token id picks the experts |
@@ -28,7 +28,7 @@ $$
 
 of them, $c$ being the **capacity factor** (Switch Transformer trained with
 $c = 1$ and $1.25$). What happens to the rest is the overflow policy. The
-textbook's `sparse_moe` sketch fixes one exactly, and `capacity_keep` follows
+`sparse_moe` sketch that textbooks of MoE use fixes one exactly, and `capacity_keep` follows
 it:
 
 * slots are served in **rank order**: every token's first choice before any
@@ -46,8 +46,9 @@ token 1's first choice (expert 0) is full; all rank-2 choices find full
 experts. Kept: `[[True, False], [False, False], [True, False]]`, loads
 `[1, 1]`.
 
-*Source:* the textbook seed's "容量与溢出" section and its `sparse_moe`
-sketch; Fedus, Zoph and Shazeer, *Switch Transformers* (JMLR 2022), §2.2.
+*Source:* the capacity-and-overflow rule of the `sparse_moe` teaching sketch
+(its priority order and its own test case, transcribed in the tests); Fedus,
+Zoph and Shazeer, *Switch Transformers* (JMLR 2022), section 2.2.
 
 ## Switch Transformer's auxiliary loss
 
@@ -83,7 +84,7 @@ $$
 averaged over the sequences of the batch here, and multiplied by a balance
 factor (DeepSeek-V3: $10^{-4}$). $s$ are the sigmoid (V3) or
 $\sqrt{\operatorname{softplus}}$ (V4) scores, normalized per token to sum to
-one; $\mathcal{T}_t$ is the top-$k$ **with** the bias. The seed notes that the
+one; $\mathcal{T}_t$ is the top-$k$ **with** the bias. The
 V4 report does not give the full reduction details of this loss; the
 reduction above is the V3 report's.
 
@@ -97,13 +98,14 @@ pseudo-random 64-bit key $h(v, e)$, and the $k$ largest keys win. The $k$
 experts are distinct by construction, every id sees a uniformly random
 $k$-subset, and nothing depends on a vocabulary size. (DeepSeek-V4's own
 table is not published; any fixed id-to-experts map has the properties the
-seed states.) The mixture weights of a hash-routed layer are not given by the
-seed; `stable_latent_moe` uses the raw router scores of the hashed experts,
+V4 report states: fixed, and independent of what the router learns.) How
+these layers weigh their experts is not published either;
+`stable_latent_moe` uses the raw router scores of the hashed experts,
 renormalized, as in a learned layer.
 
-*Source:* the textbook seed's "DeepSeek-V4 的路由改动" section; Thaler and
-Ravishankar (1998) for rendezvous hashing; splitmix64 (Steele, Lea and Flood,
-2014) for the key mixing.
+*Source:* the DeepSeek-V4 report's description of its routing changes; Thaler
+and Ravishankar (1998) for rendezvous hashing; splitmix64 (Steele, Lea and
+Flood, 2014) for the key mixing.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ from fractions import Fraction
 
 from ._xp import Array, array_namespace, bincount, topk
 from .config import MoEConfig
-from .routing import register_expert_choice, register_serving_rule, score_function_vjp
+from .routing import mixture_weights, register_expert_choice, register_serving_rule, score_function_vjp
 from .validation import check_finite, check_float_array, check_int
 
 __all__ = [
@@ -161,7 +163,7 @@ def capacity_keep(index: Array, num_experts: int, capacity: int) -> Array:
     first choice). Assignments are served rank by rank, and within a rank in
     token order; one is kept while its expert has served fewer than
     `capacity` before it. Multiply the weights by `kept` to drop the others
-    (without renormalizing them, as in the sketch).
+    (without renormalizing them, as in the `sparse_moe` sketch).
 
     The rule, vectorized: list the assignments in serving order (rank-major),
     and give each the number of earlier assignments to the same expert, its
@@ -364,8 +366,8 @@ def route_by_hash(scores: Array, token_ids: Array, top_k: int, *, renormalize: b
     The counterpart of `route` for DeepSeek-V4's first layers: the router
     still scores every expert, but only to weigh the $k$ experts the hash
     chose, $p_{i,j} = s_{i,j} / \sum_{r \in \mathcal{T}_i} s_{i,r}$ (times the
-    scaling factor), renormalized as in a learned layer (the seed does not say
-    how these layers weigh their experts).
+    scaling factor), renormalized as in a learned layer (how DeepSeek-V4's hash
+    layers weigh their experts is not published).
     """
     check_float_array("scores", scores, ndim=2)
     check_finite("scores", scores)
@@ -376,17 +378,9 @@ def route_by_hash(scores: Array, token_ids: Array, top_k: int, *, renormalize: b
                          f"got {list(token_ids.shape)}")
     xp = array_namespace(scores, index)
     raw = xp.take_along_axis(scores, index, axis=-1)  # [m, k]
-    if renormalize:
-        total = xp.sum(raw, axis=-1, keepdims=True)  # [m, 1]
-        if m and not bool(xp.all(total > 0)):
-            # The hash ignores the scores, so nothing keeps its experts' scores from being 0 (an underflowed
-            # sqrt-softplus): the weights s / sum(s) would be 0/0.
-            raise ValueError("scores of the hashed experts must have a positive sum for every token to be "
-                             "renormalized, got a sum <= 0 for "
-                             f"{int(xp.sum(xp.astype(~(total > 0), xp.int64)))} token(s)")
-        # $$p_{i,j} = s_{i,j} / \textstyle\sum_{r \in \mathcal{T}_i} s_{i,r}$$
-        raw = raw / total
-    return index, raw * scaling_factor
+    # The hash ignores the scores, so nothing keeps its experts' scores from being 0 (an underflowed
+    # sqrt-softplus): `mixture_weights` refuses the 0/0 instead of returning NaN weights.
+    return index, mixture_weights(raw, renormalize=renormalize, scaling_factor=scaling_factor)
 
 
 # ---------------------------------------------------------------------------

@@ -108,6 +108,16 @@ def _check_vector(name: str, v: Array, size: int) -> None:
     check_finite(name, v)
 
 
+def _dual_inputs(scores: Array, alpha: Array, beta: Array, top_k: int) -> tuple[Any, int, Array, Array, Array]:
+    """Check a point $(\alpha, \beta)$ of the dual for `scores`; return the namespace, $k$ and the three in float64."""
+    m, n = _check_scores(scores)
+    top_k = check_int("top_k", top_k, low=1, high=n)
+    _check_vector("alpha", alpha, m)
+    _check_vector("beta", beta, n)
+    xp = array_namespace(scores, alpha, beta)
+    return (xp, top_k, *(xp.astype(v, xp.float64) for v in (scores, alpha, beta)))
+
+
 def dual_objective(scores: Array, alpha: Array, beta: Array, top_k: int) -> float:
     r"""$D(\alpha, \beta) = k\sum_i \alpha_i + q\sum_j \beta_j + \sum_{i,j}\max(0, s_{i,j} - \alpha_i - \beta_j)$.
 
@@ -117,12 +127,8 @@ def dual_objective(scores: Array, alpha: Array, beta: Array, top_k: int) -> floa
     gaps of order $10^{-9}$ stay visible. By weak duality the value bounds the
     score of every balanced assignment from above.
     """
-    m, n = _check_scores(scores)
-    top_k = check_int("top_k", top_k, low=1, high=n)
-    _check_vector("alpha", alpha, m)
-    _check_vector("beta", beta, n)
-    xp = array_namespace(scores, alpha, beta)
-    s, a, b = (xp.astype(v, xp.float64) for v in (scores, alpha, beta))
+    xp, top_k, s, a, b = _dual_inputs(scores, alpha, beta, top_k)
+    m, n = s.shape
     q = m * top_k / n
     # $$\sum_{i,j} \max(0,\; s_{i,j} - \alpha_i - \beta_j)$$
     excess = xp.sum(xp.maximum(s - a[:, None] - b[None, :], 0.0))
@@ -169,12 +175,8 @@ def beta_subgradient(scores: Array, alpha: Array, beta: Array, top_k: int) -> Ar
     count is the load of expert $j$ when routing with $b = -\beta$, so this is
     $q - \text{load}$, the quantity whose sign the sign rule follows.
     """
-    m, n = _check_scores(scores)
-    top_k = check_int("top_k", top_k, low=1, high=n)
-    _check_vector("alpha", alpha, m)
-    _check_vector("beta", beta, n)
-    xp = array_namespace(scores, alpha, beta)
-    s, a, b = (xp.astype(v, xp.float64) for v in (scores, alpha, beta))
+    xp, top_k, s, a, b = _dual_inputs(scores, alpha, beta, top_k)
+    m, n = s.shape
     # beta is subtracted first, as in the alpha-step, so that a token's (k+1)-th entry compares exactly
     # equal to its own cutoff; the other order can round it a unit above and count it.
     above = ((s - b[None, :]) - a[:, None]) > 0.0  # [m, n]

@@ -117,8 +117,8 @@ from typing import Any
 import numpy as np
 
 from ._xp import Array, array_namespace, compute_dtype, dtype_name, to_numpy
-from .activations import expert_glu, rms_norm, rms_norm_backward
-from .backward import route_backward, routed_experts_backward, router_backward, shared_experts_backward
+from .activations import expert_glu, rms_norm
+from .backward import latent_output_backward, routed_experts_backward, router_and_input_backward
 from .config import MoEConfig
 from .histogram import BiasHistogram
 from .latent_moe import (
@@ -721,21 +721,10 @@ def ep_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, 
         except (TypeError, ValueError) as exc:
             error = exc
         check_ranks_agree(comm, "ep_vjp's backward", {"dtype": dtype_name(dtype)}, error)
-        grads: dict[str, Array] = {}
         h, plan = saved.h, saved.plan
         y_bar = xp.astype(dy, dtype, copy=False)  # [m, d]
-        # 7. $$\bar W_\uparrow = \bar y^\top v, \qquad \bar v = \bar y W_\uparrow$$ (this rank's share)
-        if config.use_latent_projection:
-            grads["routed_expert_up_proj.weight"] = y_bar.T @ saved.v  # [d, l]
-            v_bar = y_bar @ weight("routed_expert_up_proj.weight")  # [m, l]
-        else:
-            v_bar = y_bar
-        # 6. The norm of the whole sum, on the token's own rank.
-        if config.use_latent_norm:
-            u_bar, grads["routed_expert_norm.weight"] = rms_norm_backward(
-                saved.u, weight("routed_expert_norm.weight"), v_bar, config.rms_norm_eps)  # [m, l], [l]
-        else:
-            u_bar = v_bar
+        # 9-6. The up-projection and the norm of the whole sum, on the token's own rank (this rank's share).
+        u_bar, grads = latent_output_backward(y_bar, saved.u, saved.v, weight, config)  # [m, l]
         # The combine, transposed: each pair's partial sum receives its token's $\bar u_i$.
         started = time.perf_counter()
         partial_bar = _alltoallv(comm, xp.take(u_bar, plan.pair_token, axis=0), plan.send_rows,
@@ -764,29 +753,12 @@ def ep_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, 
         # $$\bar z_i = \sum_p \bar z^{(p)}_i, \qquad \bar p_{i,r}$$ from the rank that holds expert $\mathcal{T}_{i,r}$
         z_bar = _sum_rows(dz_pairs, plan.position, plan.present)  # [m, l]
         p_bar = _sum_rows(dp_pairs, plan.position, plan.present)  # [m, k]
+        # 2, 1, 3, 8. To the router, the input and the shared experts, as in one process (this rank's share).
         selection = saved.selection
-        if selection.kept is not None:
-            p_bar = p_bar * xp.astype(selection.kept, p_bar.dtype)  # a dropped assignment gets no gradient
-        # 2-1. Through renormalization and the score function, to the router.
-        s_hat_bar = route_backward(saved.scores, selection.index, p_bar, renormalize=config.renormalize,
-                                   scaling_factor=config.routed_scaling_factor)  # [m, k]
-        logit_bar = router_backward(saved.scores, selection.index, s_hat_bar, config.score_function)  # [m, n]
-        grads["gate.weight"] = logit_bar.T @ h  # [n, d]
-        x_bar = logit_bar @ weight("gate.weight")  # [m, d]
-        grads["gate.e_score_correction_bias"] = xp.zeros(params["gate.e_score_correction_bias"].shape,
-                                                         dtype=dtype)
-        # 3. $$\bar W_\downarrow = \bar z^\top x, \qquad \bar x \mathrel{+}= \bar z W_\downarrow$$
-        if config.use_latent_projection:
-            grads["routed_expert_down_proj.weight"] = z_bar.T @ h  # [l, d]
-            x_bar = x_bar + z_bar @ weight("routed_expert_down_proj.weight")
-        else:
-            x_bar = x_bar + z_bar
-        # 8. The shared experts, replicated: this rank's share.
-        shared_x_bar, grads["shared_experts.gate_proj.weight"], grads["shared_experts.up_proj.weight"], \
-            grads["shared_experts.down_proj.weight"] = shared_experts_backward(
-                h, weight("shared_experts.gate_proj.weight"), weight("shared_experts.up_proj.weight"),
-                weight("shared_experts.down_proj.weight"), saved.shared, y_bar)
-        x_bar = xp.astype(x_bar + shared_x_bar, x.dtype, copy=False)  # [m, d]
+        x_bar, more = router_and_input_backward(h, y_bar, saved.scores, selection.index, selection.kept, p_bar,
+                                                z_bar, saved.shared, weight, params, config)
+        grads.update(more)
+        x_bar = xp.astype(x_bar, x.dtype, copy=False)  # [m, d]
         return x_bar, MoEParams((name, grads[name]) for name in params)
 
     return y, stats, backward

@@ -66,6 +66,7 @@ __all__ = [
     "biased_scores",
     "biased_top_k",
     "expert_load",
+    "mixture_weights",
     "register_expert_choice",
     "register_serving_rule",
     "route",
@@ -281,17 +282,29 @@ def route(scores: Array, bias: Array, top_k: int, *, renormalize: bool = True,
     _, index = topk(biased, top_k)  # [m, k]
     # The weights use the raw scores of the chosen experts, never the biased ones.
     raw = xp.take_along_axis(xp.astype(scores, biased.dtype), index, axis=-1)  # [m, k]
-    if renormalize:
-        total = xp.sum(raw, axis=-1, keepdims=True)  # [m, 1]
-        if m and not bool(xp.all(total > 0)):
-            # Scores that underflowed to 0 (a sigmoid below -103 in float32, a sqrt-softplus below -104):
-            # the weights s / sum(s) would be 0/0, and NaN would flow into the layer.
-            raise ValueError("scores of the chosen experts must have a positive sum for every token to be "
-                             "renormalized, got a sum of 0 for "
-                             f"{int(xp.sum(xp.astype(~(total > 0), xp.int64)))} token(s) (the scores underflowed)")
-        # $$p_{i,j} = s_{i,j} / \textstyle\sum_{r \in \mathcal{T}_i} s_{i,r}$$
-        raw = raw / total
-    return index, raw * scaling_factor
+    return index, mixture_weights(raw, renormalize=renormalize, scaling_factor=scaling_factor)
+
+
+def mixture_weights(raw: Array, *, renormalize: bool = True, scaling_factor: float = 1.0) -> Array:
+    r"""The mixture weights from the raw scores $\hat s$ `[m, k]` of each token's chosen experts.
+
+    $$p_{i,r} = c\,\frac{\hat s_{i,r}}{\sum_{r'} \hat s_{i,r'}}$$ with `renormalize`, else
+    $p_{i,r} = c\,\hat s_{i,r}$; $c$ is the scaling factor. Whatever rule chose
+    the experts (the biased top-$k$, a hash), this is how they are weighed.
+    Renormalizing scores that all underflowed to 0 (a sigmoid below $-103$ in
+    float32, a $\sqrt{\operatorname{softplus}}$ below $-104$) would divide 0
+    by 0 and let NaN flow into the layer: that is a `ValueError`.
+    """
+    xp = array_namespace(raw)
+    if not renormalize:
+        return raw * scaling_factor
+    total = xp.sum(raw, axis=-1, keepdims=True)  # [m, 1]
+    if raw.shape[0] and not bool(xp.all(total > 0)):
+        raise ValueError("scores of the chosen experts must have a positive sum for every token to be "
+                         "renormalized, got a sum <= 0 for "
+                         f"{int(xp.sum(xp.astype(~(total > 0), xp.int64)))} token(s) (the scores underflowed)")
+    # $$p_{i,r} = c\,\hat s_{i,r} / \textstyle\sum_{r'} \hat s_{i,r'}$$
+    return raw / total * scaling_factor
 
 
 def selection_cutoff(scores: Array, bias: Array, top_k: int) -> tuple[Array, Array]:

@@ -1,7 +1,7 @@
-"""Tests of the §7 accounting: K3's parameter counts, payload and combinatorial sparsity.
+"""Tests of the accounting: K3's parameter counts, payload and combinatorial sparsity.
 
-Each K3 number is checked twice: against the literal value of the
-specification, and against the formula evaluated here from the sizes.
+Each K3 number is checked twice: against the literal value the technical
+report states, and against the formula evaluated here from the sizes.
 """
 
 from __future__ import annotations

@@ -472,7 +472,7 @@ def test_out_that_aliases_is_refused_by_name():
     x, params, dy = make_layer(config, seed=1, m=4)
     _, backward = stable_latent_moe_vjp(x, params, config)
     _, good = backward(dy)
-    shared = {**good, "routed_expert_up_proj.weight": good["shared_experts.down_proj.weight"]}
+    shared = {**good, "shared_experts.up_proj.weight": good["shared_experts.gate_proj.weight"]}
     with pytest.raises(ValueError, match=r"share memory"):
         backward(dy, out=shared)
     with pytest.raises(ValueError, match=r"out\['gate.weight'\] shares memory with params\['gate.weight'\]"):

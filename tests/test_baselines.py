@@ -61,7 +61,7 @@ def _reference_hash(token_id: int, n: int, k: int, seed: int = 0) -> list[int]:
 
 
 def sketch_sparse_moe(x, router, experts, top_k=2, capacity=None):
-    """The textbook seed's `sparse_moe`, transcribed line for line (PyTorch, loops over slots and experts)."""
+    """The teaching sketch `sparse_moe`, transcribed line for line (PyTorch, loops over slots and experts)."""
     score, index = torch.nn.functional.linear(x, router).float().topk(top_k, dim=-1)
     gate = score.softmax(-1).to(x.dtype)
     output, load = torch.zeros_like(x), torch.zeros(experts.shape[0], dtype=torch.long)
@@ -107,8 +107,8 @@ def routes(draw, max_tokens=12, max_experts=6):
 # ---------------------------------------------------------------------------
 
 
-def test_sketch_case_as_the_seed_runs_it():
-    """The seed's asserts, on its own PyTorch code: kept [[T, F], [F, F], [T, F]] and loads [1, 1]."""
+def test_sketch_case_as_the_sketch_runs_it():
+    """The sketch's own asserts, on its own PyTorch code: kept [[T, F], [F, F], [T, F]] and loads [1, 1]."""
     x = torch.tensor([[3.0, 0.0], [2.0, 0.0], [0.0, 3.0]])
     _, load, _, kept = sketch_sparse_moe(x, torch.eye(2), torch.eye(2).repeat(2, 1, 1), top_k=2, capacity=1)
     assert kept.tolist() == [[True, False], [False, False], [True, False]]

@@ -1,9 +1,9 @@
 """Appendix D: the histogram estimator against an exact, sort-based Eq. (14) threshold.
 
 The reference below is written independently of `refimpl.histogram`: it sorts
-every column of required biases and picks the order statistics of the rule of
-SPEC section 4 (the (q+1)-th largest margin, interpolated between ranks
-floor(q)+1 and floor(q)+2 when q is fractional).
+every column of required biases and picks the order statistics of Eq. (14)'s
+rule (the (q+1)-th largest margin, interpolated between ranks floor(q)+1 and
+floor(q)+2 when q is fractional).
 """
 
 from __future__ import annotations

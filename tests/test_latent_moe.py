@@ -314,7 +314,7 @@ def test_half_precision_forward_returns_half_precision(dtype_name):
 # ---------------------------------------------------------------------------
 
 def test_parameter_shapes_of_k3_follow_the_hf_names():
-    # SPEC §8, typed in.
+    # The released checkpoint's names and shapes, typed in.
     d, ell, n, f, s = 7168, 3584, 896, 3072, 6144
     assert parameter_shapes(MoEConfig.k3()) == {
         "gate.weight": (n, d),
