@@ -104,14 +104,17 @@ promises three things:
   temporary name in the same folder and flushed to disk (`fsync`); a
   failure then (a full disk, a bad tensor) removes the temporary files and
   leaves the folder exactly as it was. Only then are they renamed into
-  place, the shards first, then `config.json`, the index last. Renaming
-  within a folder is atomic, but two files (`config.json` and the index)
-  cannot change in one step, so for the instant between the renames a mark,
-  `.save_hf_layer-incomplete.json`, says a save is under way; a crash in that
-  instant leaves it behind, and `load_hf_layer` then refuses the folder
-  rather than pair the new weights with the old configuration. Saving again
-  with `overwrite=True` cleans up. New files get the permissions of the
-  process's umask, as any file the user creates.
+  place, the shards first, then `config.json`, the index last. The new
+  shards have fresh names, so until `config.json` is replaced the old
+  checkpoint is untouched, and a failure takes the new files back again.
+  Renaming within a folder is atomic, but two files (`config.json` and the
+  index) cannot change in one step, so while the renames run a mark,
+  `.save_hf_layer-incomplete.json`, says a save is under way; a failure or
+  a crash between the two leaves it behind, and `load_hf_layer` then
+  refuses the folder rather than pair the new weights with the old
+  configuration. Saving again with `overwrite=True` finishes the job and
+  removes what the interrupted save left. New files get the permissions of
+  the process's umask, as any file the user creates.
 """
 
 from __future__ import annotations
@@ -808,7 +811,7 @@ def _write_transaction(path: Path, files: dict[str, Callable[[str], None]], old:
     3. Only then are the old checkpoint's files that the new one does not
        use removed.
     """
-    created = not path.exists()
+    created = [folder for folder in (path, *path.parents) if not folder.exists()]  # deepest first
     path.mkdir(parents=True, exist_ok=True)
     mask = _umask()
     staged: list[tuple[Path, Path]] = []  # (temporary, final)
@@ -847,8 +850,9 @@ def _write_transaction(path: Path, files: dict[str, Callable[[str], None]], old:
                 os.unlink(final)
             if mark_placed:
                 os.unlink(path / INCOMPLETE_SAVE_MARK)
-        if created and not any(path.iterdir()):
-            path.rmdir()
+        for folder in created:  # the folders this save made, if nothing else is in them now
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
         raise
     for name in sorted(old - set(files)):  # the new checkpoint is complete: the old one's other files go
         if os.path.lexists(path / name) and not (path / name).is_dir():

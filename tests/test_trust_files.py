@@ -223,7 +223,7 @@ def test_a_failed_first_save_leaves_no_folder(tmp_path, monkeypatch):
                         _failing_on_call(2, safetensors.numpy.save_file, OSError(28, "No space left on device")))
     with pytest.raises(OSError):
         save(tmp_path / "new" / "ckpt", shard_size=SHARDS)
-    assert not (tmp_path / "new" / "ckpt").exists()
+    assert not (tmp_path / "new").exists()  # the folders it made are gone again
 
 
 def _renames_of_a_save(tmp_path: Path, monkeypatch) -> int:
