@@ -1,7 +1,8 @@
 r"""Kimi K3 checkpoints as released: read one MoE layer, keep its experts packed, write the same layout.
 
 K3 is published as a Hugging Face directory: a nested `config.json`
-(`text_config` holds the language model's keys, §9.1 of the spec), a
+(its `text_config` holds the language model's keys, see the configuration
+page), a
 `model.safetensors.index.json` that maps every tensor name to its shard, and
 the `*.safetensors` shards. One MoE layer $L$ lives under
 
@@ -32,7 +33,8 @@ pages of the experts a batch uses are ever read from disk.
 ## Reading a layer, step by step
 
 1. `config.json` gives the `MoEConfig` (`MoEConfig.from_hf_config`, with the
-   reference code's meaning of absent keys) and the quantization: only
+   reference code's meaning of absent keys, every value checked) and the
+   quantization: only
    compressed-tensors' `mxfp4-pack-quantized` (4-bit floats, groups of 32) is
    understood; any other format is an error, not a guess.
 2. The layer must exist and be an MoE layer (`first_k_dense_replace`,
@@ -49,16 +51,81 @@ shape and byte range, then the raw bytes. `read_safetensors_header` and
 `open_safetensors` do that with `numpy.memmap`, so a tensor costs nothing
 until its bytes are used. Writing goes through the `safetensors` library,
 which the tests also use to read what this module writes.
+
+## Reading only what the checkpoint holds
+
+A checkpoint folder comes from somewhere else, so the loader trusts none of
+it until it has been checked:
+
+* **Only files inside the folder are read.** A `weight_map` entry that is an
+  absolute path or climbs out with `..`, and a file (shard, index or
+  `config.json`) that is a symbolic link resolving outside the folder, is a
+  `ValueError` naming the entry. A checkpoint downloaded from a hub cannot
+  make the loader read `/etc/passwd` or another user's files as weights.
+* **Every safetensors header is validated before a byte of data is used**:
+  the 8-byte length must lie within the file, the header must be JSON (an
+  object, no name twice) of at most 100 MB, every tensor needs a dtype this
+  reader knows, a shape of non-negative integers and a byte range
+  `data_offsets` whose length is the dtype's size times the product of the
+  shape; and the byte ranges, in order, must tile the data exactly:
+  starting at 0, each where the previous one ends, the last at the end of
+  the file. That is the format's own rule (the `safetensors` library
+  enforces it too); without it, overlapping or negative offsets would read
+  the header's own bytes, or another tensor's, as weights.
+* **Malformed JSON** in `config.json` or the index is a `ValueError` naming
+  the file and the place, not a traceback from the `json` module.
+* **`dtype` must be a floating type** (float32, float64, bfloat16 or float16);
+  an integer type would truncate every weight.
+* **Decoding refuses what it cannot represent.** An E8M0 scale byte of 255
+  (NaN) is a `ValueError` naming the tensor and the expert when that expert
+  is decoded, and so is a value the requested dtype cannot hold (scale byte
+  254 times 6 is $1.02 \times 10^{39}$, beyond float32; the message suggests
+  `dtype=np.float64`, which decodes it exactly). Casting a stored float64
+  tensor to float32 is checked the same way.
+
+## Writing without losing anything
+
+`save_hf_layer` writes into a folder that may hold other things, so it
+promises three things:
+
+* **It asks before it replaces.** A folder that already holds a checkpoint
+  (`config.json`, the index, `model.safetensors`, or the mark of an
+  interrupted save) is refused with `FileExistsError` naming it, unless
+  `overwrite=True`.
+* **It touches only what it writes.** Other files in the folder (a user's
+  `model-finetuned.safetensors`, notes, a README) are never opened,
+  replaced or deleted, with `overwrite=True` too. New shards get names no
+  file in the folder has (`model-00001-of-00003.safetensors`, or with a
+  `-2` suffix when those are taken), so the old index can never point to a
+  new shard. With `overwrite=True` the files the old checkpoint listed (its
+  index's shards, or its `model.safetensors`) are removed, and only after
+  the new checkpoint is complete.
+* **It is transactional.** Every file is first written in full under a
+  temporary name in the same folder and flushed to disk (`fsync`); a
+  failure then (a full disk, a bad tensor) removes the temporary files and
+  leaves the folder exactly as it was. Only then are they renamed into
+  place, the shards first, then `config.json`, the index last. The new
+  shards have fresh names, so until `config.json` is replaced the old
+  checkpoint is untouched, and a failure takes the new files back again.
+  Renaming within a folder is atomic, but two files (`config.json` and the
+  index) cannot change in one step, so while the renames run a mark,
+  `.save_hf_layer-incomplete.json`, says a save is under way; a failure or
+  a crash between the two leaves it behind, and `load_hf_layer` then
+  refuses the folder rather than pair the new weights with the old
+  configuration. Saving again with `overwrite=True` finishes the job and
+  removes what the interrupted save left. New files get the permissions of
+  the process's umask, as any file the user creates.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import ml_dtypes
@@ -66,10 +133,11 @@ import numpy as np
 
 from .config import MoEConfig, is_moe_layer
 from .latent_moe import MoEParams, check_params, parameter_shapes
-from .mx import MX_BLOCK, mxfp4_decode, mxfp4_encode
+from .mx import MX_BLOCK, check_float_dtype, mxfp4_decode, mxfp4_encode
 
 __all__ = [
     "ExpertStack",
+    "INCOMPLETE_SAVE_MARK",
     "K3_QUANTIZATION_CONFIG",
     "layer_prefix",
     "load_hf_layer",
@@ -98,6 +166,13 @@ K3_QUANTIZATION_CONFIG: dict[str, Any] = {
                "re:.*block_sparse_moe\\.gate$", "re:.*mlp\\..*", "re:vision.*", "re:.*mm_projector.*"],
 }
 
+# The files of a checkpoint folder.
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+#: The file that marks a folder whose `save_hf_layer` stopped between its renames (see the page).
+INCOMPLETE_SAVE_MARK = ".save_hf_layer-incomplete.json"
+
 # The three matrices of a routed expert: HF module name -> MoEParams stack name.
 _EXPERT_MATRICES = {"w1": "experts.w1", "w3": "experts.w3", "w2": "experts.w2"}
 
@@ -108,30 +183,147 @@ _ST_DTYPES: dict[str, Any] = {
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 
+# The largest safetensors header read (the safetensors library's own limit).
+_MAX_HEADER_BYTES = 100_000_000
+
 
 # ---------------------------------------------------------------------------
-# safetensors, memory-mapped
+# Files inside the folder, JSON that parses
+# ---------------------------------------------------------------------------
+
+def _inside(folder: Path, entry: Any, what: str) -> Path:
+    """`folder / entry`, if `entry` names a file inside `folder`; else a `ValueError` naming `what` and `entry`.
+
+    Refused: anything but a non-empty string, an absolute path (POSIX or
+    Windows), a `..` component, and a path that resolves (through symbolic
+    links) outside the folder.
+    """
+    if not isinstance(entry, str) or not entry or "\x00" in entry:
+        raise ValueError(f"{what} {entry!r} is not a file name")
+    posix, windows = PurePosixPath(entry), PureWindowsPath(entry)
+    if posix.is_absolute() or windows.is_absolute() or windows.drive or ".." in posix.parts + windows.parts:
+        raise ValueError(f"{what} {entry!r} is not a file inside the checkpoint folder {folder}: absolute paths "
+                         "and '..' are refused")
+    target = folder / entry
+    resolved = target.resolve()
+    if not resolved.is_relative_to(folder.resolve()):
+        raise ValueError(f"{what} {entry!r} resolves to {resolved}, outside the checkpoint folder {folder} "
+                         "(a symbolic link out of it is refused)")
+    return target
+
+
+def _read_json(file: Path) -> Any:
+    """The JSON document in `file`; a `ValueError` naming the file when it is not UTF-8 JSON."""
+    try:
+        return json.loads(file.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ValueError(f"{file} cannot be read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{file} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+
+
+def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; a name given twice is an error (which one would be meant?)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the name {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+# ---------------------------------------------------------------------------
+# safetensors, validated and memory-mapped
 # ---------------------------------------------------------------------------
 
 def read_safetensors_header(file: str | os.PathLike) -> tuple[dict[str, Any], int]:
-    """The JSON header of a `.safetensors` file and the byte offset where its data starts."""
+    """The JSON header of a `.safetensors` file and the byte offset where its data starts, both checked.
+
+    Raises `ValueError` naming the file (and the tensor) unless: the 8-byte
+    header length lies within the file, the header is a JSON object of at
+    most 100 MB with no name twice, `__metadata__` (if present) maps names to
+    strings, every tensor has a known dtype, a shape of non-negative
+    integers and `data_offsets` of `dtype size x product of shape` bytes, and
+    the tensors' byte ranges tile the data exactly (in order, from 0, each
+    where the previous ends, the last at the end of the file).
+    """
     file = Path(file)
+    size = os.path.getsize(file)
     with open(file, "rb") as f:
         prefix = f.read(8)
         if len(prefix) != 8:
-            raise ValueError(f"{file} is not a safetensors file: shorter than its 8-byte header length")
-        size = int.from_bytes(prefix, "little")
-        if size > os.path.getsize(file) - 8:
-            raise ValueError(f"{file} is not a safetensors file: header length {size} exceeds the file")
-        try:
-            header = json.loads(f.read(size))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{file} is not a safetensors file: its header is not JSON ({exc})") from None
-    return header, 8 + size
+            raise ValueError(f"{file} is not a safetensors file: it has {size} bytes, fewer than the 8 of its "
+                             "header length")
+        length = int.from_bytes(prefix, "little")
+        if length > size - 8:
+            raise ValueError(f"{file} is not a safetensors file: its header length {length} exceeds the "
+                             f"{size - 8} bytes that follow it")
+        if length > _MAX_HEADER_BYTES:
+            raise ValueError(f"{file}: its header length {length} exceeds the {_MAX_HEADER_BYTES} bytes a "
+                             "safetensors header may have")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_object_without_duplicates)
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError, as is a name given twice
+        raise ValueError(f"{file} is not a safetensors file: its header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file}: a safetensors header must be a JSON object, got {type(header).__name__}")
+    metadata = header.get("__metadata__", {})
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise ValueError(f"{file}: __metadata__ must map names to strings, got {metadata!r:.80}")
+    data_size = size - 8 - length
+    spans = sorted((_checked_entry(file, name, entry, data_size), name)
+                   for name, entry in header.items() if name != "__metadata__")
+    # The format's rule: the tensors' bytes follow each other, in order, with no gap and no overlap.
+    position = 0
+    for (begin, end), name in spans:
+        if begin != position:
+            problem = "overlaps the tensor before it" if begin < position else f"leaves bytes [{position}, {begin}) unused"
+            raise ValueError(f"{file}: tensor {name!r} starts at byte {begin} of the data, where the tensor "
+                             f"before it ends at {position}: it {problem} (the tensors' bytes must be contiguous)")
+        position = end
+    if position != data_size:
+        raise ValueError(f"{file}: its tensors cover {position} bytes of data, but {data_size} follow the header")
+    return header, 8 + length
+
+
+def _checked_entry(file: Path, name: str, entry: Any, data_size: int) -> tuple[int, int]:
+    """The byte range `[begin, end)` of tensor `name`'s header entry, after checking dtype, shape and size."""
+    where = f"{file}: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} has a header entry that is not an object: {entry!r:.80}")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in _ST_DTYPES:
+        raise ValueError(f"{where} has dtype {dtype!r}, which this reader does not know (known: {sorted(_ST_DTYPES)})")
+    if not (isinstance(shape, list) and all(_is_count(n) for n in shape)):
+        raise ValueError(f"{where} needs a shape that is a list of non-negative integers, got {shape!r:.80}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(n) for n in offsets)):
+        raise ValueError(f"{where} needs data_offsets [begin, end] of two non-negative integers, "
+                         f"got {offsets!r:.80}")
+    begin, end = offsets
+    if not begin <= end <= data_size:
+        raise ValueError(f"{where} has data_offsets [{begin}, {end}], outside the {data_size} bytes of data "
+                         "(or ending before it begins)")
+    count = int(np.prod(shape, dtype=object)) * np.dtype(_ST_DTYPES[dtype]).itemsize  # Python ints: no overflow
+    if end - begin != count:
+        raise ValueError(f"{where} of shape {shape} and dtype {dtype} needs {count} bytes, but its data_offsets "
+                         f"[{begin}, {end}] hold {end - begin}")
+    return begin, end
+
+
+def _is_count(n: Any) -> bool:
+    """A non-negative JSON integer (not a boolean)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
 def open_safetensors(file: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Every tensor of a `.safetensors` file as a read-only NumPy view of one memory map (nothing is read yet)."""
+    """Every tensor of a `.safetensors` file as a read-only NumPy view of one memory map (nothing is read yet).
+
+    The header is validated first (`read_safetensors_header`), so every view
+    lies within the file and no two overlap.
+    """
     file = Path(file)
     header, start = read_safetensors_header(file)
     whole = np.memmap(file, dtype=np.uint8, mode="r")
@@ -139,16 +331,9 @@ def open_safetensors(file: str | os.PathLike) -> dict[str, np.ndarray]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        if entry.get("dtype") not in _ST_DTYPES:
-            raise ValueError(f"{file}: tensor {name!r} has dtype {entry.get('dtype')!r}, which this reader "
-                             f"does not know (known: {sorted(_ST_DTYPES)})")
-        dtype = np.dtype(_ST_DTYPES[entry["dtype"]])
-        shape = tuple(entry["shape"])
         begin, end = entry["data_offsets"]
-        if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize or start + end > whole.size:
-            raise ValueError(f"{file}: tensor {name!r} of shape {list(shape)} and dtype {entry['dtype']} does "
-                             f"not fit its byte range [{begin}, {end})")
-        tensors[name] = whole[start + begin:start + end].view(dtype).reshape(shape)
+        dtype = np.dtype(_ST_DTYPES[entry["dtype"]])
+        tensors[name] = whole[start + begin:start + end].view(dtype).reshape(entry["shape"])
     return tensors
 
 
@@ -157,18 +342,24 @@ class _Shards:
 
     def __init__(self, path: Path):
         self.path = path
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+        if os.path.lexists(path / INDEX_FILE):
+            index = _inside(path, INDEX_FILE, "the index")
+            document = _read_json(index)
+            weight_map = document.get("weight_map") if isinstance(document, dict) else None
             if not isinstance(weight_map, Mapping):
                 raise ValueError(f"{index} has no 'weight_map' mapping of tensor names to shard files")
+            checked: set[Any] = set()
+            for name, file in weight_map.items():  # every entry, before any shard is opened
+                if not (isinstance(file, str) and file in checked):
+                    _inside(path, file, f"{index}: weight_map entry {name!r} ->")
+                    checked.add(file)
             self.file_of = dict(weight_map)
-        elif (path / "model.safetensors").is_file():
-            single = path / "model.safetensors"
+        elif os.path.lexists(path / SINGLE_FILE):
+            single = _inside(path, SINGLE_FILE, "the shard")
             header, _ = read_safetensors_header(single)
-            self.file_of = {name: single.name for name in header if name != "__metadata__"}
+            self.file_of = {name: SINGLE_FILE for name in header if name != "__metadata__"}
         else:
-            raise ValueError(f"{path} has neither model.safetensors.index.json nor model.safetensors")
+            raise ValueError(f"{path} has neither {INDEX_FILE} nor {SINGLE_FILE}")
         self._open: dict[str, dict[str, np.ndarray]] = {}
         self._headers: dict[str, tuple[dict[str, Any], int]] = {}
 
@@ -178,10 +369,11 @@ class _Shards:
     def get(self, name: str) -> np.ndarray:
         file = self.file_of[name]
         if file not in self._open:
-            if not (self.path / file).is_file():
+            target = _inside(self.path, file, f"weight_map entry {name!r} ->")  # follows links, now
+            if not target.is_file():
                 raise ValueError(f"tensor {name!r} is mapped to {file}, which is not in {self.path}")
-            self._open[file] = open_safetensors(self.path / file)
-            self._headers[file] = read_safetensors_header(self.path / file)
+            self._headers[file] = read_safetensors_header(target)
+            self._open[file] = open_safetensors(target)
         tensors = self._open[file]
         if name not in tensors:
             raise ValueError(f"tensor {name!r} is mapped to {file} by the index, but that file does not hold it")
@@ -201,6 +393,19 @@ class _Shards:
         return np.fromfile(self.path / file, dtype=view.dtype, count=view.size, offset=offset).reshape(view.shape)
 
 
+def _to_dtype(array: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
+    """`array` as a fresh array of `dtype`; a `ValueError` naming tensor `name` if a finite value overflows."""
+    with np.errstate(over="ignore"):
+        out = np.array(array, dtype=dtype)
+    if ml_dtypes.finfo(dtype).max < ml_dtypes.finfo(array.dtype).max:  # a narrowing cast: look for overflow
+        overflow = np.isinf(out) & np.isfinite(array)
+        if np.any(overflow):
+            value = float(np.asarray(array)[overflow].astype(np.float64).flat[0])
+            raise ValueError(f"tensor {name!r} holds {value:.6g}, beyond {dtype.name}'s largest value "
+                             f"{float(ml_dtypes.finfo(dtype).max):.6g}: load it with dtype=np.float64")
+    return out
+
+
 # ---------------------------------------------------------------------------
 # The packed expert stack
 # ---------------------------------------------------------------------------
@@ -214,13 +419,17 @@ class ExpertStack:
     (`format="dense"`, e.g. bfloat16), usually memory-mapped views of the
     checkpoint. `w[e]` (or `w[e, ...]`) returns expert `e` as a fresh
     `[out, in]` array of `dtype`; nothing else is supported, so a stack can
-    never be materialized by accident. `nbytes` is the stored size.
+    never be materialized by accident. `nbytes` is the stored size. `names`
+    holds each expert's module name in the checkpoint, for error messages:
+    decoding an expert whose bytes have no value in `dtype` (an E8M0 NaN
+    scale, an overflow) is a `ValueError` naming the tensor and the expert.
     """
 
     format: str
     parts: tuple[tuple[np.ndarray, ...], ...]
     shape: tuple[int, int, int]
     dtype: Any = np.float32
+    names: tuple[str, ...] = ()
 
     @property
     def ndim(self) -> int:
@@ -242,10 +451,15 @@ class ExpertStack:
         e = int(key)
         if not -len(self) <= e < len(self):
             raise IndexError(f"expert {e} out of range for a stack of {len(self)} experts")
+        e %= len(self)
         part = self.parts[e]
+        name = self.names[e] if self.names else f"expert {e}"
         if self.format == "mxfp4":
-            return mxfp4_decode(part[0], part[1], dtype=self.dtype)  # [out, in]
-        return np.array(part[0], dtype=self.dtype)  # [out, in], a fresh copy
+            try:
+                return mxfp4_decode(part[0], part[1], dtype=self.dtype)  # [out, in]
+            except ValueError as exc:
+                raise ValueError(f"tensor '{name}.weight_scale' (expert {e} of {len(self)}): {exc}") from None
+        return _to_dtype(part[0], np.dtype(self.dtype), f"{name}.weight")  # [out, in], a fresh copy
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return (self[e] for e in range(len(self)))
@@ -280,11 +494,18 @@ def _check_quantization(text: Mapping[str, Any], hf: Mapping[str, Any]) -> bool:
         raise ValueError(
             "config.json: unknown quantization format: quant_method="
             f"{method!r}, format={fmt!r} (only 'compressed-tensors' with 'mxfp4-pack-quantized' is understood)")
-    for group_name, group in (qc.get("config_groups") or {}).items():
-        weights = (group or {}).get("weights") or {}
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, Mapping):
+        raise ValueError(f"config.json: quantization_config.config_groups must be a mapping, got "
+                         f"{type(groups).__name__}")
+    for group_name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, Mapping) else None
+        if not isinstance(weights, Mapping):
+            raise ValueError(f"config.json: quantization_config.config_groups.{group_name} must be a mapping "
+                             f"with a 'weights' mapping, got {group!r:.80}")
         bits, size = weights.get("num_bits"), weights.get("group_size")
         kind = weights.get("type", "float")
-        if (bits, size, kind) != (4, MX_BLOCK, "float"):
+        if (bits, size, kind) != (4, MX_BLOCK, "float") or isinstance(bits, bool) or isinstance(size, bool):
             raise ValueError(
                 f"config.json: quantization_config.config_groups.{group_name}.weights must be 4-bit floats in "
                 f"groups of {MX_BLOCK} (MXFP4), got num_bits={bits!r}, group_size={size!r}, type={kind!r}")
@@ -314,13 +535,13 @@ def _tensor(shards: _Shards, name: str, shape: tuple[int, ...], kind: str) -> np
 
 
 def _expert_stack(shards: _Shards, base: str, hf_name: str, n: int, shape: tuple[int, int],
-                  quantized: bool, dtype: Any) -> ExpertStack:
+                  quantized: bool, dtype: np.dtype) -> ExpertStack:
     out, inp = shape
     first = f"{base}experts.0.{hf_name}.weight_packed"
     packed_layout = first in shards
     if packed_layout and not quantized:
         raise ValueError(f"tensor {first!r} is MXFP4 but config.json declares no quantization_config")
-    parts = []
+    parts, names = [], []
     for e in range(n):
         name = f"{base}experts.{e}.{hf_name}"
         if packed_layout:
@@ -330,34 +551,55 @@ def _expert_stack(shards: _Shards, base: str, hf_name: str, n: int, shape: tuple
                           _tensor(shards, f"{name}.weight_scale", (out, inp // MX_BLOCK), "uint8")))
         else:
             parts.append((_tensor(shards, f"{name}.weight", (out, inp), "float"),))
-    return ExpertStack("mxfp4" if packed_layout else "dense", tuple(parts), (n, out, inp), np.dtype(dtype))
+        names.append(name)
+    return ExpertStack("mxfp4" if packed_layout else "dense", tuple(parts), (n, out, inp), dtype, tuple(names))
 
 
 def load_hf_layer(path: str | os.PathLike, layer: int, *,
                   dtype: Any = np.float32) -> tuple[MoEConfig, MoEParams]:
     """Read MoE layer `layer` of the checkpoint directory `path`: `(config, params)`.
 
-    Only that layer's tensors are touched, through memory maps. The router,
-    bias, projections, norm and shared experts are returned as arrays of
-    `dtype` (the bias stays float32 or wider); the routed experts
+    Only that layer's tensors are touched, through memory maps, and only
+    files inside `path`. The router, bias, projections, norm and shared
+    experts are returned as arrays of `dtype` (float32, float64, bfloat16 or
+    float16; the bias stays float32 or wider); the routed experts
     `experts.w1/w3/w2` are `ExpertStack`s that keep the stored bytes (MXFP4
     when the checkpoint is quantized) and decode one expert to `dtype` on
     `w[e]`. Every function that takes parameters accepts the result.
 
-    Raises `ValueError` naming the file, key or tensor for: a missing or
-    unreadable config or shard, a layer out of range or dense, an unknown
-    quantization format, a configuration `MoEConfig` cannot represent, and a
-    missing or misshapen tensor. Nothing is returned unless everything checks.
+    Raises `ValueError` naming the file, key, entry or tensor for: a missing
+    or malformed config, index or shard (every safetensors header is
+    validated before its data is used), a `weight_map` entry or symbolic
+    link leading out of the folder, a layer out of range or dense, an
+    unknown quantization format, a configuration `MoEConfig` cannot
+    represent, a missing or misshapen tensor, a folder left by an
+    interrupted `save_hf_layer`, and (when the expert is decoded) a scale
+    byte 255 or a value `dtype` cannot hold. `TypeError` for a `layer` that
+    is not an integer or a `dtype` that is not floating. Nothing is
+    returned unless everything checks.
     """
     path = Path(path)
     if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
         raise TypeError(f"layer must be an integer, got {type(layer).__name__} {layer!r}")
     layer = int(layer)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{path} has no config.json")
-    hf = json.loads(config_file.read_text())
-    config = MoEConfig.from_hf_config(hf)
+    dtype = check_float_dtype(dtype)
+    if os.path.lexists(path / INCOMPLETE_SAVE_MARK):
+        raise ValueError(
+            f"{path} holds {INCOMPLETE_SAVE_MARK}: a save_hf_layer into this folder stopped while it replaced the "
+            "checkpoint, so config.json and the weights may come from different saves; save the layer again "
+            f"with overwrite=True (which also removes what the interrupted save left), or delete "
+            f"{INCOMPLETE_SAVE_MARK} if you know the files belong together")
+    if not os.path.lexists(path / CONFIG_FILE):
+        raise ValueError(f"{path} has no {CONFIG_FILE}")
+    config_file = _inside(path, CONFIG_FILE, "the configuration")
+    hf = _read_json(config_file)
+    if not isinstance(hf, dict):
+        raise ValueError(f"{config_file} must hold a JSON object (the model's configuration), "
+                         f"got {type(hf).__name__}")
+    try:
+        config = MoEConfig.from_hf_config(hf)
+    except ValueError as exc:
+        raise ValueError(f"{config_file}: {exc}") from None
     text = hf.get("text_config", hf)
     total = text.get("num_hidden_layers")
     if total is not None and not 0 <= layer < total:
@@ -378,8 +620,8 @@ def load_hf_layer(path: str | os.PathLike, layer: int, *,
             params[name] = np.zeros(shape, dtype=dtype)  # no shared experts: empty matrices
             continue
         _tensor(shards, base + name, shape, "float")  # present, floating, the right shape
-        keep = np.float32 if name == "gate.e_score_correction_bias" and np.dtype(dtype).itemsize < 4 else dtype
-        params[name] = shards.read(base + name).astype(keep, copy=False)  # in memory, detached from the map
+        keep = np.dtype(np.float32) if name == "gate.e_score_correction_bias" and dtype.itemsize < 4 else dtype
+        params[name] = _to_dtype(shards.read(base + name), keep, base + name)  # in memory, detached from the map
     shapes = parameter_shapes(config)
     for hf_name, stack in _EXPERT_MATRICES.items():
         params[stack] = _expert_stack(shards, base, hf_name, config.n, shapes[stack][1:], quantized, dtype)
@@ -391,21 +633,24 @@ def load_hf_layer(path: str | os.PathLike, layer: int, *,
 # Saving
 # ---------------------------------------------------------------------------
 
-def _expert_tensors(name: str, w: Any, e: int, mxfp4: bool) -> dict[str, np.ndarray]:
-    """The stored tensors of expert `e` of stack `w` under module name `name`."""
+def _expert_tensors(name: str, w: Any, e: int, mxfp4: bool, stack: str) -> dict[str, np.ndarray]:
+    """The stored tensors of expert `e` of stack `w` (`params[stack]`) under module name `name`."""
     if isinstance(w, ExpertStack) and w.format == "mxfp4" and mxfp4:
         packed, scale = w.parts[e]  # already packed: copy the bytes, no re-encoding
         return {f"{name}.weight_packed": np.array(packed), f"{name}.weight_scale": np.array(scale)}
     matrix = np.asarray(w[e])  # [out, in]
     if mxfp4:
-        packed, scale = mxfp4_encode(matrix)
+        try:
+            packed, scale = mxfp4_encode(matrix)
+        except ValueError as exc:
+            raise ValueError(f"params[{stack!r}][{e}] (expert {e}) cannot be written as MXFP4: {exc}") from None
         return {f"{name}.weight_packed": packed, f"{name}.weight_scale": scale}
     return {f"{name}.weight": np.ascontiguousarray(matrix)}
 
 
 def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[str, Any], layer: int = 1, *,
                   mxfp4: bool = True, prefix: str = "language_model.",
-                  shard_size: int | None = None) -> Path:
+                  shard_size: int | None = None, overwrite: bool = False) -> Path:
     """Write one MoE layer as a checkpoint directory in the released layout; returns the path.
 
     Writes `config.json` (nested, `config.to_hf_config(nested=True)`, with
@@ -415,14 +660,27 @@ def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[st
     otherwise as given), and either one `model.safetensors` or, with
     `shard_size` (bytes), shards listed in `model.safetensors.index.json`.
     Layer 0 is dense in this layout, so `layer` must be in
-    `[1, config.num_moe_layers]`. Files are written under temporary names and
-    renamed, so a checkpoint that is memory-mapped elsewhere is never
-    truncated under it.
-    """
-    from safetensors.numpy import save_file
+    `[1, config.num_moe_layers]`.
 
+    A folder that already holds a checkpoint (`config.json`, the index,
+    `model.safetensors` or the mark of an interrupted save) is refused with
+    `FileExistsError` unless `overwrite=True`. Other files in the folder are
+    never touched; with `overwrite=True` the old checkpoint's files are
+    removed once the new one is complete. The write is transactional: every
+    file is written and flushed under a temporary name in the folder first,
+    so a failure there leaves the folder as it was; then the files are
+    renamed into place, the index last. New files get the permissions of
+    the process's umask. See the page for the details.
+    """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be True or False, got {type(overwrite).__name__} {overwrite!r}")
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a string such as 'language_model.' or '', got {type(prefix).__name__}")
+    if shard_size is not None and (isinstance(shard_size, bool) or not isinstance(shard_size, int | np.integer)
+                                   or shard_size < 1):
+        raise ValueError(f"shard_size must be a positive number of bytes or None, got {shard_size!r}")
     check_params(params, config)
     if isinstance(layer, bool) or not isinstance(layer, int | np.integer) or not 1 <= layer <= config.num_moe_layers:
         raise ValueError(f"layer must be an MoE layer in [1, {config.num_moe_layers}] (layer 0 is dense), "
@@ -432,9 +690,13 @@ def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[st
                          f"got {config.ell} and {config.f}")
     hf = config.to_hf_config(nested=True)  # raises for a config the reference code cannot express
     path = Path(path)
+    found = _checkpoint_files_in(path)  # before any encoding: a refusal costs nothing
+    if found and not overwrite:
+        raise FileExistsError(f"{path} already holds a checkpoint ({', '.join(found)}): pass overwrite=True to "
+                              "replace it (files save_hf_layer did not write are kept)")
     if mxfp4:
         hf["text_config"]["quantization_config"] = json.loads(json.dumps(K3_QUANTIZATION_CONFIG))
-    base = layer_prefix(layer, prefix)
+    base = layer_prefix(int(layer), prefix)
 
     tensors: dict[str, np.ndarray] = {}
     for name, value in params.items():
@@ -444,28 +706,198 @@ def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[st
     for hf_name, stack in _EXPERT_MATRICES.items():
         for e in range(config.n):
             tensors.update({base + key: value for key, value in
-                            _expert_tensors(f"experts.{e}.{hf_name}", params[stack], e, mxfp4).items()})
+                            _expert_tensors(f"experts.{e}.{hf_name}", params[stack], e, mxfp4, stack).items()})
 
-    groups = _shard_groups(tensors, shard_size)
-    path.mkdir(parents=True, exist_ok=True)  # only now: every check and every encoding has succeeded
-    old = [p for p in path.glob("model*.safetensors*")]
-    written: list[Path] = []
-    for i, names in enumerate(groups):
-        file = path / ("model.safetensors" if len(groups) == 1
-                       else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors")
-        _atomic(file, lambda tmp, names=names: save_file({k: tensors[k] for k in names}, tmp,
-                                                         metadata={"format": "pt"}))
-        written.append(file)
+    groups = _shard_groups(tensors, int(shard_size) if shard_size is not None else None)
+    old = _old_checkpoint_files(path) if found else set()
+    shard_names = _fresh_shard_names(path, len(groups), taken=old)
+    files: dict[str, Callable[[str], None]] = {}  # final name -> how to write it; written in this order
+    for shard, names in zip(shard_names, groups, strict=True):
+        files[shard] = lambda tmp, names=names: _write_safetensors({k: tensors[k] for k in names}, tmp)
+    files[CONFIG_FILE] = lambda tmp: Path(tmp).write_text(json.dumps(hf, indent=2))
     if len(groups) > 1:
-        weight_map = {k: written[i].name for i, names in enumerate(groups) for k in names}
+        weight_map = {k: shard for shard, names in zip(shard_names, groups, strict=True) for k in names}
         index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
-        _atomic(path / "model.safetensors.index.json", lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2)))
-        written.append(path / "model.safetensors.index.json")
-    _atomic(path / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(hf, indent=2)))
-    for stale in old:  # files of an earlier save that this layout does not use
-        if stale not in written:
-            stale.unlink()
+        files[INDEX_FILE] = lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2))
+    _write_transaction(path, files, old)
     return path
+
+
+def _write_safetensors(tensors: dict[str, np.ndarray], file: str) -> None:
+    """Write `tensors` to `file` with the safetensors library (PyTorch's metadata, as the release has)."""
+    from safetensors.numpy import save_file
+
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def _checkpoint_files_in(path: Path) -> list[str]:
+    """The files of a checkpoint that `path` already holds (those `save_hf_layer` would replace)."""
+    if os.path.lexists(path) and not path.is_dir():
+        raise FileExistsError(f"{path} exists and is not a folder: save_hf_layer writes a checkpoint folder")
+    if not path.is_dir():
+        return []
+    return [name for name in (CONFIG_FILE, INDEX_FILE, SINGLE_FILE, INCOMPLETE_SAVE_MARK)
+            if os.path.lexists(path / name)]
+
+
+def _is_plain_file_name(entry: Any) -> bool:
+    """A bare name of a shard in the folder itself: no directory part, no '..', ending in .safetensors."""
+    return (isinstance(entry, str) and entry.endswith(".safetensors") and "/" not in entry and "\\" not in entry
+            and "\x00" not in entry and entry not in (".", ".."))
+
+
+def _is_temporary_name(entry: Any) -> bool:
+    """A bare name of the kind `_stage` gives its temporary files: `.{final name}.{random}.tmp`."""
+    return (isinstance(entry, str) and entry.startswith(".") and entry.endswith(".tmp") and "/" not in entry
+            and "\\" not in entry and "\x00" not in entry)
+
+
+def _old_checkpoint_files(path: Path) -> set[str]:
+    """The files of the checkpoint in `path` that a complete new save may remove.
+
+    Those its index lists (plain names in the folder only: an entry pointing
+    elsewhere is never deleted), or its `model.safetensors` when it has no
+    index, and the files (shards, temporary files) an interrupted save
+    recorded in its mark.
+    """
+    old: set[str] = set()
+    if os.path.lexists(path / INDEX_FILE):
+        try:
+            weight_map = _read_json(path / INDEX_FILE).get("weight_map", {})
+            old.update(file for file in weight_map.values() if _is_plain_file_name(file))
+        except (ValueError, AttributeError, OSError):
+            pass  # an unreadable index lists nothing; its shards are left alone
+    elif os.path.lexists(path / SINGLE_FILE):
+        old.add(SINGLE_FILE)
+    if os.path.lexists(path / INCOMPLETE_SAVE_MARK):
+        try:
+            mark = _read_json(path / INCOMPLETE_SAVE_MARK)
+            old.update(file for file in mark.get("writing", []) if _is_plain_file_name(file))
+            old.update(file for file in mark.get("temporary", []) if _is_temporary_name(file))
+        except (ValueError, AttributeError, TypeError, OSError):
+            pass
+    return old
+
+
+def _fresh_shard_names(path: Path, count: int, taken: set[str]) -> list[str]:
+    """Shard file names that no file in `path` has and the old checkpoint does not list.
+
+    One shard is `model.safetensors` (the name the single-file layout
+    requires; it replaces the old one in one rename). Several are
+    `model-00001-of-0000N.safetensors`, or with the suffix `-2`, `-3`, ...
+    when those names are in use, so a new shard never overwrites a file.
+    """
+    if count == 1:
+        return [SINGLE_FILE]
+    for generation in itertools.count(1):
+        suffix = "" if generation == 1 else f"-{generation}"
+        names = [f"model-{i + 1:05d}-of-{count:05d}{suffix}.safetensors" for i in range(count)]
+        if not any(name in taken or os.path.lexists(path / name) for name in names):
+            return names
+    raise AssertionError("unreachable")
+
+
+def _write_transaction(path: Path, files: dict[str, Callable[[str], None]], old: set[str]) -> None:
+    """Write `files` (final name -> writer) into `path` all or nothing, then remove `old` files it does not use.
+
+    1. Each file is written under a temporary name in `path` and flushed;
+       any failure removes them all and leaves the folder as it was.
+    2. The mark `INCOMPLETE_SAVE_MARK` is put in place, the files are renamed
+       in the order given (shards, config.json, the index last), a stale
+       index is removed when the new layout is a single file, the folder is
+       flushed, and the mark is removed. A failure before a file of the old
+       checkpoint is replaced (while the new shards, under fresh names, go
+       in) still takes everything back; after that, the mark stays.
+    3. Only then are the old checkpoint's files that the new one does not
+       use removed.
+    """
+    created = [folder for folder in (path, *path.parents) if not folder.exists()]  # deepest first
+    path.mkdir(parents=True, exist_ok=True)
+    mask = _umask()
+    staged: list[tuple[Path, Path]] = []  # (temporary, final)
+    placed: list[Path] = []  # new files renamed into place under names no file had
+    replaced = False  # whether a file the old checkpoint reads (config.json, the index, model.safetensors) changed
+    mark_placed = False
+    try:
+        for name, write in files.items():
+            staged.append((_stage(path, name, write, mask), path / name))
+        stale_index = INDEX_FILE not in files and os.path.lexists(path / INDEX_FILE)
+        if not os.path.lexists(path / INCOMPLETE_SAVE_MARK):  # an interrupted save's mark stays until we succeed
+            mark = {"writing": list(files), "temporary": [temporary.name for temporary, _ in staged],
+                    "replacing": sorted(old | ({INDEX_FILE} if stale_index else set()))}
+            staged.append((_stage(path, INCOMPLETE_SAVE_MARK, lambda tmp: Path(tmp).write_text(json.dumps(mark)),
+                                  mask), path / INCOMPLETE_SAVE_MARK))
+            os.replace(*staged[-1])
+            staged.pop()
+            mark_placed = True
+        for temporary, final in staged:
+            replacing = os.path.lexists(final)
+            replaced = replaced or replacing
+            os.replace(temporary, final)
+            if not replacing:
+                placed.append(final)
+        if stale_index:
+            os.unlink(path / INDEX_FILE)  # the single file is the checkpoint now; the old index would shadow it
+        _fsync_folder(path)
+        os.unlink(path / INCOMPLETE_SAVE_MARK)
+        _fsync_folder(path)
+    except BaseException:
+        for temporary, _ in staged:
+            if os.path.lexists(temporary):
+                os.unlink(temporary)
+        if not replaced:  # the old checkpoint is intact: take back the new files and the mark, as if never run
+            for final in placed:
+                os.unlink(final)
+            if mark_placed:
+                os.unlink(path / INCOMPLETE_SAVE_MARK)
+        for folder in created:  # the folders this save made, if nothing else is in them now
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        raise
+    for name in sorted(old - set(files)):  # the new checkpoint is complete: the old one's other files go
+        if os.path.lexists(path / name) and not (path / name).is_dir():
+            os.unlink(path / name)
+    _fsync_folder(path)
+
+
+def _stage(path: Path, name: str, write: Callable[[str], None], mask: int) -> Path:
+    """A temporary file in `path` holding what `write(temporary_name)` writes, flushed, with the umask's mode."""
+    fd, temporary = tempfile.mkstemp(dir=path, prefix=f".{name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(temporary)
+        os.chmod(temporary, 0o666 & ~mask)  # mkstemp creates 0600; a new file gets what the umask allows
+        fd = os.open(temporary, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        if os.path.lexists(temporary):
+            os.unlink(temporary)
+        raise
+    return Path(temporary)
+
+
+def _umask() -> int:
+    """The process's umask (read by setting a restrictive one for an instant, then restoring it)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_folder(path: Path) -> None:
+    """Flush a folder's entries (the renames) to disk, where the platform allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _shard_groups(tensors: Mapping[str, np.ndarray], shard_size: int | None) -> list[list[str]]:
@@ -473,8 +905,6 @@ def _shard_groups(tensors: Mapping[str, np.ndarray], shard_size: int | None) -> 
     names = list(tensors)
     if shard_size is None:
         return [names]
-    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
-        raise ValueError(f"shard_size must be a positive number of bytes or None, got {shard_size!r}")
     groups: list[list[str]] = [[]]
     used = 0
     for name in names:
@@ -485,17 +915,3 @@ def _shard_groups(tensors: Mapping[str, np.ndarray], shard_size: int | None) -> 
         groups[-1].append(name)
         used += size
     return groups
-
-
-def _atomic(file: Path, write: Any) -> None:
-    """Write `file` through `write(tmp_name)` into a temporary file of the same folder, then rename it."""
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, file)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-

@@ -41,18 +41,31 @@ when the key is **absent**, which is not K3's value: a configuration written
 for another model of the family (Kimi Linear has no latent and no SiTU caps)
 then builds the layer that code would build. The table on this page lists
 every key, its meaning, K3's value and what its absence means.
+
+A configuration file is input like any other, and is read as such: every
+value is checked (an integer where a size belongs, a positive number that
+float32 holds where a factor belongs, a JSON boolean for a switch) and an
+error names the key and what it holds; a key that another MoE family
+spells differently (DeepSeek's `n_routed_experts`, Mixtral's
+`num_local_experts`, listed in `HF_SYNONYMS`) is an error naming both
+spellings, never a silent default. `MoEConfig` itself takes sizes and
+factors of any integral or real type, NumPy's included, and stores plain
+Python numbers.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
-from dataclasses import fields as fields_of
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["ACTIVATIONS", "HF_ABSENT", "HF_KEYS", "SCORE_FUNCTIONS", "TOPK_METHODS", "MoEConfig",
+import numpy as np
+
+__all__ = ["ACTIVATIONS", "FLOAT32_RANGE", "HF_ABSENT", "HF_KEYS", "HF_SYNONYMS",
+           "SCORE_FUNCTIONS", "TOPK_METHODS", "HFSynonym", "MoEConfig", "count_moe_layers",
            "is_moe_layer"]
 
 #: Activations the experts may use: K3's SiTU-GLU and the SwiGLU it replaces.
@@ -93,15 +106,105 @@ HF_KEYS: dict[str, str] = {
 _HF_ACTIVATION = {"situ": "situ", "silu": "swiglu", "swiglu": "swiglu"}
 
 
+class HFSynonym(NamedTuple):
+    """A key other MoE configurations use for something `from_hf_config` reads under another name."""
+
+    expected: str  #: the key this package reads
+    used_by: str  #: the configurations that spell it this way (their Hugging Face config classes)
+    refused_when: str  #: when finding it is an error (see `HF_SYNONYMS`)
+
+
+# When a synonym is refused: the expected key is absent, or holds another value; or only when it is absent
+# (the synonym may legitimately mean something else next to it); or, for Qwen2-MoE's shared width, when
+# the expected keys are absent or their product disagrees.
+_ABSENT_OR_DIFFERENT = "the expected key is absent or holds another value"
+_ABSENT = "the expected key is absent"
+_SHARED_WIDTH = "num_shared_experts is absent, or num_shared_experts x moe_intermediate_size differs"
+
+#: Keys of other MoE configurations that name a quantity `from_hf_config` reads under its Kimi name.
+#: Meeting one is a `ValueError` naming both keys (when `refused_when` holds), never a silent default.
+#: Read from the configuration classes of transformers 5.24 (DeepSeek-V2/V3/V4, GLM-4.5 MoE, dots.llm1,
+#: Qwen2/Qwen3-MoE, Mixtral, OLMoE, Phi-MoE, Granite-MoE, MiniMax, Llama 4, ERNIE 4.5 MoE, Hunyuan MoE)
+#: and from DeepSeek-V3's released config.json (`scoring_func`).
+HF_SYNONYMS: dict[str, HFSynonym] = {
+    "n_routed_experts": HFSynonym("num_experts", "DeepSeek-V2/V3/V4, GLM-4.5 MoE, dots.llm1", _ABSENT_OR_DIFFERENT),
+    "num_local_experts": HFSynonym("num_experts", "Mixtral, Phi-MoE, Granite-MoE, MiniMax, Llama 4",
+                                   _ABSENT_OR_DIFFERENT),
+    "moe_num_experts": HFSynonym("num_experts", "ERNIE 4.5 MoE", _ABSENT_OR_DIFFERENT),
+    "num_experts_per_tok": HFSynonym("num_experts_per_token", "DeepSeek, Qwen-MoE, Mixtral, OLMoE, GLM-4.5 MoE, "
+                                     "Llama 4 and most others", _ABSENT_OR_DIFFERENT),
+    "moe_k": HFSynonym("num_experts_per_token", "ERNIE 4.5 MoE", _ABSENT_OR_DIFFERENT),
+    "moe_topk": HFSynonym("num_experts_per_token", "Hunyuan MoE", _ABSENT_OR_DIFFERENT),
+    "n_shared_experts": HFSynonym("num_shared_experts", "DeepSeek-V2/V3/V4, GLM-4.5 MoE, dots.llm1",
+                                  _ABSENT_OR_DIFFERENT),
+    "moe_num_shared_experts": HFSynonym("num_shared_experts", "ERNIE 4.5 MoE", _ABSENT_OR_DIFFERENT),
+    "shared_expert_intermediate_size": HFSynonym(
+        "num_shared_experts", "Qwen2-MoE (one shared expert of this width)", _SHARED_WIDTH),
+    "intermediate_size": HFSynonym(
+        "moe_intermediate_size", "Mixtral, OLMoE, Phi-MoE, Granite-MoE, MiniMax (each expert's width; in Kimi "
+        "and DeepSeek configurations it is the dense FFN's width, and K3's file has both)", _ABSENT),
+    "scoring_func": HFSynonym("moe_router_activation_func", "DeepSeek-V3 and V4", _ABSENT_OR_DIFFERENT),
+    "norm_topk_prob": HFSynonym("moe_renormalize", "DeepSeek, Qwen-MoE, OLMoE, GLM-4.5 MoE, dots.llm1",
+                                _ABSENT_OR_DIFFERENT),
+    "n_group": HFSynonym("num_expert_group", "DeepSeek-V2/V3, GLM-4.5 MoE, dots.llm1", _ABSENT_OR_DIFFERENT),
+    "decoder_sparse_step": HFSynonym(
+        "moe_layer_freq", "Qwen2/Qwen3-MoE (there layer L is MoE when L + 1 is a multiple of it)",
+        _ABSENT_OR_DIFFERENT),
+}
+
+
+#: The positive numbers float32, the layer's compute dtype, holds: its smallest subnormal and its largest value.
+FLOAT32_RANGE: tuple[float, float] = (float(np.finfo(np.float32).smallest_subnormal), float(np.finfo(np.float32).max))
+
+
+def _is_integer(value: Any) -> bool:
+    """An integer of any integral type (int, np.int64, ...), but not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+
+
+def _integer(value: Any, label: str, *, low: int) -> int:
+    """`value` as a Python int if it is an integer >= `low`; else a `ValueError` naming `label`."""
+    if not _is_integer(value) or value < low:
+        what = "a positive integer" if low == 1 else "a non-negative integer" if low == 0 else f"an integer >= {low}"
+        raise ValueError(f"{label} must be {what}, got {value!r}")
+    return int(value)
+
+
+def _factor(value: Any, label: str, *, allowed: str = "") -> float:
+    """`value` as a Python float if it is a positive real that float32 holds; else a `ValueError` naming `label`.
+
+    The layer computes in float32, so a factor float32 rounds to zero or to
+    infinity (1e308 as `routed_scaling_factor`) would make every output
+    non-finite; it is refused with the bound. `allowed` names the other values
+    the field takes (" or None").
+    """
+    is_real = isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+    try:
+        number = float(value) if is_real else math.nan
+    except OverflowError:  # an int beyond float64
+        number = math.inf
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{label} must be a positive finite number{allowed}, got {value!r}")
+    with np.errstate(over="ignore"):
+        in_float32 = np.float32(number)
+    if not 0 < in_float32 < np.inf:
+        low, high = FLOAT32_RANGE
+        raise ValueError(f"{label} must be a number float32 (the layer's compute dtype) holds: between {low:.4g} "
+                         f"and {high:.8g}, got {value!r}")
+    return number
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Sizes and switches of one Stable LatentMoE layer (defaults: Kimi K3).
 
     Construct with keywords, or with `MoEConfig.k3()`, `MoEConfig.tiny()` or
     `MoEConfig.from_hf_config(...)`. The instance is frozen and validated on
-    construction: sizes are positive integers, `top_k <= num_experts`,
-    `latent_size <= hidden_size`, and the activation and score function are
-    ones this package implements.
+    construction: sizes are positive integers of any integral type (NumPy's
+    included, not bool) and are stored as Python ints; factors are positive
+    reals of any type that float32 holds, stored as Python floats;
+    `top_k <= num_experts`, `latent_size <= hidden_size`, and the activation
+    and score function are ones this package implements.
     """
 
     hidden_size: int = 7168
@@ -165,14 +268,24 @@ class MoEConfig:
 
     # -- validation ----------------------------------------------------------
     def __post_init__(self) -> None:
+        # Sizes: any integral type (int, np.int64, ...; not bool), stored as a Python int.
         for name in ("hidden_size", "latent_size", "num_experts", "top_k", "intermediate_size",
                      "n_group", "topk_group", "num_moe_layers"):
+            self._store(name, _integer(getattr(self, name), f"MoEConfig.{name}", low=1))
+        self._store("num_shared_experts", _integer(self.num_shared_experts, "MoEConfig.num_shared_experts", low=0))
+        # Factors: any real type (float, np.float32, Fraction, ...), stored as a Python float.
+        for name in ("situ_beta", "situ_linear_beta", "rms_norm_eps", "routed_scaling_factor", "capacity_factor"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MoEConfig.{name} must be a positive integer, got {value!r}")
-        shared = self.num_shared_experts
-        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
-            raise ValueError(f"MoEConfig.num_shared_experts must be a non-negative integer, got {shared!r}")
+            if value is None and name in ("situ_linear_beta", "capacity_factor"):
+                continue  # None: the up branch is not capped / every assignment is served
+            allowed = {"situ_linear_beta": " or None", "capacity_factor": " or None (no dropping)"}.get(name, "")
+            self._store(name, _factor(value, f"MoEConfig.{name}", allowed=allowed))
+        # Switches must be real booleans: a JSON string "false" is truthy and would turn the norm on.
+        for name in ("renormalize", "use_latent_norm", "use_latent_projection", "hash_routing"):
+            value = getattr(self, name)
+            if not isinstance(value, bool | np.bool_):
+                raise TypeError(f"MoEConfig.{name} must be True or False, got {type(value).__name__} {value!r}")
+            self._store(name, bool(value))
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig.top_k must be <= num_experts={self.num_experts}, got {self.top_k}")
         if self.latent_size > self.hidden_size:
@@ -182,19 +295,9 @@ class MoEConfig:
             raise ValueError(
                 "MoEConfig.use_latent_projection=False needs latent_size == hidden_size (alpha = 1), "
                 f"got latent_size={self.latent_size}, hidden_size={self.hidden_size}")
-        for name in ("situ_beta", "situ_linear_beta", "rms_norm_eps", "routed_scaling_factor"):
-            value = getattr(self, name)
-            if name == "situ_linear_beta" and value is None:
-                continue  # the up branch is not capped (the reference code's meaning of an absent key)
-            is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-            if not (is_number and math.isfinite(value) and value > 0):
-                allowed = " or None" if name == "situ_linear_beta" else ""
-                raise ValueError(f"MoEConfig.{name} must be a positive finite number{allowed}, got {value!r}")
-        # Switches must be real booleans: a JSON string "false" is truthy and would turn the norm on.
-        for name in ("renormalize", "use_latent_norm", "use_latent_projection"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"MoEConfig.{name} must be True or False, got {type(value).__name__} {value!r}")
+        for name in ("score_function", "activation", "topk_method"):
+            if isinstance(getattr(self, name), str):
+                self._store(name, str(getattr(self, name)))  # a str subclass (np.str_) becomes a str
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"MoEConfig.topk_method must be one of {TOPK_METHODS}, got {self.topk_method!r}")
         if self.score_function not in SCORE_FUNCTIONS:
@@ -211,19 +314,16 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.top_k={self.top_k} exceeds the {self.topk_group} x "
                 f"{self.num_experts // self.n_group} experts that group-limited routing can reach")
-        # The switches of the other systems (the page "The other routers and balancers").
-        if self.capacity_factor is not None:
-            c = self.capacity_factor
-            if isinstance(c, bool) or not isinstance(c, numbers.Real) or not (math.isfinite(c) and c > 0):
-                raise ValueError(
-                    f"MoEConfig.capacity_factor must be None (no dropping) or a positive finite number, got {c!r}")
-        if not isinstance(self.hash_routing, bool):
-            raise TypeError(f"MoEConfig.hash_routing must be True or False, got "
-                            f"{type(self.hash_routing).__name__} {self.hash_routing!r}")
+        # The hash-routed layers of the other systems (the page "The other routers and balancers").
         hashed = self.num_hash_layers
-        if isinstance(hashed, bool) or not isinstance(hashed, int) or not 0 <= hashed <= self.num_moe_layers:
+        if not _is_integer(hashed) or not 0 <= hashed <= self.num_moe_layers:
             raise ValueError(f"MoEConfig.num_hash_layers must be an integer in [0, num_moe_layers="
                              f"{self.num_moe_layers}], got {hashed!r}")
+        self._store("num_hash_layers", int(hashed))
+
+    def _store(self, name: str, value: Any) -> None:
+        """Set field `name` of this frozen instance to its normalized value (validation only)."""
+        object.__setattr__(self, name, value)
 
     # -- presets -------------------------------------------------------------
     @classmethod
@@ -271,7 +371,7 @@ class MoEConfig:
     def deepseek_v4_flash(cls, *, hidden_size: int, **overrides: Any) -> MoEConfig:
         r"""A DeepSeek-V4 Flash MoE layer, as far as the sources give it; `hidden_size` is yours to choose.
 
-        Given by the textbook seed: one shared expert, 256 routed experts,
+        As DeepSeek-V4 is described: one shared expert, 256 routed experts,
         top-6, expert hidden size 2048, the $\sqrt{\operatorname{softplus}}$
         affinity, bias balancing (plus a small sequence-wise loss, which is
         training, not configuration), no node limit on routing (one group),
@@ -323,52 +423,52 @@ class MoEConfig:
         uncapped, `num_shared_experts: null` means none, and with `top_k = 1`
         the single weight is not renormalized. The dense layers
         (`first_k_dense_replace`, `moe_layer_freq`) are left out of
-        `num_moe_layers`. A configuration this package cannot compute is a
-        `ValueError` naming the key.
+        `num_moe_layers`, counted in closed form.
+
+        Every value is checked before it is used, and each error names the
+        key and the value: sizes must be integers (not booleans, floats or
+        strings), factors positive numbers that float32 holds, switches JSON
+        booleans, names one of those this package implements. A key that
+        other MoE configurations spell differently (`HF_SYNONYMS`:
+        DeepSeek's `n_routed_experts`, Mixtral's `num_local_experts`, ...)
+        is refused, naming the key found and the key expected, unless the
+        expected key is there too with the same value; it is never silently
+        replaced by a default. `TypeError` when `hf` is not a mapping;
+        `ValueError` for anything wrong inside it.
         """
         if not isinstance(hf, Mapping):
             raise TypeError(f"hf must be a mapping of Hugging Face config keys, got {type(hf).__name__}")
-        text = hf.get("text_config", hf)
-        if not isinstance(text, Mapping):
-            raise TypeError(f"hf['text_config'] must be a mapping, got {type(text).__name__}")
-        where = "hf['text_config']" if text is not hf else "hf"
-
-        defaults = {f.name: f.default for f in fields_of(cls)}
-
-        def get(field: str, key: str) -> Any:
-            # Present: as written. Absent: the reference code's meaning, or this class's default
-            # for a key the reference code does not have.
-            if key in text:
-                return text[key]
-            return HF_ABSENT[key] if key in HF_ABSENT else defaults[field]
-
+        if "text_config" in hf:
+            text, where = hf["text_config"], "hf['text_config']"
+            if not isinstance(text, Mapping):
+                raise ValueError(f"hf['text_config'] must be a mapping of the language model's keys, got "
+                                 f"{type(text).__name__} {_shown(text)}")
+        else:
+            text, where = hf, "hf"
+        _refuse_synonyms(text, where)
         for key in _HF_REQUIRED:
             if text.get(key) is None:
                 raise ValueError(f"{where}[{key!r}] is required (an MoE layer needs it), got "
                                  f"{'no such key' if key not in text else 'null'}")
-        act = get("activation", "hidden_act")
-        if not isinstance(act, str) or act not in _HF_ACTIVATION:
-            raise ValueError(f"{where}['hidden_act'] must be one of {sorted(_HF_ACTIVATION)}, got {act!r}")
-        fields: dict[str, Any] = {field: get(field, key) for field, key in HF_KEYS.items()}
-        fields["activation"] = _HF_ACTIVATION[act]
+        fields: dict[str, Any] = {field: _read_hf_key(text, key, where) for field, key in HF_KEYS.items()}
+        fields["activation"] = _HF_ACTIVATION[fields["activation"]]
         # No latent width: the reference code builds no projections and no norm (alpha = 1).
         if fields["latent_size"] is None:
             fields["latent_size"] = fields["hidden_size"]
             fields["use_latent_projection"] = False
             fields["use_latent_norm"] = False
-        # `beta or 1.0` in the reference: absent, null (and 0) all mean 1.0.
-        fields["situ_beta"] = fields["situ_beta"] or 1.0
-        # `num_shared_experts: null` means no shared-expert module at all.
-        if fields["num_shared_experts"] is None:
-            fields["num_shared_experts"] = 0
-        for field in ("n_group", "topk_group"):
-            if fields[field] is None:
-                fields[field] = 1
+        # `beta or 1.0` in the reference: absent, null and 0 all mean 1.0.
+        if fields["situ_beta"] is None:
+            fields["situ_beta"] = 1.0
         # The reference gate renormalizes only when top_k > 1: one weight stays the raw score.
         if fields["top_k"] == 1:
             fields["renormalize"] = False
-        fields["num_moe_layers"] = _count_moe_layers(text, where)
-        return cls(**fields)
+        fields["num_moe_layers"] = _count_hf_moe_layers(text, where)
+        try:
+            return cls(**fields)
+        except (TypeError, ValueError) as exc:  # a combination of keys no layer has (top_k > num_experts, ...)
+            raise ValueError(f"{where} describes no layer this package computes: {exc}"
+                             f"{_keys_of_fields_in(str(exc))}") from None
 
     def to_hf_config(self, *, nested: bool = False) -> dict[str, Any]:
         """The Hugging Face keys for this config, the inverse of `from_hf_config`.
@@ -430,22 +530,145 @@ HF_ABSENT: dict[str, Any] = {
 _HF_REQUIRED = ("hidden_size", "num_experts", "num_experts_per_token", "moe_intermediate_size")
 
 
-def _count_moe_layers(text: Mapping[str, Any], where: str) -> int:
-    """The MoE layers among `num_hidden_layers`: layer L is MoE iff L >= first_k_dense_replace and L % freq == 0."""
-    total = text.get("num_hidden_layers")
-    first_dense = text.get("first_k_dense_replace", 0)
-    freq = text.get("moe_layer_freq", 1)
+# What a null value means, for the keys where the reference code gives null a meaning; elsewhere it is an error.
+_HF_NULL: dict[str, Any] = {
+    "routed_expert_hidden_size": None,  # no latent
+    "num_shared_experts": 0,
+    "activation_situ_beta": 1.0,
+    "activation_situ_linear_beta": None,  # the up branch is not capped
+    "num_expert_group": 1,
+    "topk_group": 1,
+}
+
+# How each key's value is checked: ("integer", lower bound), ("factor", None), ("switch", None) or
+# ("choice", the names allowed).
+_HF_KINDS: dict[str, tuple[str, Any]] = {
+    "hidden_size": ("integer", 1),
+    "routed_expert_hidden_size": ("integer", 1),
+    "num_experts": ("integer", 1),
+    "num_experts_per_token": ("integer", 1),
+    "moe_intermediate_size": ("integer", 1),
+    "num_shared_experts": ("integer", 0),
+    "activation_situ_beta": ("factor", None),
+    "activation_situ_linear_beta": ("factor", None),
+    "rms_norm_eps": ("factor", None),
+    "moe_router_activation_func": ("choice", SCORE_FUNCTIONS),
+    "moe_renormalize": ("switch", None),
+    "routed_scaling_factor": ("factor", None),
+    "latent_moe_use_norm": ("switch", None),
+    "topk_method": ("choice", TOPK_METHODS),
+    "num_expert_group": ("integer", 1),
+    "topk_group": ("integer", 1),
+    "hidden_act": ("choice", tuple(_HF_ACTIVATION)),
+    "num_hidden_layers": ("integer", 1),
+    "first_k_dense_replace": ("integer", 0),
+    "moe_layer_freq": ("integer", 1),
+}
+
+
+def _shown(value: Any, width: int = 60) -> str:
+    """`repr(value)`, cut to `width` characters for an error message."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _read_hf_key(text: Mapping[str, Any], key: str, where: str, absent: Any = None) -> Any:
+    """The value of `key` in `text`, checked by its kind, with the meaning of an absent or null key.
+
+    An absent key means `HF_ABSENT[key]` (or `absent` for a key that table
+    does not hold); null means `_HF_NULL[key]`, or is an error.
+    """
+    label = f"{where}[{key!r}]"
+    if key not in text:
+        return HF_ABSENT.get(key, absent)
+    value = text[key]
+    if value is None:
+        if key in _HF_NULL:
+            return _HF_NULL[key]
+        default = HF_ABSENT.get(key, absent)
+        raise ValueError(f"{label} must not be null: write its value, or leave the key out (meaning {default!r})")
+    kind, option = _HF_KINDS[key]
+    if kind == "integer":
+        return _integer(value, label, low=option)
+    if kind == "factor":
+        if key == "activation_situ_beta" and _is_real(value) and value == 0:
+            return 1.0  # the reference's `beta or 1.0`: 0 means 1.0, as null does
+        return _factor(value, label, allowed=" or null" if key in _HF_NULL else "")
+    if kind == "switch":
+        if not isinstance(value, bool):
+            raise ValueError(f"{label} must be true or false, got {type(value).__name__} {_shown(value)}")
+        return value
+    if not isinstance(value, str) or value not in option:
+        raise ValueError(f"{label} must be one of {sorted(option)}, got {_shown(value)}")
+    return value
+
+
+def _is_real(value: Any) -> bool:
+    """A real number of any type (int, float, np.float32, Fraction, ...), but not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+
+
+def _keys_of_fields_in(message: str) -> str:
+    """' (in config.json: top_k is 'num_experts_per_token', ...)' for the fields a message names."""
+    named = [field for field in HF_KEYS if re.search(rf"\b{field}\b", message)]
+    if not named:
+        return ""
+    return " (in config.json: " + ", ".join(f"{field} is {HF_KEYS[field]!r}" for field in named) + ")"
+
+
+def _refuse_synonyms(text: Mapping[str, Any], where: str) -> None:
+    """Raise one `ValueError` listing every key of `HF_SYNONYMS` in `text` that its rule refuses."""
+    problems = []
+    for found, synonym in HF_SYNONYMS.items():
+        if found not in text:
+            continue
+        expected, value = synonym.expected, text[found]
+        spelled = f"{where}[{found!r}] = {_shown(value)} (the spelling of {synonym.used_by})"
+        if expected not in text:
+            problems.append(f"{spelled}, but no {expected!r}, the key this package reads: rename the key, "
+                            f"or add {expected!r} with the value meant")
+        elif synonym.refused_when == _ABSENT_OR_DIFFERENT and not _same(value, text[expected]):
+            problems.append(f"{spelled} disagrees with {where}[{expected!r}] = {_shown(text[expected])}")
+        elif synonym.refused_when == _SHARED_WIDTH:
+            shared, width = text[expected], text.get("moe_intermediate_size")
+            if _is_integer(shared) and _is_integer(width) and not _same(value, shared * width):
+                problems.append(f"{spelled} is not num_shared_experts x moe_intermediate_size = "
+                                f"{shared} x {width} = {shared * width}")
+    if problems:
+        raise ValueError(f"{where} uses keys of other MoE configurations: " + "; ".join(problems))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values of the same JSON kind (true is not 1)."""
+    return isinstance(a, bool | np.bool_) == isinstance(b, bool | np.bool_) and a == b
+
+
+def _count_hf_moe_layers(text: Mapping[str, Any], where: str) -> int:
+    """`count_moe_layers` of the keys in `text`, each checked; 1 when `num_hidden_layers` is absent or null."""
+    total = _read_hf_key(text, "num_hidden_layers", where)
+    first_dense = _read_hf_key(text, "first_k_dense_replace", where, absent=0)
+    freq = _read_hf_key(text, "moe_layer_freq", where, absent=1)
     if total is None:
         return 1  # a single layer described on its own
-    for key, value, low in (("num_hidden_layers", total, 1), ("first_k_dense_replace", first_dense, 0),
-                            ("moe_layer_freq", freq, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{where}[{key!r}] must be an integer >= {low}, got {value!r}")
-    count = sum(1 for layer in range(total) if is_moe_layer(layer, first_dense, freq))
+    count = count_moe_layers(total, first_dense, freq)
     if count == 0:
-        raise ValueError(f"{where} has no MoE layer: num_hidden_layers={total}, "
-                         f"first_k_dense_replace={first_dense}, moe_layer_freq={freq}")
+        raise ValueError(f"{where} has no MoE layer: {where}['num_hidden_layers'] = {total}, "
+                         f"{where}['first_k_dense_replace'] = {first_dense} and {where}['moe_layer_freq'] = {freq} "
+                         "leave no layer L >= first_k_dense_replace that is a multiple of moe_layer_freq")
     return count
+
+
+def count_moe_layers(num_hidden_layers: int, first_k_dense_replace: int = 0, moe_layer_freq: int = 1) -> int:
+    r"""How many of the layers $0, \dots, N - 1$ are MoE layers (`is_moe_layer`), in closed form.
+
+    Layer $L$ is MoE when $L \ge f$ (`first_k_dense_replace`) and $q$
+    (`moe_layer_freq`) divides $L$: the multiples of $q$ in $[f, N - 1]$.
+    Counting them instead of looping keeps a configuration with $10^{18}$
+    layers as quick to read as K3's 93.
+    """
+    N, f, q = num_hidden_layers, first_k_dense_replace, moe_layer_freq
+    # $$\#\{L < N : L \ge f,\ q \mid L\} = \max\left(0,\ \lfloor (N-1)/q \rfloor - \lceil f/q \rceil + 1\right)$$
+    return max(0, (N - 1) // q - (-(-f // q)) + 1)
 
 
 def is_moe_layer(layer: int, first_k_dense_replace: int = 0, moe_layer_freq: int = 1) -> bool:

@@ -1,7 +1,7 @@
 r"""OCP microscaling: the MXFP4 weights and MXFP8 activations of K3's deployment.
 
 K3 ships its routed experts in **MXFP4** and runs their inputs in **MXFP8**
-(SPEC §7). Both are *microscaling* formats of the OCP Microscaling
+in deployment. Both are *microscaling* formats of the OCP Microscaling
 specification v1.0: a block of 32 consecutive values shares one scale, a
 power of two stored as an 8-bit exponent (**E8M0**), and each value keeps
 only a tiny float of its own:
@@ -43,8 +43,20 @@ holds two codes, the fast path looks each **byte** up in a 256-entry table of
 value pairs (one gather gives both columns) and multiplies each block by its
 scale. Multiplying by a power of two is exact, so the decoded weights are
 exactly the stored ones in float32 (and in bfloat16, whose exponent range is
-float32's). The tests check this against compressed-tensors' own decoder
-bit for bit on random bytes.
+float32's) as long as they fit. The tests check this against
+compressed-tensors' own decoder bit for bit on random bytes.
+
+Two scale bytes need care, and the decoder refuses to guess:
+
+* **Byte 255 is E8M0's NaN**: a block with that scale has no value. Decoding
+  it is a `ValueError` that says where it is, never 32 NaNs slipped into a
+  weight matrix (`load_hf_layer` adds the tensor and the expert).
+* **The top of the range does not fit in float32.** Scale byte 254 is
+  $2^{127}$, and the largest element 6 makes $6 \cdot 2^{127} \approx
+  1.02 \times 10^{39}$, beyond float32's $3.4 \times 10^{38}$ (bytes 253 and 254
+  are the only ones that can overflow). compressed-tensors returns infinity
+  there; `mxfp4_decode` raises a `ValueError` that names the byte, the value
+  and the fix, `dtype=np.float64`, in which every MXFP4 value is exact.
 
 ## Encoding: which scale
 
@@ -68,9 +80,9 @@ that it reproduces compressed-tensors' encoder; the tests check that its bytes
 equal compressed-tensors' on random weights. Each scaled value then rounds to
 the nearest E2M1 value, ties to the even code (magnitudes in $(6, 7)$ round
 down to 6). An all-zero block gets scale byte 0 (the exponent $-\infty$
-clamped to E8M0's smallest, $2^{-127}$); exponents outside E8M0's range
-$[-127, 127]$ are clamped the same way, so blocks of very small values flush
-to zero.
+clamped to E8M0's smallest, $2^{-127}$); blocks of values so small that
+their exponent would fall below $-127$ get that smallest scale too, and their
+values round to the nearest multiple of $2^{-128}$ (most to zero).
 
 ## MXFP8 for the activations
 
@@ -91,6 +103,32 @@ MXFP4, above). The result is a float32 array of values that MXFP8 can hold,
 and rounding such an array again changes nothing (the tests check it). This
 is how the deployment precision of `stable_latent_moe` feeds each expert
 product: quantize–dequantize, then float32 arithmetic.
+
+## Numbers at the edges
+
+An encoder that meets a number it cannot represent must say so or saturate;
+it must never hand back a finite value that is wrong by more than its
+rounding, or an infinity for a finite input. The encoders here compute in
+float32 (float64 for float64 input) and follow three rules:
+
+* **Non-finite input** (NaN, $\pm\infty$) is a `ValueError` that counts the
+  entries.
+* **Finite input the arithmetic cannot hold** is a `ValueError` naming the
+  argument and its largest magnitude. Finiteness is checked on what the
+  arithmetic sees, after the cast: a float64 $10^{39}$ is finite, but it is
+  infinity in the float32 that `mxfp8_round` computes in. For MXFP4, whose
+  largest value is $6 \cdot 2^{127}$, a float64 block whose maximum needs a
+  scale above $2^{127}$ (a maximum of $7 \cdot 2^{127} \approx 1.19 \times
+  10^{39}$ or more) is refused rather than clipped to a tenth of its size.
+* **Rounding up past the largest float**: a float32 value within a rounding
+  step of float32's maximum rounds to $2^{128}$, which float32 cannot hold
+  (`mxfp4_encode` on $3.4 \times 10^{38}$ would pick code 4 at scale
+  $2^{126}$; `mxfp8_round` would round $255.99 \cdot 2^{120}$ to the E4M3 value
+  256). Such an element **saturates**: it takes the next code down, the
+  largest value of its block that float32 holds, still within the error bound
+  of one step $X$. So every finite float32 input encodes to values that
+  decode to finite float32 values, and the tests draw inputs across float32's
+  whole range to check it.
 """
 
 from __future__ import annotations
@@ -125,18 +163,60 @@ _E4M3_MAX, _E4M3_EMAX = 448.0, 8
 _E8M0_MIN, _E8M0_MAX = -127, 127
 
 
+#: The dtypes a decoder may return: the real floating types, bfloat16 included.
+FLOAT_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16,
+                                                                    np.float32, np.float64))
+
+
 def _check_blocks(name: str, x: Any, *, kind: str) -> np.ndarray:
-    """`x` as a NumPy array whose last axis is a positive multiple of 32; `kind` is 'float' or 'uint8'."""
+    """`x` as a NumPy array with at least one axis; `kind` is 'float' or 'uint8'."""
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     x = np.asarray(x)
     if kind == "uint8" and x.dtype != np.uint8:
         raise TypeError(f"{name} must be a uint8 array, got dtype {x.dtype}")
-    if kind == "float" and not (np.issubdtype(x.dtype, np.floating) or x.dtype == ml_dtypes.bfloat16):
+    if kind == "float" and np.dtype(x.dtype) not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be a real floating array, got dtype {x.dtype}")
     if x.ndim < 1:
         raise ValueError(f"{name} must have at least one axis, got a scalar")
     return x
+
+
+def check_float_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
+    """`dtype` as a NumPy dtype if it is a real floating type (float16, bfloat16, float32, float64).
+
+    Anything else is a `TypeError` naming the argument: decoding into an
+    integer type would truncate every weight to zero or a small integer.
+    """
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name} must be a floating dtype (float16, bfloat16, float32 or float64), "
+                        f"got {dtype!r}") from None
+    if resolved not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating dtype (float16, bfloat16, float32 or float64), "
+                        f"got {resolved.name}")
+    return resolved
+
+
+def _in_working_dtype(name: str, x: np.ndarray, work: type) -> np.ndarray:
+    """`x` cast to `work`, refusing non-finite entries and finite ones that the cast turns into infinity.
+
+    Finiteness is checked twice: on the input, and on what the arithmetic
+    will see, since a finite float64 such as 1e39 is infinity in float32.
+    """
+    finite = np.isfinite(x)
+    if not np.all(finite):
+        raise ValueError(f"{name} must be finite, got {int(np.sum(~finite))} non-finite entries")
+    with np.errstate(over="ignore"):
+        cast = x.astype(work, copy=False)
+    if not np.all(np.isfinite(cast)):
+        largest = float(np.max(np.abs(x.astype(np.float64))))
+        raise ValueError(
+            f"{name} holds values beyond {np.dtype(work).name}'s range, which this function computes in: "
+            f"largest magnitude {largest:.6g}, and {np.dtype(work).name} holds at most "
+            f"{float(np.finfo(work).max):.8g}")
+    return cast
 
 
 # ---------------------------------------------------------------------------
@@ -149,7 +229,7 @@ def e2m1_decode(codes: np.ndarray) -> np.ndarray:
 
 
 def e8m0_decode(scale: np.ndarray) -> np.ndarray:
-    r"""The float32 value $2^{s - 127}$ of each E8M0 byte $s$ (255 gives NaN)."""
+    r"""The float32 value $2^{s - 127}$ of each E8M0 byte $s$ (255 gives NaN; every other byte is exact)."""
     scale = np.asarray(scale, dtype=np.uint8)
     return scale.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
 
@@ -161,12 +241,11 @@ def _floor_log2(a: np.ndarray) -> np.ndarray:
     return e.astype(np.int32) - 1
 
 
-def mxfp4_scale_exponent(amax: np.ndarray) -> np.ndarray:
-    r"""The shared exponent $\log_2 X$ of MXFP4 blocks with maxima `amax` (compressed-tensors' rule).
+def _mxfp4_exponent(amax: np.ndarray) -> np.ndarray:
+    r"""compressed-tensors' MXFP4 exponent of blocks with maxima `amax`, before E8M0's range is applied.
 
-    $e = \lfloor \log_2 a \rfloor - 2$, plus one when $a \ge 1.75 \cdot 2^{\lfloor \log_2 a \rfloor}$
-    (the maximum would round to 8 or more), clamped to E8M0's $[-127, 127]$;
-    an all-zero block gets $-127$. Returns int32 exponents.
+    $e = \lfloor \log_2 a \rfloor - 2$, plus one when the mantissa of $a$ is
+    at least 1.75; an all-zero block gets $-127$.
     """
     amax = np.asarray(amax)
     positive = amax > 0
@@ -177,8 +256,17 @@ def mxfp4_scale_exponent(amax: np.ndarray) -> np.ndarray:
     e = e + (mantissa >= 1.75)
     # $$X = 2^{\lfloor \log_2 \operatorname{round}_1(a) \rfloor - 2}$$
     e = e - _E2M1_EMAX
-    e = np.where(positive, e, _E8M0_MIN)
-    return np.clip(e, _E8M0_MIN, _E8M0_MAX).astype(np.int32)
+    return np.where(positive, e, _E8M0_MIN).astype(np.int32)
+
+
+def mxfp4_scale_exponent(amax: np.ndarray) -> np.ndarray:
+    r"""The shared exponent $\log_2 X$ of MXFP4 blocks with maxima `amax` (compressed-tensors' rule).
+
+    $e = \lfloor \log_2 a \rfloor - 2$, plus one when $a \ge 1.75 \cdot 2^{\lfloor \log_2 a \rfloor}$
+    (the maximum would round to 8 or more), clamped to E8M0's $[-127, 127]$;
+    an all-zero block gets $-127$. Returns int32 exponents.
+    """
+    return np.clip(_mxfp4_exponent(amax), _E8M0_MIN, _E8M0_MAX).astype(np.int32)
 
 
 # ---------------------------------------------------------------------------
@@ -192,38 +280,66 @@ def mxfp4_encode(w: Any) -> tuple[np.ndarray, np.ndarray]:
     column) and `scale` uint8 `[..., K/32]` (E8M0 bytes), the layout of
     compressed-tensors' `weight_packed` and `weight_scale`. The scale rule is
     compressed-tensors' (see the page); values round to the nearest E2M1
-    value, ties to even. Raises on non-finite input.
+    value, ties to even. Computes in float32 (float64 for float64 input).
+
+    Raises `ValueError` for non-finite input and for a float64 block whose
+    maximum lies beyond MXFP4's range (it would need a scale above
+    2^127). An element whose nearest MXFP4 value float32 cannot hold
+    (within a rounding step of float32's largest value) saturates to the next
+    code down, so the result always decodes to finite values in the working
+    dtype.
     """
     w = _check_blocks("w", w, kind="float")
     K = w.shape[-1]
     if K % MX_BLOCK:
         raise ValueError(f"w must have a last axis that is a multiple of {MX_BLOCK}, got shape {list(w.shape)}")
-    if not np.all(np.isfinite(w)):
-        raise ValueError(f"w must be finite, got {int(np.sum(~np.isfinite(w)))} non-finite entries")
     work = np.float64 if w.dtype == np.float64 else np.float32
-    blocks = w.astype(work).reshape(*w.shape[:-1], K // MX_BLOCK, MX_BLOCK)  # [..., K/32, 32]
+    blocks = _in_working_dtype("w", w, work).reshape(*w.shape[:-1], K // MX_BLOCK, MX_BLOCK)  # [..., K/32, 32]
     # One exponent per block of 32, from the block's largest magnitude.
-    e = mxfp4_scale_exponent(np.max(np.abs(blocks), axis=-1))  # [..., K/32]
+    amax = np.max(np.abs(blocks), axis=-1)  # [..., K/32]
+    e = _mxfp4_exponent(amax)
+    if np.any(e > _E8M0_MAX):
+        raise ValueError(
+            f"w holds values beyond MXFP4's range: largest magnitude {float(np.max(amax)):.6g}, and the "
+            f"format's largest value is 6 * 2^127 = {6 * 2.0**127:.6g} (values below 7 * 2^127 round to it)")
+    e = np.maximum(e, _E8M0_MIN)  # tiny blocks: the smallest scale, their values round towards zero
     # $$P_j = \operatorname{round}_{\text{E2M1}}(w_j / X)$$ (ties to even, saturating at 6)
     scaled = np.ldexp(blocks, -e[..., None])  # exact: a power of two
-    codes = np.clip(scaled, -_E2M1_MAX, _E2M1_MAX).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
-    codes = codes.reshape(*w.shape[:-1], K // 2, 2) & 0x0F  # [..., K/2, 2]
+    codes = np.clip(scaled, -_E2M1_MAX, _E2M1_MAX).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0x0F
+    codes = _saturate_mxfp4_codes(codes, e, work)  # [..., K/32, 32]
+    codes = codes.reshape(*w.shape[:-1], K // 2, 2)  # [..., K/2, 2]
     # Two codes a byte: even column in the low nibble, odd column in the high nibble.
     packed = codes[..., 0] | (codes[..., 1] << 4)  # [..., K/2]
     scale = (e + 127).astype(np.uint8)  # [..., K/32], E8M0 bytes
     return packed.astype(np.uint8), scale
 
 
-def mxfp4_decode_reference(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    r"""Decode MXFP4 as the format is defined, nibble by nibble: $w_j = 2^{s-127} P_j$ (float32).
+def _saturate_mxfp4_codes(codes: np.ndarray, e: np.ndarray, work: type) -> np.ndarray:
+    r"""Step down every code whose value $X P_j$ is beyond the largest finite value of `work`.
 
-    The readable version of `mxfp4_decode`, kept for teaching and tests.
+    Only blocks at the very top of float32's range can hold one: code 4 at
+    scale $2^{126}$ is $2^{128}$. The next code down (3, so $1.5 \cdot 2^{127}$)
+    is within one step $X$ of the input, the encoder's error bound.
+    """
+    limit = float(np.finfo(work).max)
+    if not np.any(np.ldexp(_E2M1_MAX, e) > limit):  # the usual case: no block comes near
+        return codes
+    value = np.ldexp(E2M1_VALUES[codes & 0x07].astype(np.float64), e[..., None])  # [..., K/32, 32], |X P_j|
+    return np.where(value > limit, codes - 1, codes).astype(np.uint8)  # magnitude - 1, the sign bit kept
+
+
+def mxfp4_decode_reference(packed: np.ndarray, scale: np.ndarray, dtype: Any = np.float32) -> np.ndarray:
+    r"""Decode MXFP4 as the format is defined, nibble by nibble: $w_j = 2^{s-127} P_j$ in `dtype`.
+
+    The readable version of `mxfp4_decode`, kept for teaching and tests. It
+    is the bare formula: it checks nothing, so scale byte 255 gives NaN and a
+    product beyond `dtype`'s range gives infinity; `mxfp4_decode` refuses both.
     """
     low = packed & 0x0F  # [..., K/2], even columns
     high = packed >> 4  # [..., K/2], odd columns
     codes = np.stack([low, high], axis=-1).reshape(*packed.shape[:-1], -1)  # [..., K]
-    P = e2m1_decode(codes)  # [..., K]
-    X = e8m0_decode(scale)  # [..., K/32]
+    P = e2m1_decode(codes).astype(dtype)  # [..., K]
+    X = e8m0_decode(scale).astype(dtype)  # [..., K/32]
     # $$w_j = X\, P_j$$
     with np.errstate(over="ignore"):
         return (P.reshape(*scale.shape, MX_BLOCK) * X[..., None]).reshape(P.shape)
@@ -237,28 +353,66 @@ _PAIRS: np.ndarray = np.stack(
 
 
 def mxfp4_decode(packed: Any, scale: Any, dtype: Any = np.float32) -> np.ndarray:
-    """Decode MXFP4 `packed` `[..., K/2]` with `scale` `[..., K/32]` into `[..., K]` values of `dtype`.
+    r"""Decode MXFP4 `packed` `[..., K/2]` with `scale` `[..., K/32]` into `[..., K]` values of `dtype`.
 
     The inverse of `mxfp4_encode` on every representable value and the same
     bytes-to-values map as compressed-tensors' decoder. Fast path: a
     256-entry table turns each byte into its two float32 values in one
     gather, then each block of 32 is multiplied by its power-of-two scale
-    (exact). Scale byte 255 (E8M0's NaN) decodes to NaN.
+    (exact). `dtype` is float32 (default), bfloat16, float16 or float64; in
+    float64 every MXFP4 value is exact.
+
+    Raises `ValueError` for a scale byte 255 (E8M0's NaN: the block has no
+    value) and for a value `dtype` cannot hold (scale bytes 253 and 254 in
+    float32 or bfloat16 can reach $6 \cdot 2^{127}$; decode those with
+    `dtype=np.float64`), naming the block; `TypeError` for a `dtype` that is
+    not floating.
     """
     packed = _check_blocks("packed", packed, kind="uint8")
     scale = _check_blocks("scale", scale, kind="uint8")
+    dtype = check_float_dtype(dtype)
     if packed.shape[:-1] != scale.shape[:-1] or packed.shape[-1] * 2 != scale.shape[-1] * MX_BLOCK:
         raise ValueError(
             f"packed [..., K/2] and scale [..., K/32] must describe the same K: got packed "
             f"{list(packed.shape)} and scale {list(scale.shape)} (expected scale "
             f"{list(packed.shape[:-1]) + [packed.shape[-1] * 2 // MX_BLOCK]})")
+    nan_blocks = scale == 255
+    if np.any(nan_blocks):
+        first = tuple(int(i) for i in np.argwhere(nan_blocks)[0])
+        raise ValueError(f"scale holds the E8M0 NaN byte 255 in {int(nan_blocks.sum())} block(s), the first "
+                         f"at scale index {list(first)}: a block with that scale has no value")
+    work = np.float64 if dtype == np.float64 else np.float32
     # [..., K/2] bytes -> [..., K/2] pairs of float32 -> [..., K/32, 32] values
-    values = np.take(_PAIRS, packed).view(np.float32).reshape(*scale.shape, MX_BLOCK)
-    # $$w_j = 2^{s - 127} P_j$$, block by block (overflow to infinity is the format's own answer)
+    values = np.take(_PAIRS, packed).view(np.float32).reshape(*scale.shape, MX_BLOCK).astype(work, copy=False)
+    # $$w_j = 2^{s - 127} P_j$$, block by block (overflow is looked for below, where it can happen)
     with np.errstate(over="ignore"):
-        values *= e8m0_decode(scale)[..., None]
-    out = values.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-    return out if np.dtype(dtype) == np.float32 else out.astype(dtype)
+        values *= e8m0_decode(scale).astype(work)[..., None]
+        out = values.reshape(*packed.shape[:-1], packed.shape[-1] * 2).astype(dtype, copy=False)
+    if scale.size and int(scale.max()) >= _first_overflowing_byte(dtype):
+        _refuse_overflow(out, scale, dtype)
+    return out
+
+
+def _first_overflowing_byte(dtype: np.dtype) -> int:
+    r"""The smallest scale byte $s$ whose block can exceed `dtype`: $6 \cdot 2^{s - 127}$ > its largest value."""
+    # $$6 \cdot 2^{s-127} > M \iff s > 127 + \log_2(M / 6)$$
+    _, exponent = np.frexp(float(ml_dtypes.finfo(dtype).max) / _E2M1_MAX)  # M/6 = m 2^exponent, m in [0.5, 1)
+    return 127 + int(exponent)
+
+
+def _refuse_overflow(out: np.ndarray, scale: np.ndarray, dtype: np.dtype) -> None:
+    """Raise if a decoded value overflowed to infinity, naming the block, its scale byte and the value."""
+    overflow = np.isinf(out)
+    if not np.any(overflow):
+        return
+    where = tuple(int(i) for i in np.argwhere(overflow)[0])  # one element of a block that overflowed
+    block = where[:-1] + (where[-1] // MX_BLOCK,)
+    s = int(scale[block])
+    raise ValueError(
+        f"MXFP4 values overflow {dtype.name}: the block at scale index {list(block)} has scale byte {s} "
+        f"(2^{s - 127}), and one of its values is beyond {dtype.name}'s largest "
+        f"{float(ml_dtypes.finfo(dtype).max):.6g} (MXFP4 reaches 6 * 2^127 = {6 * 2.0**127:.6g}); "
+        f"decode with dtype=np.float64, which holds every MXFP4 value exactly")
 
 
 # ---------------------------------------------------------------------------
@@ -290,16 +444,27 @@ def mxfp8_round(x: Any) -> np.ndarray:
     element is clipped), elements rounded to E4M3, ties to even. A last axis
     that is not a multiple of 32 is an error: the format has no partial
     blocks. Idempotent: `mxfp8_round(mxfp8_round(x)) == mxfp8_round(x)`.
+
+    Computes in float32: non-finite input, and finite input beyond float32's
+    range (a float64 1e39), is a `ValueError`. An element that would round up
+    past float32's largest value saturates to the next E4M3 value down, so a
+    finite input never comes back infinite.
     """
     x = _check_blocks("x", x, kind="float")
     K = x.shape[-1]
     if K % MX_BLOCK:
         raise ValueError(f"x must have a last axis that is a multiple of {MX_BLOCK}, got shape {list(x.shape)}")
-    if not np.all(np.isfinite(x)):
-        raise ValueError(f"x must be finite, got {int(np.sum(~np.isfinite(x)))} non-finite entries")
-    blocks = x.astype(np.float32).reshape(*x.shape[:-1], K // MX_BLOCK, MX_BLOCK)  # [..., K/32, 32]
+    blocks = _in_working_dtype("x", x, np.float32).reshape(*x.shape[:-1], K // MX_BLOCK, MX_BLOCK)  # [..., K/32, 32]
     e = mxfp8_scale_exponent(np.max(np.abs(blocks), axis=-1))[..., None]  # [..., K/32, 1]
     # $$x_j \approx X \operatorname{round}_{\text{E4M3}}(x_j / X)$$ (the clip only guards the E8M0 clamp)
     scaled = np.clip(np.ldexp(blocks, -e), -_E4M3_MAX, _E4M3_MAX)
-    rounded = scaled.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    return np.ldexp(rounded, e).reshape(x.shape)
+    rounded = scaled.astype(ml_dtypes.float8_e4m3fn)  # [..., K/32, 32]
+    with np.errstate(over="ignore"):
+        out = np.ldexp(rounded.astype(np.float32), e)
+    overflow = np.isinf(out)
+    if np.any(overflow):
+        # Saturate: 256 * 2^120 = 2^128 is the only product that can overflow; step to the code below (240).
+        codes = rounded.view(np.uint8).copy()
+        codes[overflow] -= 1  # one E4M3 code down in magnitude, the sign bit (bit 7) kept
+        out = np.ldexp(codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32), e)
+    return out.reshape(x.shape)

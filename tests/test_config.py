@@ -1,17 +1,20 @@
-"""Tests of `MoEConfig`: the K3 numbers, presets, validation and the Hugging Face keys of SPEC §0."""
+"""Tests of `MoEConfig`: the K3 numbers, presets, validation, and the Hugging Face keys of the released config."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from fractions import Fraction
 
+import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
-from refimpl.config import HF_KEYS, MoEConfig
+from refimpl.config import HF_KEYS, HF_SYNONYMS, MoEConfig, count_moe_layers, is_moe_layer
 
-# SPEC §0, typed in from the table: HF key -> K3 value.
+# K3's layer keys and values, typed in from the released configuration: HF key -> K3 value.
 K3_HF = {
     "hidden_size": 7168,
     "routed_expert_hidden_size": 3584,
@@ -156,7 +159,7 @@ def test_from_hf_config_errors():
         MoEConfig.from_hf_config(dict(K3_HF, hidden_act=["situ"]))
     with pytest.raises(ValueError, match=r"num_experts_per_token|top_k must be <= num_experts=896, got 900"):
         MoEConfig.from_hf_config(dict(K3_HF, num_experts_per_token=900))
-    with pytest.raises(TypeError, match=r"use_latent_norm must be True or False, got str 'false'"):
+    with pytest.raises(ValueError, match=r"hf\['latent_moe_use_norm'\] must be true or false, got str 'false'"):
         MoEConfig.from_hf_config(dict(K3_HF, latent_moe_use_norm="false"))
 
 
@@ -191,11 +194,11 @@ def test_hf_round_trip(config):
 
 
 # ---------------------------------------------------------------------------
-# The reference code's semantics (SPEC §9.1); the forward-pass comparisons with a
+# The reference code's semantics; the forward-pass comparisons with a
 # transcription of the reference block are in test_checkpoint.py
 # ---------------------------------------------------------------------------
 
-# K3's config.json, nested as released: the keys of SPEC §0 and §9.1 (vision keys left out).
+# K3's config.json, nested as released (vision keys left out).
 K3_CONFIG_JSON = {
     "model_type": "kimi_k3",
     "text_config": dict(
@@ -265,7 +268,297 @@ def test_configs_the_reference_cannot_express():
         MoEConfig.from_hf_config({"text_config": {"hidden_size": 8, "num_experts": 4, "num_experts_per_token": 2}})
     with pytest.raises(ValueError, match=r"has no MoE layer"):
         MoEConfig.from_hf_config(dict(K3_HF, num_hidden_layers=2, first_k_dense_replace=2))
-    with pytest.raises(TypeError, match=r"hf\['text_config'\] must be a mapping, got list"):
+    with pytest.raises(ValueError, match=r"hf\['text_config'\] must be a mapping of the language model's keys, "
+                                         r"got list \[\]"):
         MoEConfig.from_hf_config({"text_config": []})
-    with pytest.raises(ValueError, match=r"situ_linear_beta must be a positive finite number or None, got 0"):
+    with pytest.raises(ValueError, match=r"hf\['text_config'\] must be a mapping .*got NoneType None"):
+        MoEConfig.from_hf_config({"text_config": None})
+    with pytest.raises(ValueError, match=r"hf\['activation_situ_linear_beta'\] must be a positive finite number "
+                                         r"or null, got 0"):
         MoEConfig.from_hf_config(dict(K3_HF, activation_situ_linear_beta=0))
+
+
+# ---------------------------------------------------------------------------
+# Numbers of any type, stored as Python numbers; factors float32 can hold
+# ---------------------------------------------------------------------------
+
+SIZES = ("hidden_size", "latent_size", "num_experts", "top_k", "intermediate_size", "num_shared_experts",
+         "n_group", "topk_group", "num_moe_layers", "num_hash_layers")
+
+
+@pytest.mark.parametrize("kind", [np.int64, np.int32, np.uint8, np.int16, int])
+def test_sizes_accept_any_integral_type_and_store_ints(kind):
+    plain = dict(hidden_size=8, latent_size=4, num_experts=6, top_k=2, intermediate_size=6, num_shared_experts=1,
+                 n_group=3, topk_group=2, num_moe_layers=2, num_hash_layers=1)
+    c = MoEConfig(**{name: kind(value) for name, value in plain.items()})
+    assert c == MoEConfig(**plain)
+    for name in SIZES:
+        assert type(getattr(c, name)) is int, name
+
+
+@pytest.mark.parametrize("value", [True, np.bool_(True), 2.0, np.float64(2.0), "2", None])
+def test_sizes_refuse_what_is_not_an_integer(value):
+    with pytest.raises(ValueError, match=r"MoEConfig.top_k must be a positive integer, got"):
+        MoEConfig.tiny(top_k=value)
+
+
+FACTORS = ("situ_beta", "situ_linear_beta", "rms_norm_eps", "routed_scaling_factor", "capacity_factor")
+
+
+@pytest.mark.parametrize("kind", [np.float32, np.float64, np.float16, float, Fraction])
+def test_factors_accept_any_real_type_and_store_floats(kind):
+    plain = dict(situ_beta=4.0, situ_linear_beta=25.0, rms_norm_eps=0.5, routed_scaling_factor=2.5,
+                 capacity_factor=1.25)  # all exact in float16
+    c = MoEConfig.tiny(**{name: kind(value) for name, value in plain.items()})
+    assert c == MoEConfig.tiny(**plain)
+    for name in FACTORS:
+        assert type(getattr(c, name)) is float, name
+
+
+def test_a_numpy_capacity_factor_runs_the_forward():
+    # A NumPy scalar used to reach the capacity arithmetic and raise TypeError there.
+    from refimpl import init_params, stable_latent_moe
+    config = MoEConfig.tiny(capacity_factor=np.float32(1.25))
+    plain = MoEConfig.tiny(capacity_factor=1.25)
+    params = init_params(plain, 0)
+    x = np.random.default_rng(1).standard_normal((10, 8))
+    np.testing.assert_array_equal(stable_latent_moe(x, params, config), stable_latent_moe(x, params, plain))
+
+
+F32_LOW, F32_HIGH = float(np.finfo(np.float32).smallest_subnormal), float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize("name", FACTORS)
+@pytest.mark.parametrize("value", [1e308, 1e39, 1e-50, 10**400])
+def test_factors_float32_cannot_hold_are_refused(name, value):
+    pattern = (rf"MoEConfig.{name} must be a number float32 \(the layer's compute dtype\) holds: between "
+               rf"1.401e-45 and 3.4028235e\+38, got" if value != 10**400
+               else rf"MoEConfig.{name} must be a positive finite number")
+    with pytest.raises(ValueError, match=pattern):
+        MoEConfig.tiny(**{name: value})
+
+
+@pytest.mark.parametrize("name", FACTORS)
+def test_factors_at_the_ends_of_float32_are_accepted(name):
+    assert getattr(MoEConfig.tiny(**{name: F32_HIGH}), name) == F32_HIGH
+    assert getattr(MoEConfig.tiny(**{name: F32_LOW}), name) == F32_LOW
+
+
+# ---------------------------------------------------------------------------
+# from_hf_config: every value checked, and named when it is wrong
+# ---------------------------------------------------------------------------
+
+K3_FILE = dict(K3_HF, num_hidden_layers=93, first_k_dense_replace=1, moe_layer_freq=1)
+
+NOT_A_NUMBER = ["", [], {}, False, True, "4.0", [4.0]]
+BAD_VALUES = {
+    "activation_situ_beta": NOT_A_NUMBER + [-1.0, float("inf"), float("nan"), 1e39],
+    "activation_situ_linear_beta": NOT_A_NUMBER + [0, -25.0, float("inf"), 1e308],
+    "rms_norm_eps": NOT_A_NUMBER + [None, 0, -1e-5, 1e-50],
+    "routed_scaling_factor": NOT_A_NUMBER + [None, 0.0, -1.0, 1e308],
+    "hidden_size": [True, 7168.0, "7168", -1, 0, [7168]],
+    "routed_expert_hidden_size": [True, 3584.0, "3584", 0, -3584],
+    "num_experts": [True, 896.0, "896", 0, [896]],
+    "num_experts_per_token": [False, 16.0, "16", 0],
+    "moe_intermediate_size": [True, 3072.5, "3072", 0],
+    "num_shared_experts": [True, 2.0, "2", -1],
+    "num_expert_group": [True, 1.0, "1", 0],
+    "topk_group": [True, 1.0, "1", 0],
+    "num_hidden_layers": [True, 93.0, "93", -1, 0, 1e18],
+    "first_k_dense_replace": [True, 1.0, "1", -1, None],
+    "moe_layer_freq": [True, 1.0, "1", 0, None],
+    "moe_renormalize": ["true", 1, 0, None, [True]],
+    "latent_moe_use_norm": ["false", 0, None],
+    "moe_router_activation_func": ["relu", 1, None, ["sigmoid"]],
+    "topk_method": ["greedy", None, 0],
+    "hidden_act": ["relu", None, ["situ"], 1],
+}
+
+
+@pytest.mark.parametrize("key,value", [(key, value) for key, values in BAD_VALUES.items() for value in values],
+                         ids=lambda v: repr(v)[:20])
+def test_a_bad_value_is_an_error_naming_the_key(key, value):
+    with pytest.raises(ValueError, match=rf"hf\['{key}'\]"):
+        MoEConfig.from_hf_config(dict(K3_FILE, **{key: value}))
+
+
+@pytest.mark.parametrize("value", [None, 0, 0.0])
+def test_beta_null_and_zero_mean_one_as_in_the_reference(value):
+    assert MoEConfig.from_hf_config(dict(K3_HF, activation_situ_beta=value)).situ_beta == 1.0
+    assert MoEConfig.from_hf_config({k: v for k, v in K3_HF.items() if k != "activation_situ_beta"}).situ_beta == 1.0
+
+
+def test_numpy_values_in_a_config_mapping_are_read():
+    hf = dict(K3_HF, hidden_size=np.int64(7168), num_experts=np.int32(896), routed_scaling_factor=np.float32(1.0),
+              rms_norm_eps=np.float64(1e-5))
+    c = MoEConfig.from_hf_config(hf)
+    assert c == MoEConfig.from_hf_config(K3_HF) and type(c.hidden_size) is int and type(c.rms_norm_eps) is float
+
+
+def test_a_combination_no_layer_has_names_the_keys():
+    with pytest.raises(ValueError, match=r"hf describes no layer this package computes: MoEConfig.top_k must be <= "
+                                         r"num_experts=896, got 900 \(in config.json: num_experts is "
+                                         r"'num_experts', top_k is 'num_experts_per_token'\)"):
+        MoEConfig.from_hf_config(dict(K3_HF, num_experts_per_token=900))
+
+
+def test_a_huge_layer_count_is_counted_not_looped():
+    import time
+    start = time.perf_counter()
+    c = MoEConfig.from_hf_config(dict(K3_HF, num_hidden_layers=10**18, first_k_dense_replace=3, moe_layer_freq=7))
+    assert time.perf_counter() - start < 1.0
+    # The MoE layers are the multiples of 7 from 7 (the first at or past layer 3) below 10^18: len() of that
+    # range is computed by Python without iterating.
+    assert c.num_moe_layers == len(range(7, 10**18, 7))
+
+
+@given(total=st.integers(1, 200), first=st.integers(0, 210), freq=st.integers(1, 25))
+def test_count_moe_layers_equals_the_loop(total, first, freq):
+    assert count_moe_layers(total, first, freq) == sum(is_moe_layer(L, first, freq) for L in range(total))
+
+
+# Anything a JSON file (or a Python mapping) might hold, for any key.
+JUNK = (st.none() | st.booleans() | st.integers(-3, 2**70) | st.floats(allow_nan=True, allow_infinity=True)
+        | st.text(max_size=6) | st.lists(st.integers(0, 9), max_size=2) | st.sampled_from(["sigmoid", "silu", "situ"]))
+
+
+@given(key=st.sampled_from(sorted(BAD_VALUES)), value=JUNK)
+@example(key="activation_situ_beta", value="")
+@example(key="activation_situ_beta", value=False)
+@example(key="routed_scaling_factor", value=1e308)
+@example(key="topk_group", value=2)  # a key whose error comes from the combination (topk_group > n_group)
+@example(key="activation_situ_beta", value=1)  # an int factor is stored as a float
+@example(key="moe_layer_freq", value=93)  # no layer is left: the error names the keys
+@example(key="activation_situ_beta", value=2**53 + 1)  # found by the dev profile: stored as float(2^53 + 1)
+def test_any_value_is_read_as_given_or_refused_by_name(key, value):
+    # Either the value is refused with an error that names its key, or the config holds exactly that value:
+    # never a default in its place.
+    try:
+        c = MoEConfig.from_hf_config(dict(K3_FILE, **{key: value}))
+    except ValueError as exc:
+        assert f"['{key}']" in str(exc) or f"'{key}'" in str(exc), str(exc)
+        return
+    field = {v: k for k, v in HF_KEYS.items()}.get(key)
+    meaning_of_null = {"routed_expert_hidden_size": None, "num_shared_experts": 0, "activation_situ_beta": 1.0,
+                       "activation_situ_linear_beta": None, "num_expert_group": 1, "topk_group": 1}
+    if value is None:
+        assert key in meaning_of_null or key == "num_hidden_layers"
+    elif key == "num_hidden_layers":
+        assert c.num_moe_layers == value - 1
+    elif key == "first_k_dense_replace":
+        assert c.num_moe_layers == 93 - value
+    elif key == "moe_layer_freq":
+        assert c.num_moe_layers == len(range(value, 93, value))
+    elif key == "hidden_act":
+        assert c.activation == {"situ": "situ", "silu": "swiglu"}[value]
+    elif key == "activation_situ_beta" and value == 0:
+        assert c.situ_beta == 1.0
+    elif key in ("activation_situ_beta", "activation_situ_linear_beta", "rms_norm_eps", "routed_scaling_factor"):
+        # Stored as the nearest Python float: an integer beyond 2^53 rounds, as it will in the arithmetic.
+        assert getattr(c, field) == float(value) and type(getattr(c, field)) is float, (field, value)
+    else:
+        assert getattr(c, field) == value and type(getattr(c, field)) is type(value), (field, value)
+
+
+# ---------------------------------------------------------------------------
+# Keys other MoE configurations spell differently
+# ---------------------------------------------------------------------------
+
+# synonym -> (a value that agrees with K3's key, one that does not)
+SYNONYM_CASES = {
+    "n_routed_experts": (896, 256),
+    "num_local_experts": (896, 8),
+    "moe_num_experts": (896, 64),
+    "num_experts_per_tok": (16, 8),
+    "moe_k": (16, 6),
+    "moe_topk": (16, 1),
+    "n_shared_experts": (2, 1),
+    "moe_num_shared_experts": (2, 1),
+    "shared_expert_intermediate_size": (2 * 3072, 3072),
+    "intermediate_size": (18432, None),  # may differ: next to moe_intermediate_size it is the dense FFN's width
+    "scoring_func": ("sigmoid", "softmax"),
+    "norm_topk_prob": (True, False),
+    "n_group": (1, 8),
+    "decoder_sparse_step": (1, 2),
+}
+
+
+def test_every_synonym_has_a_case():
+    assert set(SYNONYM_CASES) == set(HF_SYNONYMS)
+
+
+@pytest.mark.parametrize("found", sorted(SYNONYM_CASES))
+def test_a_synonym_without_its_key_names_both(found):
+    expected = HF_SYNONYMS[found].expected
+    agreeing, _ = SYNONYM_CASES[found]
+    hf = {k: v for k, v in K3_FILE.items() if k != expected}
+    hf[found] = agreeing
+    with pytest.raises(ValueError, match=rf"hf\['{found}'\] = .* but no '{expected}', the key this package reads"):
+        MoEConfig.from_hf_config(hf)
+
+
+@pytest.mark.parametrize("found", sorted(k for k, (_, bad) in SYNONYM_CASES.items() if bad is not None))
+def test_a_synonym_that_disagrees_names_both(found):
+    expected = HF_SYNONYMS[found].expected
+    _, disagreeing = SYNONYM_CASES[found]
+    with pytest.raises(ValueError, match=rf"hf\['{found}'\] = {re.escape(repr(disagreeing))} .*"
+                                         rf"(disagrees with hf\['{expected}'\]|is not num_shared_experts)"):
+        MoEConfig.from_hf_config(dict(K3_FILE, **{found: disagreeing}))
+
+
+@pytest.mark.parametrize("found", sorted(SYNONYM_CASES))
+def test_a_synonym_that_agrees_reads_as_k3(found):
+    agreeing, _ = SYNONYM_CASES[found]
+    assert MoEConfig.from_hf_config(dict(K3_FILE, **{found: agreeing})) == MoEConfig.k3()
+
+
+def test_true_is_not_one():
+    with pytest.raises(ValueError, match=r"hf\['norm_topk_prob'\] = 1 .*disagrees with hf\['moe_renormalize'\]"):
+        MoEConfig.from_hf_config(dict(K3_FILE, norm_topk_prob=1))
+
+
+@pytest.mark.parametrize("dense_width", [18432, 3072, 1])
+def test_k3_file_with_a_dense_intermediate_size_is_k3(dense_width):
+    # K3's text_config has intermediate_size, the first layer's dense FFN width, beside moe_intermediate_size.
+    hf = json.loads(json.dumps(K3_CONFIG_JSON))
+    hf["text_config"]["intermediate_size"] = dense_width
+    assert MoEConfig.from_hf_config(hf) == MoEConfig.k3()
+
+
+# The MoE keys of DeepSeek-V3's released config.json (deepseek-ai/DeepSeek-V3, typed in).
+DEEPSEEK_V3_JSON = {
+    "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.5, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+}
+
+
+def test_deepseek_v3_config_is_refused_key_by_key():
+    with pytest.raises(ValueError) as info:
+        MoEConfig.from_hf_config(DEEPSEEK_V3_JSON)
+    message = str(info.value)
+    for found in ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "scoring_func",
+                  "norm_topk_prob"):
+        assert f"hf['{found}']" in message and f"'{HF_SYNONYMS[found].expected}'" in message, found
+    assert "intermediate_size'" not in message.replace("moe_intermediate_size", "")  # its dense width is fine
+
+
+def test_deepseek_v3_renamed_is_the_preset():
+    hf = {HF_SYNONYMS[k].expected if k in HF_SYNONYMS and k != "intermediate_size" else k: v
+          for k, v in DEEPSEEK_V3_JSON.items()}
+    c, preset = MoEConfig.from_hf_config(hf), MoEConfig.deepseek_v3()
+    for field in ("hidden_size", "latent_size", "use_latent_projection", "use_latent_norm", "num_experts", "top_k",
+                  "intermediate_size", "num_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
+                  "renormalize", "score_function", "activation", "num_moe_layers"):
+        assert getattr(c, field) == getattr(preset, field), field
+
+
+def test_mixtral_config_is_refused():
+    # Mixtral-8x7B's MoE keys: intermediate_size is each expert's width there.
+    mixtral = {"hidden_size": 4096, "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2,
+               "num_hidden_layers": 32, "hidden_act": "silu", "rms_norm_eps": 1e-5}
+    with pytest.raises(ValueError, match=r"'num_local_experts'.*'num_experts'.*'num_experts_per_tok'.*"
+                                         r"'num_experts_per_token'.*'intermediate_size'.*'moe_intermediate_size'"):
+        MoEConfig.from_hf_config(mixtral)

@@ -11,7 +11,7 @@ from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpa
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
 from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -78,8 +78,12 @@ def test_one_group_decoded_by_hand():
 def test_decode_agrees_with_the_readable_version():
     rng = np.random.default_rng(0)
     packed = rng.integers(0, 256, size=(3, 5, 64), dtype=np.uint8)
-    scale = rng.integers(0, 255, size=(3, 5, 4), dtype=np.uint8)
+    # float32 holds every product of scale bytes 0-252; float64 holds those of every byte but 255 (NaN).
+    scale = rng.integers(0, 253, size=(3, 5, 4), dtype=np.uint8)
     np.testing.assert_array_equal(mxfp4_decode(packed, scale), mxfp4_decode_reference(packed, scale))
+    scale = rng.integers(0, 255, size=(3, 5, 4), dtype=np.uint8)
+    np.testing.assert_array_equal(mxfp4_decode(packed, scale, dtype=np.float64),
+                                  mxfp4_decode_reference(packed, scale, dtype=np.float64))
 
 
 # ---------------------------------------------------------------------------
@@ -90,11 +94,27 @@ def test_decode_agrees_with_the_readable_version():
 def test_decode_bit_for_bit_with_compressed_tensors(seed):
     rng = np.random.default_rng(seed)
     packed = rng.integers(0, 256, size=(48, 64), dtype=np.uint8)  # [out, in/2], in = 128
-    # Every scale byte except 255 (NaN), including those whose products overflow or go subnormal.
-    scale = rng.integers(0, 255, size=(48, 4), dtype=np.uint8)
-    scale[0] = [0, 1, 253, 254]
+    # Every scale byte whose products bfloat16 holds (0-252), including those that go subnormal.
+    scale = rng.integers(0, 253, size=(48, 4), dtype=np.uint8)
+    scale[0] = [0, 1, 251, 252]
     ours = mxfp4_decode(packed, scale, dtype=ml_dtypes.bfloat16).view(np.uint16)
     np.testing.assert_array_equal(ours, _ct_decode(packed, scale))
+
+
+def test_top_scale_bytes_against_compressed_tensors():
+    # Scale bytes 253 and 254: compressed-tensors returns infinity where a value exceeds bfloat16; refimpl
+    # raises there, and in float64 gives the exact value, which is compressed-tensors' wherever that is finite.
+    rng = np.random.default_rng(11)
+    packed = rng.integers(0, 256, size=(16, 64), dtype=np.uint8)
+    scale = rng.integers(249, 255, size=(16, 4), dtype=np.uint8)
+    theirs = _ct_decode(packed, scale).view(ml_dtypes.bfloat16).astype(np.float64)
+    exact = mxfp4_decode(packed, scale, dtype=np.float64)
+    too_big = np.abs(exact) > float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+    assert too_big.any() and (~too_big).any()
+    assert np.all(np.isinf(theirs[too_big])) and np.all(np.sign(theirs[too_big]) == np.sign(exact[too_big]))
+    np.testing.assert_array_equal(exact[~too_big], theirs[~too_big])
+    with pytest.raises(ValueError, match=r"MXFP4 values overflow bfloat16.*dtype=np.float64"):
+        mxfp4_decode(packed, scale, dtype=ml_dtypes.bfloat16)
 
 
 def test_decode_float32_bit_for_bit_with_compressed_tensors_unpacking():
@@ -153,17 +173,59 @@ def test_encode_decode_is_exact_on_representable_groups(w):
     np.testing.assert_array_equal(mxfp4_decode(packed, scale), w)
 
 
+def _assert_mxfp4_error_bounded(w: np.ndarray, back: np.ndarray, scale: np.ndarray) -> None:
+    """Every decoded value within one step X of its input (float64 arithmetic), none past its block's cap."""
+    blocks = w.astype(np.float64).reshape(*scale.shape, 32)
+    back_blocks = back.astype(np.float64).reshape(*scale.shape, 32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    X = np.ldexp(1.0, scale.astype(np.int32) - 127)[..., None]
+    err = np.abs(back_blocks - blocks)
+    assert np.all(err <= X), float(np.max(err / X))
+    assert np.all(np.abs(back_blocks) <= np.maximum(amax, 6 * X))  # no value grows past the block maximum's cap
+
+
 @given(w=hnp.arrays(np.float32, (4, 64), elements=st.floats(-1e6, 1e6, width=32)))
 def test_encode_error_is_bounded(w):
     # The worst rounding error is half an E2M1 step at the top, 1 * X; X <= max|w| / 3.5 (scale rule).
     packed, scale = mxfp4_encode(w)
+    _assert_mxfp4_error_bounded(w, mxfp4_decode(packed, scale), scale)
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+@given(w=hnp.arrays(np.float32, (2, 64), elements=st.floats(allow_nan=False, allow_infinity=False, width=32)))
+@example(w=np.full((2, 64), F32_MAX, np.float32))  # code 4 at scale 2^126 would be 2^128: saturates to 3
+@example(w=np.full((2, 64), -np.float32(2.0**127 * 1.99), np.float32))
+@example(w=np.full((2, 64), np.float32(1e-45), np.float32))  # the smallest subnormal: rounds to zero
+def test_encode_over_all_of_float32_decodes_finite_and_close(w):
+    # Across float32's whole range: the encoding decodes to finite float32 values within one step X,
+    # and float64 decoding agrees with float32 decoding wherever both are computed.
+    packed, scale = mxfp4_encode(w)
     back = mxfp4_decode(packed, scale)
-    blocks, back_blocks = w.reshape(4, 2, 32), back.reshape(4, 2, 32)
-    amax = np.abs(blocks).max(axis=-1, keepdims=True)
-    X = np.ldexp(1.0, scale.astype(np.int32) - 127)[..., None]
-    err = np.abs(back_blocks - blocks)
-    assert np.all(err <= X * 1.0 + 1e-45)
-    assert np.all(np.abs(back_blocks) <= np.maximum(amax, 6 * X))  # no value grows past the block maximum's cap
+    assert np.all(np.isfinite(back))
+    _assert_mxfp4_error_bounded(w, back, scale)
+    np.testing.assert_array_equal(mxfp4_decode(packed, scale, dtype=np.float64), back.astype(np.float64))
+
+
+SEVEN_TIMES_2_127 = 7 * 2.0**127  # from here on a block would need a scale above 2^127
+
+
+@given(w=hnp.arrays(np.float64, (2, 32), elements=st.floats(-2e39, 2e39)))
+@example(w=np.full((2, 32), 6 * 2.0**127))  # MXFP4's largest value: exact in float64
+@example(w=np.full((2, 32), np.nextafter(SEVEN_TIMES_2_127, 0)))  # just below: rounds down to 6 * 2^127
+@example(w=np.full((2, 32), SEVEN_TIMES_2_127))  # refused
+@example(w=np.full((2, 32), 1e-300))  # far below E8M0's smallest scale: zero
+def test_encode_float64_saturates_or_raises(w):
+    amax = float(np.max(np.abs(w)))
+    if amax >= SEVEN_TIMES_2_127:
+        with pytest.raises(ValueError, match=r"w holds values beyond MXFP4's range: largest magnitude"):
+            mxfp4_encode(w)
+        return
+    packed, scale = mxfp4_encode(w)
+    back = mxfp4_decode(packed, scale, dtype=np.float64)
+    assert np.all(np.isfinite(back))
+    _assert_mxfp4_error_bounded(w, back, scale)
 
 
 @given(w=hnp.arrays(np.float32, (3, 64), elements=st.floats(-1e4, 1e4, width=32)))
@@ -209,16 +271,41 @@ def test_mxfp8_against_its_definition():
     np.testing.assert_array_equal(mxfp8_round(x), _mxfp8_by_definition(x))
 
 
-@given(x=hnp.arrays(np.float32, (2, 96), elements=st.floats(-2.0**99, 2.0**99, width=32)))
+@given(x=hnp.arrays(np.float32, (2, 96), elements=st.floats(allow_nan=False, allow_infinity=False, width=32)))
+@example(x=np.full((2, 96), F32_MAX, np.float32))  # 255.99 * 2^120 rounds to 256 * 2^120 = 2^128: saturates
+@example(x=np.full((2, 96), -F32_MAX, np.float32))
+@example(x=np.full((2, 96), np.float32(1e-45), np.float32))
 def test_mxfp8_is_idempotent_and_close(x):
     once = mxfp8_round(x)
     np.testing.assert_array_equal(mxfp8_round(once), once)
     # E4M3 has 3 mantissa bits: relative error <= 2^-4 for normal elements; E4M3's subnormal step is 2^-9 X,
-    # and X <= max|x| / 224 (the scale never clips, so the block maximum lands in (224, 448]).
+    # and X <= max|x| / 224 (the scale never clips, so the block maximum lands in (224, 448]) unless the
+    # block is so small that X is E8M0's smallest, 2^-127.
     blocks = x.reshape(2, 3, 32).astype(np.float64)
     amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    X_bound = np.maximum(amax / 224, 2.0**-127)
     err = np.abs(once.reshape(2, 3, 32) - blocks)
-    assert np.all(err <= np.abs(blocks) * 2.0**-4 + amax / 224 * 2.0**-10 + 1e-45)
+    assert np.all(np.isfinite(once))
+    assert np.all(err <= np.abs(blocks) * 2.0**-4 + X_bound * 2.0**-10)
+
+
+def test_mxfp8_saturates_at_the_top_of_float32():
+    # float32's largest value, 3.4028235e38 = (2 - 2^-23) 2^127: scale 2^120, 255.99... rounds to E4M3's 256,
+    # and 256 * 2^120 = 2^128 is beyond float32; the next E4M3 value down is 240 (1.875 * 2^7).
+    x = np.full(32, F32_MAX, np.float32)
+    np.testing.assert_array_equal(mxfp8_round(x), np.full(32, 240 * 2.0**120, np.float32))
+    np.testing.assert_array_equal(mxfp8_round(-x), np.full(32, -240 * 2.0**120, np.float32))
+
+
+def test_mxfp8_refuses_what_float32_cannot_hold():
+    # 1e39 is finite in float64 but infinity in float32, the dtype mxfp8_round computes in.
+    with pytest.raises(ValueError, match=r"x holds values beyond float32's range.*largest magnitude 1e\+39"):
+        mxfp8_round(np.full(32, 1e39))
+    with pytest.raises(ValueError, match=r"x holds values beyond float32's range.*largest magnitude 3.40282\d*e\+38"):
+        mxfp8_round(np.full(32, 2.0**128 - 2.0**103))  # the first float64 that rounds to infinity in float32
+    # A float64 just above float32's maximum that still rounds to it is what the arithmetic sees: accepted.
+    just_above = np.nextafter(F32_MAX, np.inf)
+    np.testing.assert_array_equal(mxfp8_round(np.full(32, just_above)), mxfp8_round(np.full(32, F32_MAX)))
 
 
 # ---------------------------------------------------------------------------
@@ -240,3 +327,61 @@ def test_errors_name_the_argument():
         mxfp8_round(np.zeros((3, 33), np.float32))
     with pytest.raises(TypeError, match=r"w must be an array, got list"):
         mxfp4_encode([0.0] * 32)
+    with pytest.raises(ValueError, match=r"x must be finite, got 2 non-finite"):
+        mxfp8_round(np.array([np.inf, -np.inf] + [0.0] * 30, np.float32))
+    with pytest.raises(TypeError, match=r"dtype must be a floating dtype \(float16, bfloat16, float32 or "
+                                        r"float64\), got int32"):
+        mxfp4_decode(np.zeros((1, 16), np.uint8), np.zeros((1, 1), np.uint8), dtype=np.int32)
+    with pytest.raises(TypeError, match=r"dtype must be a floating dtype .*got bool"):
+        mxfp4_decode(np.zeros((1, 16), np.uint8), np.zeros((1, 1), np.uint8), dtype=bool)
+
+
+# ---------------------------------------------------------------------------
+# The top and the bottom of the scale byte
+# ---------------------------------------------------------------------------
+
+def test_nan_scale_byte_is_refused():
+    packed = np.full((2, 32), 0x22, np.uint8)  # every value 1.0
+    scale = np.array([[127, 127], [127, 255]], np.uint8)
+    with pytest.raises(ValueError, match=r"scale holds the E8M0 NaN byte 255 in 1 block\(s\), the first at "
+                                         r"scale index \[1, 1\]"):
+        mxfp4_decode(packed, scale)
+    with pytest.raises(ValueError, match="NaN byte 255"):
+        mxfp4_decode(packed, scale, dtype=np.float64)
+
+
+@pytest.mark.parametrize("code,s,fits", [
+    (7, 254, False),  # 6 * 2^127: beyond float32
+    (4, 254, False),  # 2 * 2^127 = 2^128: the first power of two float32 lacks
+    (3, 254, True),   # 1.5 * 2^127: float32 holds it
+    (6, 253, False),  # 4 * 2^126 = 2^128
+    (5, 253, True),   # 3 * 2^126
+    (7, 252, True),   # 6 * 2^125 = 1.5 * 2^127, the largest float32 value MXFP4 has
+])
+def test_values_at_the_top_of_the_range(code, s, fits):
+    packed = np.full((1, 16), code | (code << 4), np.uint8)
+    scale = np.array([[s]], np.uint8)
+    exact = float(E2M1_TABLE[code]) * 2.0 ** (s - 127)  # Python floats: float64, exact
+    assert mxfp4_decode(packed, scale, dtype=np.float64).tolist() == [[exact] * 32]
+    if fits:
+        assert mxfp4_decode(packed, scale).tolist() == [[exact] * 32]
+    else:
+        with pytest.raises(ValueError, match=rf"MXFP4 values overflow float32: the block at scale index \[0, 0\] "
+                                             rf"has scale byte {s} \(2\^{s - 127}\).*dtype=np.float64"):
+            mxfp4_decode(packed, scale)
+
+
+def test_float16_decoding_refuses_overflow():
+    # float16 holds up to 65504: scale byte 142 (2^15) times 2 is 65536.
+    packed = np.full((1, 16), 0x44, np.uint8)
+    with pytest.raises(ValueError, match=r"MXFP4 values overflow float16"):
+        mxfp4_decode(packed, np.array([[142]], np.uint8), dtype=np.float16)
+    assert mxfp4_decode(packed, np.array([[141]], np.uint8), dtype=np.float16).tolist() == [[2.0**15] * 32]
+
+
+def test_encode_refuses_blocks_beyond_the_format():
+    w = np.zeros((2, 64))
+    w[1, 40] = -1e40
+    with pytest.raises(ValueError, match=r"w holds values beyond MXFP4's range: largest magnitude 1e\+40, and the "
+                                         r"format's largest value is 6 \* 2\^127 = 1.02085e\+39"):
+        mxfp4_encode(w)
