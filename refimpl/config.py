@@ -180,7 +180,9 @@ def _factor(value: Any, label: str, *, allowed: str = "") -> float:
     """
     is_real = isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
     try:
-        number = float(value) if is_real else math.nan
+        # A NumPy float32 or float16 is read as the decimal it prints as (np.float32(1.1) is 1.1, not
+        # 1.100000023841858), which is what the user typed and what a capacity factor is computed from.
+        number = (float(str(value)) if isinstance(value, np.floating) else float(value)) if is_real else math.nan
     except OverflowError:  # an int beyond float64
         number = math.inf
     if not (math.isfinite(number) and number > 0):

@@ -562,3 +562,12 @@ def test_mixtral_config_is_refused():
     with pytest.raises(ValueError, match=r"'num_local_experts'.*'num_experts'.*'num_experts_per_tok'.*"
                                          r"'num_experts_per_token'.*'intermediate_size'.*'moe_intermediate_size'"):
         MoEConfig.from_hf_config(mixtral)
+
+
+def test_a_numpy_float32_factor_is_the_decimal_it_prints_as():
+    """np.float32(1.1) is stored as 1.1, so the capacity is the one 1.1 gives (11 for kN/E = 10, not 12)."""
+    from refimpl.baselines import expert_capacity
+
+    config = MoEConfig.tiny(num_experts=6, top_k=2, capacity_factor=np.float32(1.1))
+    assert config.capacity_factor == 1.1 and type(config.capacity_factor) is float
+    assert expert_capacity(30, 6, 2, config.capacity_factor) == 11
