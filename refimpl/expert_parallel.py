@@ -91,6 +91,20 @@ choice before any second choice, tokens in rank order), so the ranks
 exchange their routes (`allgather`, $mk$ integers) and each applies the
 serving rule to the whole batch and keeps its own rows.
 
+**The backward, through the same exchanges transposed.** `ep_vjp` runs
+the layer and returns its vector–Jacobian product. Read backwards, the
+combine sent each pair's partial sum $u^{(p)}_i$ from rank $p$ to the token's
+rank; its transpose sends $\bar u_i$ (after the norm's and the
+up-projection's backward, on the token's rank) to every rank that holds
+one of the token's experts. There the experts' backward gives each slot's
+$\bar z$ and $\bar p$ and the gradients of the rank's own expert block, and the
+transposed dispatch sends $\bar z$ and $\bar p$ home, where they are summed per
+token and carried to the router and the input as in one process. Each
+rank's gradient of a replicated weight (the router, the projections, the
+norm, the shared experts) is its share, from its own tokens; the sum over
+the ranks, one `Allreduce` as in data parallelism, is the gradient of the
+whole batch. The exchanges of the backward carry $\ell$-wide vectors too.
+
 **Ranks that disagree.** Before its first exchange, every function here
 gathers from every rank what must be the same everywhere (the
 configuration, the dtype, the shard layout, a digest of the bias) together
@@ -568,7 +582,8 @@ def _ep_layer(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: An
     except (TypeError, ValueError) as exc:
         error = exc
     fingerprint = {} if error is not None else {
-        "config": asdict(config), "dtype": dtype_name(x.dtype), "ranks": size,
+        **{f"config.{key}": value for key, value in asdict(config).items()}, "dtype": dtype_name(x.dtype),
+        "ranks": size,
         "expert block shape": [list(params[name].shape) for name in EXPERT_STACKS],
         "bias": digest(params["gate.e_score_correction_bias"]),
         "token_ids given": token_ids is not None, "reduce_before_norm": bool(reduce_before_norm),

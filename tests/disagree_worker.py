@@ -3,7 +3,8 @@
 Rank 1 departs from rank 0 in the way CASE names (the bias, `top_k`, the
 number of experts, the dtype, the width of its tokens, the bias of the
 balancer update); both ranks call the function and print the error they get,
-one line each, `rank R: TYPE: MESSAGE`. The case `crash` makes rank 1 raise
+one line each, `rank R: TYPE: MESSAGE` (gathered to rank 0, which prints them,
+so that the lines of two processes cannot interleave). The case `crash` makes rank 1 raise
 in its own code before the exchange: the job must end (nonzero exit) instead
 of rank 0 waiting for ever.
 """
@@ -49,10 +50,12 @@ def main(case: str) -> None:
             ep_vjp(x, shard_params(params, config, rank, size), config, comm)
         else:
             ep_forward(x, shard_params(params, config, rank, size), config, comm)
-        print(f"rank {rank}: no error", flush=True)
+        line = f"rank {rank}: no error"
     except (TypeError, ValueError) as exc:
-        print(f"rank {rank}: {type(exc).__name__}: {exc}", flush=True)
-    comm.Barrier()
+        line = f"rank {rank}: {type(exc).__name__}: {exc}"
+    lines = comm.gather(line, root=0)
+    if rank == 0:
+        print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
