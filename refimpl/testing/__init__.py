@@ -108,20 +108,30 @@ from .checks import (
     check_router,
     profile,
 )
+from .conventions import CATALOGUE, Convention
+from .hf_block import HFBlockCase, check_hf_moe_block, hf_block_case, hf_block_cases, hf_text_configs
 from .report import CheckFailure, CheckResult
 
 __all__ = [
+    "CATALOGUE",
+    "HFBlockCase",
     "PROFILES",
     "QUICK",
     "THOROUGH",
     "CheckFailure",
     "CheckResult",
+    "Convention",
     "check_balancer",
     "check_balancing_update",
     "check_capacity",
     "check_forward",
+    "check_hf_moe_block",
     "check_histogram_update",
     "check_router",
+    "conventions",
+    "hf_block_case",
+    "hf_block_cases",
+    "hf_text_configs",
     "profile",
     "strategies",
 ]
