@@ -66,7 +66,7 @@ class KimiMoEGate(nn.Module):
             if "groups_by_max" in mistakes:
                 group_score = grouped.max(dim=-1).values
             else:
-                group_score = grouped.topk(min(2, n // groups), dim=-1).values.sum(-1)  # [m, G]
+                group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [m, G]
             chosen = group_score.topk(keep, dim=-1).indices
             mask = torch.zeros_like(group_score).scatter_(1, chosen, 1.0).bool()
             choice = choice.masked_fill(~mask[:, :, None].expand_as(grouped).reshape(len(x), n), float("-inf"))
@@ -241,7 +241,7 @@ def _decode_mxfp4(packed: torch.Tensor, scale: torch.Tensor, mistakes: frozenset
     return MXFP4PackedCompressor.decompress({"weight_packed": packed, "weight_scale": scale}, _scheme())["weight"]
 
 
-def _decode_all(state_dict: Mapping[str, np.ndarray], mistakes: frozenset[str]) -> dict[str, torch.Tensor]:
+def decode_mxfp4_pairs(state_dict: Mapping[str, np.ndarray], mistakes: frozenset[str]) -> dict[str, torch.Tensor]:
     """Every MXFP4 pair of the state dict as a float32 `.weight`, one decoder call per matrix shape."""
     modules = [name[: -len(".weight_packed")] for name in state_dict if name.endswith(".weight_packed")]
     by_shape: dict[tuple[int, ...], list[str]] = {}
@@ -264,7 +264,7 @@ def build_block(text: Mapping, state_dict: Mapping[str, np.ndarray], mistakes: I
     block = KimiSparseMoeBlock(text, mistakes)
     tensors = {name: to_torch(value) for name, value in state_dict.items()
                if not name.endswith((".weight_packed", ".weight_scale"))}
-    tensors.update(_decode_all(state_dict, block.mistakes))
+    tensors.update(decode_mxfp4_pairs(state_dict, block.mistakes))
     dtype = tensors["gate.weight"].dtype
     block = block.to(dtype)
     block.load_state_dict(tensors, strict=True)
