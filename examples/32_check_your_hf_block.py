@@ -29,7 +29,7 @@ import re
 import numpy as np
 
 import refimpl
-from refimpl.testing import CheckFailure, check_hf_moe_block
+from refimpl.testing import CheckFailure, CheckResult, check_hf_moe_block
 
 try:
     import torch
@@ -161,29 +161,28 @@ def builder(block_class: type) -> callable:
 
 
 # %%
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.parse_args(argv)
+def check_port(block_class: type) -> CheckFailure | CheckResult | None:
+    """Run the check on a port: the report it raises, or the result when it passes (None without PyTorch).
+
+    The port's loader reads float tensors only, so the check draws no MXFP4 cases (`mxfp4=False`).
+    """
     if torch is None:
         print("PyTorch is not installed: this example's port is a PyTorch module (pip install torch).")
-        return {}
+        return None
     torch.manual_seed(0)
-
-    # Step 1: check the port (its loader reads float tensors only, so no MXFP4 cases)
     try:
-        check_hf_moe_block(builder(MyK3Block), mxfp4=False)
-        raise AssertionError("the planted mistake went unnoticed")
+        return check_hf_moe_block(builder(block_class), mxfp4=False)
     except CheckFailure as failure:
-        report = failure
-    print(report)
-    print()
+        return failure
 
-    # Step 2: read the report: the catalogue entry it names, and the case it prints, pasted as printed
-    violation = report.violations[0]
-    print("the report names:", violation.conventions)
+
+def paste_case(report: CheckFailure | None) -> dict | None:
+    """Paste the case a report prints, exactly as printed, and compare the port with the reference on it."""
+    if not isinstance(report, CheckFailure):
+        return None
     pasted = re.findall(r"^ +((?:text_config|case) = .*)$", str(report), flags=re.MULTILINE)[:2]
     namespace = {"json": json, "np": np, "refimpl": refimpl}
-    exec("\n".join(pasted), namespace)  # exactly the two lines a reader copies from the report
+    exec("\n".join(pasted), namespace)  # the two lines a reader copies from the report
     text_config, case = namespace["text_config"], namespace["case"]
     y = builder(MyK3Block)(text_config, case.state_dict)(case.x)
     expected = case.expected()
@@ -191,12 +190,29 @@ def main(argv: list[str] | None = None) -> dict:
           f"bias {np.round(case.state_dict['gate.e_score_correction_bias'], 4)}")
     print("  yours   ", np.round(y[0], 5))
     print("  expected", np.round(expected[0], 5))
+    return {"text_config": text_config, "difference": y - expected}
+
+
+# %%
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args(argv)
+
+    # Step 1: check the port
+    report = check_port(MyK3Block)
+    print(report)
+    print()
+
+    # Step 2: read the report: the catalogue entry it names, and the case it prints
+    named = report.violations[0].conventions if isinstance(report, CheckFailure) else None
+    print("the report names:", named)
+    pasted = paste_case(report)
     print()
 
     # Step 3: fix the one line and check again
-    result = check_hf_moe_block(builder(FixedK3Block), mxfp4=False)
+    result = check_port(FixedK3Block)
     print(result)
-    return {"named": violation.conventions, "fixed": result.passed}
+    return {"named": named, "pasted": pasted, "fixed": getattr(result, "passed", None)}
 
 
 # %%

@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
         recorded = json.loads(path.read_text())
         print(f"4. the recorded run ({recorded['command']}, {recorded['tokens']:,} tokens per measurement):")
         print_sweep(recorded["init"], recorded["tokens"])
+        print_sweep(recorded["sweep"], recorded["tokens"])
         out = recorded["output"]
         print(f"   output: {100 * out['changed']:.2f}% changed; routed relative error {out['routed_mean']:.2e} on "
               f"average, {out['routed_changed']:.2e} on changed tokens; y {out['y_mean']:.2e}")
@@ -292,6 +293,8 @@ def plot(out: Path, sweep: list[dict]) -> None:
     for std in INIT_SCALES.values():
         ax.axvline(std * np.sqrt(D), color="0.7", linestyle=":", linewidth=1)
     ax.set_xscale("log")
+    ax.set_xticks([0.5, 1, 2, 4, 8], labels=["0.5", "1", "2", "4", "8"])
+    ax.minorticks_off()
     ax.set_xlabel("standard deviation of the router logits (dotted: the two initializations)")
     ax.set_ylabel(f"tokens whose top-{K} set changes (%)")
     ax.set_title("bfloat16 logits at K3's shape: a bias breaks the ties")

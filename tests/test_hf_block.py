@@ -33,7 +33,7 @@ import refimpl
 import refimpl.testing as kit
 from refimpl.testing import CATALOGUE, CheckFailure, check_hf_moe_block, hf_block_case, hf_block_cases
 from refimpl.testing.conventions import convention
-from refimpl.testing.hf_block import GROWTH, tolerance
+from refimpl.testing.hf_block import GROWTH, reference_output, tolerance
 
 FEW = settings(kit.QUICK, max_examples=20)  # for properties whose failures show on most cases
 
@@ -222,6 +222,26 @@ def test_the_tolerance_follows_the_dtype_with_the_float32_ceiling():
     assert tolerance(np.float16) == GROWTH * 2.0**-11
     with pytest.raises(ValueError, match="dtype must be one of"):
         check_hf_moe_block(build_block, dtype=np.int8)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bfloat16"])
+def test_the_reference_block_stays_within_half_the_tolerance(dtype):
+    """The margin the page promises: the correct block's error is at most half of the bound, on the drawn cases."""
+    worst = [0.0]
+
+    @settings(max_examples=100, deadline=None, derandomize=True, database=None)
+    @given(hf_block_cases(dtype=dtype))
+    def measure(case):
+        y = build_block(case.text_config, case.state_dict)(case.x).astype(np.float64)
+        out = refimpl.stable_latent_moe(case.x64, case.params64, case.config, return_intermediates=True)
+        size = np.max(np.abs(out.y_shared) + np.abs(out.y_routed), axis=1)
+        ratio = np.max(np.abs(y - out.y), axis=1) / (tolerance(dtype) * size)
+        compared = reference_output(case).compared
+        worst[0] = max(worst[0], float(np.max(ratio[compared], initial=0.0)))
+
+    measure()
+    print(f"largest error of the reference block: {worst[0]:.3f} of the tolerance")
+    assert worst[0] <= 0.5
 
 
 def test_every_catalogue_entry_runs_and_changes_some_case():
