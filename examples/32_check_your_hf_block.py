@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 
@@ -196,6 +197,7 @@ def paste_case(report: CheckFailure | None) -> dict | None:
 # %%
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="accepted for uniformity; this example draws no figure")
     parser.parse_args(argv)
 
     # Step 1: check the port
