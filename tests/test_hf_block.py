@@ -265,3 +265,12 @@ def test_every_catalogue_entry_runs_and_changes_some_case():
         assert changed, f"{entry.name} changed no case"
     with pytest.raises(ValueError, match="no catalogued convention"):
         convention("nope")
+
+
+def test_the_catalogue_table_of_the_page_is_the_catalogue():
+    """The table in the module's docstring (its page) lists every entry with its issue, in order."""
+    from refimpl.testing import conventions
+
+    rows = re.findall(r"^\| `(\w+)` \|[^|]*\|([^|]*)\|$", conventions.__doc__, flags=re.MULTILINE)
+    assert [name for name, _ in rows] == [entry.name for entry in CATALOGUE]
+    assert [issue.strip() for _, issue in rows] == [entry.issue or "" for entry in CATALOGUE]

@@ -276,6 +276,10 @@ def test_numpy_input_never_imports_torch():
         state_dict = refimpl.hf_state_dict_from_params(params, config, layer=1, mxfp4=False)
         back = refimpl.params_from_hf_state_dict(state_dict, config, layer=1)
         assert np.array_equal(back["experts.w2"], params["experts.w2"])
+        import refimpl.testing  # the kit, its check and its catalogue do not need PyTorch either
+        case = refimpl.testing.hf_block_case({"hidden_size": 4, "num_experts": 2, "num_experts_per_token": 1,
+                                              "moe_intermediate_size": 2}, seed=0)
+        assert case.state_dict["gate.weight"].shape == (2, 4)
         assert "torch" not in sys.modules, "torch was imported"
         print("no torch")
     """)

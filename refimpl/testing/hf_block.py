@@ -87,7 +87,7 @@ simplest case Hypothesis found:
   tolerance (while differing from the reference's) are named, with the public
   issue where that mistake shipped; when none matches, the closest is named
   with its distance;
-* a **pasteable case**: the `text_config` as JSON, the seed and the call to
+* a **pasteable case**: the `text_config` as JSON, the random seed and the call to
   `hf_block_case` that rebuilds the exact weights and tokens, and the shapes.
 
 ```python
