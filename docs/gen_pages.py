@@ -84,6 +84,7 @@ READING_PATH: list[tuple[str, str]] = [
     ("accounting", "Accounting"),
     ("mx", "MXFP4 and MXFP8"),
     ("checkpoint", "Loading the released checkpoint"),
+    ("state_dict", "Porting: HF tensor names"),
     ("balancing", "Eq. (14): Quantile Balancing"),
     ("dual", "App. C: the LP and its dual"),
     ("histogram", "App. D: the histogram estimator"),
@@ -95,7 +96,7 @@ READING_PATH: list[tuple[str, str]] = [
 
 #: The stand-alone pages `docs/pages/<slug>.md` that come first under "Studies", in this order;
 #: any other page follows, alphabetically by slug.
-STUDIES = ["why-stable", "balance-is-speed", "report-card"]
+STUDIES = ["why-stable", "balance-is-speed", "report-card", "conventions"]
 
 #: Helper modules every other module uses; they come after the reading path.
 INTERNALS = {"_xp": "Array helpers (_xp)", "validation": "Input checks"}

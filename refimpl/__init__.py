@@ -15,6 +15,8 @@ The public API re-exported here follows the paper section by section:
 * Appendix D: `histogram_balancing_update`, `BiasHistogram`;
 * real checkpoints: `load_hf_layer`, `save_hf_layer`, `ExpertStack` (packed experts),
   and the microscaling formats `mxfp4_encode`, `mxfp4_decode`, `mxfp8_round` (`refimpl.mx`);
+* porting: `params_from_hf_state_dict` and `hf_state_dict_from_params`, one block's weights to and
+  from Hugging Face tensor names (`refimpl.state_dict`);
 * expert parallelism: `ep_forward`, `ep_balance_update`, `shard_params`, `padded_routed_experts`;
 * the conformance kit: the subpackage `refimpl.testing` (imported on first use,
   since it needs Hypothesis).
@@ -108,6 +110,7 @@ from .routing import (
     selection_cutoff,
     softplus,
 )
+from .state_dict import hf_state_dict_from_params, params_from_hf_state_dict
 
 __version__ = "0.1.0"
 
@@ -164,6 +167,7 @@ __all__ = [
     "hard_clamp",
     "hard_clamp_grad",
     "histogram_balancing_update",
+    "hf_state_dict_from_params",
     "histogram_range",
     "init_params",
     "interpolated_kth_largest",
@@ -178,6 +182,7 @@ __all__ = [
     "padding_waste",
     "parameter_counts",
     "parameter_shapes",
+    "params_from_hf_state_dict",
     "quantile_balancing_update",
     "required_bias",
     "rms_norm",

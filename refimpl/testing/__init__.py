@@ -38,6 +38,14 @@ adapts a PyTorch router).
 | `check_balancer` | `make(initial_bias, top_k) -> step`, `step(scores) -> index` | `route` with the biases of Eq. (14) | no look-ahead: a batch is routed with a bias fixed before it was seen |
 | `check_forward` | `fn(x, params, config) -> y` | `stable_latent_moe` | within the `rtol`/`atol` you choose for your dtype |
 | `check_capacity` | `fn(index, weights, num_experts, capacity) -> (kept, new_weights)` | `capacity_keep` | capacity never exceeded; nothing dropped without need; rank order, then token order; no renormalization after a drop |
+| `check_hf_moe_block` | `build(text_config, state_dict) -> forward`, `forward(x) -> y` | `stable_latent_moe` on the same weights | configurations of the reference modeling code, MXFP4 experts; a failure names the catalogued convention difference that reproduces it (`conventions.CATALOGUE`) |
+
+`check_hf_moe_block` is the way in for a whole block written against
+Hugging Face names (an `nn.Module` that loads the checkpoint's tensors): it
+hands your `build` the config keys and the tensors, and
+`refimpl.params_from_hf_state_dict` does the same conversion for your own
+tests. The page "Conventions across frameworks" lists what its catalogue
+tells apart.
 
 Why invariants and not only agreement: a disagreement says *that* something
 is wrong; a broken invariant often says *what*. A router that subtracts the
@@ -108,20 +116,30 @@ from .checks import (
     check_router,
     profile,
 )
+from .conventions import CATALOGUE, Convention
+from .hf_block import HFBlockCase, check_hf_moe_block, hf_block_case, hf_block_cases, hf_text_configs
 from .report import CheckFailure, CheckResult
 
 __all__ = [
+    "CATALOGUE",
+    "HFBlockCase",
     "PROFILES",
     "QUICK",
     "THOROUGH",
     "CheckFailure",
     "CheckResult",
+    "Convention",
     "check_balancer",
     "check_balancing_update",
     "check_capacity",
     "check_forward",
+    "check_hf_moe_block",
     "check_histogram_update",
     "check_router",
+    "conventions",
+    "hf_block_case",
+    "hf_block_cases",
+    "hf_text_configs",
     "profile",
     "strategies",
 ]

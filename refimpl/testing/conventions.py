@@ -1,0 +1,352 @@
+r"""The catalogue of convention differences: known ways a port of the K3 block computes something else.
+
+Every entry is a mistake that real ports have made, or a reading of the
+configuration that differs from the reference modeling code's, written as a
+**variant of the reference**: the same block on the same weights and tokens
+with one convention changed. `check_hf_moe_block` runs every variant that
+applies to a failing case and names those whose output matches the port's to
+the check's tolerance, so a failure says *which* convention the port got
+wrong, not only that its numbers differ.
+
+| entry | what the port does | where it shipped |
+|---|---|---|
+| `bias_in_weights` | mixture weights from the biased scores $s + b$ | vLLM #12002; transformers #41647 |
+| `scale_applied_twice` | `routed_scaling_factor` multiplied in twice | vLLM #24119; SGLang #35152 |
+| `scale_skipped_without_renormalization` | the factor dropped on the path that does not renormalize | sglang-jax #1282 |
+| `scale_never_applied` | the factor never applied | |
+| `top1_renormalized` | with `top_k = 1` the single weight renormalized to 1 | |
+| `renormalization_flipped` | `moe_renormalize` read the other way | |
+| `groups_by_max` | a group scored by its best expert, not the sum of its two best | vLLM #13474, #46869 |
+| `bias_subtracted` | selection by $s - b$ | |
+| `bias_ignored` | selection by $s$ alone | |
+| `score_function_flipped` | sigmoid for softmax, or softmax for sigmoid | |
+| `bf16_router` | router logits computed in bfloat16 instead of float32 | SGLang PR #33764 |
+| `up_cap_flipped` | the up branch capped (at K3's 25) when the key is absent, or left uncapped when it is set | |
+| `gate_cap_k3_default` | an absent `activation_situ_beta` read as K3's 4.0 instead of the reference's 1.0 | |
+| `silu_for_situ` | SiLU (SwiGLU) in place of SiTU | Megatron-LM discussion #6673 |
+| `latent_norm_dropped` | the latent RMSNorm skipped | a Megatron-LM fork, #94 |
+| `gate_up_swapped` | `w1` read as the up and `w3` as the gate projection | |
+| `shared_experts_dropped` | the shared experts left out | |
+| `mxfp4_nibbles_swapped` | the high nibble read as the even column | |
+| `e8m0_bias_125` | E8M0 scales read as $2^{s-125}$ instead of $2^{s-127}$ | compressed-tensors #538 |
+| `e8m0_as_e4m3` | E8M0 scale bytes read as E4M3 numbers | b12x #116 |
+
+An empty last column means no public report is catalogued here; the
+difference is still one a port can make, usually by reading a config key
+with another model's meaning.
+
+Two mistakes from the same trackers are caught before any output is
+compared, so they have no entry: a latent norm sized by `hidden_size`
+instead of $\ell$ (SGLang #37704) is a tensor of the wrong shape, which
+`params_from_hf_state_dict` and PyTorch's `load_state_dict(strict=True)` both
+refuse; and the $\sqrt{\operatorname{softplus}}$ underflow and the 0/0 of hash
+routing (SGLang #34459) belong to DeepSeek-V4's router, which the reference K3
+block does not have (refimpl's own versions are on the page of the other
+routers).
+
+Each entry holds a name, a one-line summary, the issue where it shipped, a
+predicate saying whether it can matter on a case (a scaling factor of 1
+cannot be applied twice visibly), and a function computing the variant's
+output on a case with the public pieces of this package: `stable_latent_moe`
+with a changed `MoEConfig`, changed parameters, or a route computed another
+way and passed as `routing=(index, weights)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import ml_dtypes
+import numpy as np
+
+from ..latent_moe import MoEParams, stable_latent_moe
+from ..mx import mxfp4_decode
+from ..routing import biased_scores, route, router_scores, score_function_values
+
+if TYPE_CHECKING:
+    from .hf_block import HFBlockCase
+
+__all__ = ["CATALOGUE", "Convention", "convention"]
+
+
+@dataclass(frozen=True)
+class Convention:
+    """One catalogued convention difference: what it is, where it shipped, how to compute it.
+
+    `applies(case)` says whether the difference can change the output of
+    `case` (a `refimpl.testing.HFBlockCase`); `output(case)` is the variant's
+    `y` `[m, d]`, float64, on the case's weights and tokens.
+    """
+
+    name: str
+    summary: str
+    issue: str | None
+    applies: Callable[[HFBlockCase], bool]
+    output: Callable[[HFBlockCase], np.ndarray]
+
+    def describe(self) -> str:
+        """`name: summary (issue)`, one line for a report."""
+        where = f" ({self.issue})" if self.issue else ""
+        return f"{self.name}: {self.summary}{where}"
+
+
+# ---------------------------------------------------------------------------
+# The pieces every variant is made of
+# ---------------------------------------------------------------------------
+
+def _run(case: HFBlockCase, *, config: Any = None, params: dict[str, Any] | None = None,
+         routing: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """The layer on the case's float64 tokens, with the config, parameters or route replaced."""
+    return np.asarray(stable_latent_moe(case.x64, params if params is not None else case.params64,
+                                        config if config is not None else case.config, routing=routing))
+
+
+def _scores(case: HFBlockCase) -> np.ndarray:
+    """The router scores in float64, `[m, n]`."""
+    return np.asarray(router_scores(case.x64, case.params64["gate.weight"], case.config.score_function))
+
+
+def _route(case: HFBlockCase, scores: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Eq. (13) with the case's top-k, renormalization, scale and groups, on the given scores and bias."""
+    c = case.config
+    return route(scores, bias, c.k, renormalize=c.renormalize, scaling_factor=c.routed_scaling_factor,
+                 n_group=c.n_group, topk_group=c.topk_group)
+
+
+def _bias(case: HFBlockCase) -> np.ndarray:
+    return case.params64["gate.e_score_correction_bias"]
+
+
+def _weights(case: HFBlockCase, raw: np.ndarray) -> np.ndarray:
+    r"""The gathered scores `raw` `[m, k]` made into weights: renormalized if the config says so, then scaled."""
+    c = case.config
+    if c.renormalize:
+        # $$p_{i,j} = s_{i,j} / \textstyle\sum_{r \in T_i} s_{i,r}$$
+        raw = raw / raw.sum(axis=1, keepdims=True)
+    return raw * c.routed_scaling_factor
+
+
+def _with(case: HFBlockCase, **changes: np.ndarray) -> MoEParams:
+    """The case's float64 parameters with some entries replaced."""
+    params = MoEParams(case.params64)
+    params.update(changes)
+    return params
+
+
+def _situ(case: HFBlockCase) -> bool:
+    return case.config.activation == "situ"
+
+
+# ---------------------------------------------------------------------------
+# Routing
+# ---------------------------------------------------------------------------
+
+def _bias_in_weights(case: HFBlockCase) -> np.ndarray:
+    s = _scores(case)
+    index, _ = _route(case, s, _bias(case))
+    # The mistake: $$p_{i,j} \propto s_{i,j} + b_j$$ instead of $s_{i,j}$
+    biased = np.take_along_axis(np.asarray(biased_scores(s, _bias(case))), index, axis=1)  # [m, k]
+    return _run(case, routing=(index, _weights(case, biased)))
+
+
+def _scale_applied_twice(case: HFBlockCase) -> np.ndarray:
+    c = case.config
+    return _run(case, config=c.replace(routed_scaling_factor=c.routed_scaling_factor ** 2))
+
+
+def _scale_never_applied(case: HFBlockCase) -> np.ndarray:
+    return _run(case, config=case.config.replace(routed_scaling_factor=1.0))
+
+
+def _top1_renormalized(case: HFBlockCase) -> np.ndarray:
+    return _run(case, config=case.config.replace(renormalize=True))
+
+
+def _renormalization_flipped(case: HFBlockCase) -> np.ndarray:
+    return _run(case, config=case.config.replace(renormalize=not case.config.renormalize))
+
+
+def _groups_by_max(case: HFBlockCase) -> np.ndarray:
+    c = case.config
+    s = _scores(case)
+    biased = np.asarray(biased_scores(s, _bias(case)))  # [m, n]
+    m, n = biased.shape
+    grouped = biased.reshape(m, c.n_group, n // c.n_group)  # [m, G, n/G]
+    # The mistake: a group's score is its best expert, $$\max_{j \in g}(s_j + b_j)$$, not the sum of its two best.
+    group_score = grouped.max(axis=2)  # [m, G]
+    best = np.argsort(-group_score, axis=1, kind="stable")[:, : c.topk_group]  # [m, topk_group]
+    keep = np.zeros((m, c.n_group), dtype=bool)
+    np.put_along_axis(keep, best, True, axis=1)
+    masked = np.where(keep[:, :, None], grouped, -np.inf).reshape(m, n)
+    index = np.argsort(-masked, axis=1, kind="stable")[:, : c.k]  # [m, k], ties to the lower id
+    return _run(case, routing=(index, _weights(case, np.take_along_axis(s, index, axis=1))))
+
+
+def _bias_subtracted(case: HFBlockCase) -> np.ndarray:
+    s = _scores(case)
+    # The mistake: selection by $$s - b$$ (a bias stored as $b = -\beta$ read with the other sign).
+    return _run(case, routing=_route(case, s, -_bias(case)))
+
+
+def _bias_ignored(case: HFBlockCase) -> np.ndarray:
+    s = _scores(case)
+    return _run(case, routing=_route(case, s, np.zeros_like(_bias(case))))
+
+
+def _score_function_flipped(case: HFBlockCase) -> np.ndarray:
+    other = "softmax" if case.config.score_function == "sigmoid" else "sigmoid"
+    return _run(case, config=case.config.replace(score_function=other))
+
+
+def _bf16_router(case: HFBlockCase) -> np.ndarray:
+    bf16 = ml_dtypes.bfloat16
+    x = case.x64.astype(bf16).astype(np.float32)  # [m, d]
+    w = case.params64["gate.weight"].astype(bf16).astype(np.float32)  # [n, d]
+    # The mistake: $$z = \operatorname{bf16}(x W_r^\top)$$, the GEMM's float32 result rounded to bfloat16.
+    logits = (x @ w.T).astype(bf16).astype(np.float64)  # [m, n]
+    s = np.asarray(score_function_values(logits, case.config.score_function))
+    return _run(case, routing=_route(case, s, _bias(case)))
+
+
+# ---------------------------------------------------------------------------
+# Activation, norm, weights
+# ---------------------------------------------------------------------------
+
+def _up_cap_flipped(case: HFBlockCase) -> np.ndarray:
+    c = case.config
+    return _run(case, config=c.replace(situ_linear_beta=25.0 if c.situ_linear_beta is None else None))
+
+
+def _gate_cap_k3_default(case: HFBlockCase) -> np.ndarray:
+    return _run(case, config=case.config.replace(situ_beta=4.0))
+
+
+def _silu_for_situ(case: HFBlockCase) -> np.ndarray:
+    return _run(case, config=case.config.replace(activation="swiglu"))
+
+
+def _latent_norm_dropped(case: HFBlockCase) -> np.ndarray:
+    params = MoEParams((k, v) for k, v in case.params64.items() if k != "routed_expert_norm.weight")
+    return _run(case, config=case.config.replace(use_latent_norm=False), params=params)
+
+
+def _gate_up_swapped(case: HFBlockCase) -> np.ndarray:
+    p = case.params64
+    return _run(case, params=_with(case, **{"experts.w1": p["experts.w3"], "experts.w3": p["experts.w1"]}))
+
+
+def _shared_experts_dropped(case: HFBlockCase) -> np.ndarray:
+    p = case.params64
+    return _run(case, params=_with(case, **{"shared_experts.down_proj.weight":
+                                            np.zeros_like(p["shared_experts.down_proj.weight"])}))
+
+
+# ---------------------------------------------------------------------------
+# MXFP4
+# ---------------------------------------------------------------------------
+
+def _decoded(case: HFBlockCase, decode: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+    """The case with every routed expert decoded from its stored bytes by `decode(packed, scale)`."""
+    stacks = {name: decode(packed, scale) for name, (packed, scale) in case.expert_bytes.items()}
+    return _run(case, params=_with(case, **stacks))
+
+
+def _nibbles_swapped(case: HFBlockCase) -> np.ndarray:
+    def decode(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+        # The mistake: the high nibble taken as the even column.
+        swapped = ((packed & 0x0F) << 4) | (packed >> 4)
+        return mxfp4_decode(swapped.astype(np.uint8), scale, dtype=np.float64)
+    return _decoded(case, decode)
+
+
+def _e8m0_bias_125(case: HFBlockCase) -> np.ndarray:
+    # The mistake: $$X = 2^{s - 125} = 4 \cdot 2^{s - 127}$$
+    return _decoded(case, lambda packed, scale: 4.0 * mxfp4_decode(packed, scale, dtype=np.float64))
+
+
+def _e8m0_as_e4m3(case: HFBlockCase) -> np.ndarray:
+    def decode(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+        unit = mxfp4_decode(packed, np.full_like(scale, 127), dtype=np.float64)  # the E2M1 values, X = 1
+        # The mistake: the scale byte read as an E4M3 number instead of the exponent $2^{s-127}$.
+        x = scale.view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # [..., in/32]
+        blocks = unit.reshape(*scale.shape, -1) * x[..., None]
+        return blocks.reshape(unit.shape)
+    return _decoded(case, decode)
+
+
+# ---------------------------------------------------------------------------
+# The catalogue
+# ---------------------------------------------------------------------------
+
+def _always(case: HFBlockCase) -> bool:
+    return True
+
+
+def _scaled(case: HFBlockCase) -> bool:
+    return case.config.routed_scaling_factor != 1.0
+
+
+def _grouped(case: HFBlockCase) -> bool:
+    c = case.config
+    return c.n_group > 1 and c.topk_group < c.n_group and c.n // c.n_group >= 2
+
+
+def _top1_with_renormalize_key(case: HFBlockCase) -> bool:
+    return case.config.k == 1 and case.text_config.get("moe_renormalize", True) is not False
+
+
+#: Every catalogued convention difference, in the order a report lists them.
+CATALOGUE: tuple[Convention, ...] = (
+    Convention("bias_in_weights", "the mixture weights taken from the biased scores s + b instead of the raw s",
+               "vLLM #12002; transformers #41647", _always, _bias_in_weights),
+    Convention("scale_applied_twice", "routed_scaling_factor multiplied into the weights twice",
+               "vLLM #24119; SGLang #35152", _scaled, _scale_applied_twice),
+    Convention("scale_skipped_without_renormalization",
+               "routed_scaling_factor dropped on the path that does not renormalize the weights",
+               "sglang-jax #1282", lambda c: _scaled(c) and not c.config.renormalize, _scale_never_applied),
+    Convention("scale_never_applied", "routed_scaling_factor never applied", None, _scaled, _scale_never_applied),
+    Convention("top1_renormalized",
+               "with top_k = 1 the single weight renormalized to 1 (the reference keeps the raw score)", None,
+               _top1_with_renormalize_key, _top1_renormalized),
+    Convention("renormalization_flipped", "moe_renormalize read the other way", None,
+               lambda c: c.config.k > 1, _renormalization_flipped),
+    Convention("groups_by_max", "a group scored by its best expert instead of the sum of its two best",
+               "vLLM #13474, #46869", _grouped, _groups_by_max),
+    Convention("bias_subtracted", "experts selected by s - b instead of s + b", None, _always, _bias_subtracted),
+    Convention("bias_ignored", "experts selected by s alone (e_score_correction_bias not loaded or not added)",
+               None, _always, _bias_ignored),
+    Convention("score_function_flipped", "moe_router_activation_func ignored: sigmoid for softmax or the reverse",
+               None, _always, _score_function_flipped),
+    Convention("bf16_router", "the router logits computed in bfloat16 instead of float32", "SGLang PR #33764",
+               _always, _bf16_router),
+    Convention("up_cap_flipped", "the up branch capped at 25 when activation_situ_linear_beta is absent, or "
+               "left uncapped when it is set", None, _situ, _up_cap_flipped),
+    Convention("gate_cap_k3_default", "an absent activation_situ_beta read as K3's 4.0 instead of the "
+               "reference's 1.0", None,
+               lambda c: _situ(c) and not c.text_config.get("activation_situ_beta"), _gate_cap_k3_default),
+    Convention("silu_for_situ", "SiLU (SwiGLU) in place of SiTU", "Megatron-LM discussion #6673", _situ,
+               _silu_for_situ),
+    Convention("latent_norm_dropped", "the latent RMSNorm skipped", "a Megatron-LM fork, #94",
+               lambda c: c.config.use_latent_norm, _latent_norm_dropped),
+    Convention("gate_up_swapped", "w1 read as the up projection and w3 as the gate", None, _always,
+               _gate_up_swapped),
+    Convention("shared_experts_dropped", "the shared experts left out", None,
+               lambda c: c.config.num_shared_experts > 0, _shared_experts_dropped),
+    Convention("mxfp4_nibbles_swapped", "MXFP4: the high nibble of each byte read as the even column", None,
+               lambda c: c.mxfp4, _nibbles_swapped),
+    Convention("e8m0_bias_125", "MXFP4: E8M0 scales read as 2^(s - 125) instead of 2^(s - 127)",
+               "compressed-tensors #538", lambda c: c.mxfp4, _e8m0_bias_125),
+    Convention("e8m0_as_e4m3", "MXFP4: E8M0 scale bytes read as E4M3 numbers", "b12x #116",
+               lambda c: c.mxfp4, _e8m0_as_e4m3),
+)
+
+_BY_NAME = {entry.name: entry for entry in CATALOGUE}
+
+
+def convention(name: str) -> Convention:
+    """The catalogue entry called `name`."""
+    if name not in _BY_NAME:
+        raise ValueError(f"no catalogued convention {name!r}; the catalogue holds {sorted(_BY_NAME)}")
+    return _BY_NAME[name]
