@@ -1,0 +1,76 @@
+"""Writing files so that nothing is lost: a temporary name in the same folder, flushed to disk, then renamed.
+
+A reader of the target sees either the old file or the complete new one, never
+a part: the new bytes go to a temporary file next to the target, are flushed
+to the disk (`fsync`), and only then replace the target with one `os.replace`,
+which is atomic within a file system. The folder itself is flushed after the
+rename, so the new name survives a power cut. A write that fails on the way
+(a full disk, an exception in the code that produces the bytes) removes its
+temporary file and leaves the target as it was.
+
+Files get the permissions any file the user creates gets (`0o666` less the
+process umask); the temporary file starts private (`0o600`) and is widened
+just before the rename. Every name here is shared by the modules that write
+files (the balancer's state, the training log and the training checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+__all__ = ["fsync_folder", "new_file_mode", "new_folder_mode", "write_atomically"]
+
+
+def _umask() -> int:
+    """The process umask (read by setting it and putting it back: POSIX offers no other way)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def new_file_mode() -> int:
+    """The permissions of a new file: `0o666` less the umask."""
+    return 0o666 & ~_umask()
+
+
+def new_folder_mode() -> int:
+    """The permissions of a new folder: `0o777` less the umask."""
+    return 0o777 & ~_umask()
+
+
+def fsync_folder(folder: str | os.PathLike) -> None:
+    """Flush a folder's entries (the names of the files in it) to the disk."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Write a file by `write(handle)` into a temporary file beside `path`, flush it, then rename it to `path`.
+
+    `write` receives a binary file opened for writing. If it raises, or the
+    flush or rename fails, the temporary file is removed and `path` keeps
+    what it held (or stays absent).
+    """
+    path = Path(path)
+    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".partial",
+                                         delete=False)
+    try:
+        with handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(handle.name, new_file_mode())
+        os.replace(handle.name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(handle.name)
+        raise
+    fsync_folder(path.parent)
