@@ -29,7 +29,7 @@ from common import (
     write_results,
 )
 
-from refimpl.train import TrainConfig, load_corpus, train
+from refimpl.train import TrainConfig, default_layer, load_corpus, train
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     repeats = args.repeats or (1 if args.smoke else 3)
     steps = 2 if args.smoke else args.steps
-    sizes = dict(d=16, latent=8, experts=8, top_k=2, intermediate=8, batch=64, eval_batch=64) if args.smoke else {}
+    sizes = dict(batch=64, eval_batch=64, moe=default_layer(hidden_size=16, latent_size=8, num_experts=8, top_k=2,
+                                                            intermediate_size=8)) if args.smoke else {}
     config = TrainConfig(steps=steps, eval_every=10**6, stats_every=10**6, **sizes)
     corpus = load_corpus()
     thread_counts = sorted({1, args.threads or available_cpus()})
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
         return run
 
     timings = time_round_robin({f"{n} BLAS thread(s)": work(n) for n in thread_counts}, repeats=repeats)
-    rows, results = [], {"command": command_line(), "machine": machine_info(), "config": vars(config) | {},
+    rows, results = [], {"command": command_line(), "machine": machine_info(), "config": config.to_record(),
                          "steps_per_call": steps, "runs": {}}
     for n, (label, timing) in zip(thread_counts, timings.items(), strict=True):
         tokens_per_second = config.batch * steps / timing.median

@@ -47,7 +47,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 from recorded_runs import band, per_step, record_runs, replay, results_file, show, write_record  # noqa: E402
 
-from refimpl.train import TrainConfig, load_corpus, noise_floor, train  # noqa: E402
+from refimpl.train import TrainConfig, default_layer, load_corpus, noise_floor, train  # noqa: E402
 
 RESULTS = results_file("61_balance_while_learning.json", globals().get("__file__"))
 COMMAND = "OPENBLAS_NUM_THREADS=1 python examples/61_balance_while_learning.py --full"
@@ -67,7 +67,9 @@ def grid() -> dict[str, TrainConfig]:
     """Every configuration of the experiment, by label (each is trained once per seed of `SEEDS`)."""
     runs: dict[str, TrainConfig] = {}
     for size, sizes in SIZES.items():
-        common = dict(steps=STEPS, seed=SEEDS[0], stats_every=STEPS, eval_every=50, **sizes)
+        common = dict(steps=STEPS, seed=SEEDS[0], stats_every=STEPS, eval_every=50, batch=sizes["batch"],
+                      moe=default_layer(num_experts=sizes["experts"], top_k=sizes["top_k"],
+                                        intermediate_size=sizes["intermediate"]))
         runs[f"{size} qb"] = TrainConfig(balancer="qb", **common)
         if size == "n=64":
             runs[f"{size} qb-hist"] = TrainConfig(balancer="qb-hist", **common)
@@ -170,8 +172,9 @@ def live_check(results: dict) -> dict[str, float]:
     corpus = load_corpus()
     short = {}
     for balancer in ("qb", "none"):
-        log = train(TrainConfig(balancer=balancer, steps=25, d=32, latent=16, experts=32, top_k=2,
-                                intermediate=16, batch=512, layers=1, stats_every=100, eval_every=100),
+        log = train(TrainConfig(balancer=balancer, steps=25, batch=512, stats_every=100, eval_every=100,
+                                moe=default_layer(hidden_size=32, latent_size=16, num_experts=32, top_k=2,
+                                                  intermediate_size=16, num_moe_layers=1)),
                     corpus=corpus)
         short[balancer] = float(np.median([r["max_violation"] for r in log["steps"][-10:]]))
     print(f"Live check 2: 25 steps, n = 32, k = 2, m = 512, one layer, seed 0; median max violation of steps "

@@ -55,7 +55,7 @@ from recorded_runs import (  # noqa: E402
     write_record,
 )
 
-from refimpl.train import TrainConfig  # noqa: E402
+from refimpl.train import TrainConfig, default_layer  # noqa: E402
 
 RESULTS = results_file("62_activations_while_training.json", globals().get("__file__"))
 COMMAND = "OPENBLAS_NUM_THREADS=1 python examples/62_activations_while_training.py --full"
@@ -71,12 +71,12 @@ KEEP = ("step", "loss", "max_violation", "eval_loss", "activation_peak", "overfl
 def grid() -> dict[str, TrainConfig]:
     """Every configuration of the experiment, by label (each is trained once per seed of `SEEDS`)."""
     common = dict(steps=STEPS, seed=SEEDS[0], stats_every=1, eval_every=50, balancer="qb")
-    runs = {f"{act} lr {lr:g} float32": TrainConfig(activation=act, lr=lr, **common)
+    runs = {f"{act} lr {lr:g} float32": TrainConfig(moe=default_layer(activation=act), lr=lr, **common)
             for lr in RATES for act in ("swiglu", "situ")}
     for precision in ("float16", "bfloat16"):
         for act in ("swiglu", "situ"):
             runs[f"{act} lr {LOW_PRECISION_RATE:g} {precision}"] = TrainConfig(
-                activation=act, lr=LOW_PRECISION_RATE, precision=precision, **common)
+                moe=default_layer(activation=act), lr=LOW_PRECISION_RATE, precision=precision, **common)
     return runs
 
 

@@ -55,7 +55,7 @@ from recorded_runs import (  # noqa: E402
     write_record,
 )
 
-from refimpl.train import TrainConfig  # noqa: E402
+from refimpl.train import TrainConfig, default_layer  # noqa: E402
 
 RESULTS = results_file("63_latent_norm_while_training.json", globals().get("__file__"))
 COMMAND = "OPENBLAS_NUM_THREADS=1 python examples/63_latent_norm_while_training.py --full"
@@ -70,7 +70,8 @@ KEEP = ("step", "loss", "eval_loss", "routed_rms", "grad_norm_down", "grad_norm_
 def grid() -> dict[str, TrainConfig]:
     """Every configuration of the experiment, by label (each is trained once per seed of `SEEDS`)."""
     common = dict(steps=STEPS, seed=SEEDS[0], stats_every=2, eval_every=50, balancer="qb")
-    return {f"norm {'on' if norm else 'off'} lr {lr:g}": TrainConfig(latent_norm=norm, lr=lr, **common)
+    return {f"norm {'on' if norm else 'off'} lr {lr:g}": TrainConfig(moe=default_layer(use_latent_norm=norm), lr=lr,
+                                                                      **common)
             for lr in RATES for norm in (False, True)}
 
 

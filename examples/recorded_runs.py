@@ -46,7 +46,7 @@ def record_runs(command: str, runs: Mapping[str, TrainConfig], seeds: Sequence[i
     so the two processes finish close together.
     """
     jobs = sorted(((label, seed) for label in runs for seed in seeds),
-                  key=lambda job: -runs[job[0]].experts * runs[job[0]].steps)
+                  key=lambda job: -runs[job[0]].moe.num_experts * runs[job[0]].steps)
     logs = train_many([replace(runs[label], seed=seed) for label, seed in jobs], processes=2)
     record: dict[str, Any] = {"command": command, "seeds": list(seeds), "runs": {label: {} for label in runs}}
     for (label, seed), log in zip(jobs, logs, strict=True):
@@ -113,8 +113,7 @@ def diverged_at(by_seed: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
 
 def replay(recorded: Mapping[str, Any], steps: int) -> list[dict[str, Any]]:
     """Train the first `steps` steps of a recorded run again with today's code and return their records."""
-    config = TrainConfig(**{**recorded["config"], "betas": tuple(recorded["config"]["betas"]), "steps": steps,
-                            "eval_every": 1000})
+    config = replace(TrainConfig.from_record(recorded["config"]), steps=steps, eval_every=1000)
     return train(config, corpus=load_corpus())["steps"]
 
 

@@ -127,9 +127,12 @@ error and needs a step size $\gamma$; QB jumps to the quantile and has none.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
+import zipfile
 from dataclasses import dataclass
+from importlib import import_module
 from os import PathLike
 from typing import Any, ClassVar
 
@@ -141,13 +144,16 @@ from ._fast import (
     kth_largest_by_sampling,
     kth_largest_cupy,
 )
+from ._files import write_atomically
 from ._xp import Array, array_namespace, compute_dtype, is_cupy, is_numpy, to_numpy
+from .config import MoEConfig
 from .routing import expert_load, route, selection_cutoff
 from .validation import check_bias, check_finite, check_float_array, check_int, check_positive, check_shape
 
 __all__ = [
     "BalanceStep",
     "Balancer",
+    "FrozenBalancer",
     "QuantileBalancer",
     "SignBalancer",
     "cutoff_values",
@@ -521,23 +527,67 @@ class BalanceStep:
 
 
 class Balancer:
-    """A stateful balancer: the one place where the bias lives between steps.
+    r"""The one interface of every balancer: the place where a layer's bias lives between steps.
 
-    `step(scores)` routes the batch with the bias it holds, records the loads,
-    and only then computes the bias for the next batch from this one. The
-    bias is kept as a NumPy array in float32 (or the `dtype` given), as K3
-    keeps it; each batch may come from any array namespace. `save` writes the
-    state to an `.npz` file and `Balancer.restore` reads it back bit for bit,
-    so a resumed run routes exactly as an uninterrupted one.
+    A balancer holds the bias that will route the next batch. `step(scores)`
+    routes the batch with that bias, records the loads, and only then
+    computes the bias for the next batch from this one. In a training step
+    the layer routes the batch itself (with the held bias) and hands its own
+    route over, `step(scores, index=layer_route)`, so the loads recorded are
+    those of the layer that ran. The bias is kept as a NumPy array in float32
+    (or the `dtype` given), as K3 keeps it; each batch may come from any
+    array namespace.
+
+    What every balancer declares, so that a training loop needs to know
+    nothing else about it:
+
+    * `kind`, a class attribute: the name it is saved under (every subclass
+      sets its own and is registered under it when the class is defined);
+    * `layer_config(config)`: the layer it balances, the `MoEConfig` with the
+      switches it changes (a capacity that drops, hash routing); most change
+      nothing;
+    * `needs_token_ids`: whether it routes by token id, so that `step` must
+      be given `token_ids` when the layer's route is not;
+    * `coefficient` and `auxiliary(scores, index)`: the weight of its
+      auxiliary balance loss in the objective (0: it has none) and the loss
+      with its gradient in the scores;
+    * `options()`: its settings, the keywords that build it again;
+    * the two rules a subclass writes: `choose(scores, bias, token_ids)`, its
+      route when it routes a batch alone (default: the biased top-$k$ of
+      Eq. 13), and `next_bias(scores, bias, index)`, the bias for the next
+      batch.
+
+    `save` writes the whole state (kind, options, bias, step count, history)
+    to an `.npz` file atomically, and `Balancer.restore` reads it back bit for
+    bit, whatever the kind, so a resumed run routes exactly as an
+    uninterrupted one.
 
     History: `loads` (one `[n]` array per step), `ratios` (max/min per step)
     and `biases` (the bias that routed each step).
 
-    Subclasses set the update rule: `QuantileBalancer` (Eq. 14) and
-    `SignBalancer` (DeepSeek-V3).
+    The rules: `QuantileBalancer` (Eq. 14), `SignBalancer` (DeepSeek-V3),
+    `FrozenBalancer` (no balancing), `refimpl.histogram.HistogramBalancer`
+    (Appendix D) and, on the page "The other balancers in the training
+    loop", auxiliary losses, capacity and hash routing.
     """
 
     kind: ClassVar[str] = ""
+    needs_token_ids: ClassVar[bool] = False
+    #: The weight of the auxiliary balance loss in the training objective (0: the balancer has none).
+    coefficient: float = 0.0
+    #: Every kind, by name: filled as the subclasses are defined.
+    kinds: ClassVar[dict[str, type[Balancer]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("kind")
+        if not isinstance(kind, str) or not kind:
+            raise TypeError(f"{cls.__name__} must set its own kind (the name it is saved under), as a class "
+                            "attribute")
+        known = Balancer.kinds.get(kind)
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(f"the balancer kind {kind!r} is taken by {known.__module__}.{known.__qualname__}")
+        Balancer.kinds[kind] = cls
 
     def __init__(self, num_experts: int, top_k: int, *, bias: Array | None = None,
                  dtype: Any = np.float32) -> None:
@@ -560,21 +610,68 @@ class Balancer:
         self.ratios: list[float] = []
         self.biases: list[np.ndarray] = []
 
+    # -- what it declares ------------------------------------------------------
+
     @property
     def bias(self) -> np.ndarray:
         """A copy of the bias that will route the next batch."""
         return self._bias.copy()
 
-    def _route_and_update(self, scores: Array, bias: Array) -> tuple[Array, Array]:
-        raise NotImplementedError
+    def options(self) -> dict[str, Any]:
+        """The settings of this balancer: the keywords (besides sizes, bias and dtype) that build it again."""
+        return {}
 
-    def step(self, scores: Array) -> BalanceStep:
-        """Route `scores` (`[m, n]`) with the held bias, then compute the next bias from them."""
+    def layer_config(self, config: MoEConfig) -> MoEConfig:
+        """The layer this balancer balances: `config` with the switches it changes (here: none)."""
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        if (config.num_experts, config.top_k) != (self.num_experts, self.top_k):
+            raise ValueError(f"the layer has num_experts={config.num_experts}, top_k={config.top_k}; this "
+                             f"balancer was built for {self.num_experts} and {self.top_k}")
+        return config
+
+    def auxiliary(self, scores: Array, index: Array) -> tuple[float, np.ndarray]:
+        """The auxiliary balance loss of a routed batch and its gradient in the scores `[m, n]` (none here: zeros)."""
+        return 0.0, np.zeros(tuple(scores.shape))
+
+    def check_batch(self, m: int) -> None:
+        """Raise `ValueError` if this rule cannot balance batches of `m` tokens (a run checks before its first step)."""
+        check_int("m", m, low=1)
+
+    # -- the two rules a subclass writes --------------------------------------
+
+    def choose(self, scores: Array, bias: Array, token_ids: Array | None) -> Array:
+        """The route `[m, k]` of a batch this balancer routes alone: the top-$k$ of $s + b$ (Eq. 13)."""
+        index, _ = route(scores, bias, self.top_k)
+        return index
+
+    def next_bias(self, scores: Array, bias: Array, index: Array) -> Array:
+        """The bias `[n]` for the next batch, from this batch's `scores` `[m, n]`, the `bias` that routed it and its route."""
+        raise NotImplementedError(f"{type(self).__name__} must define next_bias(scores, bias, index)")
+
+    # -- the step --------------------------------------------------------------
+
+    def step(self, scores: Array, *, index: Array | None = None, token_ids: Array | None = None) -> BalanceStep:
+        """Route `scores` (`[m, n]`) with the held bias, then compute the next bias from them.
+
+        `index` (`[m, k]`), if given, is the route the layer itself made of
+        this batch with the held bias (a training step passes it, so that the
+        loads are those of the layer that ran); otherwise the balancer routes
+        the batch with `choose`, reading `token_ids` (`[m]`) when it
+        `needs_token_ids`.
+        """
         check_float_array("scores", scores, ndim=2)
         check_shape("scores", scores, (None, self.num_experts))
         xp = array_namespace(scores)
         used = self._bias.copy()  # fixed before the batch is looked at
-        index, new_bias = self._route_and_update(scores, xp.asarray(used))
+        if index is None:
+            if self.needs_token_ids and token_ids is None:
+                raise ValueError(f"a {self.kind} balancer routes by token id: step() needs token_ids, an [m] "
+                                 "integer array (or the layer's route as index=)")
+            index = self.choose(scores, xp.asarray(used), token_ids)
+        else:
+            check_shape("index", index, (scores.shape[0], self.top_k))
+        new_bias = self.next_bias(scores, xp.asarray(used), index)
         load = to_numpy(expert_load(index, self.num_experts)).astype(np.int64)
         ratio = load_ratio(load)
         self._bias = to_numpy(new_bias).astype(self._bias.dtype)
@@ -584,53 +681,71 @@ class Balancer:
         self.biases.append(used)
         return BalanceStep(self.step_count, index, load, ratio, used, self._bias.copy())
 
-    def _extra_state(self) -> dict[str, Any]:
-        return {}
+    # -- saving and restoring ----------------------------------------------------
 
     def save(self, path: str | PathLike) -> None:
-        """Write the state (bias, step count, settings and history) to an `.npz` file."""
+        """Write the whole state to the `.npz` file `path`, atomically: kind, options, bias, step count, history.
+
+        The file is written under a temporary name in the same folder and
+        renamed into place, so `path` holds the old state or the new one,
+        never a part. It needs no pickle: arrays, and the options as JSON.
+        """
         n = self.num_experts
-        np.savez(
-            path,
-            kind=np.array(self.kind),
-            num_experts=np.int64(n),
-            top_k=np.int64(self.top_k),
-            step_count=np.int64(self.step_count),
-            bias=self._bias,
-            loads=np.array(self.loads, dtype=np.int64).reshape(-1, n),
-            ratios=np.array(self.ratios, dtype=np.float64),
-            biases=np.array(self.biases, dtype=self._bias.dtype).reshape(-1, n),
-            **self._extra_state(),
-        )
+        arrays = {
+            "kind": np.array(self.kind),
+            "module": np.array(type(self).__module__),
+            "options": np.array(json.dumps(self.options(), allow_nan=False)),
+            "num_experts": np.int64(n),
+            "top_k": np.int64(self.top_k),
+            "step_count": np.int64(self.step_count),
+            "bias": self._bias,
+            "loads": np.array(self.loads, dtype=np.int64).reshape(-1, n),
+            "ratios": np.array(self.ratios, dtype=np.float64),
+            "biases": np.array(self.biases, dtype=self._bias.dtype).reshape(-1, n),
+        }
+        write_atomically(path, lambda handle: np.savez(handle, **arrays))
 
     @classmethod
     def restore(cls, path: str | PathLike) -> Balancer:
-        """Read a balancer written by `save`; the result continues the run bit for bit."""
-        with np.load(path, allow_pickle=False) as data:
-            kind = str(data["kind"])
-            kinds = {sub.kind: sub for sub in (QuantileBalancer, SignBalancer)}
-            if kind not in kinds:
-                raise ValueError(f"{path} holds an unknown balancer kind {kind!r}")
-            sub = kinds[kind]
-            options = sub._options_from(data)
-            balancer = sub(int(data["num_experts"]), int(data["top_k"]), bias=data["bias"],
-                           dtype=data["bias"].dtype, **options)
-            balancer.step_count = int(data["step_count"])
-            balancer.loads = [row.copy() for row in data["loads"]]
-            balancer.ratios = [float(r) for r in data["ratios"]]
-            balancer.biases = [row.copy() for row in data["biases"]]
-        return balancer
+        """Read a balancer written by `save`, of any kind; the result continues the run bit for bit.
 
-    @classmethod
-    def _options_from(cls, data: Any) -> dict[str, Any]:
-        return {}
+        A kind defined in a module of this package that is not imported yet
+        (the training balancers) is imported from the module the file names;
+        a kind of your own must be defined (its module imported) first.
+        """
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                fields = {name: data[name] for name in data.files}
+        except (OSError, ValueError, zipfile.BadZipFile) as exc:
+            if isinstance(exc, FileNotFoundError):
+                raise
+            raise ValueError(f"{path} is not a balancer state written by Balancer.save: {exc}") from None
+        if "kind" in fields and "options" not in fields:  # written before the options were kept as JSON
+            fields["module"] = np.array("refimpl.balancing")
+            fields["options"] = np.array(json.dumps({name: fields.pop(name).item() for name in
+                                                     ("leave_one_out", "damping", "rate") if name in fields}))
+        missing = sorted({"kind", "module", "options", "num_experts", "top_k", "step_count", "bias", "loads",
+                          "ratios", "biases"} - set(fields))
+        if missing:
+            raise ValueError(f"{path} is not a balancer state written by Balancer.save: it lacks {missing}")
+        kind, module = str(fields["kind"]), str(fields["module"])
+        if kind not in Balancer.kinds and module.startswith("refimpl."):
+            import_module(module)  # a kind of this package whose module was not imported yet
+        if kind not in Balancer.kinds:
+            raise ValueError(f"{path} holds an unknown balancer kind {kind!r} (defined in {module!r}); known kinds: "
+                             f"{sorted(Balancer.kinds)}")
+        options = json.loads(str(fields["options"]))
+        balancer = Balancer.kinds[kind](int(fields["num_experts"]), int(fields["top_k"]), bias=fields["bias"],
+                                        dtype=fields["bias"].dtype, **options)
+        balancer.step_count = int(fields["step_count"])
+        balancer.loads = [row.copy() for row in fields["loads"]]
+        balancer.ratios = [float(r) for r in fields["ratios"]]
+        balancer.biases = [row.copy() for row in fields["biases"]]
+        return balancer
 
 
 class QuantileBalancer(Balancer):
     r"""Eq. (14) step by step: route with the held bias, then jump to the quantile bias of this batch.
-
-    One top-$(k+1)$ of the biased scores gives both the route and the cutoffs
-    $\alpha$, so the update costs one extra pass over the margins.
 
     Two options belong to the extension, not to the paper (both off by
     default): `leave_one_out=True` uses the leave-one-out cutoffs described in
@@ -650,25 +765,25 @@ class QuantileBalancer(Balancer):
         if self.damping > 1.0:
             raise ValueError(f"damping must be in (0, 1], got {self.damping}")
 
-    def _route_and_update(self, scores: Array, bias: Array) -> tuple[Array, Array]:
-        if self.top_k == self.num_experts:
-            index, _ = route(scores, bias, self.top_k)
-            return index, quantile_balancing_update(scores, bias, self.top_k)
-        # Step 1 routes and yields the cutoffs at once; steps 2-3 use them.
-        index, alpha = selection_cutoff(scores, bias, self.top_k)  # [m, k], [m]
-        jump = _update_from_cutoffs(scores, bias, self.top_k, alpha, leave_one_out=self.leave_one_out)
+    def options(self) -> dict[str, Any]:
+        return {"leave_one_out": self.leave_one_out, "damping": self.damping}
+
+    def check_batch(self, m: int) -> None:
+        super().check_batch(m)
+        try:
+            quantile_rank(m, self.num_experts, self.top_k)
+        except ValueError as exc:
+            raise ValueError(f"a batch of {m} tokens is too small for Quantile Balancing of {self.num_experts} "
+                             f"experts with top_k={self.top_k}: {exc}") from None
+
+    def next_bias(self, scores: Array, bias: Array, index: Array) -> Array:
+        # Steps 1-3 of Eq. (14) on this batch: cutoffs, the (q+1)-th margin of each expert, centering.
+        jump = quantile_balancing_update(scores, bias, self.top_k, leave_one_out=self.leave_one_out)
         if self.damping == 1.0:
-            return index, jump
+            return jump
         # Extension: move only part of the way, $$b \leftarrow b + \eta\,(b^{\text{QB}} - b)$$, then center.
         xp = array_namespace(jump)
-        return index, _center(bias + self.damping * (jump - xp.astype(bias, jump.dtype)))
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {"leave_one_out": np.bool_(self.leave_one_out), "damping": np.float64(self.damping)}
-
-    @classmethod
-    def _options_from(cls, data: Any) -> dict[str, Any]:
-        return {"leave_one_out": bool(data["leave_one_out"]), "damping": float(data["damping"])}
+        return _center(bias + self.damping * (jump - xp.astype(bias, jump.dtype)))
 
 
 class SignBalancer(Balancer):
@@ -681,14 +796,18 @@ class SignBalancer(Balancer):
         super().__init__(num_experts, top_k, bias=bias, dtype=dtype)
         self.rate = check_positive("rate", rate)
 
-    def _route_and_update(self, scores: Array, bias: Array) -> tuple[Array, Array]:
-        index, _ = route(scores, bias, self.top_k)  # [m, k]
+    def options(self) -> dict[str, Any]:
+        return {"rate": self.rate}
+
+    def next_bias(self, scores: Array, bias: Array, index: Array) -> Array:
         load = expert_load(index, self.num_experts)  # [n]
-        return index, sign_balancing_update(load, bias, self.rate)
+        return sign_balancing_update(load, bias, self.rate)
 
-    def _extra_state(self) -> dict[str, Any]:
-        return {"rate": np.float64(self.rate)}
 
-    @classmethod
-    def _options_from(cls, data: Any) -> dict[str, Any]:
-        return {"rate": float(data["rate"])}
+class FrozenBalancer(Balancer):
+    """No balancing: routes with the bias it was given (zero by default) and never changes it."""
+
+    kind = "none"
+
+    def next_bias(self, scores: Array, bias: Array, index: Array) -> Array:
+        return bias

@@ -131,23 +131,26 @@ arrays reused so they stay in cache, and `np.bincount` on flat
 $(\text{expert}, \text{bin})$ ids) and a portable path for any array-API
 library (sort plus `searchsorted` counting, through `refimpl._xp.bincount`);
 both compute every bin with the same floating-point operations in the same
-order, so they give identical counts.
+order, so they give identical counts. `HistogramBalancer`, at the end of the
+page, is the estimator as a balancer of the training loop (`qb-hist`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
 from ._fast import fast_path_applies, histogram_count_by_experts
 from ._xp import Array, array_namespace, bincount, compute_dtype, dtype_name
-from .balancing import cutoff_values
+from .balancing import Balancer, cutoff_values
 from .validation import check_bias, check_finite, check_float_array, check_int
 
 __all__ = [
     "BiasHistogram",
+    "HistogramBalancer",
     "histogram_balancing_update",
     "histogram_range",
     "required_bias",
@@ -468,3 +471,37 @@ def histogram_balancing_update(blocks: Iterable[Array] | Array, bias: Array, top
                              f"{histogram.n} experts, got {list(block.shape)}")
         histogram.add(block)
     return histogram.new_bias()
+
+
+# ---------------------------------------------------------------------------
+# The estimator as a balancer
+# ---------------------------------------------------------------------------
+
+class HistogramBalancer(Balancer):
+    """Appendix D inside a training step: the batch is split into `micro_batches`, each counted into one histogram.
+
+    The result is the bias of `histogram_balancing_update` on the blocks, the
+    same as one histogram of the whole batch (counts add), within one bin
+    width of exact Quantile Balancing. The training loop's `qb-hist`.
+    """
+
+    kind = "histogram"
+
+    def __init__(self, num_experts: int, top_k: int, *, bins: int = 1000, micro_batches: int = 4,
+                 bias: Array | None = None, dtype: Any = np.float32) -> None:
+        super().__init__(num_experts, top_k, bias=bias, dtype=dtype)
+        self.bins = check_int("bins", bins, low=1)
+        self.micro_batches = check_int("micro_batches", micro_batches, low=1)
+
+    def options(self) -> dict[str, Any]:
+        return {"bins": self.bins, "micro_batches": self.micro_batches}
+
+    def check_batch(self, m: int) -> None:
+        super().check_batch(m)
+        if m < self.micro_batches:
+            raise ValueError(f"a batch of {m} tokens cannot be split into micro_batches={self.micro_batches}")
+
+    def next_bias(self, scores: Array, bias: Array, index: Array) -> Array:
+        self.check_batch(scores.shape[0])
+        blocks = np.array_split(np.asarray(scores), self.micro_batches, axis=0)  # micro-batches [m_i, n]
+        return histogram_balancing_update(blocks, bias, self.top_k, self.bins)

@@ -496,49 +496,132 @@ def test_sign_balancer_routes_with_the_bias_it_held():
     np.testing.assert_array_equal(step.next_bias, sign_balancing_update(step.load, np.zeros(n, np.float32), 0.01))
 
 
-@pytest.mark.parametrize("make", [
-    lambda: QuantileBalancer(16, 3),
-    lambda: QuantileBalancer(16, 3, leave_one_out=True, damping=0.5),
-    lambda: SignBalancer(16, 3, rate=1e-2),
-])
-def test_save_and_restore_resume_bit_for_bit(tmp_path, make):
-    rng = np.random.default_rng(7)
-    offsets = rng.normal(size=16)
-    batches_ = [skewed_batch(rng, 96, 16, offsets) for _ in range(6)]
-    straight = make()
-    for batch in batches_:
-        straight.step(batch)
-    first = make()
-    for batch in batches_[:3]:
-        first.step(batch)
+# Every balancer of the training CLI, plus the extension's options and a float64 bias: the kinds that save.
+N, K = 16, 3
+
+
+def training_balancer(name):
+    from refimpl.train import BALANCERS, TrainConfig, default_layer
+
+    config = TrainConfig(balancer=name, batch=128, micro_batches=3, sign_rate=1e-2,
+                         moe=default_layer(num_experts=N, top_k=K))
+    return BALANCERS[name](config)
+
+
+def every_kind():
+    from refimpl.train import BALANCERS
+
+    makers = {name: (lambda name=name: training_balancer(name)) for name in BALANCERS}
+    makers["qb, leave-one-out, damped"] = lambda: QuantileBalancer(N, K, leave_one_out=True, damping=0.5)
+    makers["qb, float64"] = lambda: QuantileBalancer(N, K, dtype=np.float64, bias=0.01 * np.arange(N))
+    return makers
+
+
+KINDS = every_kind()
+
+
+def balancer_batches(count, m=128, seed=7):
+    """Batches of skewed scores (each with token ids, which the hash rule routes by)."""
+    rng = np.random.default_rng(seed)
+    offsets = rng.normal(size=N)
+    return [(skewed_batch(rng, m, N, offsets), rng.integers(0, 256, m)) for _ in range(count)]
+
+
+def assert_same_state(a, b):
+    """Two balancers hold the same kind, options, bias and history, bit for bit."""
+    assert type(a) is type(b) and a.kind == b.kind and a.options() == b.options()
+    assert (a.num_experts, a.top_k, a.step_count) == (b.num_experts, b.top_k, b.step_count)
+    assert a.bias.dtype == b.bias.dtype and a.bias.tobytes() == b.bias.tobytes()
+    assert [x.tobytes() for x in a.loads] == [x.tobytes() for x in b.loads]
+    assert [x.tobytes() for x in a.biases] == [x.tobytes() for x in b.biases]
+    assert np.array(a.ratios).tobytes() == np.array(b.ratios).tobytes()
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_every_kind_saves_and_restores_bit_for_bit(tmp_path, name):
+    """Stop after 3 of 6 batches, save, restore: the next batches route exactly as without the stop."""
+    batches = balancer_batches(6)
+    straight = KINDS[name]()
+    for scores, ids in batches:
+        straight.step(scores, token_ids=ids)
+    first = KINDS[name]()
+    for scores, ids in batches[:3]:
+        first.step(scores, token_ids=ids)
     path = tmp_path / "state.npz"
     first.save(path)
     resumed = Balancer.restore(path)
-    assert type(resumed) is type(first)
-    for batch in batches_[3:]:
-        a, b = first.step(batch), resumed.step(batch)
+    assert_same_state(resumed, first)
+    for scores, ids in batches[3:]:
+        a, b = first.step(scores, token_ids=ids), resumed.step(scores, token_ids=ids)
         np.testing.assert_array_equal(a.index, b.index)
-    np.testing.assert_array_equal(resumed.bias, straight.bias)
-    assert resumed.bias.dtype == np.float32
-    np.testing.assert_array_equal(np.array(resumed.loads), np.array(straight.loads))
-    np.testing.assert_array_equal(np.array(resumed.biases), np.array(straight.biases))
-    assert resumed.step_count == 6
+        assert a.next_bias.tobytes() == b.next_bias.tobytes()
+    assert_same_state(resumed, straight)
+    # The file needs no pickle.
+    with np.load(path, allow_pickle=False) as data:
+        assert str(data["kind"]) == first.kind
 
 
-def test_balancer_on_other_backends(xp):
+def test_every_kind_restores_after_import_refimpl_alone(tmp_path):
+    """A fresh interpreter that imports only `refimpl` restores every kind, and routes the next batch the same."""
+    batches = balancer_batches(4)
+    expected = {}
+    for number, make in enumerate(KINDS.values()):
+        balancer = make()
+        for scores, ids in batches[:3]:
+            balancer.step(scores, token_ids=ids)
+        balancer.save(tmp_path / f"{number}.npz")
+        expected[number] = balancer.step(*batches[3][:1], token_ids=batches[3][1]).index
+    np.savez(tmp_path / "batch.npz", scores=batches[3][0], ids=batches[3][1])
+    code = (
+        "import sys, numpy as np, refimpl\n"
+        "assert 'refimpl.train' not in sys.modules and 'refimpl.train_baselines' not in sys.modules\n"
+        f"batch = np.load({str(tmp_path / 'batch.npz')!r})\n"
+        f"for number in range({len(KINDS)}):\n"
+        f"    b = refimpl.Balancer.restore({str(tmp_path)!r} + f'/{{number}}.npz')\n"
+        "    np.save(f'" + str(tmp_path) + "/index-{number}.npy', b.step(batch['scores'], token_ids=batch['ids']).index)\n"
+    )
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for number, index in expected.items():
+        np.testing.assert_array_equal(np.load(tmp_path / f"index-{number}.npy"), index)
+
+
+def test_what_each_balancer_declares():
+    """The declared interface: the layer each one balances, token ids, the auxiliary loss."""
+    from refimpl.config import MoEConfig
+    from refimpl.train import BALANCERS
+
+    layer = MoEConfig.tiny(num_experts=N, top_k=K)
+    changes = {"capacity-1.0": {"capacity_factor": 1.0}, "capacity-1.25": {"capacity_factor": 1.25},
+               "hash": {"hash_routing": True}}
+    coefficients = {"aux": 1e-2, "seq": 1e-4}
+    for name in BALANCERS:
+        balancer = training_balancer(name)
+        assert balancer.layer_config(layer) == layer.replace(**changes.get(name, {})), name
+        assert balancer.needs_token_ids == (name == "hash"), name
+        assert balancer.coefficient == coefficients.get(name, 0.0), name
+        assert Balancer.kinds[balancer.kind] is type(balancer)
+    with pytest.raises(ValueError, match="num_experts=6"):
+        QuantileBalancer(N, K).layer_config(MoEConfig.tiny())
+
+
+def test_a_step_given_the_layers_route_counts_that_route():
+    """With index= the loads are those of the route given (the layer's), and the sign rule moves by them."""
     rng = np.random.default_rng(3)
-    batch = skewed_batch(rng, 40, 5, rng.normal(size=5)).astype(np.float64)
-    bal = QuantileBalancer(5, 2)
-    step = bal.step(xp.asarray(batch))
-    np.testing.assert_array_equal(step.load, expert_load(route(batch, np.zeros(5), 2)[0], 5))
-    np.testing.assert_allclose(bal.bias, reference_update(batch, np.zeros(5), 2).astype(np.float32), atol=1e-7)
-
-
-def test_balancer_with_k_equal_n():
-    bal = QuantileBalancer(4, 4, bias=np.array([1.0, 0.0, 0.0, -3.0]))
-    step = bal.step(np.random.default_rng(0).random((5, 4)))
-    np.testing.assert_array_equal(step.load, [5, 5, 5, 5])
-    np.testing.assert_allclose(bal.bias, [1.5, 0.5, 0.5, -2.5])
+    scores = skewed_batch(rng, 64, N, rng.normal(size=N))
+    given = np.stack([rng.permutation(N)[:K] for _ in range(64)])  # not the top-k of anything
+    sign = SignBalancer(N, K, rate=0.01)
+    step = sign.step(scores, index=given)
+    np.testing.assert_array_equal(step.load, np.bincount(given.ravel(), minlength=N))
+    np.testing.assert_array_equal(step.next_bias, sign_balancing_update(step.load, np.zeros(N, np.float32), 0.01))
+    # The hash rule routes alone only when it has the token ids.
+    hashed = training_balancer("hash")
+    with pytest.raises(ValueError, match="needs token_ids"):
+        hashed.step(scores)
+    with pytest.raises(ValueError, match=r"index must have shape \[64, 3\]"):
+        sign.step(scores, index=given[:, :2])
 
 
 def test_balancer_bad_input(tmp_path):
@@ -550,10 +633,52 @@ def test_balancer_bad_input(tmp_path):
         QuantileBalancer(4, 1).step(np.zeros((3, 5)))
     with pytest.raises(TypeError, match="dtype must be float32 or float64"):
         SignBalancer(4, 1, dtype=np.float16)
+    # A file that is not a balancer's state, one of an unknown kind, one that is not a zip at all.
     path = tmp_path / "odd.npz"
-    np.savez(path, kind=np.array("mystery"))
-    with pytest.raises(ValueError, match="unknown balancer kind"):
+    np.savez(path, kind=np.array("quantile"), options=np.array("{}"))
+    with pytest.raises(ValueError, match=r"it lacks \['biases', 'bias', |it lacks \["):
         Balancer.restore(path)
+    QuantileBalancer(4, 1).save(path)
+    with np.load(path) as data:
+        fields = dict(data)
+    np.savez(path, **{**fields, "kind": np.array("mystery")})
+    with pytest.raises(ValueError, match="unknown balancer kind 'mystery'"):
+        Balancer.restore(path)
+    (tmp_path / "text.npz").write_text("not a zip")
+    with pytest.raises(ValueError, match="is not a balancer state"):
+        Balancer.restore(tmp_path / "text.npz")
+    # Every kind declares its own name, once.
+    with pytest.raises(TypeError, match="must set its own kind"):
+        type("Nameless", (QuantileBalancer,), {})
+    with pytest.raises(TypeError, match="'quantile' is taken"):
+        type("Impostor", (Balancer,), {"kind": "quantile"})
+
+
+def test_save_is_atomic_and_reads_the_first_format(tmp_path, monkeypatch):
+    """A save that fails part-way leaves the previous state; a file of the first format (no options) restores."""
+    path = tmp_path / "state.npz"
+    balancer = SignBalancer(N, K, rate=0.01)
+    balancer.save(path)
+    before = path.read_bytes()
+    balancer.step(balancer_batches(1)[0][0])
+
+    def broken(handle, **arrays):
+        handle.write(b"PK half a zip")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", broken)
+    with pytest.raises(OSError, match="No space left"):
+        balancer.save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["state.npz"]
+    # The first format kept the options as arrays of their own.
+    old = tmp_path / "old.npz"
+    np.savez(old, kind=np.array("quantile"), num_experts=np.int64(N), top_k=np.int64(K), step_count=np.int64(2),
+             bias=np.arange(N, dtype=np.float32), loads=np.ones((2, N), np.int64), ratios=np.ones(2),
+             biases=np.zeros((2, N), np.float32), leave_one_out=np.bool_(True), damping=np.float64(0.5))
+    restored = Balancer.restore(old)
+    assert type(restored) is QuantileBalancer and restored.options() == {"leave_one_out": True, "damping": 0.5}
+    assert restored.step_count == 2 and restored.bias.tobytes() == np.arange(N, dtype=np.float32).tobytes()
 
 
 def test_fixed_batch_extension_reaches_exact_balance():
