@@ -176,7 +176,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import ml_dtypes
 import numpy as np
@@ -379,7 +379,7 @@ class TrainConfig:
     eval_batch: int = 2048
 
     def __post_init__(self) -> None:
-        def fail(name: str, message: str) -> None:
+        def fail(name: str, message: str) -> NoReturn:
             raise TrainConfigError(name, f"{name} {message}")
 
         for name in ("steps", "context", "embed", "batch", "bins", "micro_batches", "stats_every", "eval_every",
@@ -448,6 +448,9 @@ class TrainConfig:
             layer = values.pop("moe")
             if not isinstance(layer, Mapping):
                 raise TypeError(f"record['moe'] must be a mapping of MoEConfig fields, got {type(layer).__name__}")
+            strange = sorted(set(layer) - {f.name for f in fields(MoEConfig)})
+            if strange:
+                raise ValueError(f"record['moe'] holds fields that MoEConfig does not have: {strange}")
             values["moe"] = MoEConfig(**layer)
         elif flat:
             absent = sorted(set(_FLAT_LAYER_FIELDS) - set(flat))
@@ -461,7 +464,6 @@ class TrainConfig:
         if "betas" in values:
             values["betas"] = tuple(values["betas"])
         return cls(**values)
-
 
 
 # ---------------------------------------------------------------------------
@@ -899,7 +901,7 @@ class _Run:
 
     @classmethod
     def start(cls, config: TrainConfig) -> _Run:
-        """Step 0: the weights drawn from the seed, fresh balancers and optimizer."""
+        """Step 0: the weights drawn with `config.seed`, fresh balancers and optimizer."""
         rng = np.random.default_rng(config.seed)
         params = init_model(config, rng)
         trained = [name for name in params if not name.endswith(BIAS)]
@@ -1359,7 +1361,8 @@ def _parser(*, defaults: bool = True) -> argparse.ArgumentParser:
                         help="training steps (default 300); with --resume, the step to continue to")
     parser.add_argument("--seed", type=_integer(0, 2**63 - 1), default=default(train_defaults.seed),
                         help="seed of weights and batches (default 0)")
-    parser.add_argument("--out", type=Path, default=default(None), help="write the JSON log to this file")
+    parser.add_argument("--out", type=Path, default=default(None), metavar="FILE",
+                        help="write the JSON log to this file")
     parser.add_argument("--overwrite", action="store_true", default=default(False),
                         help="replace an existing --out file, or a --checkpoint folder holding another run's "
                              "checkpoint (each only once the new one is complete)")
@@ -1381,7 +1384,7 @@ def _parser(*, defaults: bool = True) -> argparse.ArgumentParser:
                         help="Adam learning rate (default 0.003)")
     parser.add_argument("--grad-clip", type=_number(zero=True), default=default(train_defaults.grad_clip),
                         help="clip the global gradient norm to this (0: off, the default)")
-    parser.add_argument("--gamma", "--sign-rate", dest="sign_rate", type=_number(),
+    parser.add_argument("--gamma", "--sign-rate", dest="sign_rate", type=_number(), metavar="GAMMA",
                         default=default(train_defaults.sign_rate),
                         help="the sign rule's step (default 0.001, DeepSeek-V3's)")
     parser.add_argument("--bins", type=_integer(1, 10**7), default=default(train_defaults.bins),
@@ -1391,7 +1394,7 @@ def _parser(*, defaults: bool = True) -> argparse.ArgumentParser:
     sizes = parser.add_argument_group("sizes")
     for flag, name, text, high in _LAYER_FLAGS:
         sizes.add_argument(f"--{flag}", dest=name, type=_integer(0 if name == "num_shared_experts" else 1, high),
-                           default=default(getattr(layer_defaults, name)),
+                           default=default(getattr(layer_defaults, name)), metavar=flag.upper().replace("-", "_"),
                            help=f"{text} (default {getattr(layer_defaults, name)})")
     for flag, name, text, high in _RUN_FLAGS:
         sizes.add_argument(f"--{flag}", dest=name, type=_integer(1, high), default=default(getattr(train_defaults, name)),
@@ -1475,16 +1478,20 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def _check_folder_writable(parser: argparse.ArgumentParser, flag: str, folder: Path) -> None:
-    """`folder` (created if missing) must be a folder this process can write a file in; else an argparse error."""
+    """`folder` must be a folder this process can write in, or one it can create; else an argparse error.
+
+    Nothing is created: a file is written and removed in the folder, or in the
+    nearest folder above it that exists (the missing ones are made when the
+    run writes).
+    """
     above = _existing_ancestor(folder)
     if not above.is_dir():
         parser.error(f"argument {flag}: {above} is a file, not a folder, so {folder} cannot be created")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+        with tempfile.NamedTemporaryFile(dir=above, prefix=".write-test-"):
             pass
     except OSError as exc:
-        parser.error(f"argument {flag}: cannot write in the folder {folder}: {exc.strerror or exc}")
+        parser.error(f"argument {flag}: cannot write in the folder {above}: {exc.strerror or exc}")
 
 
 def _check_out(parser: argparse.ArgumentParser, out: Path, overwrite: bool) -> None:
@@ -1557,6 +1564,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["command"] = "python -m refimpl.train " + " ".join(argv)
     if args.out is not None:
         try:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
             write_log(args.out, result)
         except OSError as exc:
             kept = f"; the log so far is in the checkpoint {checkpoint}" if checkpoint is not None else ""

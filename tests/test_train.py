@@ -485,6 +485,11 @@ def test_out_is_checked_before_the_first_step(tmp_path, capsys, monkeypatch):
         error = capsys.readouterr().err
         assert "argument --out:" in error and message in error, error
     assert (tmp_path / "old.json").read_text() == "the previous log"
+    # A refused run leaves nothing behind: the folders of --out are made only when the log is written.
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "new" / "run.json"), "--checkpoint", str(tmp_path / "file.txt"),
+              *small_flags()])
+    assert "argument --checkpoint:" in capsys.readouterr().err and not (tmp_path / "new").exists()
 
 
 def test_a_diverging_run_writes_strict_json(tmp_path):
