@@ -446,18 +446,6 @@ def quantile_balancing_update(scores: Array, bias: Array, top_k: int, *, center:
     return _center(b_tilde) if center else b_tilde
 
 
-def _update_from_cutoffs(scores: Array, bias: Array, top_k: int, alpha: Array, *,
-                         leave_one_out: bool = False) -> Array:
-    """Eq. (14) when the router has already produced the cutoffs (the balancer's path)."""
-    m, n = scores.shape
-    whole, frac = quantile_rank(m, n, top_k)
-    kappa = None
-    if leave_one_out:
-        _, kappa = cutoff_values(scores, bias, top_k, with_kth=True)  # the k-th largest, [m]
-    # $$\tilde b_j = -M_{(q+1),j}$$
-    return _center(-quantile_thresholds(scores, alpha, whole, frac, bias=bias, kappa=kappa))
-
-
 # ---------------------------------------------------------------------------
 # The sign rule (DeepSeek-V3)
 # ---------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def _check_vector(name: str, v: Array, size: int) -> None:
 
 
 def _dual_inputs(scores: Array, alpha: Array, beta: Array, top_k: int) -> tuple[Any, int, Array, Array, Array]:
-    """Check a point $(\alpha, \beta)$ of the dual for `scores`; return the namespace, $k$ and the three in float64."""
+    r"""Check a point $(\alpha, \beta)$ of the dual for `scores`; return the namespace, $k$ and the three in float64."""
     m, n = _check_scores(scores)
     top_k = check_int("top_k", top_k, low=1, high=n)
     _check_vector("alpha", alpha, m)
