@@ -175,6 +175,17 @@ def _check_pair(gate: Array, up: Array) -> None:
         raise ValueError(f"gate and up must have the same shape, got gate {gate.shape} and up {up.shape}")
 
 
+def _situ_inputs(gate: Array, up: Array, beta: float, linear_beta: float | None) -> tuple[Any, Array, Array]:
+    """Check SiTU-GLU's inputs and caps; return the namespace and the pre-activations in the compute dtype."""
+    _check_pair(gate, up)
+    check_positive("beta", beta)
+    if linear_beta is not None:
+        check_positive("linear_beta", linear_beta)
+    xp = array_namespace(gate, up)
+    _, (a, b) = _upcast(xp, gate, up)
+    return xp, a, b
+
+
 def situ_glu(gate: Array, up: Array, beta: float = 4.0, linear_beta: float | None = 25.0) -> Array:
     r"""Eq. (12): $\operatorname{SiTU\text{-}GLU}(a, b) = [\operatorname{softcap}(a,\beta_1)\sigma(a)] \odot \operatorname{softcap}(b,\beta_2)$.
 
@@ -184,12 +195,7 @@ def situ_glu(gate: Array, up: Array, beta: float = 4.0, linear_beta: float | Non
     branch uncapped: $\operatorname{softcap}(a,\beta_1)\sigma(a)\,b$, which is not
     bounded (the reference code's form when `activation_situ_linear_beta` is absent).
     """
-    _check_pair(gate, up)
-    check_positive("beta", beta)
-    if linear_beta is not None:
-        check_positive("linear_beta", linear_beta)
-    xp = array_namespace(gate, up)
-    _, (a, b) = _upcast(xp, gate, up)
+    xp, a, b = _situ_inputs(gate, up, beta, linear_beta)
     # The capped gate: $$\operatorname{softcap}(a, \beta_1)\,\sigma(a) \in (-\beta_1, \beta_1)$$
     capped_gate = beta * xp.tanh(a / beta) * sigmoid(a)
     if linear_beta is None:
@@ -255,12 +261,7 @@ def situ_glu_grad(gate: Array, up: Array, beta: float = 4.0,
     With `linear_beta=None` (uncapped up branch) $h(b) = b$ and $h'(b) = 1$.
     Computed in float32 or wider and returned in the input dtype.
     """
-    _check_pair(gate, up)
-    check_positive("beta", beta)
-    if linear_beta is not None:
-        check_positive("linear_beta", linear_beta)
-    xp = array_namespace(gate, up)
-    _, (a, b) = _upcast(xp, gate, up)
+    xp, a, b = _situ_inputs(gate, up, beta, linear_beta)
     _, d_gate, d_up = glu_and_grad(a, b, "situ", beta, linear_beta)
     return xp.astype(d_gate, gate.dtype, copy=False), xp.astype(d_up, gate.dtype, copy=False)
 

@@ -571,3 +571,71 @@ def test_vjp_with_capacity_and_hash_matches_central_differences(switches):
     step[i, c] = eps
     assert dx[i, c] == pytest.approx((objective(x + step, params) - objective(x - step, params)) / (2 * eps),
                                      rel=1e-5, abs=1e-7)
+
+
+# ---------------------------------------------------------------------------
+# What the other systems' functions refuse: probabilities that are not, k = 0, 0/0
+# ---------------------------------------------------------------------------
+
+def test_losses_and_gradients_refuse_what_is_not_a_probability():
+    """NaN, negative, unnormalized probabilities and an empty route are refused by name, never computed."""
+    index = np.array([[0, 1], [2, 0]])
+    probs = np.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
+    assert np.isfinite(switch_balance_loss(probs, index, 3))  # the valid case runs
+    nan = probs.copy()
+    nan[0, 0] = np.nan
+    with pytest.raises(ValueError, match=r"probs must be finite, got 1 non-finite"):
+        switch_balance_loss(nan, index, 3)
+    with pytest.raises(ValueError, match=r"probs must be non-negative"):
+        switch_balance_loss(np.array([[1.2, -0.3, 0.1], [0.1, 0.1, 0.8]]), index, 3)
+    with pytest.raises(ValueError, match=r"rows sum to 1 .* off by 0.5"):
+        switch_balance_loss(probs * 1.5, index, 3)
+    with pytest.raises(ValueError, match=r"at least one expert per token \(k >= 1\)"):
+        switch_balance_loss(probs, np.zeros((2, 0), dtype=np.int64), 3)
+    scores = np.array([[0.5, 0.3, 0.2, 0.7], [0.1, 0.4, 0.8, 0.2]])
+    index4 = np.array([[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match=r"scores must be non-negative"):
+        sequence_balance_loss(-scores, index4, 4, 2)
+    with pytest.raises(ValueError, match=r"positive sum for every token"):
+        sequence_balance_loss(np.vstack([scores[:1], np.zeros((1, 4))]), index4, 4, 2)
+    with pytest.raises(ValueError, match=r"scores must be finite"):
+        sequence_balance_loss_grad(np.full((2, 4), np.inf), index4, 4, 2)
+    with pytest.raises(ValueError, match=r"at least one expert per token"):
+        sequence_balance_loss(scores, np.zeros((2, 0), dtype=np.int64), 4, 2)
+    with pytest.raises(ValueError, match=r"logits must be finite"):
+        switch_balance_loss_grad(np.full((2, 3), np.nan), index, 3)
+    with pytest.raises(ValueError, match=r"logits must be finite"):
+        score_function_vjp(np.array([[np.nan, 0.0]]), np.ones((1, 2)), "sqrtsoftplus")
+    with pytest.raises(ValueError, match=r"dscores must be finite"):
+        score_function_vjp(np.zeros((1, 2)), np.array([[np.inf, 0.0]]))
+
+
+def test_hash_routing_refuses_scores_it_cannot_weigh():
+    """Hashed experts whose scores are all 0 (an underflowed sqrt-softplus) would be weighted 0/0: refused."""
+    ids = np.array([3, 7])
+    zero = np.zeros((2, 6))
+    with pytest.raises(ValueError, match=r"positive sum for every token .* 2 token\(s\)"):
+        route_by_hash(zero, ids, 2)
+    weights = route_by_hash(zero, ids, 2, renormalize=False)[1]  # without renormalization 0 is the weight
+    assert np.all(weights == 0.0)
+    with pytest.raises(ValueError, match=r"scores must be finite"):
+        route_by_hash(np.full((2, 6), np.nan), ids, 2)
+    with pytest.raises(ValueError, match=r"top_k must be >= 1"):
+        route_by_hash(np.ones((2, 6)), ids, 0)
+    # The learned router refuses the same 0/0 instead of returning NaN weights.
+    with pytest.raises(ValueError, match=r"positive sum for every token"):
+        route(zero, np.zeros(6), 2)
+
+
+def test_sqrt_softplus_gradient_is_zero_where_the_score_underflowed():
+    """The derivative sigma(z) / (2 s) tends to s / 2 -> 0: where s is exactly 0 it is 0, not 0/0 = NaN."""
+    from refimpl.routing import score_function_grad
+
+    logits = np.array([[-800.0, -50.0, 0.0, 30.0]])
+    s = np.sqrt(softplus(logits))
+    assert s[0, 0] == 0.0
+    grad = score_function_grad(s, np.ones_like(s), "sqrtsoftplus")
+    assert np.all(np.isfinite(grad)) and grad[0, 0] == 0.0
+    z = torch.tensor(logits[:, 1:], requires_grad=True)
+    torch.sqrt(torch.nn.functional.softplus(z)).sum().backward()
+    np.testing.assert_allclose(grad[0, 1:], z.grad.numpy()[0], rtol=1e-12)

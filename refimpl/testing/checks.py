@@ -306,12 +306,15 @@ def check_router(fn: Callable[[np.ndarray, np.ndarray, int], tuple[Any, Any]], *
                 _token_lines(bad, lambda i: f"token {i}: weights with b {_fmt(w[i])}, with b + c {_fmt(w_c[i])}")
                 + [_error_line(w_c, w, rtol, atol)], inputs(case, shift_c=c))
 
-    def selection(case: rst.RoutingCase) -> None:
+    def chosen_against(case: rst.RoutingCase, scores: np.ndarray, bias: np.ndarray) -> tuple:
+        """The user's sorted expert ids, the reference's for these scores and bias, and the tokens that differ."""
         ids, _ = _sorted_route(*run(case))
-        ref_index, _ = route(case.scores.astype(dtype).astype(np.float64),
-                             case.bias.astype(dtype).astype(np.float64), case.top_k)
-        expected = np.sort(ref_index, axis=1)
-        wrong = np.flatnonzero(np.any(ids != expected, axis=1))
+        expected = np.sort(route(scores, bias, case.top_k)[0], axis=1)
+        return ids, expected, np.flatnonzero(np.any(ids != expected, axis=1))
+
+    def selection(case: rst.RoutingCase) -> None:
+        ids, expected, wrong = chosen_against(case, case.scores.astype(dtype).astype(np.float64),
+                                              case.bias.astype(dtype).astype(np.float64))
         if wrong.size:
             sb = biased(case)
             raise Violation(
@@ -337,10 +340,7 @@ def check_router(fn: Callable[[np.ndarray, np.ndarray, int], tuple[Any, Any]], *
                 inputs(case))
 
     def lower_id_ties(case: rst.RoutingCase) -> None:
-        ids, _ = _sorted_route(*run(case))
-        ref_index, _ = route(case.scores.astype(np.float64), case.bias.astype(np.float64), case.top_k)
-        expected = np.sort(ref_index, axis=1)
-        wrong = np.flatnonzero(np.any(ids != expected, axis=1))
+        ids, expected, wrong = chosen_against(case, case.scores.astype(np.float64), case.bias.astype(np.float64))
         if wrong.size:
             sb = biased(case)
             raise Violation(

@@ -121,18 +121,9 @@ from ..latent_moe import MoEParams, init_params, stable_latent_moe
 from ..mx import mxfp4_decode, mxfp4_encode
 from ..routing import biased_scores
 from ..state_dict import hf_state_dict_from_params
-from .checks import QUICK, profile
+from .checks import kit_settings
 from .conventions import CATALOGUE, Convention
-from .report import (
-    CheckFailure,
-    CheckResult,
-    Code,
-    Invariant,
-    Violation,
-    call_user,
-    resolved_settings,
-    run_check,
-)
+from .report import CheckFailure, CheckResult, Code, Invariant, Violation, call_user, run_check
 
 __all__ = [
     "CONDITIONING",
@@ -559,7 +550,7 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
             "the checkpoint's experts are MXFP4: low nibble = even column, E8M0 scale 2^(s - 127) per 32 columns",
             packed, matches, describe=_inputs))
     try:
-        return run_check("check_hf_moe_block", invariants, resolved_settings(profile(settings), QUICK))
+        return run_check("check_hf_moe_block", invariants, kit_settings(settings))
     except CheckFailure as failure:
         for v in failure.violations:
             if isinstance(v, _Mismatch):
