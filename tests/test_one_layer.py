@@ -29,6 +29,7 @@ from conftest import ROOT, load_script, run_under_mpiexec
 from refimpl import stable_latent_moe
 from refimpl.backward import stable_latent_moe_vjp
 from refimpl.expert_parallel import ep_forward, shard_params
+from refimpl.train import BALANCERS
 
 worker = load_script(ROOT / "tests" / "one_layer_worker.py", "one_layer_worker")
 NAMES = list(worker.LAYERS)
@@ -132,3 +133,36 @@ def test_a_route_that_cannot_be_computed_is_refused_by_name():
             call()
     with pytest.raises(ValueError, match="mxfp8_inputs=True runs the grouped expert loop"):
         ep_forward(x, params, config, MPI.COMM_SELF, padded=True, mxfp8_inputs=True)
+
+
+@pytest.mark.parametrize("balancer", sorted(BALANCERS))
+def test_the_training_loop_trains_the_forward(balancer):
+    """Every block of a training step runs `stable_latent_moe` of its input, with the held bias and the layer
+    its balancer asks for (a capacity, hash routing on the byte read): the loop's layer call is recorded and
+    held against the forward computed apart, and the layer's switches against what the balancer declares."""
+    from refimpl import train as training
+
+    config = training.TrainConfig(balancer=balancer, steps=2, batch=256, eval_every=1000, stats_every=1000,
+                                  moe=training.default_layer(num_experts=8, top_k=2, num_moe_layers=2))
+    corpus = training.load_corpus()
+    rng = np.random.default_rng(0)
+    params = training.init_model(config, rng)
+    balancers = [training.BALANCERS[balancer](config) for _ in range(config.moe.num_moe_layers)]
+    calls = []
+
+    def recording_layer(x, layer_params, layer_config, token_ids):
+        out, back = training.single_process_layer(x, layer_params, layer_config, token_ids)
+        calls.append((x.copy(), {k: v.copy() for k, v in layer_params.items()}, layer_config,
+                      None if token_ids is None else token_ids.copy(), out.y.copy()))
+        return out, back
+
+    for _ in range(2):  # the second step routes with the bias the first one computed
+        tokens, targets = training.sample_batch(corpus.data[:corpus.split], rng, config.batch, config.context)
+        training.forward_backward(params, tokens, targets, balancers, config, layer_vjp=recording_layer)
+    assert len(calls) == 4
+    for x, layer_params, layer_config, token_ids, y in calls:
+        assert layer_config == balancers[0].layer_config(config.moe)
+        assert layer_config.hash_routing == (balancer == "hash")
+        assert (layer_config.capacity_factor is not None) == balancer.startswith("capacity")
+        expected = stable_latent_moe(x, layer_params, layer_config, token_ids=token_ids)
+        assert relative(y, expected) <= 1e-6  # float32: the VJP's forward keeps its partials, same values
