@@ -22,14 +22,24 @@ language-model loss. Quantile Balancing (Eq. 14) is what sets it.
 
 **Other score functions.** The systems K3 is compared with map the logits
 $z = x W_r^\top$ to scores differently, and `router_scores` computes each of
-them: the softmax of Switch Transformer and of the textbook sketch (the
-experts compete for one unit of probability), and DeepSeek-V4's
+them: the softmax of Switch Transformer and of the `sparse_moe` teaching
+sketch (the experts compete for one unit of probability), and DeepSeek-V4's
 $\sqrt{\operatorname{softplus}(z)}$ (positive and unbounded, written so that it
 stays finite and exact at $z = \pm 80$). Selection and weights then follow the
 same rule as above; with a softmax and `renormalize=True` the weights are
 $e^{z_j} / \sum_{r \in \mathcal{T}_i} e^{z_r}$, the softmax over the chosen
 logits, as in the sketch. The page "The other routers and balancers"
 (`baselines`) puts these rules side by side.
+
+**A layer's selection.** `select_experts(scores, bias, config)` is step 2 of
+the layer as its configuration describes it, and the one function that every
+path of the package calls (the forward, the backward, expert parallelism,
+the training loop). For K3 it is `route` and nothing else. The switches of
+the other systems are named extension points, introduced at the end of this
+page: a **choice rule** (`EXPERT_CHOICE`: K3's biased top-$k$, or the hash
+routing the page "The other routers and balancers" registers) and a
+**serving rule** (`SERVING`: a capacity that drops what an expert has no
+room for). The K3 code above does not branch on them.
 
 Pitfalls this module guards against, each a bug seen in real routers:
 
