@@ -37,6 +37,11 @@ hand on its own page) the gradients. The RMSNorms are
 `refimpl.activations.rms_norm` and its backward, the same as the layer's
 latent norm. The rest is small and written out here: the embedding and
 mixing, the output layer and the cross-entropy. The optimizer is Adam.
+The step asks a `Ranks` object every question whose answer needs more than
+one process's arrays (the layer, a balancer's step, the loss of the batch,
+its gradients, "is it finite?"); on one process the answers are the plain
+computations, and over MPI `refimpl.train_parallel` gives the same answers
+across ranks (below).
 
 **The bias and the balancers.** The selection bias of each layer is not a
 trained parameter: it never receives a gradient (it only chooses experts,
@@ -103,6 +108,25 @@ says exactly what it read; the last 5% of the bytes are held out for the
 evaluation loss. Batches are $m$ positions drawn uniformly by the run's
 random generator; the same seed gives the same losses, bit for bit.
 
+## Training over MPI
+
+`mpiexec -n P python -m refimpl.train --expert-parallel ...` trains the
+same model with $P$ ranks: each holds $n/P$ experts of every layer, the
+other parameters whole, and its own slice of every batch (every rank draws
+the whole batch from the same generator and keeps its rows). The layers run
+through `refimpl.expert_parallel.ep_vjp`, the replicated parameters'
+gradients are summed over the ranks, the balancers' statistics are those of
+the whole batch (the exact quantiles for `qb`, the histogram counts for
+`qb-hist`, the loads for the sign rule), and every rank holds the same bias
+and the same replicated weights, bit for bit. The losses are those of the
+one-process run with the same seed and batch, to float32 rounding. Rank 0
+writes the log, which adds each rank's load and time per stage to every
+step (`rank_load`, `rank_seconds`) and sums them in `expert_parallel`. The
+page "Training over MPI: the experts and the batch split between the ranks
+of a job" (`refimpl.train_parallel`) says how each number is computed
+across ranks, and what the ranks check before they exchange anything.
+`--expert-parallel` started without `mpiexec` runs as one rank.
+
 ## Checkpoints
 
 `train(config, checkpoint=DIR, checkpoint_every=N)` (the command's
@@ -147,7 +171,14 @@ allocates anything or trains a step it checks:
   write; an existing file is refused unless `--overwrite` is given;
 * `--checkpoint`: a new or empty folder, or one holding a checkpoint (of
   this run when resuming, or any with `--overwrite`);
-* `--resume`: a readable checkpoint, and no flag that contradicts it.
+* `--resume`: a readable checkpoint, and no flag that contradicts it;
+* with `--expert-parallel`: every rank checks its own arguments (rank 0
+  alone checks `--out`, the file it writes), and the ranks then share their
+  errors and compare their configurations, seed and corpus, so that every
+  rank stops with the same message and status 2; the number of ranks must
+  divide `--experts`, and `--checkpoint` and `--resume` are refused (they
+  are for a run on one process). A rank that fails while training ends the
+  whole job (`MPI_Abort`), so that no rank waits for ever in an exchange.
 
 The log is written at the end, atomically (a temporary file in the same
 folder, flushed, then renamed over the target, with the permissions the
@@ -1786,12 +1817,16 @@ def _main_expert_parallel(argv: list[str]) -> dict[str, Any]:
 def _rank_table(summary: Mapping[str, Any]) -> str:
     """Each rank's slots computed and seconds per stage over the run, as printed at the end of an expert-parallel run."""
     stages = list(summary["rank_seconds"])
-    lines = [f"{'rank':>4} {'experts':>9} {'rows':>5} {'slots':>10}" + "".join(f" {stage:>19}" for stage in stages)]
+    widths = [max(len(stage), 8) for stage in stages]
+    lines = ["seconds per stage, summed over the run's layers and steps:",
+             f"{'rank':>4} {'experts':>9} {'rows':>6} {'slots':>10}"
+             + "".join(f"  {stage:>{width}}" for stage, width in zip(stages, widths, strict=True))]
     for rank in range(summary["ranks"]):
         first, stop = summary["experts"][rank]
-        lines.append(f"{rank:>4} {f'{first}-{stop - 1}':>9} {summary['batch_rows'][rank]:>5} "
+        times = summary["rank_seconds"]
+        lines.append(f"{rank:>4} {f'{first}-{stop - 1}':>9} {summary['batch_rows'][rank]:>6} "
                      f"{summary['rank_load'][rank]:>10,}"
-                     + "".join(f" {summary['rank_seconds'][stage][rank]:>18.3f}s" for stage in stages))
+                     + "".join(f"  {times[stage][rank]:>{width}.3f}" for stage, width in zip(stages, widths, strict=True)))
     lines.append(f"most loaded rank over the mean, per layer and step: {summary['mean_max_over_mean_load']:.3f}")
     return "\n".join(lines)
 

@@ -1,4 +1,4 @@
-r"""Training over MPI: each rank holds $n/P$ experts of every layer and its own slice of every batch.
+r"""Training over MPI: the experts and the batch split between the ranks of a job.
 
 $$
 \mathcal L = \frac1m \sum_{p=0}^{P-1} \sum_{i \in \mathcal B_p} \ell_i,
@@ -84,8 +84,10 @@ with the same atomic, strict-JSON writer. Each step's record adds
 `rank_load`, per layer, the slots each rank's experts computed (its $L_p$),
 and `rank_seconds`, per stage, each rank's time summed over the layers:
 `dispatch` (the counts and the three dispatch exchanges, waiting for the
-slowest rank included), `experts`, `combine`, `backward experts`, `backward
-exchanges`. The log's `expert_parallel` says how the run was split and sums
+slowest rank included), `experts` (and `experts cpu`, the processor time
+they took, which other jobs on a shared machine do not inflate), `combine`
+(where a rank that finished its experts early waits for the others),
+`backward experts`, `backward exchanges`. The log's `expert_parallel` says how the run was split and sums
 them over the run: this is "balance is speed" measured in a training step,
 where the most loaded rank sets the pace of the step and the others wait in
 the next exchange.
@@ -135,8 +137,14 @@ from .train import BALANCERS, Corpus, Ranks, TrainConfig, cross_entropy, load_co
 __all__ = ["BALANCE_ACROSS_RANKS", "ExpertParallel", "batch_rows", "check_expert_parallel", "train_expert_parallel",
            "world"]
 
-#: The stages of `EPStats.seconds` a step's record reports, per rank (forward, then backward).
-STAGES = ("dispatch", "experts", "combine", "backward experts", "backward exchanges")
+#: The times a step's record reports, per rank and summed over the layers: the stages of `EPStats.seconds`
+#: (forward, then backward), and `experts cpu`, the processor time of the forward's experts
+#: (`EPStats.expert_cpu_seconds`), which other jobs on a shared machine do not inflate.
+STAGES = ("dispatch", "experts", "experts cpu", "combine", "backward experts", "backward exchanges")
+
+
+def _seconds(stats: EPStats, stage: str) -> float:
+    return stats.expert_cpu_seconds if stage == "experts cpu" else stats.seconds.get(stage, 0.0)
 
 
 def world() -> Any:
@@ -331,7 +339,7 @@ class ExpertParallel(Ranks):
     def step_record(self) -> dict[str, Any]:
         """Each rank's load per layer and its time per stage (summed over the layers) for this step's record."""
         mine = ([stats.load for stats in self.stats],
-                {stage: sum(stats.seconds.get(stage, 0.0) for stats in self.stats) for stage in STAGES})
+                {stage: sum(_seconds(stats, stage) for stats in self.stats) for stage in STAGES})
         everyone = self.comm.allgather(mine)
         self.stats = []
         layers = len(everyone[0][0])

@@ -250,8 +250,8 @@ def test_two_ranks_log_the_one_process_losses(tmp_path):
     check_against_one_process(ep, one, 2)
     # Rank 0 alone prints: what it read, how the run is split, each rank's slots and seconds per stage.
     assert job.stdout.count("corpus: ") == 1 and "expert parallel: 2 ranks, 4 experts of each layer" in job.stdout
-    table = job.stdout[job.stdout.index("rank   experts  rows"):]
-    assert "\n   0       0-3    64" in table and "\n   1       4-7    64" in table
+    table = job.stdout[job.stdout.index("rank   experts   rows"):]
+    assert "\n   0       0-3     64" in table and "\n   1       4-7     64" in table
     assert "most loaded rank over the mean" in table
 
 
