@@ -227,10 +227,12 @@ __all__ = [
     "CORPUS_FILES",
     "DEFAULT_LAYER",
     "PRECISIONS",
+    "ONE_PROCESS",
     "Adam",
     "Checkpoint",
     "Corpus",
     "FrozenBalancer",
+    "Ranks",
     "HistogramBalancer",
     "TrainConfig",
     "TrainConfigError",
@@ -680,6 +682,19 @@ def routed_activation_peak(z: np.ndarray, index: np.ndarray, w1: np.ndarray, w3:
     return peak
 
 
+#: A layer with its backward, as a training step calls it: `layer_vjp(x [m, d], params, config, token_ids)`
+#: returns the layer's `MoEOutput` (with the route and the intermediates) and its `backward(dy, dscores=None)
+#: -> (dx, dparams)`.
+LayerVJP = Callable[[np.ndarray, Mapping[str, np.ndarray], MoEConfig, "np.ndarray | None"],
+                    tuple[MoEOutput, Callable[..., tuple[Any, Mapping[str, Any]]]]]
+
+
+def single_process_layer(x: np.ndarray, params: Mapping[str, np.ndarray], config: MoEConfig,
+                         token_ids: np.ndarray | None) -> tuple[MoEOutput, Callable]:
+    """The layer on one process: `stable_latent_moe_vjp`, keeping every intermediate."""
+    return stable_latent_moe_vjp(x, params, config, token_ids=token_ids, return_intermediates=True)
+
+
 class Ranks:
     r"""The processes a training step runs on; this class is one process, holding the whole batch and every expert.
 
@@ -722,8 +737,7 @@ class Ranks:
 
     def layer_vjp(self, x: np.ndarray, params: Mapping[str, np.ndarray], config: MoEConfig,
                   token_ids: np.ndarray | None) -> tuple[MoEOutput, Callable]:
-        """The layer on one process: `stable_latent_moe_vjp`, keeping every intermediate."""
-        return stable_latent_moe_vjp(x, params, config, token_ids=token_ids, return_intermediates=True)
+        return single_process_layer(x, params, config, token_ids)
 
     def layer(self, x: np.ndarray, params: Mapping[str, np.ndarray], config: MoEConfig,
               token_ids: np.ndarray | None) -> np.ndarray:
@@ -780,11 +794,13 @@ class StepResult:
 
 def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets: np.ndarray,
                      balancers: Sequence[Balancer], config: TrainConfig, *,
-                     with_stats: bool = False, ranks: Ranks = ONE_PROCESS) -> StepResult:
+                     with_stats: bool = False, ranks: Ranks = ONE_PROCESS,
+                     layer_vjp: LayerVJP | None = None) -> StepResult:
     """One training step's loss and gradients; each layer's balancer reads the layer's route and moves to its next bias.
 
     Each block runs the layer its balancer asks for (`layer_config`), once,
-    forward and backward, through `ranks.layer_vjp`. The bias written into
+    forward and backward, through `ranks.layer_vjp` (or `layer_vjp`, if
+    given: a test records the layer's calls through it). The bias written into
     `params` before a layer runs is the balancer's held bias, computed from
     the previous step; the balancer then reads this step's scores and the
     layer's route for the next one. The statistics are read off the values
@@ -824,7 +840,7 @@ def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
         layer_params[BIAS] = params[_moe_prefix(number) + BIAS] = balancer.bias
         ids = token_ids if (layer.hash_routing or balancer.needs_token_ids) else None
         try:
-            out, moe_back = ranks.layer_vjp(a, layer_params, layer, ids)
+            out, moe_back = (ranks.layer_vjp if layer_vjp is None else layer_vjp)(a, layer_params, layer, ids)
         except ValueError:
             # A diverged router whose scores underflowed to 0 (the layer refuses weights of 0/0): no step.
             # (Only on one process: across ranks, the others are waiting in the layer's exchange, and the
