@@ -660,9 +660,28 @@ class Balancer:
         else:
             check_shape("index", index, (scores.shape[0], self.top_k))
         new_bias = self.next_bias(scores, xp.asarray(used), index)
-        load = to_numpy(expert_load(index, self.num_experts)).astype(np.int64)
+        return self.advance(index, expert_load(index, self.num_experts), new_bias)
+
+    def advance(self, index: Array, load: Array, next_bias: Array) -> BalanceStep:
+        """The end of a step: record the batch's route `index` and `load` `[n]`, then hold `next_bias` `[n]`.
+
+        `step` ends here. A step whose load and next bias are computed
+        elsewhere calls it directly: an expert-parallel training step, where
+        each rank routed only its own tokens (`index`) and the load and the
+        next bias are those of the whole batch, gathered over the ranks.
+        """
+        load = to_numpy(load)
+        if tuple(load.shape) != (self.num_experts,) or not np.issubdtype(load.dtype, np.integer) \
+                or (load < 0).any():
+            raise ValueError(f"load must be [{self.num_experts}] non-negative integer counts, got "
+                             f"{load.dtype} of shape {list(load.shape)}")
+        next_bias = to_numpy(next_bias)
+        if tuple(next_bias.shape) != (self.num_experts,):
+            raise ValueError(f"next_bias must have shape [{self.num_experts}], got {list(next_bias.shape)}")
+        used = self._bias.copy()  # the bias that routed the batch
+        load = load.astype(np.int64)
         ratio = load_ratio(load)
-        self._bias = to_numpy(new_bias).astype(self._bias.dtype)
+        self._bias = next_bias.astype(self._bias.dtype)
         self.step_count += 1
         self.loads.append(load)
         self.ratios.append(ratio)

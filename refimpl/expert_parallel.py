@@ -136,6 +136,7 @@ from .backward import latent_output_backward, routed_experts_backward, router_an
 from .config import MoEConfig
 from .histogram import BiasHistogram
 from .latent_moe import (
+    MoEOutput,
     MoEParams,
     RoutedActivations,
     dispatch_by_expert,
@@ -567,6 +568,8 @@ class _EPSaved:
     recv_rows: np.ndarray  # [P]
     slots: _LocalSlots
     shared: tuple[Array, Array, Array] | None
+    y_routed: Array  # [m, d]
+    y_shared: Array  # [m, d]
 
 
 def _ep_layer(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, *, padded: bool,
@@ -659,7 +662,8 @@ def _ep_layer(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: An
         expert_cpu_seconds=expert_cpu_seconds,
         seconds=seconds,
     )
-    saved = _EPSaved(h, scores, selection, z, u, v, plan, recv_rows, slots, shared_saved) if save else None
+    saved = _EPSaved(h, scores, selection, z, u, v, plan, recv_rows, slots, shared_saved, y_routed,
+                     y_shared) if save else None
     return y, stats, saved
 
 
@@ -691,11 +695,18 @@ def _select_across_ranks(comm: Any, scores: Array, bias: Array, config: MoEConfi
 # ---------------------------------------------------------------------------
 
 def ep_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, *,
-           token_ids: Array | None = None) -> tuple[Array, EPStats, Callable[..., tuple[Array, MoEParams]]]:
+           token_ids: Array | None = None, return_intermediates: bool = False,
+           ) -> tuple[Array | MoEOutput, EPStats, Callable[..., tuple[Array, MoEParams]]]:
     r"""`ep_forward` and its vector–Jacobian product, through the transposed exchanges: `(y, stats, backward)`.
 
     Call it on every rank, as `ep_forward` (same arguments; the grouped expert
-    loop). `backward(dy)` (every rank, collectively) takes this rank's
+    loop). With `return_intermediates=True` the first value is this rank's
+    `MoEOutput` instead of `y`: its tokens' scores, route, weights, latents
+    and outputs, as the single-process layer gives them, except `routed`, which
+    holds the activations of the slots **this rank's experts** computed
+    (other ranks' tokens among them), the values whose largest magnitude a
+    training loop reports (the largest over the ranks is that of the whole
+    batch). `backward(dy)` (every rank, collectively) takes this rank's
     upstream gradient `[m_r, d]` and returns `(dx, dparams)`:
 
     * `dx` `[m_r, d]`: the gradient in this rank's tokens;
@@ -707,6 +718,10 @@ def ep_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, 
       tokens; summed over the ranks (one `Allreduce`, as data parallelism
       would), it is the single-process gradient of the union of all ranks'
       tokens. The bias entry is zeros (the bias only selects).
+
+    `backward(dy, dscores=g)` adds a gradient `g` `[m_r, n]` in this rank's
+    router scores (an auxiliary balance loss), carried to the router and the
+    input as in `stable_latent_moe_vjp`.
 
     The backward runs the forward's two exchanges transposed. The combine
     sent each pair's partial sum $u^{(p)}_i$ back to the token's rank, so
@@ -726,16 +741,23 @@ def ep_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, 
     def weight(name: str) -> Array:
         return xp.astype(params[name], dtype, copy=False)
 
-    def backward(dy: Array) -> tuple[Array, MoEParams]:
+    def backward(dy: Array, *, dscores: Array | None = None) -> tuple[Array, MoEParams]:
         error: Exception | None = None
         try:
             check_float_array("dy", dy, ndim=2)
             if tuple(dy.shape) != (m, d):
                 raise ValueError(f"dy must have the shape of this rank's y, [{m}, {d}], got {list(dy.shape)}")
             check_finite("dy", dy)
+            if dscores is not None:
+                check_float_array("dscores", dscores, ndim=2)
+                if tuple(dscores.shape) != tuple(saved.scores.shape):
+                    raise ValueError(f"dscores must have the shape of this rank's scores, "
+                                     f"{list(saved.scores.shape)}, got {list(dscores.shape)}")
+                check_finite("dscores", dscores)
         except (TypeError, ValueError) as exc:
             error = exc
-        check_ranks_agree(comm, "ep_vjp's backward", {"dtype": dtype_name(dtype)}, error)
+        check_ranks_agree(comm, "ep_vjp's backward", {"dtype": dtype_name(dtype),
+                                                       "dscores given": dscores is not None}, error)
         h, plan = saved.h, saved.plan
         y_bar = xp.astype(dy, dtype, copy=False)  # [m, d]
         # 9-6. The up-projection and the norm of the whole sum, on the token's own rank (this rank's share).
@@ -771,12 +793,18 @@ def ep_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, 
         # 2, 1, 3, 8. To the router, the input and the shared experts, as in one process (this rank's share).
         selection = saved.selection
         x_bar, more = router_and_input_backward(h, y_bar, saved.scores, selection.index, selection.kept, p_bar,
-                                                z_bar, saved.shared, weight, params, config)
+                                                z_bar, saved.shared, weight, params, config, dscores=dscores)
         grads.update(more)
         x_bar = xp.astype(x_bar, x.dtype, copy=False)  # [m, d]
         return x_bar, MoEParams((name, grads[name]) for name in params)
 
-    return y, stats, backward
+    if not return_intermediates:
+        return y, stats, backward
+    selection = saved.selection
+    out = MoEOutput(y=y, scores=saved.scores, index=selection.index, weights=xp.astype(selection.weights, dtype),
+                    z=saved.z, u=saved.u, v=saved.v, y_routed=saved.y_routed, y_shared=saved.y_shared,
+                    kept=selection.kept, routed=saved.slots.routed, shared=saved.shared)
+    return out, stats, backward
 
 
 # ---------------------------------------------------------------------------

@@ -37,6 +37,11 @@ hand on its own page) the gradients. The RMSNorms are
 `refimpl.activations.rms_norm` and its backward, the same as the layer's
 latent norm. The rest is small and written out here: the embedding and
 mixing, the output layer and the cross-entropy. The optimizer is Adam.
+The step asks a `Ranks` object every question whose answer needs more than
+one process's arrays (the layer, a balancer's step, the loss of the batch,
+its gradients, "is it finite?"); on one process the answers are the plain
+computations, and over MPI `refimpl.train_parallel` gives the same answers
+across ranks (below).
 
 **The bias and the balancers.** The selection bias of each layer is not a
 trained parameter: it never receives a gradient (it only chooses experts,
@@ -103,6 +108,25 @@ says exactly what it read; the last 5% of the bytes are held out for the
 evaluation loss. Batches are $m$ positions drawn uniformly by the run's
 random generator; the same seed gives the same losses, bit for bit.
 
+## Training over MPI
+
+`mpiexec -n P python -m refimpl.train --expert-parallel ...` trains the
+same model with $P$ ranks: each holds $n/P$ experts of every layer, the
+other parameters whole, and its own slice of every batch (every rank draws
+the whole batch from the same generator and keeps its rows). The layers run
+through `refimpl.expert_parallel.ep_vjp`, the replicated parameters'
+gradients are summed over the ranks, the balancers' statistics are those of
+the whole batch (the exact quantiles for `qb`, the histogram counts for
+`qb-hist`, the loads for the sign rule), and every rank holds the same bias
+and the same replicated weights, bit for bit. The losses are those of the
+one-process run with the same seed and batch, to float32 rounding. Rank 0
+writes the log, which adds each rank's load and time per stage to every
+step (`rank_load`, `rank_seconds`) and sums them in `expert_parallel`. The
+page "Training over MPI: the experts and the batch split between the ranks
+of a job" (`refimpl.train_parallel`) says how each number is computed
+across ranks, and what the ranks check before they exchange anything.
+`--expert-parallel` started without `mpiexec` runs as one rank.
+
 ## Checkpoints
 
 `train(config, checkpoint=DIR, checkpoint_every=N)` (the command's
@@ -147,7 +171,14 @@ allocates anything or trains a step it checks:
   write; an existing file is refused unless `--overwrite` is given;
 * `--checkpoint`: a new or empty folder, or one holding a checkpoint (of
   this run when resuming, or any with `--overwrite`);
-* `--resume`: a readable checkpoint, and no flag that contradicts it.
+* `--resume`: a readable checkpoint, and no flag that contradicts it;
+* with `--expert-parallel`: every rank checks its own arguments (rank 0
+  alone checks `--out`, the file it writes), and the ranks then share their
+  errors and compare their configurations, seed and corpus, so that every
+  rank stops with the same message and status 2; the number of ranks must
+  divide `--experts`, and `--checkpoint` and `--resume` are refused (they
+  are for a run on one process). A rank that fails while training ends the
+  whole job (`MPI_Abort`), so that no rank waits for ever in an exchange.
 
 The log is written at the end, atomically (a temporary file in the same
 folder, flushed, then renamed over the target, with the permissions the
@@ -184,7 +215,7 @@ import numpy as np
 from ._files import fsync_folder, new_folder_mode, write_atomically
 from .activations import expert_glu, rms_norm, rms_norm_backward
 from .backward import stable_latent_moe_vjp
-from .balancing import Balancer, FrozenBalancer, QuantileBalancer, SignBalancer
+from .balancing import Balancer, BalanceStep, FrozenBalancer, QuantileBalancer, SignBalancer
 from .config import MoEConfig
 from .histogram import HistogramBalancer
 from .latent_moe import MoEOutput, init_params, parameter_shapes, stable_latent_moe
@@ -196,10 +227,12 @@ __all__ = [
     "CORPUS_FILES",
     "DEFAULT_LAYER",
     "PRECISIONS",
+    "ONE_PROCESS",
     "Adam",
     "Checkpoint",
     "Corpus",
     "FrozenBalancer",
+    "Ranks",
     "HistogramBalancer",
     "TrainConfig",
     "TrainConfigError",
@@ -649,9 +682,9 @@ def routed_activation_peak(z: np.ndarray, index: np.ndarray, w1: np.ndarray, w3:
     return peak
 
 
-#: The seam where a training step calls its layers: `layer_vjp(x [m, d], params, config, token_ids)` returns
-#: the layer's `MoEOutput` (with the route and the intermediates) and its `backward(dy, dscores=None) ->
-#: (dx, dparams)`. One process: `single_process_layer`; a distributed step passes its own.
+#: A layer with its backward, as a training step calls it: `layer_vjp(x [m, d], params, config, token_ids)`
+#: returns the layer's `MoEOutput` (with the route and the intermediates) and its `backward(dy, dscores=None)
+#: -> (dx, dparams)`.
 LayerVJP = Callable[[np.ndarray, Mapping[str, np.ndarray], MoEConfig, "np.ndarray | None"],
                     tuple[MoEOutput, Callable[..., tuple[Any, Mapping[str, Any]]]]]
 
@@ -660,6 +693,87 @@ def single_process_layer(x: np.ndarray, params: Mapping[str, np.ndarray], config
                          token_ids: np.ndarray | None) -> tuple[MoEOutput, Callable]:
     """The layer on one process: `stable_latent_moe_vjp`, keeping every intermediate."""
     return stable_latent_moe_vjp(x, params, config, token_ids=token_ids, return_intermediates=True)
+
+
+class Ranks:
+    r"""The processes a training step runs on; this class is one process, holding the whole batch and every expert.
+
+    The training step (`forward_backward`), the evaluation and the loop ask
+    this object every question whose answer depends on more than what one
+    process holds, and nothing else differs between one process and many:
+
+    * `shard(params)`: the part of the model's parameters this process keeps;
+      `rows(m)`: its slice of a batch of `m` tokens;
+    * `layer_vjp(x, params, config, token_ids) -> (MoEOutput, backward)`: the
+      layer with its route and intermediates, and `backward(dy, dscores=None)
+      -> (dx, dparams)`; `layer(x, params, config, token_ids) -> y`: the
+      layer's forward alone (the evaluation);
+    * `balance(balancer, scores, index, token_ids) -> BalanceStep`: the
+      balancer's step on the whole batch, and `auxiliary(balancer, scores,
+      index) -> (value, dscores)`: its auxiliary loss of the whole batch and
+      the gradient in these rows' scores;
+    * `all(flag)`, `max(value)`, `mean(values)`: a condition, a largest
+      value and a mean over the whole batch; `cross_entropy(logits,
+      targets)`: the mean loss of the whole batch and the gradient of these
+      rows' logits;
+    * `gradients(grads)`: the whole batch's gradients from these rows'
+      (`sum_of_squares(grads)`: of all of them, for the global norm);
+    * `step_record()`: what the step's log record adds (nothing here).
+
+    Here each answer is the plain computation on the process's own arrays.
+    `refimpl.train_parallel.ExpertParallel` answers the same questions
+    across the ranks of an MPI job, each rank with its slice of the batch
+    and its block of experts; `size` and `rank` say how many processes there
+    are and which one this is.
+    """
+
+    rank, size = 0, 1
+
+    def shard(self, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return params
+
+    def rows(self, m: int) -> slice:
+        return slice(0, m)
+
+    def layer_vjp(self, x: np.ndarray, params: Mapping[str, np.ndarray], config: MoEConfig,
+                  token_ids: np.ndarray | None) -> tuple[MoEOutput, Callable]:
+        return single_process_layer(x, params, config, token_ids)
+
+    def layer(self, x: np.ndarray, params: Mapping[str, np.ndarray], config: MoEConfig,
+              token_ids: np.ndarray | None) -> np.ndarray:
+        return stable_latent_moe(x, params, config, token_ids=token_ids)
+
+    def balance(self, balancer: Balancer, scores: np.ndarray, index: np.ndarray,
+                token_ids: np.ndarray | None) -> BalanceStep:
+        return balancer.step(scores, index=index, token_ids=token_ids)
+
+    def auxiliary(self, balancer: Balancer, scores: np.ndarray, index: np.ndarray) -> tuple[float, np.ndarray]:
+        return balancer.auxiliary(scores, index)
+
+    def all(self, flag: bool) -> bool:
+        return bool(flag)
+
+    def max(self, value: float) -> float:
+        return value
+
+    def mean(self, values: np.ndarray) -> float:
+        return float(np.mean(values))
+
+    def cross_entropy(self, logits: np.ndarray, targets: np.ndarray) -> tuple[float, np.ndarray]:
+        return cross_entropy(logits, targets)
+
+    def gradients(self, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return grads
+
+    def sum_of_squares(self, grads: Mapping[str, np.ndarray]) -> float:
+        return sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads.values())
+
+    def step_record(self) -> dict[str, Any]:
+        return {}
+
+
+#: The one process of a run that is not distributed.
+ONE_PROCESS = Ranks()
 
 
 def _router_underflowed(x: np.ndarray, weight: np.ndarray, config: MoEConfig) -> bool:
@@ -680,15 +794,23 @@ class StepResult:
 
 def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets: np.ndarray,
                      balancers: Sequence[Balancer], config: TrainConfig, *,
-                     with_stats: bool = False, layer_vjp: LayerVJP = single_process_layer) -> StepResult:
+                     with_stats: bool = False, ranks: Ranks = ONE_PROCESS,
+                     layer_vjp: LayerVJP | None = None) -> StepResult:
     """One training step's loss and gradients; each layer's balancer reads the layer's route and moves to its next bias.
 
     Each block runs the layer its balancer asks for (`layer_config`), once,
-    forward and backward, through `layer_vjp`. The bias written into
+    forward and backward, through `ranks.layer_vjp` (or `layer_vjp`, if
+    given: a test records the layer's calls through it). The bias written into
     `params` before a layer runs is the balancer's held bias, computed from
     the previous step; the balancer then reads this step's scores and the
     layer's route for the next one. The statistics are read off the values
     this pass computed.
+
+    `tokens` and `targets` are this process's rows of the batch, and
+    `ranks` says where the rest is (`Ranks`, the default: nowhere, one process;
+    `refimpl.train_parallel.ExpertParallel`: on the other ranks); the loss,
+    the loads, the statistics and the gradients returned are those of the
+    whole batch.
     """
     precision = config.precision
     eps = config.moe.rms_norm_eps
@@ -712,34 +834,36 @@ def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
         layer_params = {name: (value if name == BIAS else _rounded(value, precision))
                         for name, value in _layer_params(params, number).items()}
         # A forward pass that overflowed (an infinite input or router weight): no step.
-        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(layer_params["gate.weight"]))):
+        if not ranks.all(np.all(np.isfinite(a)) and np.all(np.isfinite(layer_params["gate.weight"]))):
             return StepResult(math.nan, {}, [math.nan] * len(balancers))
         # Route with the bias held from the previous step: the layer runs once, forward and backward.
         layer_params[BIAS] = params[_moe_prefix(number) + BIAS] = balancer.bias
         ids = token_ids if (layer.hash_routing or balancer.needs_token_ids) else None
         try:
-            out, moe_back = layer_vjp(a, layer_params, layer, ids)
+            out, moe_back = (ranks.layer_vjp if layer_vjp is None else layer_vjp)(a, layer_params, layer, ids)
         except ValueError:
             # A diverged router whose scores underflowed to 0 (the layer refuses weights of 0/0): no step.
-            if _router_underflowed(a, layer_params["gate.weight"], layer):
+            # (Only on one process: across ranks, the others are waiting in the layer's exchange, and the
+            # error ends the job.)
+            if ranks.size == 1 and _router_underflowed(a, layer_params["gate.weight"], layer):
                 return StepResult(math.nan, {}, [math.nan] * len(balancers))
             raise
         # The balancer reads the layer's scores and route, and computes the next bias.
-        step = balancer.step(out.scores, index=out.index, token_ids=ids)
+        step = ranks.balance(balancer, out.scores, out.index, ids)
         # $$\max_j \text{load}_j / q - 1$$
         violations.append(float(step.load.max() / q - 1.0))
         # An auxiliary loss on the router scores: its value now, its gradient through the layer's backward.
         dscores = None
         if balancer.coefficient:
-            value, grad = balancer.auxiliary(out.scores, out.index)
+            value, grad = ranks.auxiliary(balancer, out.scores, out.index)
             auxiliary_total += balancer.coefficient * value
             dscores = balancer.coefficient * grad  # [m, n]
             balancing.setdefault("aux_loss", []).append(value)
         if out.kept is not None:
-            balancing.setdefault("drop_rate", []).append(float(1.0 - np.mean(out.kept)))
+            balancing.setdefault("drop_rate", []).append(1.0 - ranks.mean(out.kept))
         if with_stats:
-            stats["activation_peak"].append(out.routed.peak())
-            stats["routed_rms"].append(float(np.sqrt(np.mean(np.asarray(out.u, dtype=np.float64) ** 2))))
+            stats["activation_peak"].append(ranks.max(out.routed.peak()))
+            stats["routed_rms"].append(float(np.sqrt(ranks.mean(np.asarray(out.u, dtype=np.float64) ** 2))))
         # Residual: $$h^{(l)} = h^{(l-1)} + \operatorname{MoE}_l(a)$$
         backs.append((h, g, moe_back, dscores))
         h = _rounded(h + _rounded(np.asarray(out.y), precision), precision)
@@ -748,7 +872,7 @@ def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
     w_out = _rounded(params["out.weight"], precision)
     logits = a_f @ w_out.T  # [m, 256]
     with np.errstate(invalid="ignore", over="ignore"):
-        loss, dlogits = cross_entropy(logits, targets)
+        loss, dlogits = ranks.cross_entropy(logits, targets)
     if not math.isfinite(loss):
         return StepResult(loss, {}, violations, stats, balancing)
 
@@ -758,8 +882,11 @@ def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
     grads["out.weight"] = dlogits.T @ a_f  # [256, d]
     dh, grads["norm.weight"] = rms_norm_backward(h, params["norm.weight"], dlogits @ w_out, eps)  # [m, d], [d]
     for number in reversed(range(len(balancers))):
-        if not np.all(np.isfinite(dh)):
-            # The gradient overflowed on its way back: no update this step, as for a non-finite loss.
+        if not ranks.all(np.all(np.isfinite(dh))):
+            # The gradient overflowed on its way back: no update this step, as for a non-finite loss
+            # (the statistics keep the gradient norms of the layers above, which were finite).
+            if with_stats:
+                _gradient_norms(ranks.gradients(grads), config, stats)
             return StepResult(loss, {}, violations, stats, balancing)
         h_in, g, moe_back, dscores = backs[number]
         # The residual passes $\partial h$ through and adds the block's path; an auxiliary loss adds its
@@ -769,29 +896,43 @@ def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
             grads[_moe_prefix(number) + name] = np.asarray(value)
         dx, grads[f"layers.{number}.norm.weight"] = rms_norm_backward(h_in, g, np.asarray(da), eps)
         dh = dh + dx  # [m, d]
-        if with_stats and config.moe.use_latent_projection:
-            for name, key in (("routed_expert_down_proj.weight", "grad_norm_down"),
-                              ("routed_expert_up_proj.weight", "grad_norm_up")):
-                stats.setdefault(key, []).insert(0, float(np.linalg.norm(dmoe[name])))
     # $$\partial W_{\text{mix}} = \partial h^{(0)\top} [E], \qquad \partial [E] = \partial h^{(0)} W_{\text{mix}}$$
     grads["mix.weight"] = dh.T @ embedded  # [d, c e]
     dembedded = (dh @ w_mix).reshape(m * c, config.embed)  # [m c, e]
     # Each byte's embedding gathers the gradient of every place it was read (a scatter-add).
     grads["embed.weight"] = np.zeros_like(params["embed.weight"])
     np.add.at(grads["embed.weight"], tokens.reshape(m * c), dembedded)
+    # The gradients of the whole batch (on one process: these already are).
+    grads = ranks.gradients(grads)
+    if with_stats:
+        _gradient_norms(grads, config, stats)
     grads = {name: value.astype(np.float32) for name, value in grads.items()}
     if auxiliary_total:
         balancing["objective"] = [loss + auxiliary_total]  # what the gradient is of; `loss` stays the LM loss
     return StepResult(loss, grads, violations, stats, balancing)
 
 
+def _gradient_norms(grads: Mapping[str, np.ndarray], config: TrainConfig, stats: dict[str, list[float]]) -> None:
+    """Add to `stats` the norms of the two latent projections' gradients of every layer `grads` holds, in order."""
+    if not config.moe.use_latent_projection:
+        return
+    for name, key in (("routed_expert_down_proj.weight", "grad_norm_down"),
+                      ("routed_expert_up_proj.weight", "grad_norm_up")):
+        names = [_moe_prefix(number) + name for number in range(config.moe.num_moe_layers)]
+        norms = [float(np.linalg.norm(grads[name])) for name in names if name in grads]
+        if norms:
+            stats[key] = norms
+
+
 def evaluate(params: Mapping[str, np.ndarray], tokens: np.ndarray, targets: np.ndarray,
-             config: TrainConfig, layers: Sequence[MoEConfig] | None = None) -> float:
+             config: TrainConfig, layers: Sequence[MoEConfig] | None = None, *,
+             ranks: Ranks = ONE_PROCESS) -> float:
     """The loss on held-out tokens with the biases frozen as they are (inference: no quantile is computed).
 
     `layers` are the blocks' layers as the balancers give them (default:
     `config.moe` in every block); a capacity is not applied at evaluation,
-    where nothing is dropped.
+    where nothing is dropped. `tokens`, `targets` and `ranks` are as in
+    `forward_backward`: the loss is that of the whole held-out batch.
     """
     eps = config.moe.rms_norm_eps
     layers = [config.moe] * config.moe.num_moe_layers if layers is None else layers
@@ -799,19 +940,19 @@ def evaluate(params: Mapping[str, np.ndarray], tokens: np.ndarray, targets: np.n
     h = params["embed.weight"][tokens].reshape(m, c * config.embed) @ params["mix.weight"].T  # [m, d]
     for number, layer in enumerate(layers):
         a = rms_norm(h, params[f"layers.{number}.norm.weight"], eps)
-        if not np.all(np.isfinite(a)):
+        if not ranks.all(np.all(np.isfinite(a))):
             return math.nan  # a model that has diverged: its activations overflow
         served = layer.replace(capacity_factor=None)
         ids = tokens[:, -1] if served.hash_routing else None
         layer_params = _layer_params(params, number)
         try:
-            h = h + np.asarray(stable_latent_moe(a, layer_params, served, token_ids=ids))
+            h = h + np.asarray(ranks.layer(a, layer_params, served, ids))
         except ValueError:
-            if _router_underflowed(a, layer_params["gate.weight"], served):
+            if ranks.size == 1 and _router_underflowed(a, layer_params["gate.weight"], served):
                 return math.nan  # a diverged router, whose weights would be 0/0
             raise
     a_f = rms_norm(h, params["norm.weight"], eps)
-    loss, _ = cross_entropy(a_f @ params["out.weight"].T, targets)
+    loss, _ = ranks.cross_entropy(a_f @ params["out.weight"].T, targets)
     return loss
 
 
@@ -900,10 +1041,10 @@ class _Run:
     sessions: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def start(cls, config: TrainConfig) -> _Run:
-        """Step 0: the weights drawn with `config.seed`, fresh balancers and optimizer."""
+    def start(cls, config: TrainConfig, ranks: Ranks = ONE_PROCESS) -> _Run:
+        """Step 0: the weights drawn with `config.seed` (this process's part of them), fresh balancers and optimizer."""
         rng = np.random.default_rng(config.seed)
-        params = init_model(config, rng)
+        params = ranks.shard(init_model(config, rng))
         trained = [name for name in params if not name.endswith(BIAS)]
         adam = Adam(trained, params, config.lr, config.betas, config.eps)
         return cls(0, params, adam, _balancers(config), rng)
@@ -1133,9 +1274,9 @@ def _load_run(folder: str | Path, config: TrainConfig, corpus: Corpus) -> _Run:
 # The loop
 # ---------------------------------------------------------------------------
 
-def _clip(grads: dict[str, np.ndarray], max_norm: float) -> float:
+def _clip(grads: dict[str, np.ndarray], max_norm: float, ranks: Ranks = ONE_PROCESS) -> float:
     """Scale all gradients so their global norm is at most `max_norm` (0: no clipping); returns the norm before."""
-    total = math.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads.values()))
+    total = math.sqrt(ranks.sum_of_squares(grads))
     if max_norm > 0 and total > max_norm:
         for name in grads:
             grads[name] = (grads[name] * (max_norm / total)).astype(np.float32)
@@ -1145,7 +1286,7 @@ def _clip(grads: dict[str, np.ndarray], max_norm: float) -> float:
 def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool = False,
           log: Callable[[str], None] | None = None, final_params: dict[str, np.ndarray] | None = None,
           checkpoint: str | Path | None = None, checkpoint_every: int = 0,
-          resume: str | Path | None = None) -> dict[str, Any]:
+          resume: str | Path | None = None, ranks: Ranks = ONE_PROCESS) -> dict[str, Any]:
     """Train the model of `config` and return the log `{"config", "corpus", "steps", "summary"}`.
 
     `steps` holds one record per step: `step` (from 1), `loss`,
@@ -1170,17 +1311,29 @@ def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool =
     a checkpoint folder to continue from, written by the same configuration
     (its `steps` may differ). A resumed run's log equals that of the run
     never interrupted, every number but the timings.
+
+    `ranks` is where the steps run (`forward_backward`): one process by
+    default; `refimpl.train_parallel.train_expert_parallel` passes its
+    ranks, and each step's record then adds what `ranks.step_record()`
+    gives. Checkpoints are written and resumed by one process only.
     """
     corpus = load_corpus() if corpus is None else corpus
     check_resources(config, corpus)
+    if type(ranks) is not Ranks and (checkpoint is not None or resume is not None):
+        raise ValueError(f"checkpoint= and resume= are for a run on one process; this one runs on "
+                         f"{type(ranks).__name__} ({ranks.size} ranks)")
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, numbers.Integral) \
             or checkpoint_every < 0:
         raise ValueError(f"checkpoint_every must be a non-negative integer (0: only at the end), "
                          f"got {checkpoint_every!r}")
-    run = _Run.start(config) if resume is None else _load_run(resume, config, corpus)
+    run = _Run.start(config, ranks) if resume is None else _load_run(resume, config, corpus)
     train_data = corpus.data[:corpus.split]
     eval_rng = np.random.default_rng([config.seed, 1])
     eval_tokens, eval_targets = sample_batch(corpus.data[corpus.split:], eval_rng, config.eval_batch, config.context)
+    # Every process draws the whole batch from the same generator and keeps its rows.
+    mine = ranks.rows(config.eval_batch)
+    eval_tokens, eval_targets = eval_tokens[mine], eval_targets[mine]
+    mine = ranks.rows(config.batch)
     peak_limit = float(ml_dtypes.finfo(PRECISIONS[config.precision]).max)
     eval_layers = [balancer.layer_config(config.moe) for balancer in run.balancers]
     steps: Iterable[int] = range(run.step + 1, config.steps + 1)
@@ -1195,18 +1348,21 @@ def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool =
     start = time.perf_counter()
     for t in steps:
         tokens, targets = sample_batch(train_data, run.rng, config.batch, config.context)
+        tokens, targets = tokens[mine], targets[mine]
         # A low-precision run needs the peak every step: it decides whether the step overflowed.
         with_stats = t % config.stats_every == 0 or t == 1 or config.precision != "float32"
-        result = forward_backward(run.params, tokens, targets, run.balancers, config, with_stats=with_stats)
+        result = forward_backward(run.params, tokens, targets, run.balancers, config, with_stats=with_stats,
+                                  ranks=ranks)
         record: dict[str, Any] = {"step": t, "loss": result.loss, "max_violation": max(result.violations),
                                   "max_violation_layers": result.violations, **result.balancing}
         overflow = bool(result.stats.get("activation_peak")) and max(result.stats["activation_peak"]) > peak_limit
         run.overflow_steps += overflow
-        finite = bool(result.grads) and all(np.all(np.isfinite(g)) for g in result.grads.values())
+        finite = bool(result.grads) and ranks.all(all(np.all(np.isfinite(g))
+                                                         for g in result.grads.values()))
         if overflow:
             record["overflow"] = True
         if finite and not overflow:
-            record["grad_norm"] = _clip(result.grads, config.grad_clip)
+            record["grad_norm"] = _clip(result.grads, config.grad_clip, ranks)
             run.adam.step(run.params, result.grads)
         else:
             record["skipped"] = True
@@ -1214,7 +1370,9 @@ def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool =
         if with_stats:
             record.update(result.stats)
         if t % config.eval_every == 0 or t == config.steps:
-            record["eval_loss"] = evaluate(run.params, eval_tokens, eval_targets, config, eval_layers)
+            record["eval_loss"] = evaluate(run.params, eval_tokens, eval_targets, config, eval_layers,
+                                           ranks=ranks)
+        record.update(ranks.step_record())
         run.records.append(record)
         run.step = session["last_step"] = t
         session["seconds"] = time.perf_counter() - start
@@ -1224,7 +1382,8 @@ def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool =
             steps.set_postfix(loss=f"{result.loss:.3f}", viol=f"{record['max_violation']:.2f}")
     session["seconds"] = time.perf_counter() - start
     if "eval_loss" not in run.records[-1]:  # resumed at its last step from a checkpoint between evaluations
-        run.records[-1]["eval_loss"] = evaluate(run.params, eval_tokens, eval_targets, config, eval_layers)
+        run.records[-1]["eval_loss"] = evaluate(run.params, eval_tokens, eval_targets, config, eval_layers,
+                                                ranks=ranks)
     if final_params is not None:
         final_params.update(run.params)
     seconds = sum(part["seconds"] for part in run.sessions)
@@ -1345,14 +1504,26 @@ _RUN_FLAGS = (
 )
 
 
-def _parser(*, defaults: bool = True) -> argparse.ArgumentParser:
+class _Refused(Exception):
+    """An argument error of one rank, held until the ranks have shared their errors."""
+
+
+class _SharedErrorsParser(argparse.ArgumentParser):
+    """A parser whose errors are raised (`_Refused`) instead of ending the process, so that the ranks share them."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _Refused(message)
+
+
+def _parser(*, defaults: bool = True, shared_errors: bool = False) -> argparse.ArgumentParser:
     """The command's parser; with `defaults=False` the flags not given are absent from the result."""
     train_defaults, layer_defaults = TrainConfig(), DEFAULT_LAYER
 
     def default(value: Any) -> Any:
         return value if defaults else argparse.SUPPRESS
 
-    parser = argparse.ArgumentParser(prog="python -m refimpl.train", allow_abbrev=False,
+    kind = _SharedErrorsParser if shared_errors else argparse.ArgumentParser
+    parser = kind(prog="python -m refimpl.train", allow_abbrev=False,
                                      description="Train a small byte-level Stable LatentMoE language model and "
                                                  "log loss and load balance per step as JSON.")
     parser.add_argument("--balancer", choices=sorted(BALANCERS), default=default(train_defaults.balancer),
@@ -1399,6 +1570,9 @@ def _parser(*, defaults: bool = True) -> argparse.ArgumentParser:
     for flag, name, text, high in _RUN_FLAGS:
         sizes.add_argument(f"--{flag}", dest=name, type=_integer(1, high), default=default(getattr(train_defaults, name)),
                            help=f"{text} (default {getattr(train_defaults, name)})")
+    parser.add_argument("--expert-parallel", action="store_true", default=default(False),
+                        help="train over the ranks of an MPI job, each holding n/P experts of every layer and its "
+                             "slice of every batch: mpiexec -n P python -m refimpl.train --expert-parallel ...")
     parser.add_argument("--quiet", action="store_true", default=default(False), help="no progress bar and no summary")
     return parser
 
@@ -1528,11 +1702,9 @@ def _check_checkpoint_folder(parser: argparse.ArgumentParser, folder: Path, *, r
     _check_folder_writable(parser, "--checkpoint", folder)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """The command `python -m refimpl.train`: check every argument, train, print what was read and the throughput, write the log."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = _parser()
-    args = parser.parse_args(argv)
+def _checked_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                    argv: list[str]) -> TrainConfig:
+    """The run's configuration from the flags (or the checkpoint being resumed), checked, or an argparse error."""
     if args.resume is not None:
         try:
             found = read_checkpoint(args.resume)
@@ -1545,6 +1717,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         check_resources(config)
     except TrainConfigError as exc:
         _config_error(parser, exc)
+    return config
+
+
+def _checked_corpus(parser: argparse.ArgumentParser, config: TrainConfig) -> Corpus:
+    corpus = load_corpus()
+    try:
+        check_resources(config, corpus)
+    except TrainConfigError as exc:
+        _config_error(parser, exc)
+    return corpus
+
+
+def _write_out(parser: argparse.ArgumentParser, out: Path, result: Mapping[str, Any], checkpoint: Path | None,
+               say: Callable[[str], None]) -> None:
+    """Write the log to `--out`, or end with status 1 naming the file (which is left as it was)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_log(out, result)
+    except OSError as exc:
+        kept = f"; the log so far is in the checkpoint {checkpoint}" if checkpoint is not None else ""
+        parser.exit(1, f"{parser.prog}: error: could not write the log to {out}: {exc}; the file "
+                       f"there (if any) is unchanged{kept}\n")
+    say(f"log written to {out}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """The command `python -m refimpl.train`: check every argument, train, print what was read and the throughput, write the log."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--expert-parallel" in argv:
+        return _main_expert_parallel(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    config = _checked_config(parser, args, argv)
     checkpoint = args.checkpoint if args.checkpoint is not None else args.resume
     if args.checkpoint_every and checkpoint is None:
         parser.error("argument --checkpoint-every: needs --checkpoint DIR (the folder to write into)")
@@ -1552,27 +1757,99 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _check_out(parser, args.out, args.overwrite)
     if checkpoint is not None:
         _check_checkpoint_folder(parser, checkpoint, resume=args.resume, overwrite=args.overwrite)
-    corpus = load_corpus()
-    try:
-        check_resources(config, corpus)
-    except TrainConfigError as exc:
-        _config_error(parser, exc)
+    corpus = _checked_corpus(parser, config)
     say = (lambda text: None) if args.quiet else print
     say(corpus.describe())
     result = train(config, corpus=corpus, progress=not args.quiet and config.steps >= 50, log=say,
                    checkpoint=checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume)
     result["command"] = "python -m refimpl.train " + " ".join(argv)
     if args.out is not None:
-        try:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            write_log(args.out, result)
-        except OSError as exc:
-            kept = f"; the log so far is in the checkpoint {checkpoint}" if checkpoint is not None else ""
-            parser.exit(1, f"{parser.prog}: error: could not write the log to {args.out}: {exc}; the file "
-                           f"there (if any) is unchanged{kept}\n")
-        say(f"log written to {args.out}")
+        _write_out(parser, args.out, result, checkpoint, say)
     return result
 
 
+def _main_expert_parallel(argv: list[str]) -> dict[str, Any]:
+    """The command with `--expert-parallel`, on every rank of the job: the ranks share their argument errors.
+
+    Each rank checks the arguments as the one-process command does (rank 0
+    alone checks `--out`, the file it writes), without stopping at an error;
+    then the ranks agree on the configuration and share their errors
+    (`refimpl.train_parallel.check_expert_parallel`), so that every rank ends
+    with the same message and status 2 instead of some waiting for the
+    others. A rank that fails while training ends the whole job (`Abort`).
+    """
+    try:
+        from .train_parallel import check_expert_parallel, train_expert_parallel, world
+
+        comm = world()
+    except ImportError as exc:
+        _parser().error(f"argument --expert-parallel: needs mpi4py and an MPI library ({exc}); install them with "
+                        "pip install mpi4py mpich, and start the job with mpiexec -n P")
+    rank, size = int(comm.Get_rank()), int(comm.Get_size())
+    parser = _parser(shared_errors=True)
+    config, corpus, args, error = None, None, None, None
+    try:
+        args = parser.parse_args(argv)
+        for flag, value in (("--checkpoint", args.checkpoint), ("--resume", args.resume),
+                            ("--checkpoint-every", args.checkpoint_every)):
+            if value:
+                parser.error(f"argument {flag}: not available with --expert-parallel (checkpoints are written and "
+                             "resumed by a run on one process)")
+        config = _checked_config(parser, args, argv)
+        if args.out is not None and rank == 0:
+            _check_out(parser, args.out, args.overwrite)
+        corpus = _checked_corpus(parser, config)
+    except _Refused as exc:
+        error = ValueError(str(exc))
+    try:
+        check_expert_parallel(config, comm, corpus=corpus, error=error)
+    except (TypeError, ValueError) as exc:
+        _parser().error(str(exc))  # every rank: the same message, status 2
+    say = print if rank == 0 and not args.quiet else (lambda text: None)
+    say(corpus.describe())
+    per_rank = config.moe.num_experts // size
+    say(f"expert parallel: {size} rank{'s' if size > 1 else ''}, {per_rank} experts of each layer per rank, "
+        f"{config.batch // size}-{-(-config.batch // size)} rows of each batch of {config.batch}")
+    try:
+        result = train_expert_parallel(config, comm, corpus=corpus, progress=not args.quiet and config.steps >= 50,
+                                       log=say)
+    except Exception:
+        if size == 1:
+            raise
+        # The other ranks may be waiting in an exchange for this one: end the whole job, saying why.
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        comm.Abort(1)
+        raise
+    result["command"] = f"mpiexec -n {size} python -m refimpl.train " + " ".join(argv)
+    say(_rank_table(result["expert_parallel"]))
+    if args.out is not None and rank == 0:
+        _write_out(parser, args.out, result, None, say)
+    return result
+
+
+def _rank_table(summary: Mapping[str, Any]) -> str:
+    """Each rank's slots computed and seconds per stage over the run, as printed at the end of an expert-parallel run."""
+    stages = list(summary["rank_seconds"])
+    widths = [max(len(stage), 8) for stage in stages]
+    lines = ["seconds per stage, summed over the run's layers and steps:",
+             f"{'rank':>4} {'experts':>9} {'rows':>6} {'slots':>10}"
+             + "".join(f"  {stage:>{width}}" for stage, width in zip(stages, widths, strict=True))]
+    for rank in range(summary["ranks"]):
+        first, stop = summary["experts"][rank]
+        times = summary["rank_seconds"]
+        lines.append(f"{rank:>4} {f'{first}-{stop - 1}':>9} {summary['batch_rows'][rank]:>6} "
+                     f"{summary['rank_load'][rank]:>10,}"
+                     + "".join(f"  {times[stage][rank]:>{width}.3f}" for stage, width in zip(stages, widths, strict=True)))
+    lines.append(f"most loaded rank over the mean, per layer and step: {summary['mean_max_over_mean_load']:.3f}")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    main()
+    # `python -m refimpl.train` runs this file as `__main__`; the command runs in the package's own module,
+    # whose classes (TrainConfig, Ranks) are those the other modules of the package import.
+    from refimpl.train import main as _main
+
+    _main()

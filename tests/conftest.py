@@ -114,12 +114,20 @@ def run_under_mpiexec(ranks: int, args: list[str], *, timeout: float = 120):
     runs in a session of its own, so that a hung job is killed whole (launcher
     and ranks) when the timeout passes, and the test fails with what it printed.
     """
+    return run_mpiexec(["-n", str(ranks), sys.executable, "-m", "mpi4py", *args], timeout=timeout)
+
+
+def run_mpiexec(args: list[str], *, timeout: float = 120, env: dict[str, str] | None = None):
+    """`mpiexec ARGS` from the repository root (any command line, several programs included); as `run_under_mpiexec`.
+
+    `env` adds to the environment the job runs in.
+    """
     import signal
     import subprocess
 
     assert MPIEXEC.is_file(), f"no mpiexec next to {sys.executable}: install the test extra (mpi4py, mpich)"
-    command = [str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "mpi4py", *args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    command = [str(MPIEXEC), *args]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}, **(env or {})}
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
     try:
@@ -127,5 +135,5 @@ def run_under_mpiexec(ranks: int, args: list[str], *, timeout: float = 120):
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
-        pytest.fail(f"mpiexec -n {ranks} did not finish in {timeout} s:\n{stdout}\n{stderr}")
+        pytest.fail(f"{' '.join(command)} did not finish in {timeout} s:\n{stdout}\n{stderr}")
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
