@@ -86,6 +86,7 @@ from .routing import score_function_grad
 from .validation import check_finite, check_float_array
 
 __all__ = [
+    "check_upstream",
     "latent_output_backward",
     "route_backward",
     "routed_experts_backward",
@@ -387,16 +388,7 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConf
 
     def backward(dy: Array, *, out: Mapping[str, Array] | None = None,
                  dscores: Array | None = None) -> tuple[Array, Mapping[str, Array]]:
-        check_float_array("dy", dy, ndim=2)
-        if tuple(dy.shape) != (m, d):
-            raise ValueError(f"dy must have the shape of y, [{m}, {d}], got {list(dy.shape)}")
-        check_finite("dy", dy)
-        if dscores is not None:
-            check_float_array("dscores", dscores, ndim=2)
-            if tuple(dscores.shape) != tuple(fwd.scores.shape):
-                raise ValueError(f"dscores must have the shape of the scores, {list(fwd.scores.shape)}, "
-                                 f"got {list(dscores.shape)}")
-            check_finite("dscores", dscores)
+        check_upstream(dy, (m, d), dscores, tuple(fwd.scores.shape))
         if out is not None:
             _check_out(out, params, lambda name: _grad_dtype(xp, params[name], dtype), inputs={"x": x, "dy": dy})
         h = xp.astype(x, dtype, copy=False)  # [m, d]
@@ -421,6 +413,24 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConf
         return x_bar, out
 
     return (fwd if return_intermediates else fwd.y), backward
+
+
+def check_upstream(dy: Array, y_shape: tuple[int, int], dscores: Array | None, scores_shape: tuple[int, int],
+                   *, whose: str = "") -> None:
+    """A backward's upstream gradients: `dy` finite and of the shape of `y`, `dscores` (if given) of the scores'.
+
+    `whose` ("this rank's ") goes into the messages of a layer split over ranks.
+    """
+    check_float_array("dy", dy, ndim=2)
+    if tuple(dy.shape) != tuple(y_shape):
+        raise ValueError(f"dy must have the shape of {whose}y, {list(y_shape)}, got {list(dy.shape)}")
+    check_finite("dy", dy)
+    if dscores is not None:
+        check_float_array("dscores", dscores, ndim=2)
+        if tuple(dscores.shape) != tuple(scores_shape):
+            raise ValueError(f"dscores must have the shape of {whose or 'the '}scores, {list(scores_shape)}, "
+                             f"got {list(dscores.shape)}")
+        check_finite("dscores", dscores)
 
 
 def _overlaps(a: Any, b: Any) -> bool:

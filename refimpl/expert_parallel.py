@@ -132,7 +132,12 @@ import numpy as np
 
 from ._xp import Array, array_namespace, compute_dtype, dtype_name, to_numpy
 from .activations import expert_glu, rms_norm
-from .backward import latent_output_backward, routed_experts_backward, router_and_input_backward
+from .backward import (
+    check_upstream,
+    latent_output_backward,
+    routed_experts_backward,
+    router_and_input_backward,
+)
 from .config import MoEConfig
 from .histogram import BiasHistogram
 from .latent_moe import (
@@ -744,16 +749,7 @@ def ep_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, 
     def backward(dy: Array, *, dscores: Array | None = None) -> tuple[Array, MoEParams]:
         error: Exception | None = None
         try:
-            check_float_array("dy", dy, ndim=2)
-            if tuple(dy.shape) != (m, d):
-                raise ValueError(f"dy must have the shape of this rank's y, [{m}, {d}], got {list(dy.shape)}")
-            check_finite("dy", dy)
-            if dscores is not None:
-                check_float_array("dscores", dscores, ndim=2)
-                if tuple(dscores.shape) != tuple(saved.scores.shape):
-                    raise ValueError(f"dscores must have the shape of this rank's scores, "
-                                     f"{list(saved.scores.shape)}, got {list(dscores.shape)}")
-                check_finite("dscores", dscores)
+            check_upstream(dy, (m, d), dscores, tuple(saved.scores.shape), whose="this rank's ")
         except (TypeError, ValueError) as exc:
             error = exc
         check_ranks_agree(comm, "ep_vjp's backward", {"dtype": dtype_name(dtype),
