@@ -459,10 +459,27 @@ def execute(nb, folder: Path, timeout: int = TIMEOUT):
     from nbclient import NotebookClient
 
     nb = copy.deepcopy(nb)
+    # The kernel's own log (its warning that it talks to this process over local TCP) is not the example's.
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                            extra_arguments=["--IPKernelApp.log_level=ERROR"],
                             resources={"metadata": {"path": str(folder)}})
     client.execute()
     return nb
+
+
+def coalesce_streams(nb) -> None:
+    """Join each cell's consecutive outputs to the same stream into one (the kernel sends printed text in
+    chunks whose boundaries depend on timing; the record keeps what was printed, not how it was sent)."""
+    for cell in nb.cells:
+        merged = []
+        for output in cell.get("outputs", []):
+            if (output.get("output_type") == "stream" and merged and merged[-1].get("output_type") == "stream"
+                    and merged[-1].get("name") == output.get("name")):
+                merged[-1]["text"] += output["text"]
+            else:
+                merged.append(output)
+        if "outputs" in cell:
+            cell["outputs"] = merged
 
 
 def machine_paths(text: str, *folders: Path) -> list[str]:
@@ -486,25 +503,13 @@ def record(script: Path, timeout: int = TIMEOUT) -> tuple[str, float]:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="refimpl-record-") as folder:
         executed = execute(nb, Path(folder), timeout)
+        coalesce_streams(executed)
         text = nbformat.writes(executed)
         found = machine_paths(text, Path(folder))
     if found:
         raise ValueError(f"the record of {script.name} would hold paths of this machine: {found}")
     nbformat.validate(nbformat.reads(text, as_version=4))
     return text + ("" if text.endswith("\n") else "\n"), time.perf_counter() - start
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder, renamed into place."""
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False,
-                                     encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(handle.name, 0o666 & ~umask)
-    os.replace(handle.name, path)
 
 
 def record_path(script: Path) -> Path:
@@ -531,6 +536,8 @@ def _record_one(script: Path) -> str:
     text, seconds = record(script)
     target = record_path(script)
     old = target.read_text(encoding="utf-8") if target.is_file() else None
+    from refimpl.recorded import write_atomically
+
     write_atomically(target, text)
     state = "unchanged" if old == text else ("written" if old is None else "refreshed")
     return f"{target.relative_to(ROOT)}: {state} ({seconds:.0f} s)"

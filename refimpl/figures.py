@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 import struct
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from .recorded import write_atomically
 
 __all__ = ["DPI", "figures_wanted", "in_notebook", "png_size", "show_figure"]
 
@@ -63,19 +63,6 @@ def png_size(data: bytes) -> tuple[int, int]:
     return width, height
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same folder, renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(handle.name, 0o666 & ~umask)
-    os.replace(handle.name, path)
-
-
 def show_figure(fig: Any, out: str | Path | None, name: str, *, caption: str, alt: str, dpi: int = DPI) -> None:
     """Save the matplotlib figure `fig` as `out/name` and, in a notebook, show it with its caption; then close it.
 
@@ -99,7 +86,7 @@ def show_figure(fig: Any, out: str | Path | None, name: str, *, caption: str, al
         plt.close(fig)
         data = buffer.getvalue()
     if out is not None:
-        _write_atomically(Path(out) / name, data)
+        write_atomically(Path(out) / name, data)
     if in_notebook():
         from IPython.display import display
 

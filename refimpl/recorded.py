@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["RESULTS", "band", "diverged_at", "finished", "load_record", "per_step", "record_runs",
-           "recorded_path", "replay", "show", "show_finished", "spread", "write_record"]
+           "recorded_path", "replay", "show", "show_finished", "spread", "write_atomically", "write_record"]
 
 #: The folder of the recorded runs, inside the installed package.
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -73,24 +73,29 @@ def load_record(name: str) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
 
 
-def write_record(path: Path, record: Mapping[str, Any], indent: int | None = None) -> None:
-    """Write a record as JSON, atomically: a temporary file in the same folder, renamed into place.
-
-    Compact (one line) by default; `indent` spreads it over lines as `json.dumps` does.
-    """
+def write_atomically(path: Path, data: bytes | str) -> None:
+    """Write `data` to `path` so that no reader ever finds half a file: a temporary file in the same folder,
+    flushed to disk, given the permissions the umask sets, then renamed into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    separators = (",", ":") if indent is None else None
-    text = json.dumps(record, separators=separators, indent=indent) + "\n"
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False,
-                                     encoding="utf-8") as handle:
-        handle.write(text)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
+        handle.write(payload)
         handle.flush()
         os.fsync(handle.fileno())
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(handle.name, 0o666 & ~umask)
     os.replace(handle.name, path)
+
+
+def write_record(path: Path, record: Mapping[str, Any], indent: int | None = None) -> None:
+    """Write a record as JSON, atomically (`write_atomically`).
+
+    Compact (one line) by default; `indent` spreads it over lines as `json.dumps` does.
+    """
+    separators = (",", ":") if indent is None else None
+    write_atomically(Path(path), json.dumps(record, separators=separators, indent=indent) + "\n")
     print(f"wrote {path}")
 
 
