@@ -122,7 +122,7 @@ NAV_LABELS = {
     "21_bins_and_traffic": "Bins and traffic", "22_mpi_allreduce": "Appendix D over MPI",
     "50_k3_checkpoint": "A K3 checkpoint", "60_backward_by_hand": "One backward pass by hand",
     "61_balance_while_learning": "Balance while learning", "62_activations_while_training": "Activations in training",
-    "63_latent_norm_while_training": "The latent norm in training", "70_capacity_by_hand": "Capacity by hand",
+    "63_latent_norm_while_training": "The latent norm in training", "70_capacity_by_hand": "Capacity by hand", "72_capacity_mistakes": "Capacity mistakes",
     "80_balance_is_speed": "Balance is speed", "81_expert_parallel_mpi": "Expert parallelism over MPI",
 }
 
