@@ -1,18 +1,25 @@
 # The whole set-up is two commands:
 #
-#   make serve   create or refresh .venv, build the documentation site, serve it on http://127.0.0.1:8000
-#   make test    create or refresh .venv, then lint and run the entire test suite
+#   make serve   create .venv with what the site needs (the `docs` extra), build the site, serve it on
+#                http://127.0.0.1:8000 (a few minutes the first time; it runs no example)
+#   make test    add the rest to .venv (the `test`, `browser` and `examples` extras: PyTorch, MPICH,
+#                Playwright, Jupyter's kernel), then lint and run the entire test suite
 #
 # Both need only python3 and make; everything else is installed into .venv from PyPI.
-# Both are cheap to repeat: the environment is reinstalled only when pyproject.toml changes,
-# the site is rebuilt only when one of its sources changes, and worked examples are re-run
-# only when their source or the package changes (cached in .cache/examples/).
+# Both are cheap to repeat: the environment is reinstalled only when pyproject.toml changes, and the
+# site is rebuilt only when one of its sources changes. The site shows each worked example from its
+# record, the executed notebook examples/NN_slug.ipynb; the tests check every record is current, and
+#
+#   make records                          re-runs every example in a fresh kernel and rewrites its record
+#   make records EXAMPLES="10 61_balance_while_learning"   only those
 
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-from-pyproject
+# What is installed: the docs extra (for `make serve`), or everything (for `make test`).
+DOCS_STAMP := $(VENV)/.installed-docs
+TEST_STAMP := $(VENV)/.installed-test
 SITE := site
 HOST := 127.0.0.1
 PORT ?= 8000
@@ -26,7 +33,7 @@ SITE_SOURCES := mkdocs.yml pyproject.toml \
 	$(shell find docs refimpl examples tests benchmarks -type f \
 		-not -path '*/__pycache__/*' -not -name '*.pyc' 2>/dev/null)
 
-.PHONY: all serve test docs bench gpu clean distclean venv
+.PHONY: all serve test docs records bench gpu clean distclean venv
 
 all: test
 
@@ -52,15 +59,24 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV) && $(PYTHON) -m venv --without-pip $(VENV) \
 		&& $(BIN)/python -c "$$BOOTSTRAP_PIP"; }
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,docs,browser]'
+PIP_INSTALL := $(BIN)/python -m pip install --disable-pip-version-check --progress-bar off
+
+$(DOCS_STAMP): pyproject.toml | $(BIN)/python
+	@echo "Installing refimpl and what the site needs (the docs extra) into $(VENV)"
+	$(PIP_INSTALL) -e '.[docs]'
 	@touch $@
 
-venv: $(STAMP)
+$(TEST_STAMP): pyproject.toml | $(BIN)/python
+	@echo "Installing refimpl with its test, docs, browser and examples extras into $(VENV)"
+	$(PIP_INSTALL) --quiet -e '.[test,docs,browser,examples]'
+	@touch $@ $(DOCS_STAMP)
+
+venv: $(TEST_STAMP)
 
 # --- the documentation site ------------------------------------------------
 
-$(SITE)/.built: $(STAMP) $(SITE_SOURCES)
+$(SITE)/.built: $(DOCS_STAMP) $(SITE_SOURCES)
+	@echo "Building the site into $(SITE)/ (no example is run: each page shows the example's record)"
 	$(BIN)/mkdocs build --strict --site-dir $(SITE)
 	@touch $@
 
@@ -72,11 +88,17 @@ serve: docs
 
 # --- tests and benchmarks --------------------------------------------------
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
-bench: $(STAMP)
+# Re-run the worked examples (all, or those in EXAMPLES) in a fresh Jupyter kernel each, alone in an empty
+# folder, and rewrite their records examples/NN_slug.ipynb. Commit the records with the change that made them.
+EXAMPLES ?=
+records: $(TEST_STAMP)
+	$(BIN)/python docs/notebooks.py record --jobs 2 $(EXAMPLES)
+
+bench: $(TEST_STAMP)
 	@for script in benchmarks/*.py; do \
 		case "$$script" in */_*|*/common.py) continue;; esac; \
 		echo "== $$script"; $(BIN)/python "$$script" || exit 1; \
@@ -85,14 +107,14 @@ bench: $(STAMP)
 # The GPU check (needs an NVIDIA GPU): add CuPy to .venv, then run every step of benchmarks/gpu.py
 # and record its results in docs/benchmarks/gpu.md. CUDA 12 wheels; on a machine without the CUDA
 # toolkit, `$(BIN)/pip install 'cupy-cuda12x[ctk]'` first brings the runtime compiler CuPy needs.
-gpu: $(STAMP)
+gpu: $(TEST_STAMP)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[gpu]'
 	$(BIN)/python benchmarks/gpu.py --require-gpu
 
 # --- cleaning --------------------------------------------------------------
 
 clean:
-	rm -rf $(SITE) .cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(SITE) .pytest_cache .ruff_cache .hypothesis
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean

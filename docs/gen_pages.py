@@ -1,8 +1,8 @@
 r"""Generate the pages of the documentation site from the repository itself.
 
 mkdocs-gen-files runs this script at the start of every `mkdocs build` and
-`mkdocs serve`. Nothing is written into the working tree except the example
-cache; every page below exists only inside the build:
+`mkdocs serve`. It runs no example and writes nothing into the working tree;
+every page below exists only inside the build, and it logs a line per stage:
 
 * `paper/<module>.md`: one literate page per module of `refimpl/`. The module
   docstring is the prose; the code follows in blocks, and every comment that
@@ -10,54 +10,61 @@ cache; every page below exists only inside the build:
   become display math). Function and class docstrings are prose too. The page
   then lists the properties the module's tests check, the worked examples that
   use the module, and the hand-written fragment `docs/sections/<module>.md`
-  when there is one.
+  when there is one. A fragment that holds the marker
+  `<!-- refimpl:module-docstring -->` opens the page instead, with the module's
+  essay where the marker stands, and the code comes last, folded (the
+  conformance kit's page reads this way: install it, a test file, what each
+  check catches, then the reference and the source).
 * `reference/<module>.md`: the API reference, rendered by mkdocstrings.
-* `examples/<NN_slug>.md` and `examples/<NN_slug>.ipynb`: each
-  `examples/NN_slug.py` is run once, cell by cell, with `--out DIR`
-  (`docs/notebooks.py` states the percent-cell convention of the scripts and
-  how a script becomes a notebook). Its intro, printed output, figures and
-  source make the page; the same run's outputs fill the notebook, which the
-  page offers for download. Runs are cached in `.cache/examples/`, keyed by a
-  hash of the example, of `refimpl/` and of `docs/notebooks.py`.
+* `examples/<NN_slug>.md` and `examples/<NN_slug>.ipynb`: each example
+  `examples/NN_slug.py` has a **record**, the notebook `examples/NN_slug.ipynb`
+  committed next to it, executed in a fresh kernel by `make records`
+  (`docs/notebooks.py`). The page shows the record's cells with what each
+  printed and drew (figures with their captions), then the script; the record
+  itself is served for download. The test suite checks that every record is
+  current.
 * `pages/<slug>.md`: the hand-written stand-alone pages `docs/pages/<slug>.md`
-  (first line `# Title`), with their example markers expanded, listed under
+  (first line `# Title`), with their markers expanded, listed under
   "Studies" in the order of `STUDIES` and then alphabetically.
 * `tests/<file>.md`: the test files, rendered the same literate way, one anchor
-  per test so the module pages can link to each property.
-* `benchmark-results/index.md`: the results the benchmark scripts saved under
-  `docs/benchmarks/` (`*.md` verbatim, `*.json` as tables), then `docs/sections/benchmarks.md`.
+  per test so the module pages can link to each property; `tests/index.md`
+  lists them.
+* `internals/index.md`: the helper modules, which have pages but no place of
+  their own in the navigation.
+* `benchmark-results/index.md`: one plot per benchmark, drawn from
+  `docs/benchmarks/*.json`, then the results the benchmark scripts saved
+  (`*.md` verbatim, `*.json` as tables), then `docs/sections/benchmarks.md`.
 * `index.md`: the hand-written landing page with its computed parts filled in
   (the K3 numbers, the three "Start here" reading paths and the reading path).
   Links to pages that do not exist in this build are left out.
-* `SUMMARY.md`: the navigation, read by mkdocs-literate-nav.
+* `SUMMARY.md`: the navigation, read by mkdocs-literate-nav: at most one link
+  per page, short labels.
 
 On a literate page the import block and the `__all__` list that open a module
 are folded away to the end of its code, so the first screen after the essay
 shows the first idea and the code that computes it.
 
-Modules that do not exist yet are skipped with a message; a failing example
-or a module that does not parse is reported as a warning, which fails
+Modules that do not exist yet are skipped with a message; a missing record or
+a module that does not parse is reported as a warning, which fails
 `mkdocs build --strict`.
 """
 
 from __future__ import annotations
 
 import ast
-import hashlib
+import base64
+import html
 import importlib.util
 import io
 import json
 import logging
-import os
 import re
-import shutil
-import subprocess
+import struct
 import sys
 import textwrap
 import time
 import tokenize
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,11 +75,7 @@ DOCS = ROOT / "docs"
 PACKAGE = ROOT / "refimpl"
 TESTS = ROOT / "tests"
 EXAMPLES = ROOT / "examples"
-CACHE = ROOT / ".cache" / "examples"
 PAGES = DOCS / "pages"
-
-#: Bump to invalidate every cached example run.
-GENERATOR_VERSION = "2"
 
 #: The reading path: module and navigation label, in reading order.
 READING_PATH: list[tuple[str, str]] = [
@@ -98,22 +101,39 @@ READING_PATH: list[tuple[str, str]] = [
 #: any other page follows, alphabetically by slug.
 STUDIES = ["why-stable", "balance-is-speed", "report-card", "conventions"]
 
-#: Helper modules every other module uses; they come after the reading path.
-INTERNALS = {"_xp": "Array helpers (_xp)", "validation": "Input checks"}
+#: Helper modules: pages of their own, listed on `internals/index.md` rather than in the navigation.
+INTERNALS = {"_xp": "the array-API helpers the standard lacks", "validation": "input checks with clear errors",
+             "recorded": "the recorded long runs the examples replay", "figures": "how the examples save and "
+             "show their figures", "workloads": "the skewed router of the balance-is-speed examples"}
+
+#: Modules whose page is reached from a study page rather than from the navigation (one label, one page).
+NOT_IN_NAV = {"report_card"}
+
+#: Navigation labels of modules outside the reading path whose title is long.
+MODULE_LABELS = {"train_baselines": "Other balancers in training"}
 
 #: The example shown as its own page, "Compare the variants".
 COMPARE_EXAMPLE = "40_compare_variants"
 
-#: How long one example may run before the build gives up on it (seconds).
-EXAMPLE_TIMEOUT = 600
+#: Short navigation labels of the examples whose title is long (the others use the title up to its colon).
+NAV_LABELS = {
+    "01_forward_by_hand": "One forward pass by hand", "02_k3_accounting": "The K3 accounting",
+    "03_situ_vs_swiglu": "SiTU-GLU against SwiGLU", "13_fixed_batch_stall": "Where iterated Eq. (14) stops",
+    "14_fresh_batch_noise": "Fresh batches at K3 scale", "20_histogram_of_r": "Where the histogram reads",
+    "21_bins_and_traffic": "Bins and traffic", "22_mpi_allreduce": "Appendix D over MPI",
+    "50_k3_checkpoint": "A K3 checkpoint", "60_backward_by_hand": "One backward pass by hand",
+    "61_balance_while_learning": "Balance while learning", "62_activations_while_training": "Activations in training",
+    "63_latent_norm_while_training": "The latent norm in training", "70_capacity_by_hand": "Capacity by hand", "72_capacity_mistakes": "Capacity mistakes",
+    "80_balance_is_speed": "Balance is speed", "81_expert_parallel_mpi": "Expert parallelism over MPI",
+}
 
-#: Files an example saves with `--out` that are shown as figures (other files can be embedded by markers).
-IMAGE_SUFFIXES = (".png", ".svg", ".jpg", ".jpeg")
-
-#: Markers a hand-written page or fragment may contain, replaced by an example's cached results:
-#: `<!-- refimpl:example-output NN_slug -->` (what it printed) and
-#: `<!-- refimpl:example-file NN_slug/name.txt -->` (a file it saved with `--out`; `.md` files are inserted as is).
-_MARKER = re.compile(r"<!--\s*refimpl:(?P<kind>example-output|example-file)\s+(?P<arg>[^\s]+)\s*-->")
+#: Markers a hand-written page or fragment may contain, filled from the examples' records and the package:
+#: `<!-- refimpl:example-output NN_slug -->` (everything the example printed),
+#: `<!-- refimpl:example-figure NN_slug/name.png -->` (one of its figures, with its caption and alt text),
+#: `<!-- refimpl:example-block NN_slug "First words" -->` (one block of what it printed: from the line that
+#: starts with the words to the next rule of `=`), and `<!-- refimpl:report-card -->` (the MoE report card).
+_MARKER = re.compile(r'<!--\s*refimpl:(?P<kind>example-output|example-figure|example-block|report-card)'
+                     r'(?:\s+(?P<arg>[^\s"]+))?(?:\s+"(?P<words>[^"]+)")?\s*-->')
 
 #: Whole-model totals as the technical report states them (the landing page compares the layer's share).
 K3_TOTAL_PARAMETERS = 2.78e12
@@ -687,100 +707,77 @@ def cases_in(path: Path) -> list[PropertyTest]:
 
 
 # ---------------------------------------------------------------------------
-# Examples: run once, cache, render
+# Examples: rendered from their records, never run here
 # ---------------------------------------------------------------------------
 
 @dataclass
-class ExampleRun:
-    """What one run of an example produced."""
+class Figure:
+    """A figure of an example's record: the PNG, and what the example says about it."""
 
-    stdout: str
-    stderr: str
-    returncode: int
-    seconds: float
-    figures: dict[str, bytes]
-    cached: bool = False
-    cells: list[dict] = field(default_factory=list)  # the notebook cells and what each printed and saved
-
-
-def example_key(path: Path) -> str:
-    """A hash of everything an example's output depends on: itself, helper scripts, `refimpl/` and the
-    recorded long runs in `docs/results/` that some examples print and plot."""
-    digest = hashlib.sha256()
-    digest.update(f"{GENERATOR_VERSION}|{sys.version_info[:2]}|".encode())
-    helpers = [p for p in EXAMPLES.glob("*.py") if not re.match(r"\d\d_", p.name)]
-    results = sorted((DOCS / "results").glob("*.json"))
-    sources = [path, *sorted(helpers), *sorted(PACKAGE.rglob("*.py")), DOCS / "notebooks.py", *results]
-    for source in sources:
-        if "__pycache__" in source.parts:
-            continue
-        digest.update(str(source.relative_to(DOCS)).encode() if source.is_relative_to(DOCS)
-                      else str(source.relative_to(ROOT)).encode())
-        digest.update(b"\0")
-        digest.update(source.read_bytes())
-        digest.update(b"\0")
-    return digest.hexdigest()[:20]
+    name: str
+    data: bytes
+    caption: str
+    alt: str
+    width: int
+    height: int
 
 
-def _read_cells(path: Path) -> list[dict]:
+@dataclass
+class Record:
+    """The recorded run of one example: its executed notebook `examples/NN_slug.ipynb`, read."""
+
+    notebook: str  # the notebook's JSON text, served for download as it is
+    cells: list[dict]  # the notebook's cells
+    figures: dict[str, Figure] = field(default_factory=dict)
+
+    @property
+    def stdout(self) -> str:
+        """Everything the cells printed, in order: what the script prints when run as a whole."""
+        return "".join(_stream(cell) for cell in self.cells if cell.get("cell_type") == "code")
+
+
+def _text(value: str | list[str]) -> str:
+    return "".join(value) if isinstance(value, list) else value
+
+
+def _stream(cell: dict, name: str = "stdout") -> str:
+    return "".join(_text(o.get("text", "")) for o in cell.get("outputs", [])
+                   if o.get("output_type") == "stream" and o.get("name") == name)
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """Width and height of PNG data, from its header (0, 0 for anything else)."""
+    if data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
+        return 0, 0
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def read_record(script: Path) -> Record | None:
+    """The record of `examples/NN_slug.py`, or None (with a warning, which fails a strict build) when it is
+    missing or not a notebook."""
+    path = script.with_suffix(".ipynb")
+    where = path.relative_to(ROOT).as_posix()
+    if not path.is_file():
+        log.warning("%s has no record %s: run `%s` (or `python docs/notebooks.py record %s`)", script.name, where,
+                    notebooks.REFRESH, script.stem)
+        return None
+    text = path.read_text(encoding="utf-8")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return []
-
-
-def run_example(path: Path) -> ExampleRun:
-    """Run the example's notebook cells in order with `--out DIR`, or read the cached run for the same sources.
-
-    The cells run in a fresh interpreter (`python docs/notebooks.py run ...`); what they print together is
-    what `python examples/NN_slug.py --out DIR` prints, and each cell's share goes into the notebook.
-    """
-    key = example_key(path)
-    home = CACHE / path.stem
-    done = home / key
-    if (done / "run.json").is_file():
-        meta = json.loads((done / "run.json").read_text(encoding="utf-8"))
-        figures = {p.name: p.read_bytes() for p in sorted((done / "out").glob("*")) if p.is_file()}
-        return ExampleRun(meta["stdout"], meta["stderr"], 0, meta["seconds"], figures, cached=True,
-                          cells=_read_cells(done / "cells.json"))
-
-    work = home / f"{key}.running-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    (work / "out").mkdir(parents=True)
-    env = dict(os.environ, MPLBACKEND="Agg", PYTHONHASHSEED="0", PYTHONUNBUFFERED="1")
-    start = time.perf_counter()
-    try:
-        command = [sys.executable, str(DOCS / "notebooks.py"), "run", str(path), str(work / "out"),
-                   str(work / "cells.json")]
-        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT)
-        stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        stderr, code = f"timed out after {EXAMPLE_TIMEOUT} s", -1
-    seconds = time.perf_counter() - start
-    figures = {p.name: p.read_bytes() for p in sorted((work / "out").glob("*")) if p.is_file()}
-    cells = _read_cells(work / "cells.json")
-    if code != 0:
-        shutil.rmtree(work, ignore_errors=True)
-        return ExampleRun(stdout, stderr, code, seconds, figures, cells=cells)
-    meta = {"stdout": stdout, "stderr": stderr, "seconds": round(seconds, 2), "example": path.name}
-    (work / "run.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-    for stale in home.iterdir():  # keep one cached run per example
-        if stale != work and not stale.name.startswith(f"{key}.running"):
-            shutil.rmtree(stale, ignore_errors=True)
-    try:
-        work.rename(done)
-    except OSError:  # another build finished the same run first
-        shutil.rmtree(work, ignore_errors=True)
-    return ExampleRun(stdout, stderr, 0, seconds, figures, cells=cells)
-
-
-def run_examples(paths: list[Path]) -> dict[Path, ExampleRun]:
-    """Run every example (two at a time), reusing cached runs."""
-    if not paths:
-        return {}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(paths, pool.map(run_example, paths), strict=True))
+        cells = json.loads(text)["cells"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        log.warning("%s is not a notebook (%s): refresh it with `%s`", where, exc, notebooks.REFRESH)
+        return None
+    record = Record(text, cells)
+    for cell in cells:
+        for output in cell.get("outputs", []):
+            meta = (output.get("metadata") or {}).get("refimpl") or {}
+            png = (output.get("data") or {}).get("image/png")
+            if png and meta.get("filename"):
+                data = base64.b64decode(_text(png))
+                record.figures[meta["filename"]] = Figure(meta["filename"], data, meta.get("caption", ""),
+                                                          meta.get("alt", ""), *png_size(data))
+    return record
 
 
 def example_title(path: Path) -> tuple[str, str, str]:
@@ -800,47 +797,108 @@ def example_title(path: Path) -> tuple[str, str, str]:
     return first.strip().rstrip("."), docstring_markdown(rest.strip("\n")), code
 
 
-def example_notebook(path: Path, run: ExampleRun) -> str | None:
-    """The `.ipynb` text of an example, with the outputs of `run`; None when the run left no cells."""
-    if not run.cells:
-        return None
-    cells = notebooks.cells_from_json(run.cells)
+def nav_label(path: Path, title: str) -> str:
+    """The short label of an example in the navigation: `NN Label`."""
+    label = NAV_LABELS.get(path.stem)
+    if label is None:
+        label = title.split(":")[0].strip()
+        if len(label) > 34:
+            label = label.split(", ")[0]
+        while len(label) > 34 and " " in label:
+            label = label.rsplit(" ", 1)[0]
+    return f"{path.stem[:2]} {label}"
+
+
+def figure_markdown(figure: Figure, src: str) -> str:
+    """A figure with its caption, as the site shows it (Markdown inside HTML, by `md_in_html`)."""
+    alt = figure.alt.replace('"', "'").replace("[", "(").replace("]", ")")
+    size = f'{{ width="{figure.width}" height="{figure.height}" }}' if figure.width else ""
+    return (f'<figure class="refimpl-figure" markdown="span">\n'
+            f"  ![{alt}]({src}){size}\n"
+            f"  <figcaption>{html.escape(figure.caption)}</figcaption>\n"
+            f"</figure>\n")
+
+
+def _defines_only(source: str) -> list[str]:
+    """The names a code cell defines when it only defines functions and classes (else an empty list)."""
     try:
-        return notebooks.notebook_json(cells, None, script_name=path.name, files=run.figures)
-    except Exception as exc:  # an invalid notebook is a bug of the converter: report it, keep the page
-        log.warning("examples/%s: the notebook is not valid: %s", path.name, exc)
-        return None
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    names = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.append(node.name)
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue
+        else:
+            return []
+    return names
 
 
-def example_page(path: Path, run: ExampleRun, notebook: bool = False) -> str:
-    """The Markdown of one example's page; `notebook` says whether `NN_slug.ipynb` is served beside it."""
+def _fold(title: str, body: str, kind: str = "note") -> str:
+    """A collapsed block: the reader opens it to read `body`."""
+    return f'??? {kind} "{title}"\n\n' + textwrap.indent(body.strip("\n") + "\n", "    ") + "\n"
+
+
+def cell_markdown(cell: dict, stem: str, figures: dict[str, Figure]) -> str:
+    """One notebook cell as page Markdown: prose, or code followed by what it printed and drew."""
+    source = _text(cell.get("source", ""))
+    if cell.get("cell_type") == "markdown":
+        # A step's heading sits under the page's "The run, step by step": one level down.
+        return normalize_display_math(re.sub(r"^(#{2,5}) ", r"#\1 ", source, flags=re.M)) + "\n"
+    if cell.get("cell_type") != "code" or not source.strip():
+        return ""
+    outputs = cell.get("outputs", [])
+    defined = _defines_only(source)
+    if defined and not outputs:
+        names = ", ".join(f"`{name}`" for name in defined)
+        return _fold(f"Defines {names}", fence(source, "python"), "abstract")
+    parts = [fence(source, "python")]
+    printed = _stream(cell)
+    if printed.strip():
+        parts.append('<div class="refimpl-output" markdown>\n\n' + fence(printed, "text") + "\n</div>\n")
+    for output in outputs:
+        meta = (output.get("metadata") or {}).get("refimpl") or {}
+        if meta.get("filename") in figures:
+            parts.append(figure_markdown(figures[meta["filename"]], f"{stem}/{meta['filename']}"))
+        elif output.get("output_type") == "execute_result" and not meta:
+            value = _text((output.get("data") or {}).get("text/plain", ""))
+            if value.strip():
+                parts.append('<div class="refimpl-output" markdown>\n\n' + fence(value, "text") + "\n</div>\n")
+        elif output.get("output_type") == "error":
+            parts.append("!!! failure \"This cell raised an error when the record was made\"\n\n"
+                         + textwrap.indent(fence(f"{output.get('ename')}: {output.get('evalue')}", "text"), "    "))
+    return "\n".join(parts)
+
+
+def example_page(path: Path, record: Record | None) -> str:
+    """The Markdown of one example's page, rendered from its record: intro, cells with outputs, source."""
     title, intro, code = example_title(path)
     rel = f"examples/{path.name}"
-    download = (f"[Download as notebook]({path.stem}.ipynb){{ .md-button download='{path.stem}.ipynb' }} "
-                f"(`{path.stem}.ipynb`, with the outputs shown below; it runs from the repository root, where "
-                "`refimpl` is installed).\n") if notebook else ""
-    parts = [f"# {title}\n", intro + "\n" if intro else "",
-             f"Run it with `python {rel}`; add `--out DIR` to save the figures as PNG files. "
-             f"Its cells (`# %%`) step through in any editor's notebook mode. "
-             f"[View `{rel}` on the repository]({repo_file_url(rel)}).\n", download]
-    if run.returncode != 0:
-        parts += ["!!! failure \"This example failed when the site was built\"\n",
-                  textwrap.indent(fence((run.stdout + "\n" + run.stderr).strip()[-4000:], "text"), "    ")]
-    parts += ["## Output\n",
-              f"What `python {rel}` printed when this page was built, its cells run in order "
-              f"({run.seconds:.1f} s{', cached' if run.cached else ''}; the notebook carries the same run):\n",
-              fence(run.stdout or "(no output)", "text")]
-    pngs = [name for name in run.figures if name.lower().endswith(IMAGE_SUFFIXES)]
-    if pngs:
-        parts.append("## Figures\n")
-        for name in pngs:
-            parts.append(f"![{Path(name).stem.replace('_', ' ')}]({path.stem}/{name})\n")
-    parts += ["## Source\n", fence(code, "python")]
+    parts = [f"# {title}\n", intro + "\n" if intro else ""]
+    if record is not None:
+        parts.append(f"[Download as notebook]({path.stem}.ipynb){{ .md-button download='{path.stem}.ipynb' }} "
+                     f"`{path.stem}.ipynb` holds the cells below with their outputs. It runs in any folder, in a "
+                     "Jupyter kernel where refimpl is installed with the extra that draws the figures "
+                     "(`pip install \"refimpl[examples]\"`).\n")
+    parts.append(f"As a script: `python {rel}` prints the same, and `--out DIR` saves the figures as PNG files "
+                 f"([`{rel}` on the repository]({repo_file_url(rel)})).\n")
+    if record is None:
+        parts.append(f'!!! failure "No recorded run"\n\n    `{rel}` has no record yet: run '
+                     f"`{notebooks.REFRESH}`.\n")
+    else:
+        parts.append('## The run, step by step { #the-run }\n')
+        cells = [c for c in record.cells if (c.get("metadata") or {}).get("refimpl") != "note"]
+        if cells and cells[0].get("cell_type") == "markdown" and _text(cells[0]["source"]).startswith("# "):
+            cells = cells[1:]  # the title and intro, shown above
+        parts += [cell_markdown(cell, path.stem, record.figures) for cell in cells]
+    parts += ["## Source\n", _fold(f"The whole script, {rel}", fence(code, "python"), "abstract")]
     return "\n".join(p for p in parts if p)
 
 
 # ---------------------------------------------------------------------------
-# Benchmark results
+# Benchmark tables
 # ---------------------------------------------------------------------------
 
 def _cell(value: object) -> str:
@@ -876,42 +934,215 @@ def json_to_markdown(data: object, level: int = 3) -> str:
     return "\n".join(parts)
 
 
-#: The example runs of this build, by script name (filled by `main` before any page is written).
-EXAMPLE_RUNS: dict[str, ExampleRun] = {}
+#: The records of this build, by script name (filled by `main` before any page is written).
+RECORDS: dict[str, Record] = {}
 
 
-def hand_written(path: Path) -> str:
-    """A hand-written page or fragment, with its example markers expanded."""
-    return expand_markers(path.read_text(encoding="utf-8"), EXAMPLE_RUNS, str(path.relative_to(ROOT)))
+def hand_written(path: Path, prefix: str = "../") -> str:
+    """A hand-written page or fragment, with its markers expanded (`prefix` leads from the page to the site root)."""
+    return expand_markers(path.read_text(encoding="utf-8"), RECORDS, str(path.relative_to(ROOT)), prefix)
 
 
-def expand_markers(text: str, runs: dict[str, ExampleRun], where: str) -> str:
-    """Replace the example markers of a hand-written page by the cached results they name."""
+def output_block(text: str, words: str) -> str | None:
+    """The block of printed `text` that starts at the line beginning with `words` and ends before the next
+    rule of `=` (or at the end); None when no line begins so. A starting line that is a title (a rule of `=`
+    under it) is left out, with its rule."""
+    lines = text.split("\n")
+    start = next((i for i, line in enumerate(lines) if line.startswith(words)), None)
+    if start is None:
+        return None
+    rule = re.compile(r"={10,}")
+    if start + 1 < len(lines) and rule.fullmatch(lines[start + 1].strip()):
+        start += 2
+    end = start
+    while end < len(lines) and not rule.fullmatch(lines[end].strip()):
+        end += 1
+    return "\n".join(lines[start:end]).strip("\n")
+
+
+def expand_markers(text: str, records: dict[str, Record], where: str, prefix: str = "../") -> str:
+    """Replace the markers of a hand-written page by what they name (see `_MARKER`)."""
 
     def replace(match: re.Match) -> str:
-        kind, arg = match.group("kind"), match.group("arg")
+        kind, arg, words = match.group("kind"), match.group("arg") or "", match.group("words")
+        if kind == "report-card":
+            return report_card_markdown()
         stem, _, name = arg.partition("/")
-        run = runs.get(stem)
-        if run is None or (kind == "example-file" and name not in run.figures):
-            log.warning("%s: %s names no result of the examples (%s)", where, match.group(0), arg)
+        record = records.get(stem)
+        if record is None:
+            log.warning("%s: %s names no recorded example (%s)", where, match.group(0), stem)
             return ""
         if kind == "example-output":
-            return fence(run.stdout or "(no output)", "text")
-        data = run.figures[name].decode("utf-8", errors="replace")
-        return data if name.endswith(".md") else fence(data, "text")
+            return fence(record.stdout or "(no output)", "text")
+        if kind == "example-figure":
+            if name not in record.figures:
+                log.warning("%s: %s names no figure of %s (it has %s)", where, match.group(0), stem,
+                            ", ".join(record.figures) or "none")
+                return ""
+            return figure_markdown(record.figures[name], f"{prefix}examples/{stem}/{name}")
+        block = output_block(record.stdout, words or "")
+        if block is None:
+            log.warning("%s: %s: no line of what %s printed starts with %r", where, match.group(0), stem, words)
+            return ""
+        return fence(block, "text")
 
-    return _MARKER.sub(replace, text)
+    def indented(match: re.Match) -> str:
+        # A marker indented on its line (inside a list item or a folded block) keeps its block there.
+        line_start = text.rfind("\n", 0, match.start()) + 1
+        indent = text[line_start: match.start()]
+        result = replace(match)
+        if indent and not indent.strip():
+            result = textwrap.indent(result, indent)[len(indent):]
+        return result
+
+    return _MARKER.sub(indented, text)
+
+
+def report_card_markdown() -> str:
+    """The MoE report card, computed by the package (`refimpl.report_card.report_card()`)."""
+    try:
+        from refimpl.report_card import report_card
+    except Exception as exc:  # the package is mid-edit or not installed
+        log.warning("cannot import refimpl.report_card to build the report card: %r", exc)
+        return "*(The report card could not be computed for this build.)*\n"
+    return report_card().strip() + "\n"
+
+
+# ---------------------------------------------------------------------------
+# Benchmark results: one plot per benchmark, then the recorded tables
+# ---------------------------------------------------------------------------
+
+def _timing(record: dict, scale: float = 1.0) -> tuple[float, float, float]:
+    """Median, fastest and slowest of a timing record `{median_s, best_s, worst_s}`, times `scale`."""
+    return (record["median_s"] * scale, record.get("best_s", record["median_s"]) * scale,
+            record.get("worst_s", record["median_s"]) * scale)
+
+
+def _bar_figure(rows: list[tuple[str, float, float, float]], xlabel: str, log_scale: bool = False) -> bytes:
+    """Horizontal bars (label, median, low, high), the range as an error bar; PNG data."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 0.3 * len(rows) + 1.1), constrained_layout=True)
+    labels = [r[0] for r in rows]
+    middle = np.array([r[1] for r in rows])
+    error = [middle - np.array([r[2] for r in rows]), np.array([r[3] for r in rows]) - middle]
+    ax.barh(range(len(rows)), middle, xerr=error, color="#3f51b5", ecolor="0.3", capsize=3)
+    ax.set_yticks(range(len(rows)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    if log_scale:
+        ax.set_xscale("log")
+    for position, value in enumerate(middle):
+        ax.text(value, position, f"  {value:.3g}", va="center", fontsize=8)
+    ax.margins(x=0.15)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def benchmark_plot(stem: str, data: dict) -> tuple[bytes, str, str] | None:
+    """The one plot of a benchmark's JSON: (PNG, caption, alt text), or None for a benchmark without one."""
+    if stem == "forward" and "stages" in data:
+        rows = [(name, *_timing(t, 1e3)) for name, t in data["stages"].items()]
+        return (_bar_figure(rows, "milliseconds (median; bar: fastest to slowest run)"),
+                "Where the time of one forward pass of the K3-shaped layer goes on this CPU, stage by stage.",
+                "Horizontal bars of the median time of each stage of the forward pass, in milliseconds")
+    if stem == "backward" and "timings" in data:
+        rows = [(name.replace("_", " "), *_timing(t)) for name, t in data["timings"].items()]
+        return (_bar_figure(rows, "seconds (median; bar: fastest to slowest run)"),
+                "The time of the forward pass and of a whole training step (forward and backward) of each "
+                "implementation measured.",
+                "Horizontal bars of the median seconds of the forward pass and of the training step per "
+                "implementation")
+    if stem == "balancing" and data.get("lp"):
+        rows = []
+        for r in data["lp"]:
+            size = f"m = {r['m']}, n = {r['n']}, k = {r['k']}"
+            rows += [(f"{size}: HiGHS", r["seconds"], r["seconds"], r["seconds"]),
+                     (f"{size}: Eq. (14) iterated", r["cd_seconds"], r["cd_seconds"], r["cd_seconds"])]
+        return (_bar_figure(rows, "seconds (log scale)", log_scale=True),
+                "Solving the balanced-assignment LP with HiGHS, and iterating Eq. (14) on the same batch, at "
+                "each size measured (log scale).",
+                "Horizontal bars on a log scale of the seconds HiGHS and iterated Eq. (14) take, at four "
+                "problem sizes")
+    if stem == "checkpoint" and "timings" in data:
+        rows = [(name, *_timing(t)) for name, t in data["timings"].items()]
+        return (_bar_figure(rows, "seconds (median; bar: fastest to slowest run)"),
+                "One forward pass of a layer at K3's widths (16 experts, 512 tokens), its experts held as "
+                "float32 arrays, kept packed in MXFP4, and packed with MXFP8 inputs.",
+                "Horizontal bars of the median seconds of the forward pass for each way of holding the experts")
+    if stem == "expert_parallel" and data.get("runs"):
+        rows = [(f"{ranks} rank{'s' if int(ranks) > 1 else ''}: {row['case']}", row["step_ms"],
+                 row.get("best_ms", row["step_ms"]), row["step_ms"])
+                for ranks, run in data["runs"].items() for row in run["rows"]]
+        return (_bar_figure(rows, "milliseconds per ep_forward step (median; bar from the fastest)"),
+                "One ep_forward step under mpiexec with 1, 2 and 4 ranks, for the zero bias, the sign rule and "
+                "Quantile Balancing.",
+                "Horizontal bars of the median step time in milliseconds, grouped by the number of ranks, one "
+                "bar per bias")
+    if stem == "gpu" and isinstance(data.get("k3"), dict) and data["k3"].get("stages"):
+        rows = [(name, *_timing(stage["timing"], 1e3)) for name, stage in data["k3"]["stages"].items()
+                if isinstance(stage, dict) and "timing" in stage]
+        return (_bar_figure(rows, "milliseconds on the GPU (median; bar: fastest to slowest run)"),
+                "The K3 layer on one GPU, stage by stage: where the time of one forward pass goes.",
+                "Horizontal bars of the median milliseconds of each stage of the K3 layer on the GPU")
+    if stem == "histogram" and isinstance(data.get("wall_seconds"), dict):
+        rows = [(name, value, value, value) for name, value in data["wall_seconds"].items()]
+        return (_bar_figure(rows, "seconds of wall time"),
+                "The wall time of each pass of the histogram estimator at scale, from generating the scores "
+                "to reading the new bias out of the summed counts.",
+                "Horizontal bars of the wall seconds of each pass of the histogram estimator")
+    if stem == "torch_compare" and isinstance(data.get("forward"), dict) and data["forward"].get("timings"):
+        rows = [(f"forward: {name.replace('_', ' ')}", *_timing(t)) for name, t in data["forward"]["timings"].items()]
+        rows += [(f"balancing: {name.replace('_', ' ')}", *_timing(t))
+                 for name, t in (data.get("balancing") or {}).get("timings", {}).items()]
+        return (_bar_figure(rows, "seconds (median; bar: fastest to slowest run)"),
+                "NumPy against PyTorch on the same CPU: the forward pass and the balancing update.",
+                "Horizontal bars of the median seconds of the forward pass and of the balancing update in "
+                "NumPy and in PyTorch")
+    if stem == "train" and isinstance(data.get("runs"), dict):
+        rows = [(name, run["tokens_per_second"], run["tokens_per_second"], run["tokens_per_second"])
+                for name, run in data["runs"].items()]
+        return (_bar_figure(rows, "tokens per second"),
+                "Training throughput of the small model with one and with two BLAS threads on this machine.",
+                "Horizontal bars of the tokens trained per second with one and with two BLAS threads")
+    return None
 
 
 def benchmarks_page() -> tuple[str, dict[str, bytes]]:
-    """The benchmark results page and the images it shows."""
+    """The benchmark results page (a plot per benchmark first, the tables after) and the images it shows."""
     folder = DOCS / "benchmarks"
     parts = ["# Benchmark results\n",
              "The numbers below were measured by the scripts in `benchmarks/` (run them with `make bench`), "
              "which save their results under `docs/benchmarks/`. Each section says on which machine and when "
-             "it was measured; nothing here is typed by hand.\n"]
+             "it was measured; nothing here is typed by hand. First one plot per benchmark, drawn from its "
+             "JSON file when this site was built, then the full results.\n"]
     images: dict[str, bytes] = {}
     files = sorted(folder.glob("*")) if folder.is_dir() else []
+    plots: list[str] = []
+    for path in (p for p in files if p.suffix == ".json"):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            drawn = benchmark_plot(path.stem, data) if isinstance(data, dict) else None
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            log.warning("docs/benchmarks/%s: no plot (%s: %s)", path.name, type(exc).__name__, exc)
+            continue
+        if drawn is None:
+            continue
+        png, caption, alt = drawn
+        name = f"{path.stem}.png"
+        images[name] = png
+        date = (data.get("machine") or {}).get("date", "")
+        figure = Figure(name, png, f"{caption} (From docs/benchmarks/{path.name}{', ' + date if date else ''}.)",
+                        alt, *png_size(png))
+        plots += [f"### {path.stem.replace('_', ' ').capitalize()}\n", figure_markdown(figure, name)]
+    if plots:
+        parts += ["## At a glance\n"] + plots + ["## The recorded results\n"]
     # A benchmark that wrote both `<name>.md` (for people) and `<name>.json` (for tools) shows the first.
     stems_with_md = {p.stem for p in files if p.suffix == ".md"}
     results = [p for p in files if p.suffix == ".md" or (p.suffix == ".json" and p.stem not in stems_with_md)]
@@ -920,7 +1151,7 @@ def benchmarks_page() -> tuple[str, dict[str, bytes]]:
     for path in results:
         if path.suffix == ".md":
             text = path.read_text(encoding="utf-8")
-            text = re.sub(r"^(#{1,5}) ", lambda m: "#" + m.group(1) + " ", text, flags=re.M)  # demote headings
+            text = re.sub(r"^(#{1,4}) ", lambda m: "##" + m.group(1) + " ", text, flags=re.M)  # demote headings
             parts.append(text.strip() + "\n")
         else:
             try:
@@ -929,9 +1160,9 @@ def benchmarks_page() -> tuple[str, dict[str, bytes]]:
                 log.warning("docs/benchmarks/%s is not valid JSON: %s", path.name, exc)
                 continue
             name = data.get("title") or data.get("name") or path.stem if isinstance(data, dict) else path.stem
-            parts.append(f"## {name}\n")
+            parts.append(f"### {name}\n")
             parts.append(f"From `docs/benchmarks/{path.name}`.\n")
-            parts.append(json_to_markdown(data))
+            parts.append(json_to_markdown(data, level=4))
     for path in files:
         if path.suffix.lower() in {".png", ".svg"}:
             images[path.name] = path.read_bytes()
@@ -953,32 +1184,107 @@ def write(path: str, text: str, edit: str | None = None) -> None:
         mkdocs_gen_files.set_edit_path(path, f"../{edit}")
 
 
+#: A fragment that holds this marker opens its module's page, with the module's essay where the marker stands.
+MODULE_DOC_MARKER = "<!-- refimpl:module-docstring -->"
+
+
 def module_page(module: Module, examples: list[tuple[Path, str]], tests: dict[Path, list[PropertyTest]]) -> str:
-    """The literate page of a module: prose, code, tested properties, examples and the fragment."""
+    """The literate page of a module: prose, code, tested properties, examples and the fragment.
+
+    When the module's fragment holds `MODULE_DOC_MARKER`, the page is the fragment with the essay in it,
+    then the tested properties, the examples, a summary of the API and the source, folded.
+    """
     main = literate(module.files[0].read_text(encoding="utf-8"))
     rel = module.files[0].relative_to(ROOT).as_posix()
     title = main.title or module.dotted
     links = [f"[`{rel}`]({repo_file_url(rel)})", f"[API reference](../reference/{module.slug}.md)"]
     links += [f"[`tests/{p.name}`](../tests/{p.stem}.md)" for p in tests]
+    fragment = DOCS / "sections" / f"{module.slug}.md"
+    text = hand_written(fragment).strip() + "\n" if fragment.is_file() else ""
+    if MODULE_DOC_MARKER in text:
+        return usage_first_page(module, title, links, text.replace(MODULE_DOC_MARKER, main.intro), examples, tests)
     parts = [f"# {title}\n", f"<small>Source: {' · '.join(links)}</small>\n", main.intro + "\n", main.body]
     for sub in module.files[1:]:
         part = literate(sub.read_text(encoding="utf-8"))
         subrel = sub.relative_to(ROOT).as_posix()
         parts += [f"## `{subrel}`\n", f"**{part.title}.**\n" if part.title else "", part.intro + "\n",
                   re.sub(r"^(#{2,5}) ", r"#\1 ", part.body, flags=re.M)]
+    parts += properties_and_examples(tests, examples)
+    if text:
+        parts.append(text)
+    return "\n".join(parts)
+
+
+def properties_and_examples(tests: dict[Path, list[PropertyTest]], examples: list[tuple[Path, str]],
+                            folded: bool = False) -> list[str]:
+    """The "Properties the tests check" and "Worked examples using this module" sections of a module page."""
+    parts: list[str] = []
     if tests:
         parts.append("## Properties the tests check\n")
+        lists = []
         for path, cases in tests.items():
-            parts.append(f"From [`tests/{path.name}`](../tests/{path.stem}.md) "
+            lists.append(f"From [`tests/{path.name}`](../tests/{path.stem}.md) "
                          f"([on the repository]({repo_file_url('tests/' + path.name)})):\n")
-            parts.append("\n".join(f"- [{case.summary}](../tests/{path.stem}.md#{case.anchor})"
+            lists.append("\n".join(f"- [{case.summary}](../tests/{path.stem}.md#{case.anchor})"
                                    f" (`{case.qualname}`)" for case in cases) + "\n")
+        count = sum(len(cases) for cases in tests.values())
+        parts.append(_fold(f"The {count} tests, each linked to its code", "\n".join(lists)) if folded
+                     else "\n".join(lists))
     if examples:
         parts.append("## Worked examples using this module\n")
         parts.append("\n".join(f"- [{title}](../examples/{path.stem}.md)" for path, title in examples) + "\n")
-    fragment = DOCS / "sections" / f"{module.slug}.md"
-    if fragment.is_file():
-        parts.append(hand_written(fragment).strip() + "\n")
+    return parts
+
+
+def _docstring_summary(files: list[Path], name: str) -> str:
+    """What one exported name is, in one line: its docstring's first paragraph, the `#:` comment above a
+    constant, or a submodule's title."""
+    for path in files:
+        source = path.read_text(encoding="utf-8")
+        lines = source.splitlines()
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.name == name:
+                doc = ast.get_docstring(node) or ""
+                return doc.strip().split("\n\n")[0].replace("\n", " ")
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, ast.AnnAssign) else []
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                comments, row = [], node.lineno - 2
+                while row >= 0 and lines[row].strip().startswith("#:"):
+                    comments.insert(0, lines[row].strip()[2:].strip())
+                    row -= 1
+                if comments:
+                    return " ".join(comments)
+    sub = next((p for p in files if p.stem == name), None)
+    if sub is not None:
+        return (ast.get_docstring(ast.parse(sub.read_text(encoding="utf-8"))) or "").split("\n")[0]
+    return ""
+
+
+def usage_first_page(module: Module, title: str, links: list[str], text: str, examples: list[tuple[Path, str]],
+                     tests: dict[Path, list[PropertyTest]]) -> str:
+    """A page that opens with how to use the module (its fragment) and ends with its reference and source."""
+    parts = [f"# {title}\n", f"<small>Source: {' · '.join(links)}</small>\n", text]
+    parts += properties_and_examples(tests, examples, folded=True)
+    names = public_names(module.files[0])
+    if names:
+        parts.append("## API reference\n")
+        parts.append(f"Everything `{module.dotted}` exports; [the reference page](../reference/{module.slug}.md) "
+                     "has every parameter.\n")
+        rows = []
+        for name in names:
+            summary = _docstring_summary(module.files, name)
+            rows.append(f"- [`{name}`](../reference/{module.slug}.md#{module.dotted}.{name})"
+                        + (f": {summary}" if summary else ""))
+        parts.append("\n".join(rows) + "\n")
+    parts.append("## The source\n")
+    parts.append(f"The code of `{module.dotted}`, file by file. Each file's essay is its module docstring.\n")
+    for path in module.files:
+        rel = path.relative_to(ROOT).as_posix()
+        source = path.read_text(encoding="utf-8")
+        doc = ast.get_docstring(ast.parse(source)) or ""
+        label = f"`{rel}`: {doc.split(chr(10))[0].rstrip('.')}" if doc else f"`{rel}`"
+        parts.append(_fold(label.replace('"', "'"), fence(source, "python"), "abstract"))
     return "\n".join(parts)
 
 
@@ -1172,7 +1478,7 @@ def landing_page(modules: dict[str, Module], compare: bool, examples: set[str] |
     index = DOCS / "index.md"
     if not index.is_file():
         return None
-    text = hand_written(index)
+    text = hand_written(index, prefix="")
     text = text.replace("<!-- refimpl:k3-numbers -->", k3_numbers())
     text = text.replace("<!-- refimpl:start-here -->", start_here(modules, examples or set(), studies or {}))
     return text.replace("<!-- refimpl:reading-path -->", reading_path(modules, compare))
@@ -1188,8 +1494,36 @@ def parse_ok(path: Path) -> bool:
     return True
 
 
+def tests_index(test_paths: list[Path]) -> str:
+    """The test suite's overview: every test file with the first line of its docstring."""
+    lines = ["# The test suite\n",
+             "Every file of `tests/`, rendered as a literate page with one anchor per test. `make test` runs "
+             "them all; each module's page lists the properties its tests check.\n",
+             "| file | what it tests |", "|---|---|"]
+    for path in test_paths:
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        summary = doc.strip().split("\n")[0].replace("|", "\\|")
+        lines.append(f"| [`{path.name}`]({path.stem}.md) | {summary} |")
+    return "\n".join(lines) + "\n"
+
+
+def internals_index(internals: list[Module]) -> str:
+    """The overview of the helper modules."""
+    lines = ["# Internals\n",
+             "Modules that the others use, each a literate page of its own:\n"]
+    for module in internals:
+        lines.append(f"- [`{module.dotted}`](../paper/{module.slug}.md): {INTERNALS[module.name]}; "
+                     f"{literate_title(module)}.")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
-    """Generate every page and the navigation."""
+    """Generate every page and the navigation, saying what each stage did."""
+    start = time.perf_counter()
+
+    def stage(message: str, *args: object) -> None:
+        log.info("gen_pages %5.1f s: " + message, time.perf_counter() - start, *args)
+
     modules = {name: m for name, m in discover_modules().items() if all(parse_ok(f) for f in m.files)}
     for name, _ in READING_PATH:
         if name not in modules:
@@ -1199,37 +1533,30 @@ def main() -> None:
     extras = [m for name, m in modules.items() if name not in known and not name.startswith("_")]
     internals = [modules[name] for name in INTERNALS if name in modules]
     exported = reexports()
+    stage("%d modules of refimpl/", len(modules))
 
     example_paths = sorted(p for p in EXAMPLES.glob("[0-9][0-9]_*.py") if parse_ok(p)) if EXAMPLES.is_dir() else []
-    start = time.perf_counter()
-    runs = run_examples(example_paths)
-    EXAMPLE_RUNS.update({path.stem: run for path, run in runs.items()})
-    fresh = [p.name for p, r in runs.items() if not r.cached]
-    log.info("examples: %d reused from .cache/examples, %d run (%s) in %.1f s", len(runs) - len(fresh),
-             len(fresh), ", ".join(fresh) or "none", time.perf_counter() - start)
     example_titles: dict[Path, str] = {}
-    served_notebooks: set[Path] = set()
-    for path, run in runs.items():
-        if run.returncode != 0:
-            log.warning("examples/%s failed (exit %s):\n%s", path.name, run.returncode,
-                        (run.stderr or run.stdout).strip()[-3000:])
-        notebook = example_notebook(path, run) if run.returncode == 0 else None
-        if notebook is not None:
+    for path in example_paths:
+        record = read_record(path)
+        if record is not None:
+            RECORDS[path.stem] = record
             with mkdocs_gen_files.open(f"examples/{path.stem}.ipynb", "w") as handle:
-                handle.write(notebook)
-            served_notebooks.add(path)
-        write(f"examples/{path.stem}.md", example_page(path, run, notebook is not None),
-              edit=f"examples/{path.name}")
-        for name, data in run.figures.items():
-            if name.lower().endswith(IMAGE_SUFFIXES):
+                handle.write(record.notebook)
+            for name, figure in record.figures.items():
                 with mkdocs_gen_files.open(f"examples/{path.stem}/{name}", "wb") as handle:
-                    handle.write(data)
+                    handle.write(figure.data)
+        write(f"examples/{path.stem}.md", example_page(path, record), edit=f"examples/{path.name}")
         example_titles[path] = example_title(path)[0]
+    stage("%d example pages, from their records examples/NN_slug.ipynb (%d figures; no example is run)",
+          len(example_paths), sum(len(r.figures) for r in RECORDS.values()))
     uses = {path: modules_used(path.read_text(encoding="utf-8"), exported) for path in example_paths}
 
     test_paths = sorted(p for p in TESTS.glob("test_*.py") if parse_ok(p)) if TESTS.is_dir() else []
     for path in test_paths:
         write(f"tests/{path.stem}.md", tests_page(path), edit=f"tests/{path.name}")
+    write("tests/index.md", tests_index(test_paths))
+    stage("%d test pages", len(test_paths))
 
     all_modules = ordered + extras + internals
     for module in all_modules:
@@ -1241,15 +1568,19 @@ def main() -> None:
         write(f"reference/{module.slug}.md", reference_page(module, extra_names),
               edit=module.files[0].relative_to(ROOT).as_posix())
     write("reference/index.md", reference_index(all_modules, exported), edit="refimpl/__init__.py")
+    if internals:
+        write("internals/index.md", internals_index(internals))
+    stage("%d literate module pages and their API reference pages", len(all_modules))
 
     examples_index = ["# Worked examples\n",
-                      "Each example is a script in `examples/` that runs in seconds. The site runs every one "
-                      "when it is built and shows what it printed and the figures it drew. Each is also a "
-                      "notebook with the outputs of that run: step through it cell by cell, and change it.\n",
+                      "Each example is a script in `examples/` that runs in seconds to a minute. Its page shows "
+                      "its recorded run, cell by cell: what each step printed and drew. The record is the "
+                      "notebook `examples/NN_slug.ipynb`, which you can download and step through in any "
+                      "folder; the test suite runs every example again and checks that its record is current.\n",
                       "| | example | uses | notebook |", "|---|---|---|---|"]
     for path in example_paths:
         used = ", ".join(f"[`{m}`](../paper/{m.lstrip('_')}.md)" for m in sorted(uses[path]) if m in modules)
-        notebook = f"[`{path.stem}.ipynb`]({path.stem}.ipynb)" if path in served_notebooks else ""
+        notebook = f"[`{path.stem}.ipynb`]({path.stem}.ipynb)" if path.stem in RECORDS else ""
         examples_index.append(f"| {path.stem[:2]} | [{example_titles[path]}]({path.stem}.md) | {used} | {notebook} |")
     if not example_paths:
         examples_index.append("| | (none yet) | | |")
@@ -1267,6 +1598,7 @@ def main() -> None:
     for name, data in images.items():
         with mkdocs_gen_files.open(f"benchmark-results/{name}", "wb") as handle:
             handle.write(data)
+    stage("the benchmark page (%d plots)", len(images))
 
     studies = study_pages()
     for slug, (_, path) in studies.items():
@@ -1276,33 +1608,32 @@ def main() -> None:
     landing = landing_page(modules, compare, {p.stem for p in example_paths}, studies)
     if landing is not None:
         write("index.md", landing, edit="docs/index.md")
+    stage("%d study pages and the landing page", len(studies))
 
     nav = ["* [Home](index.md)"] if landing is not None else []
     nav.append("* The paper, module by module")
     labels = dict(READING_PATH)
-    for module in ordered + extras:
-        nav.append(f"    * [{labels.get(module.name) or literate_title(module)}](paper/{module.slug}.md)")
+    for module in ordered + [m for m in extras if m.name not in NOT_IN_NAV]:
+        label = labels.get(module.name) or MODULE_LABELS.get(module.name) or literate_title(module).split(":")[0]
+        nav.append(f"    * [{label}](paper/{module.slug}.md)")
     if compare:
         nav.append(f"* [Compare the variants](examples/{COMPARE_EXAMPLE}.md)")
     nav.append("* Worked examples")
     nav.append("    * [All examples](examples/index.md)")
     for path in example_paths:
         if path.stem != COMPARE_EXAMPLE:
-            nav.append(f"    * [{path.stem[:2]} · {example_titles[path]}](examples/{path.stem}.md)")
+            nav.append(f"    * [{nav_label(path, example_titles[path])}](examples/{path.stem}.md)")
     if studies:
         nav.append("* Studies")
         nav += [f"    * [{title}](pages/{slug}.md)" for slug, (title, _) in studies.items()]
     nav.append("* [Benchmark results](benchmark-results/index.md)")
     if internals:
-        nav.append("* Internals")
-        nav += [f"    * [{INTERNALS[m.name]}](paper/{m.slug}.md)" for m in internals]
-    nav.append("* API reference")
-    nav.append("    * [Overview](reference/index.md)")
-    nav += [f"    * [{m.dotted}](reference/{m.slug}.md)" for m in all_modules]
+        nav.append("* [Internals](internals/index.md)")
+    nav.append("* [API reference](reference/index.md)")
     if test_paths:
-        nav.append("* Test suite")
-        nav += [f"    * [{p.name}](tests/{p.stem}.md)" for p in test_paths]
+        nav.append("* [Test suite](tests/index.md)")
     write("SUMMARY.md", "\n".join(nav) + "\n")
+    stage("the navigation: %d links; mkdocs now renders the pages", sum("](" in line for line in nav))
 
 
 if __name__ in {"__main__", "<run_path>"}:

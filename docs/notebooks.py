@@ -1,16 +1,29 @@
-r"""Every worked example as a notebook, made from the script itself.
+r"""Every worked example as a notebook, made from the script itself, run once and recorded.
 
-The scripts in `examples/` are the only copy of each example. They are written
-in jupytext's *percent* format, so an editor with a Python notebook mode (VS
-Code, PyCharm, Spyder, JupyterLab with jupytext) steps through them as they
-are, and this module turns each into `examples/NN_slug.ipynb` for the site.
+The scripts in `examples/` are the only copy of each example's code. They are
+written in jupytext's *percent* format, so an editor with a Python notebook
+mode (VS Code, PyCharm, Spyder, JupyterLab with jupytext) steps through them
+as they are. This module turns each `examples/NN_slug.py` into a notebook,
+runs that notebook in a fresh Jupyter kernel in an empty folder, and keeps
+the executed notebook as the example's **record**, `examples/NN_slug.ipynb`,
+committed next to the script:
+
+* the site is built from the records (the page shows the cells with their
+  outputs and figures, and offers the record for download), so building the
+  site runs no example;
+* the test suite (`tests/test_notebooks.py`) runs every record again the way
+  a reader would (copied alone into an empty folder, executed by `nbclient` in
+  a fresh kernel) and fails when what it prints or draws differs from the
+  record, or when the record was made from another version of the script;
+* `make records` (or `python docs/notebooks.py record [NN_slug ...]`)
+  refreshes them.
 
 ## The convention an example follows
 
 ```python
 r'''Title of the example, one line.
 
-The intro, Markdown with $math$: it becomes the page's intro and the notebook's first cell.
+The intro, Markdown with $math$: it becomes the notebook's first cell and the page's intro.
 '''
 
 # %%
@@ -24,12 +37,15 @@ def helper(...): ...               # one top-level block per cell: constants, he
 # %%
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="save the figures in this folder")
     args = parser.parse_args(argv)
-    ...                            # the first step of the computation
 
-    # Step 2: what it does
-    ...                            # a `# Step` comment at main's indentation starts a notebook cell
+    # Step 1: what the first step computes
+    # (more comment lines: the step's explanation, Markdown)
+    ...                            # compute, then print what was computed
+
+    # Step 2: the second step
+    ...
     return results                # a dict the tests read
 
 
@@ -42,50 +58,48 @@ if __name__ == "__main__":
   and every notebook editor read them. (An indented `# %%` is read as a
   `# Step` comment, below, rather than cutting a function apart.)
 * `main(argv)` parses its arguments, computes, prints and returns what the
-  tests check; `--out DIR` saves the figures. The tests import the script and
-  call `main([...])`; the site runs it with `--out`.
-* In the notebook, `main` is *unrolled*: its body becomes cells at top level,
-  split before each comment line at `main`'s own indentation that starts with
-  `# Step` (`# Step 2: the margins`, `# Step: the figures`), after a first
-  line `argv = ["--out", "figures"]`; its final `return X` becomes
-  `result = X`. A reader therefore runs the computation step by step and
-  inspects every intermediate array. (`# %%` itself cannot mark these steps:
-  jupytext and some editors take an indented `# %%` for a cell boundary too,
-  which would cut `main` apart.)
+  tests check; `--out DIR` saves the figures (through `refimpl.figures.show_figure`,
+  which in a notebook shows them under their cell instead). The tests import
+  the script and call `main([...])`.
+* In the notebook, `main` is *unrolled*: its body becomes top-level cells.
+  The argument parsing at its top becomes one cell that sets the options to
+  their defaults, `args = argparse.Namespace(out=None, ...)`, one line per
+  option with its help text; each comment line at `main`'s own indentation
+  that starts with `# Step` starts a new step: the comment block becomes a
+  Markdown cell (`## Step 2: the second step` and the lines after it as
+  prose) and the code up to the next step its code cell. The final
+  `return X` becomes `result = X`. A reader therefore runs the computation
+  step by step, sees each step's result under it, and can inspect every
+  intermediate array.
 * When `main` cannot be unrolled faithfully (a `return` before its end, a
   `global` or `nonlocal` statement, a `yield`, or a local variable that
   shadows a top-level name its helpers use), the notebook keeps `def main`
-  and calls it in one last cell, `result = main(argv)`. The reason is given
-  by `unroll_problem`.
-* The `if __name__ == "__main__":` guard is left out of the notebook.
-
-## One run for the page and the notebook
-
-`python docs/notebooks.py run SCRIPT OUT RESULT.json` executes the notebook's
-code cells in order in a fresh interpreter (as a kernel would: a new
-`__main__` module, `from __future__` flags carried from cell to cell, the value
-of a cell's last expression kept as its result) with `--out OUT`, and records
-each cell's printed text, result and the files it saved. The site generator
-uses that one run twice: the example's page shows the printed text of all
-cells, and the notebook carries each cell's output and the figures it saved.
-The tests compare that text with what `python examples/NN_slug.py` prints.
+  and calls it in one last cell, `result = main([])`. The reason is given by
+  `unroll_problem`.
+* The `if __name__ == "__main__":` guard is left out of the notebook, and
+  nothing in a notebook may depend on where it is run: the recorded runs an
+  example replays ship with the package (`refimpl.recorded`), and a record
+  that holds a path of the machine that made it is refused.
 """
 
 from __future__ import annotations
-import __future__
 
+import argparse
 import ast
-import base64
-import contextlib
-import io
-import json
+import copy
+import importlib.util
+import os
 import re
 import sys
+import tempfile
 import textwrap
-import traceback
-import types
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
 
 #: A comment that starts a new step, hence a new notebook cell, inside `main` (at its indentation).
 STEP = re.compile(r"^# Step\b")
@@ -93,23 +107,26 @@ STEP = re.compile(r"^# Step\b")
 #: A `# %%` line inside a block (indented), which `steps_for_indented_markers` turns into a step.
 INDENTED_MARKER = re.compile(r"^(?P<indent>[ \t]+)#\s*%%(?P<title>.*)$", re.M)
 
-#: The argument list the notebook's unrolled `main` starts from (figures go to `./figures`).
-NOTEBOOK_ARGV = ["--out", "figures"]
+#: How long one notebook may run when it is recorded or checked (seconds).
+TIMEOUT = 900
 
-#: Image files a cell saves that the notebook shows as the cell's output, with their MIME types.
-IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".svg": "image/svg+xml"}
+#: The command that refreshes the records; every message about a stale record names it.
+REFRESH = "make records"
+
+#: The second cell of every notebook: where it comes from and how to run it.
+NOTE = ("*This notebook is the worked example `examples/{script}` of "
+        "[refimpl](https://refimpl.github.io/refimpl/), with the outputs of its recorded run. It runs top to "
+        "bottom in any folder, in a Python kernel where refimpl is installed with the extra that draws the "
+        "figures: `pip install \"refimpl[examples]\"`. Each step is a cell; change a value and run it again.*")
 
 
 @dataclass
 class Cell:
-    """One notebook cell: Markdown or code, and what running it produced."""
+    """One notebook cell: Markdown or code."""
 
     kind: str  # "markdown" or "code"
     source: str
-    stdout: str = ""
-    result: str | None = None  # repr of the last expression's value, when not None
-    files: list[str] = field(default_factory=list)  # files the cell saved under the output folder
-    error: str | None = None
+    metadata: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------
@@ -200,13 +217,112 @@ def unroll_problem(source: str) -> str | None:
     return None
 
 
-def _unrolled_main(source: str, main: ast.FunctionDef, argv: list[str]) -> list[str]:
-    """The body of `main` as top-level code cells, split before its `# Step` comments."""
+def _is_parse_args(node: ast.stmt) -> bool:
+    """Whether a statement calls `<parser>.parse_args(...)` (assigning its result or not)."""
+    value = node.value if isinstance(node, ast.Assign | ast.Expr) else None
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "parse_args"
+
+
+def _options_prelude(main: ast.FunctionDef) -> tuple[list[ast.stmt], str | None]:
+    """The statements of `main` that build and run its argument parser, and the name the options go to.
+
+    They are the statements up to the first `parse_args` call; none when `main` parses no arguments.
+    """
+    body = _body_without_docstring(main)
+    for position, node in enumerate(body):
+        if _is_parse_args(node):
+            target = None
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                target = node.targets[0].id
+            return body[: position + 1], target
+    return [], None
+
+
+def _literal(value: object) -> str:
+    """Python source for an option's default value (a literal, or a `Path`)."""
+    if isinstance(value, Path):
+        return f"Path({str(value)!r})"
+    text = repr(value)
+    try:
+        ast.literal_eval(text)
+    except (ValueError, SyntaxError) as exc:
+        raise ValueError(f"an option's default {value!r} is not a literal the notebook can hold") from exc
+    return text
+
+
+def options_cell(script: Path, source: str, main: ast.FunctionDef) -> tuple[str | None, int]:
+    """The notebook cell that sets `main`'s options to their defaults, and the last line of `main` it replaces.
+
+    The parser is built by running the prelude of `main` (its statements up to `parse_args`) with an
+    empty argument list in the script's own namespace, so every default is the script's own.
+    """
+    prelude, target = _options_prelude(main)
+    if not prelude:
+        return None, 0
+    last = prelude[-1].end_lineno
+    if target is None:  # the options are parsed (so `--help` works) but not used
+        return None, last
+    lines = source.splitlines()
+    code = textwrap.dedent("\n".join(lines[prelude[0].lineno - 1: last]))
+    namespace = dict(vars(load_script(script)))
+    parameter = main.args.args[0].arg if main.args.args else "argv"
+    namespace[parameter] = []
+    exec(compile(code, f"<options of {script.name}>", "exec"), namespace)
+    args = namespace[target]
+    parse = prelude[-1].value
+    parser = namespace[parse.func.value.id] if isinstance(parse.func.value, ast.Name) else None
+    helps = {}
+    if isinstance(parser, argparse.ArgumentParser):
+        helps = {a.dest: (a.help or "") for a in parser._actions if a.dest != "help"}
+    names = list(vars(args))
+    items = [(f"{name}={_literal(getattr(args, name))},", helps.get(name, "")) for name in names]
+    width = max((len(text) for text, _ in items), default=0)
+    body = "\n".join(f"    {text:<{width}}  # {comment}".rstrip().rstrip("#").rstrip() for text, comment in items)
+    head = f"# The options of `python examples/{script.name}`, at their defaults (`--help` lists them)."
+    if "out" in names:
+        head += "\n# With out=None the figures are shown under the cells that draw them, not saved."
+    return f"{head}\n{target} = argparse.Namespace(\n{body}\n)", last
+
+
+def _step_cells(code: str) -> list[Cell]:
+    """Dedented code of `main` split into steps: each `# Step` comment block becomes a Markdown cell."""
+    cells: list[Cell] = []
+    lines = code.split("\n")
+    current: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if STEP.match(line):
+            if "\n".join(current).strip():
+                cells.append(Cell("code", "\n".join(current).strip("\n")))
+            current = []
+            comment = []
+            while i < len(lines) and lines[i].startswith("#"):
+                comment.append(re.sub(r"^#\s?", "", lines[i]))
+                i += 1
+            head, *rest = comment
+            title = re.sub(r"^Step\s*:\s*", "", head).strip().rstrip(".")
+            title = title[:1].upper() + title[1:]
+            text = f"## {title}" + ("\n\n" + "\n".join(rest).strip() if "\n".join(rest).strip() else "")
+            cells.append(Cell("markdown", text, {"refimpl": "step"}))
+            continue
+        current.append(line)
+        i += 1
+    if "\n".join(current).strip():
+        cells.append(Cell("code", "\n".join(current).strip("\n")))
+    return cells
+
+
+def _unrolled_main(source: str, main: ast.FunctionDef, skip_until: int) -> list[Cell]:
+    """The body of `main` as top-level cells (after line `skip_until`, the options), split at its steps."""
     lines = source.splitlines()
     body = _body_without_docstring(main)
+    rest = [node for node in body if node.lineno > skip_until]
+    if not rest:
+        return []
     indent = body[0].col_offset
-    start = body[0].lineno
-    while start - 2 >= main.lineno and lines[start - 2].strip().startswith("#") \
+    start = rest[0].lineno
+    while start - 2 >= max(main.lineno, skip_until) and lines[start - 2].strip().startswith("#") \
             and len(lines[start - 2]) - len(lines[start - 2].lstrip()) == indent:
         start -= 1  # comments just above the first statement belong to it
     last = body[-1]
@@ -215,19 +331,7 @@ def _unrolled_main(source: str, main: ast.FunctionDef, argv: list[str]) -> list[
         row = last.lineno - start
         head = " " * indent + "return"
         text[row] = (" " * indent + "result = " + text[row][len(head):].lstrip()) if last.value is not None else ""
-    code = textwrap.dedent("\n".join(text))
-    parameter = main.args.args[0].arg if main.args.args else None
-    if parameter is not None:
-        code = f"{parameter} = {argv!r}  # the command-line arguments of the script\n" + code
-    cells: list[str] = []
-    current: list[str] = []
-    for line in code.split("\n"):
-        if STEP.match(line):
-            cells.append("\n".join(current))
-            current = []
-        current.append(line)
-    cells.append("\n".join(current))
-    return [c.strip("\n") for c in cells if c.strip()]
+    return _step_cells(textwrap.dedent("\n".join(text)))
 
 
 def _remove_lines(cell: str, first: int, last: int) -> str:
@@ -243,8 +347,15 @@ def _is_main_guard(node: ast.stmt) -> bool:
     return "__name__" in names and any(n.strip("'\"") == "__main__" for n in names)
 
 
-def _uses_module_doc(tree: ast.Module) -> bool:
-    return any(isinstance(node, ast.Name) and node.id == "__doc__" for node in ast.walk(tree))
+def _uses_module_doc(sources: list[str]) -> bool:
+    for text in sources:
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        if any(isinstance(node, ast.Name) and node.id == "__doc__" for node in ast.walk(tree)):
+            return True
+    return False
 
 
 def _insert_after_future_imports(text: str, line: str) -> str:
@@ -256,17 +367,14 @@ def _insert_after_future_imports(text: str, line: str) -> str:
     return "\n".join(lines[:at] + [line] + lines[at:])
 
 
-def script_cells(source: str, argv: list[str] | None = None) -> list[Cell]:
-    """The notebook cells of an example script (see the module docstring for the rules).
-
-    `argv` is the argument list the unrolled `main` starts from (`NOTEBOOK_ARGV` by default).
-    """
-    argv = NOTEBOOK_ARGV if argv is None else argv
-    source = steps_for_indented_markers(source)
+def script_cells(script: Path) -> list[Cell]:
+    """The notebook cells of an example script (see the module docstring for the rules)."""
+    source = steps_for_indented_markers(Path(script).read_text(encoding="utf-8"))
     problem = unroll_problem(source)
     tree = ast.parse(source)
     main = _main_node(tree)
     cells: list[Cell] = []
+    title = ""
     for kind, text in _percent_cells(source):
         if kind == "markdown":
             cells.append(Cell("markdown", text))
@@ -281,14 +389,11 @@ def script_cells(source: str, argv: list[str] | None = None) -> list[Cell]:
                 and isinstance(statements[0].value, ast.Constant) and isinstance(statements[0].value.value, str):
             doc = textwrap.dedent(statements[0].value.value).strip()
             first, _, rest = doc.partition("\n")
-            cells.append(Cell("markdown", f"# {first.strip().rstrip('.')}\n\n{textwrap.dedent(rest).strip()}"))
+            title = first.strip().rstrip(".")
+            cells.append(Cell("markdown", f"# {title}\n\n{textwrap.dedent(rest).strip()}"))
+            cells.append(Cell("markdown", NOTE.format(script=Path(script).name), {"refimpl": "note"}))
             text = _remove_lines(text, statements[0].lineno, statements[0].end_lineno)
             statements = statements[1:]
-            if _uses_module_doc(tree):
-                # The docstring is now a Markdown cell; the code that reads `__doc__` (an argument
-                # parser's description) gets its first line, as a script would.
-                line = f"__doc__ = {first.strip()!r}  # the title of the first cell, read by the argument parser"
-                text = _insert_after_future_imports(text, line)
         # Remove from the bottom up, so earlier line numbers stay valid.
         for node in reversed(statements):
             is_main = isinstance(node, ast.FunctionDef) and node.name == "main" and main is not None
@@ -298,147 +403,176 @@ def script_cells(source: str, argv: list[str] | None = None) -> list[Cell]:
         if text.strip():
             cells.append(Cell("code", text.strip("\n")))
     if main is not None and problem is None:
-        cells += [Cell("code", text) for text in _unrolled_main(source, main, argv)]
+        options, last = options_cell(Path(script), source, main)
+        if options is not None:
+            cells.append(Cell("code", options))
+        cells += _unrolled_main(source, main, last)
     elif main is not None:
-        parameter = "argv" if main.args.args else None
-        call = f"result = main({parameter})" if parameter else "result = main()"
-        prefix = f"argv = {argv!r}  # the command-line arguments of the script\n" if parameter else ""
-        cells.append(Cell("code", prefix + call))
+        call = "result = main([])  # the script's defaults" if main.args.args else "result = main()"
+        cells.append(Cell("code", call))
+    code = [c.source for c in cells if c.kind == "code"]
+    if title and _uses_module_doc(code):
+        # Code that reads `__doc__` (an argument parser's description) gets the title, as a script would.
+        first_code = next(c for c in cells if c.kind == "code")
+        first_code.source = _insert_after_future_imports(
+            first_code.source, f"__doc__ = {title!r}  # the title of this notebook, read by the code below")
     return cells
 
 
-# ---------------------------------------------------------------------------
-# Running the cells in order, as a kernel would
-# ---------------------------------------------------------------------------
-
-def _snapshot(folder: Path) -> dict[str, float]:
-    return {p.relative_to(folder).as_posix(): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
-
-
-def run_cells(script: Path, out: Path) -> list[Cell]:
-    """Execute the notebook cells of `script` in this interpreter, with `--out out`, recording each cell's output.
-
-    Stops at the first cell that raises; that cell's `error` holds the traceback.
-    """
-    script = script.resolve()
-    source = script.read_text(encoding="utf-8")
-    cells = script_cells(source, ["--out", str(out)])
-    out.mkdir(parents=True, exist_ok=True)
-    module = types.ModuleType("__main__")
-    module.__file__ = str(script)
-    module.__doc__ = ast.get_docstring(ast.parse(source), clean=False)
-    sys.modules["__main__"] = module
-    sys.argv = [str(script), "--out", str(out)]  # what a script that reads sys.argv itself would see
-    sys.path.insert(0, str(script.parent))
-    flags = 0
-    for index, cell in enumerate(cells):
-        if cell.kind != "code":
-            continue
-        before = _snapshot(out)
-        buffer = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(buffer):
-                tree = ast.parse(cell.source)
-                for node in tree.body:
-                    if isinstance(node, ast.ImportFrom) and node.module == "__future__":
-                        for alias in node.names:
-                            flags |= getattr(__future__, alias.name).compiler_flag
-                last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-                name = f"<cell {index}>"
-                exec(compile(tree, name, "exec", flags=flags, dont_inherit=True), module.__dict__)
-                if last is not None:
-                    value = eval(compile(ast.Expression(last.value), name, "eval", flags=flags, dont_inherit=True),
-                                 module.__dict__)
-                    cell.result = None if value is None else repr(value)
-        except BaseException:  # noqa: BLE001  (a cell that fails is reported, as a kernel does)
-            cell.error = traceback.format_exc()
-        cell.stdout = buffer.getvalue()
-        after = _snapshot(out)
-        cell.files = sorted(name for name, stamp in after.items() if before.get(name) != stamp)
-        if cell.error:
-            break
-    return cells
-
-
-def printed_text(cells: list[Cell]) -> str:
-    """Everything the cells printed, in order: what the script prints when run as a whole."""
-    return "".join(cell.stdout for cell in cells)
+def load_script(path: Path):
+    """Import `path` as a module of its own (examples/ is not a package), without running its `main`."""
+    name = f"refimpl_notebooks_{Path(path).stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 # ---------------------------------------------------------------------------
-# The notebook file
+# The notebook, executed in a fresh kernel in an empty folder
 # ---------------------------------------------------------------------------
 
-def notebook_json(cells: list[Cell], out: Path | None, *, script_name: str, files: dict[str, bytes] | None = None,
-                  ) -> str:
-    """The `.ipynb` text (nbformat v4) of executed cells; images a cell saved become its display outputs.
-
-    The images are read from `files` (name -> bytes) when given, else from the folder `out`.
-    """
-    import jupytext
-    import nbformat
+def notebook(cells: list[Cell], script_name: str):
+    """An nbformat v4 notebook of `cells`, without outputs."""
     from nbformat import v4
 
-    notebook = v4.new_notebook()
-    notebook.metadata.update({
+    nb = v4.new_notebook()
+    nb.metadata.update({
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-        "language_info": {"name": "python", "version": f"{sys.version_info.major}.{sys.version_info.minor}"},
-        "refimpl": {"source": f"examples/{script_name}", "generated": "docs/notebooks.py"},
+        "language_info": {"name": "python"},
+        "refimpl": {"source": f"examples/{script_name}", "refresh": REFRESH},
     })
-    count = 0
-    note = (f"*This notebook is made from the script `examples/{script_name}`, with the outputs of the run the "
-            "site shows. Run it from the repository's root folder, where `refimpl` is installed (`make venv`, "
-            "then the `.venv` interpreter as the kernel); figures are saved under `figures/`.*")
-    for number, cell in enumerate(cells):
-        if cell.kind == "markdown":
-            notebook.cells.append(v4.new_markdown_cell(cell.source + ("\n\n" + note if number == 0 else "")))
-            continue
-        count += 1
-        outputs = []
-        if cell.stdout:
-            outputs.append(v4.new_output("stream", name="stdout", text=cell.stdout))
-        for name in cell.files:
-            mime = IMAGE_TYPES.get(Path(name).suffix.lower())
-            data = (files or {}).get(name)
-            if data is None and out is not None and (out / name).is_file():
-                data = (out / name).read_bytes()
-            if mime is None or data is None:
-                continue
-            payload = data.decode("utf-8") if mime == "image/svg+xml" else base64.b64encode(data).decode("ascii")
-            outputs.append(v4.new_output("display_data", data={mime: payload, "text/plain": f"<{name}>"},
-                                         metadata={"filename": name}))
-        if cell.result is not None:
-            outputs.append(v4.new_output("execute_result", data={"text/plain": cell.result}, execution_count=count))
-        if cell.error:
-            lines = cell.error.rstrip("\n").split("\n")
-            outputs.append(v4.new_output("error", ename=lines[-1].split(":")[0], evalue=lines[-1],
-                                         traceback=lines))
-        notebook.cells.append(v4.new_code_cell(cell.source, outputs=outputs, execution_count=count))
-    nbformat.validate(notebook)
-    return jupytext.writes(notebook, fmt="ipynb")
+    for cell in cells:
+        new = v4.new_markdown_cell(cell.source) if cell.kind == "markdown" else v4.new_code_cell(cell.source)
+        if cell.metadata:
+            new.metadata.update(copy.deepcopy(cell.metadata))
+        nb.cells.append(new)
+    return nb
 
 
-def cells_to_json(cells: list[Cell]) -> list[dict]:
-    return [cell.__dict__ for cell in cells]
+def execute(nb, folder: Path, timeout: int = TIMEOUT):
+    """Run every cell of `nb` in a fresh Python kernel whose working folder is `folder`; the executed copy.
+
+    A failing cell raises `nbclient.exceptions.CellExecutionError` with the cell's traceback.
+    """
+    from nbclient import NotebookClient
+
+    nb = copy.deepcopy(nb)
+    # The kernel's own log (its warning that it talks to this process over local TCP) is not the example's.
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                            extra_arguments=["--IPKernelApp.log_level=ERROR"],
+                            resources={"metadata": {"path": str(folder)}})
+    client.execute()
+    return nb
 
 
-def cells_from_json(data: list[dict]) -> list[Cell]:
-    return [Cell(**item) for item in data]
+def coalesce_streams(nb) -> None:
+    """Join each cell's consecutive outputs to the same stream into one (the kernel sends printed text in
+    chunks whose boundaries depend on timing; the record keeps what was printed, not how it was sent)."""
+    for cell in nb.cells:
+        merged = []
+        for output in cell.get("outputs", []):
+            if (output.get("output_type") == "stream" and merged and merged[-1].get("output_type") == "stream"
+                    and merged[-1].get("name") == output.get("name")):
+                merged[-1]["text"] += output["text"]
+            else:
+                merged.append(output)
+        if "outputs" in cell:
+            cell["outputs"] = merged
+
+
+def machine_paths(text: str, *folders: Path) -> list[str]:
+    """The places in `text` that name a folder of this machine: `folders`, the repository, the home folder."""
+    names = {str(Path(f).resolve()) for f in folders} | {str(Path(f)) for f in folders}
+    names |= {str(ROOT), str(Path.home()), tempfile.gettempdir() + os.sep}
+    found = []
+    for name in sorted(n for n in names if len(n) > 1):
+        at = text.find(name)
+        if at >= 0:
+            found.append(text[max(0, at - 60): at + len(name) + 60])
+    return found
+
+
+def record(script: Path, timeout: int = TIMEOUT) -> tuple[str, float]:
+    """Make the record of one example: its notebook, executed alone in an empty folder. (JSON text, seconds.)"""
+    import nbformat
+
+    script = Path(script)
+    nb = notebook(script_cells(script), script.name)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="refimpl-record-") as folder:
+        executed = execute(nb, Path(folder), timeout)
+        coalesce_streams(executed)
+        text = nbformat.writes(executed)
+        found = machine_paths(text, Path(folder))
+    if found:
+        raise ValueError(f"the record of {script.name} would hold paths of this machine: {found}")
+    nbformat.validate(nbformat.reads(text, as_version=4))
+    return text + ("" if text.endswith("\n") else "\n"), time.perf_counter() - start
+
+
+def record_path(script: Path) -> Path:
+    """Where the record of `examples/NN_slug.py` lives: `examples/NN_slug.ipynb`."""
+    return Path(script).with_suffix(".ipynb")
+
+
+def examples(names: list[str] | None = None) -> list[Path]:
+    """The example scripts, all of them or those named (`10_qb_by_hand`, `10`, or a path)."""
+    every = sorted(EXAMPLES.glob("[0-9][0-9]_*.py"))
+    if not names:
+        return every
+    chosen = []
+    for name in names:
+        stem = Path(name).stem
+        match = [p for p in every if p.stem == stem or p.stem.startswith(f"{stem}_")]
+        if not match:
+            raise SystemExit(f"no example called {name!r} in examples/ (they are {', '.join(p.stem for p in every)})")
+        chosen += [p for p in match if p not in chosen]
+    return chosen
+
+
+def _record_one(script: Path) -> str:
+    text, seconds = record(script)
+    target = record_path(script)
+    old = target.read_text(encoding="utf-8") if target.is_file() else None
+    from refimpl.recorded import write_atomically
+
+    write_atomically(target, text)
+    state = "unchanged" if old == text else ("written" if old is None else "refreshed")
+    return f"{target.relative_to(ROOT)}: {state} ({seconds:.0f} s)"
 
 
 def _main(argv: list[str]) -> int:
-    """`run SCRIPT OUT RESULT.json`: run the cells of SCRIPT and save what each produced."""
-    if len(argv) != 4 or argv[0] != "run":
-        print("usage: python docs/notebooks.py run SCRIPT OUT RESULT.json", file=sys.stderr)
-        return 2
-    script, out, result = Path(argv[1]), Path(argv[2]), Path(argv[3])
-    real_stdout = sys.stdout
-    cells = run_cells(script, out)
-    result.write_text(json.dumps(cells_to_json(cells), indent=1), encoding="utf-8")
-    real_stdout.write(printed_text(cells))
-    failed = next((c for c in cells if c.error), None)
-    if failed is not None:
-        sys.stderr.write(f"a cell of {script.name} raised:\n{failed.source}\n{failed.error}")
+    parser = argparse.ArgumentParser(prog="python docs/notebooks.py",
+                                     description="Run worked examples as notebooks and record them.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record", help="run examples in a fresh kernel and write examples/NN_slug.ipynb")
+    rec.add_argument("names", nargs="*", help="examples to record (NN_slug or NN); all when none is given")
+    rec.add_argument("--jobs", "-j", type=int, default=1, help="notebooks to run at the same time")
+    show = sub.add_parser("cells", help="print the cells the notebook of one example is made of")
+    show.add_argument("name")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    if args.command == "cells":
+        for cell in script_cells(examples([args.name])[0]):
+            print(f"--- {cell.kind}\n{cell.source}")
+        return 0
+    scripts = examples(args.names)
+    print(f"recording {len(scripts)} example(s), {args.jobs} at a time; each runs in a fresh kernel", flush=True)
+    failed = []
+
+    def one(script: Path) -> None:
+        try:
+            print(_record_one(script), flush=True)
+        except Exception as exc:  # report every failure, then exit non-zero
+            failed.append(script.name)
+            print(f"{script.name}: FAILED: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        list(pool.map(one, scripts))
+    if failed:
+        print(f"{len(failed)} example(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 

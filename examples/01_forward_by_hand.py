@@ -32,6 +32,7 @@ import numpy as np
 
 from refimpl.activations import situ_glu
 from refimpl.config import MoEConfig
+from refimpl.figures import figures_wanted, show_figure
 from refimpl.latent_moe import init_params, stable_latent_moe, stable_latent_moe_reference
 from refimpl.routing import route, router_scores
 
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"experts with no token: {np.flatnonzero(load == 0).tolist()}")
 
     # Step: The figure
-    if args.out is not None:
+    if figures_wanted(args.out):
         save_figure(args.out, s, b, index)
     return dict(config=config, params=params, x=x, scores=s, bias=b, index=index, weights=weights, z=z, u=u,
                 v=v, y=y, y_fast=y_fast, y_ref=y_ref, changed=changed, load=load)
@@ -213,7 +214,6 @@ def save_figure(out: Path, s: np.ndarray, b: np.ndarray, index: np.ndarray) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
     m, n = s.shape
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), gridspec_kw={"width_ratios": [n, 1.4]})
     image = axes[0].imshow(s, cmap="Blues", vmin=0, vmax=1)
@@ -233,8 +233,11 @@ def save_figure(out: Path, s: np.ndarray, b: np.ndarray, index: np.ndarray) -> N
     axes[1].axvline(0, color="k", lw=0.8)
     axes[1].set_title("bias b")
     fig.tight_layout()
-    fig.savefig(Path(out) / "routing.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, "routing.png",
+                caption="Each token's two experts (outlined) are the top 2 of s + b, not always of the raw scores"
+                        " s: where two scores are close, the bias on the right decides.",
+                alt="Heat map of the router scores of four tokens over six experts with the chosen experts "
+                    "outlined in orange, beside a bar chart of the six experts' biases")
 
 
 # %%

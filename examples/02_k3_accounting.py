@@ -31,6 +31,7 @@ from pathlib import Path
 
 from refimpl.accounting import combinatorial_sparsity, dispatch_payload, log10_binomial, parameter_counts
 from refimpl.config import MoEConfig
+from refimpl.figures import figures_wanted, show_figure
 
 #: K3's published totals, the yardstick for the computed counts.
 K3_TOTAL_PARAMETERS = 2.78e12
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
           f"and C({n // a}, {k // a}) itself is 10^{log10_binomial(n // a, k // a):.2f}")
 
     # Step: The figures
-    if args.out is not None:
+    if figures_wanted(args.out):
         save_figures(args.out, config, counts)
     return dict(counts=counts, payload=payload, sparsity=sparsity)
 
@@ -144,7 +145,6 @@ def save_figures(out: Path, config: MoEConfig, counts: dict[str, int]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
     # Where one layer's parameters sit, and which of them a token uses.
     parts = [("routed experts", counts["routed"], counts["activated_routed"]),
              ("shared experts", counts["shared"], counts["shared"]),
@@ -160,8 +160,11 @@ def save_figures(out: Path, config: MoEConfig, counts: dict[str, int]) -> None:
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title("K3: one layer's parameters")
     fig.tight_layout()
-    fig.savefig(out / "parameters.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, "parameters.png",
+                caption="Almost all of a K3 layer's parameters sit in its routed experts, and one token uses only"
+                        " a small share of them (note the log scale).",
+                alt="Horizontal bars on a log scale of the parameters one layer holds and those one token "
+                    "uses, for the routed experts, the shared experts, the latent projections and the router")
 
     # C(alpha N, alpha k) against C(N, k)^alpha for the layer LatentMoE starts from.
     a = round(config.alpha)
@@ -184,8 +187,11 @@ def save_figures(out: Path, config: MoEConfig, counts: dict[str, int]) -> None:
     gap.set_ylabel("difference of the two (log10)")
     gap.set_title(r"$\binom{\alpha N}{\alpha k}$ over $\binom{N}{k}^{\alpha}$")
     fig.tight_layout()
-    fig.savefig(out / "combinations.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, "combinations.png",
+                caption="Scaling the experts and the top-k together by alpha gives more expert sets than the "
+                        "alpha-th power of the base layer's count, and the surplus grows with alpha.",
+                alt="Line plot of the log10 number of expert sets against alpha for the latent layer and for "
+                    "the power of the base layer, beside bars of their difference")
     assert all(x >= y for x, y in zip(latent, power, strict=True)), "C(aN, ak) >= C(N, k)^a failed"
     assert math.isclose(latent[0], power[0])
 

@@ -39,6 +39,7 @@ from refimpl.activations import (
     swiglu,
     swiglu_grad,
 )
+from refimpl.figures import figures_wanted, show_figure
 
 BETA1, BETA2 = 4.0, 25.0
 BOUND = BETA1 * BETA2
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
           f"while softcap_grad(z, 1) = {softcap_grad(z, 1.0)[0]:.3e} (the sech^2 form)")
 
     # Step: The figures
-    if args.out is not None:
+    if figures_wanted(args.out):
         save_figures(args.out, gaps, scales)
     return results
 
@@ -181,7 +182,6 @@ def save_figures(out: Path, gaps: list[float], scales: list[float]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
     styles = dict(swiglu=dict(color="tab:gray", ls="--", label="SwiGLU"),
                   situ=dict(color="tab:blue", label="SiTU-GLU (softcap)"),
                   clamp=dict(color="tab:red", ls=":", label="hard clamp"))
@@ -191,7 +191,7 @@ def save_figures(out: Path, gaps: list[float], scales: list[float]) -> None:
     sig = 1.0 / (1.0 + np.exp(-a))
     b = np.linspace(-80, 80, 600)
     t = np.geomspace(0.1, 1e3, 400)
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    fig, axes = plt.subplots(1, 3, figsize=(10.5, 3.4))
     axes[0].plot(a, a * sig, **styles["swiglu"])
     axes[0].plot(a, softcap(a, BETA1) * sig, **styles["situ"])
     axes[0].plot(a, hard_clamp(a, BETA1) * sig, **styles["clamp"])
@@ -210,13 +210,17 @@ def save_figures(out: Path, gaps: list[float], scales: list[float]) -> None:
     for ax in axes:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "functions.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, "functions.png",
+                caption="SiTU-GLU follows SwiGLU near zero and bends smoothly to its caps (4 for the gate factor,"
+                        " 25 for the up factor), so the output levels off at 100; the hard clamp bends with a "
+                        "corner.",
+                alt="Three line plots comparing SwiGLU, SiTU-GLU and a hard clamp: the gate factor, the up "
+                    "factor, and their product along the diagonal on log axes")
 
     # Derivatives: linear, then log scale to show that the softcap's never reaches 0.
     z = np.linspace(-20, 20, 801)
     zl = np.linspace(0, 100, 801)
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    fig, axes = plt.subplots(1, 3, figsize=(10.5, 3.4))
     axes[0].plot(z, np.ones_like(z), **styles["swiglu"])
     axes[0].plot(z, softcap_grad(z, BETA1), **styles["situ"])
     axes[0].plot(z, hard_clamp_grad(z, BETA1), **styles["clamp"])
@@ -235,11 +239,15 @@ def save_figures(out: Path, gaps: list[float], scales: list[float]) -> None:
     for ax in axes:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "derivatives.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, "derivatives.png",
+                caption="The softcap's derivative decays but never reaches zero, so a capped unit still gets a "
+                        "gradient; the hard clamp's derivative is exactly zero past its bound.",
+                alt="Three line plots of derivatives: of the cap on a linear and on a log scale, with the "
+                    "range where the clamp's derivative is zero shaded, and of the GLU with respect to its up"
+                    " input")
 
     # The bound: the whole (a, b) plane, and the largest value within radius R.
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(10.5, 3.8))
     ga = np.linspace(-20, 20, 401)
     gb = np.linspace(-100, 100, 401)
     A, B = np.meshgrid(ga, gb)
@@ -262,8 +270,11 @@ def save_figures(out: Path, gaps: list[float], scales: list[float]) -> None:
     axes[1].set_title(r"largest $|\cdot|$ over $|a|, |b| \leq R$")
     axes[1].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "bound.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, "bound.png",
+                caption="Over the whole input plane SiTU-GLU stays within plus or minus 100, while SwiGLU's "
+                        "largest value grows without bound as the inputs grow.",
+                alt="Colour map of SiTU-GLU over its gate and up inputs, beside a log-log plot of the largest"
+                    " output within radius R for SwiGLU and for SiTU-GLU")
 
     # First-order agreement near 0, and convergence as the caps grow.
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
@@ -278,8 +289,11 @@ def save_figures(out: Path, gaps: list[float], scales: list[float]) -> None:
     axes[1].set_xlabel(r"scale of $(\beta_1, \beta_2)$")
     axes[1].set_title(r"max $|$SiTU-GLU$-$SwiGLU$|$ on $|a|, |b| \leq 8$")
     fig.tight_layout()
-    fig.savefig(out / "convergence.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, "convergence.png",
+                caption="Near zero the cap differs from the identity only at third order, and as the caps grow "
+                        "SiTU-GLU converges to SwiGLU.",
+                alt="Two log-log plots: the error of the cap near zero next to t cubed over 48, and the "
+                    "largest gap between SiTU-GLU and SwiGLU against the scale of the caps")
 
 
 # %%

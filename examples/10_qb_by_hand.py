@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from refimpl.balancing import margins, quantile_balancing_update
+from refimpl.figures import figures_wanted, show_figure
 from refimpl.routing import expert_load, route, selection_cutoff
 
 M, N, K, SEED = 12, 4, 2, 4
@@ -59,29 +60,30 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
     args = parser.parse_args(argv)
+
+    # Step: the batch
+    # Twelve tokens' sigmoid scores from the skewed router; the bias starts at zero.
     rng = np.random.default_rng(SEED)
     s = batch(rng)  # [12, 4]
     b = np.zeros(N)
     q = M * K // N
+    print(f"m = {M} tokens, n = {N} experts, k = {K}: target load q = mk/n = {q}; starting bias b = 0")
+    print()
 
-    # Step 1: route with the top-(k+1); the (k+1)-th biased score is the cutoff.
+    # Step 1: route with the top-(k+1)
+    # Each token keeps its top-2 experts by $s + b$; its third biased score is the cutoff $\alpha_i$.
     index, alpha = selection_cutoff(s, b, K)  # [12, 2], [12]
     load = expert_load(index, N)
     third = np.argsort(-(s + b), axis=1, kind="stable")[:, K]  # each token's (k+1)-th choice
-    # Step 2: margins.
-    margin = margins(s, b, K)  # [12, 4]
-    # Steps 3-4: the quantile and the centering.
-    b_tilde = quantile_balancing_update(s, b, K, center=False)
-    b_new = quantile_balancing_update(s, b, K)
-
-    # Step: The tables of the four steps
-    print(f"m = {M} tokens, n = {N} experts, k = {K}: target load q = mk/n = {q}; starting bias b = 0")
-    print()
     head = "token  " + "".join(f"   s_{j}  " for j in range(N)) + "   route   alpha_i"
     rows = [f"{i:>5}  " + "".join(f"{s[i, j]:7.3f} " for j in range(N))
             + f"   {sorted(index[i].tolist())!s:<8}{alpha[i]:7.3f}" for i in range(M)]
     table("Step 1: scores s (= s + b, since b = 0), the route (top-2) and the cutoff alpha_i (3rd largest)",
           [head, *rows])
+
+    # Step 2: margins
+    # $M_{i,j} = s_{i,j} - \alpha_i$; expert $j$ is chosen exactly when $M_{i,j} > -b_j$.
+    margin = margins(s, b, K)  # [12, 4]
 
     def cell(i: int, j: int) -> str:
         mark = "*" if j in index[i] else ("=" if j == third[i] else " ")
@@ -92,6 +94,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     table("Step 2: margins M = s - alpha   (* chosen: M > -b_j;  = the token's 3rd choice: M = -b_j)",
           ["token  " + "".join(f"    M_{j}  " for j in range(N)), *rows])
 
+    # Step 3: the quantile
+    # Each expert's new threshold is minus the $(q+1)$-th largest margin of its column.
+    b_tilde = quantile_balancing_update(s, b, K, center=False)
     ordered = -np.sort(-margin, axis=0)  # each column descending
     rows = []
     for j in range(N):
@@ -104,21 +109,21 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                     f"b~_{j} = {b_tilde[j] + 0.0:+.3f}"
                     + ("   (inside the atom at -b_j: the bias stays)" if in_atom else ""))
     table(f"Step 3: each column sorted, largest first; the {q + 1}th entry is minus the new threshold", rows)
+
+    # Step 4: center
+    # Only differences of the bias matter for selection; centering removes their common offset.
+    b_new = quantile_balancing_update(s, b, K)
     print(f"Step 4: mean(b~) = {b_tilde.mean():+.4f};  new bias b = b~ - mean = "
           + "[" + ", ".join(f"{v:+.4f}" for v in b_new) + "]")
     print()
 
-    # Step: What the new bias does: on this batch, and on a fresh one
+    # Step 5: what the new bias does, on this batch and on a fresh one
     held = (margin > -b_tilde[None, :]).sum(axis=0)  # cutoffs held: M > -b~
     again = expert_load(route(s, b_new, K)[0], N)
     fresh_scores = batch(rng, 4000)
     fresh_q = 4000 * K // N
     fresh_old = expert_load(route(fresh_scores, b, K)[0], N)
     fresh_new = expert_load(route(fresh_scores, b_new, K)[0], N)
-    # The leave-one-out extension: each expert measured against the cutoff it really has to beat.
-    b_loo = quantile_balancing_update(s, b, K, leave_one_out=True)
-    again_loo = expert_load(route(s, b_loo, K)[0], N)
-    fresh_loo = expert_load(route(fresh_scores, b_loo, K)[0], N)
     lines = [("this batch, old bias", load), ("this batch, cutoffs held, new threshold", held),
              ("this batch routed again with the new bias", again),
              (f"fresh batch of 4,000 tokens (q = {fresh_q}), old bias", fresh_old),
@@ -127,24 +132,33 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     for label, values in lines:
         print(f"{label:<52}" + "".join(f"{v:>7}" for v in values))
     print()
+
+    # Step 6: the leave-one-out extension
+    # Each expert measured against the cutoff it really has to beat.
+    b_loo = quantile_balancing_update(s, b, K, leave_one_out=True)
+    again_loo = expert_load(route(s, b_loo, K)[0], N)
+    fresh_loo = expert_load(route(fresh_scores, b_loo, K)[0], N)
     print("extension, leave-one-out cutoffs: new bias [" + ", ".join(f"{v:+.4f}" for v in b_loo) + "]")
     for label, values in (("this batch routed again", again_loo), ("fresh batch of 4,000 tokens", fresh_loo)):
         print(f"{label:<52}" + "".join(f"{v:>7}" for v in values))
 
-    if args.out is not None:
-        plot(args.out, margin, index, third, b, b_tilde, load, held, again)
+    # Step: the figure
+    if figures_wanted(args.out):
+        show_figure(plot(margin, index, third, b, b_tilde, load, held, again), args.out, "margins_and_loads.png",
+                    caption="Left: in every column the 7th largest margin sets the new bar, which exactly q = 6 "
+                            "margins clear. Right: the loads before the update, with the cutoffs held (all equal "
+                            "to q) and with the batch routed again.",
+                    alt="Scatter of the twelve margins per expert with the old and new thresholds as lines, "
+                        "beside a bar chart of the four experts' loads under the old and new bias")
     return {"load": load.tolist(), "held": held.tolist(), "again": again.tolist(), "b_new": b_new.tolist(),
             "fresh_old": fresh_old.tolist(), "fresh_new": fresh_new.tolist(), "again_loo": again_loo.tolist()}
 
 
 # %%
-def plot(out: Path, margin, index, third, b, b_tilde, load, held, again) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot(margin, index, third, b, b_tilde, load, held, again):
+    """The margins with the old and new bars, and the loads before and after: a matplotlib figure."""
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.3), constrained_layout=True,
                                  gridspec_kw={"width_ratios": [1.4, 1]})
     rng = np.random.default_rng(0)
@@ -172,8 +186,7 @@ def plot(out: Path, margin, index, third, b, b_tilde, load, held, again) -> None
     bx.set_ylabel("tokens")
     bx.set_title("Loads on this batch")
     bx.legend(fontsize=8)
-    fig.savefig(out / "margins_and_loads.png", dpi=110)
-    plt.close(fig)
+    return fig
 
 
 # %%

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from refimpl.balancing import QuantileBalancer, load_ratio, quantile_balancing_update
+from refimpl.figures import figures_wanted, show_figure
 from refimpl.routing import expert_load, route, selection_cutoff
 
 N, K, SEED = 896, 16, 14
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"run time {time.perf_counter() - start:.1f} s")
 
     # Step: The figure
-    if args.out is not None:
+    if figures_wanted(args.out):
         plot(args.out, atom, run)
     return {"atom": {name: {"stuck": int(row["unmoved"].sum())} for name, row in atom["rows"].items()},
             "spread_over_floor": {name: float(v / floor_std) for name, v in spreads.items()}}
@@ -177,7 +178,6 @@ def plot(out: Path, atom: dict, run: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
     q = atom["q"]
     for (name, row), colour in zip(atom["rows"].items(), ["#1f77b4", "#2ca02c"], strict=False):
@@ -198,8 +198,12 @@ def plot(out: Path, atom: dict, run: dict) -> None:
     bx.set_ylabel("max / min load")
     bx.set_title(f"{run['balancers']['QB'].loads[0].sum() // K:,} tokens per step: averaging lowers the noise")
     bx.legend(fontsize=8)
-    fig.savefig(out / "atom_and_noise.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, "atom_and_noise.png",
+                caption="Left: after one update the experts held by the atom of ties stay below q. Right: on "
+                        "fresh batches a bias computed from one batch carries that batch's noise, and averaging "
+                        "lowers it.",
+                alt="Scatter of the tokens clearing the new threshold against each expert's load under the "
+                    "old bias, beside the max/min load per step on a log scale for several balancers")
 
 
 # %%

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from refimpl.figures import figures_wanted, show_figure
 from refimpl.histogram import BiasHistogram, required_bias
 from refimpl.routing import expert_load, route, router_scores
 
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
     args = parser.parse_args(argv)
 
-    # Step: The bias the previous step left: one exact update computed on the previous batch.
+    # Step: The histogram's thresholds against the exact ones
+    # The bias in use is the one the previous step left: one exact update computed on the previous batch.
     previous = batch(step=0)
     r_previous = required_bias(previous, np.zeros(N, np.float32), K)
     b_tilde = exact_thresholds(r_previous, *divmod(M * K, N))
@@ -74,7 +76,6 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     index, _ = route(scores, bias, K)
     load = expert_load(index, N)
 
-    # Step: The histogram's thresholds against the exact ones
     print(f"batch m = {M:,} tokens, n = {N} experts, k = {K}: target load q = {q:g}")
     print(f"bins: B = {BINS} over [min b - 1, max b + 1] = [{histogram.low:.4f}, {histogram.high:.4f}], "
           f"width w = {w:.5f}")
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"  per expert, exact and histogram loads differ by at most {gap.max()} tokens")
 
     # Step: The figure
-    if args.out is not None:
+    if figures_wanted(args.out):
         plot(args.out, r, chosen, bias, exact, estimate, histogram, load)
     return {"error_over_width": float(error.max() / w), "centred_error_over_width": float(centred_error.max() / w),
             "load_gap": int(gap.max())}
@@ -146,10 +147,9 @@ def plot(out: Path, r, chosen, bias, exact, estimate, histogram, load) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
     edges = np.asarray(histogram.edges)
     w = histogram.width
-    fig, axes = plt.subplots(2, len(chosen), figsize=(13, 6), constrained_layout=True)
+    fig, axes = plt.subplots(2, len(chosen), figsize=(10.5, 5.6), constrained_layout=True)
     for col, j in enumerate(chosen):
         counts = np.asarray(histogram.counts[j])
         for row, (lo, hi) in enumerate(((edges[0], edges[-1]), (exact[j] - 12 * w, exact[j] + 12 * w))):
@@ -171,8 +171,13 @@ def plot(out: Path, r, chosen, bias, exact, estimate, histogram, load) -> None:
     axes[1, 0].set_ylabel("tokens per bin (±12 bins around the exact)")
     axes[0, 0].legend(loc="upper left", fontsize=8)
     fig.suptitle(f"Histograms of $r = \\alpha - s$, B = {histogram.bins}, bin width {w:.4f}")
-    fig.savefig(out / "r_histograms.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, "r_histograms.png",
+                caption="For four experts, the histogram of the bias each token would need: the exact threshold "
+                        "(black) and the histogram's estimate (red dashes) fall in the same bin; the atom sits at"
+                        " the old bias.",
+                alt="Eight histograms in two rows: the full range of required biases for four experts on a "
+                    "log scale, and twelve bins either side of the threshold, with the old bias and both "
+                    "thresholds marked")
 
 
 # %%

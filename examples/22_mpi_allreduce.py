@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> bool:
     parser.add_argument("--bins", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--save-bias", type=Path, default=None, help="rank 0 saves the new bias here (.npy)")
-    parser.add_argument("--out", type=Path, default=None, help="accepted for the docs build; no figures")
+    parser.add_argument("--out", type=Path, default=None, help="accepted and unused: this example draws no figures")
     args = parser.parse_args(argv)
     ok = run_mpi(args) if launched_by_mpiexec() else run_simulated(args)
     if not ok:

@@ -15,11 +15,8 @@ hand.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -34,25 +31,8 @@ from refimpl.testing import (
     check_router,
 )
 
-
-# %%
-def _load_correct() -> Any:
-    """The correct implementations of example 30, loaded from the file next to this one.
-
-    A notebook has no `__file__`: there the file is looked for in `examples/` and in the working directory.
-    """
-    folders = [Path(__file__).parent] if "__file__" in globals() else [Path("examples"), Path(".")]
-    path = next((f / "30_test_your_router.py" for f in folders if (f / "30_test_your_router.py").is_file()),
-                folders[0] / "30_test_your_router.py")
-    spec = importlib.util.spec_from_file_location("refimpl_example_30", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-# %%
-good = _load_correct()
+# The correct implementations that example 30 checks; every mistake below changes one line of them.
+from refimpl.testing import samples as good
 
 # ---------------------------------------------------------------------------
 # Router mistakes (Eq. 13)

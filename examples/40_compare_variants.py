@@ -47,6 +47,7 @@ import numpy as np
 from refimpl.accounting import dispatch_payload
 from refimpl.activations import situ_glu, swiglu
 from refimpl.config import MoEConfig
+from refimpl.figures import figures_wanted, show_figure
 from refimpl.latent_moe import init_params, stable_latent_moe
 
 #: Largest finite float16 value: SwiGLU outputs beyond it become infinity.
@@ -210,8 +211,12 @@ def plot(results: dict, out: Path) -> None:
                 title="...and varies from token to token")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(out / "output_scale.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, "output_scale.png",
+                caption="Without the latent norm the routed output's scale follows the gains of the experts that "
+                        "happen to be chosen, and varies from token to token; with it (Stable LatentMoE) the "
+                        "scale is flat.",
+                alt="Two line plots against the mean gain of the selected experts: the mean RMS of the routed"
+                    " output and its spread across tokens, for plain MoE, LatentMoE and Stable LatentMoE")
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     scales = [row["scale"] for row in results["half_precision"]]
@@ -230,8 +235,11 @@ def plot(results: dict, out: Path) -> None:
                 title="Largest activation (lines: 65,504 and 100)")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "half_precision.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, "half_precision.png",
+                caption="As the inputs grow, SwiGLU's outputs overflow in float16 and its largest activation "
+                        "passes 65,504, while SiTU-GLU never passes 100 in either half precision.",
+                alt="Two log-scale line plots against the input scale: the share of outputs that overflow, "
+                    "and the largest finite activation, for SwiGLU and SiTU-GLU in float16 and bfloat16")
 
 
 # %%
@@ -301,8 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Step: The figures
     results = {"variants": configs, "output_scale": scale_rows, "scaling_factor": factor_rows,
                "half_precision": half_rows, "payload": pay_rows}
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
+    if figures_wanted(args.out):
         plot(results, args.out)
     return results
 

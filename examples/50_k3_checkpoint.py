@@ -25,6 +25,7 @@ import numpy as np
 
 from refimpl import MoEConfig, init_params, load_hf_layer, save_hf_layer, stable_latent_moe
 from refimpl.checkpoint import open_safetensors
+from refimpl.figures import figures_wanted, show_figure
 from refimpl.latent_moe import stable_latent_moe_reference
 from refimpl.mx import E2M1_VALUES, mxfp4_decode
 
@@ -129,9 +130,11 @@ def save_figure(out: Path, folder: Path, params: dict[str, np.ndarray]) -> None:
     ax.set_ylabel("after MXFP4 (decoded)")
     ax.set_title("experts.0.w1: 16 E2M1 levels per block of 32, one power-of-two scale each")
     fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / "mxfp4_levels.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, "mxfp4_levels.png",
+                caption="MXFP4 keeps 16 levels per block of 32 weights with one power-of-two scale, so the "
+                        "decoded weights lie on a staircase along the diagonal.",
+                alt="Scatter of the decoded MXFP4 weights against the float32 weights of one expert, forming "
+                    "steps along the diagonal")
 
 
 # %%
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         params = write_and_list(folder)
         load_and_run(folder, params)
         decode_by_hand(folder)
-        if args.out is not None:
+        if figures_wanted(args.out):
             save_figure(args.out, folder, params)
     recipe()
 

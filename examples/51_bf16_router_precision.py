@@ -48,9 +48,6 @@ expert width.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -59,6 +56,8 @@ import numpy as np
 
 from refimpl import MoEConfig, init_params, route, stable_latent_moe
 from refimpl.activations import sigmoid
+from refimpl.figures import figures_wanted, show_figure
+from refimpl.recorded import load_record, recorded_path, write_record
 
 D, N, K = 7168, 896, 16
 SEED = 51
@@ -173,34 +172,6 @@ def output_error(rng: np.random.Generator, x: np.ndarray, base: np.ndarray, bias
             "y_mean": float(whole.mean())}
 
 
-# %%
-def results_path(script: str | None) -> Path | None:
-    """`docs/results/51_bf16_router_precision.json` above this script (or the working folder), if there is one."""
-    here = Path(script).resolve().parent if script else Path.cwd().resolve()
-    for folder in (here, *here.parents):
-        if (folder / "docs" / "results").is_dir():
-            return folder / "docs" / "results" / RESULTS
-    return None
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder, flushed and renamed."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def print_sweep(rows: list[dict], m: int) -> None:
     print(f"   {'router init':<34}{'logit std':>10}{'bias spread':>13}{'tokens changed':>17}{'+-':>7}"
           f"{'experts swapped':>17}{'tied at k':>11}")
@@ -219,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per measurement")
     parser.add_argument("--full", action="store_true",
-                        help=f"32,768 tokens per measurement and a finer sweep; record the result in docs/results/{RESULTS}")
+                        help=f"32,768 tokens per measurement and a finer sweep; record the result in refimpl/results/{RESULTS}")
     args = parser.parse_args(argv)
     m = 32768 if args.full else args.tokens
     start = time.perf_counter()
@@ -255,12 +226,10 @@ def main(argv: list[str] | None = None) -> dict:
     # Step 4: the recorded full run
     record = {"command": "python examples/51_bf16_router_precision.py --full", "tokens": m, "init": rows,
               "sweep": scaled, "output": error}
-    path = results_path(globals().get("__file__"))
-    if args.full and path is not None:
-        write_atomically(path, json.dumps(record, indent=1) + "\n")
-        print(f"wrote {path}")
-    elif path is not None and path.is_file():
-        recorded = json.loads(path.read_text())
+    if args.full:
+        write_record(recorded_path(RESULTS), record, indent=1)
+    else:
+        recorded = load_record(RESULTS)
         print(f"4. the recorded run ({recorded['command']}, {recorded['tokens']:,} tokens per measurement):")
         print_sweep(recorded["init"], recorded["tokens"])
         print_sweep(recorded["sweep"], recorded["tokens"])
@@ -270,19 +239,18 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"run time {time.perf_counter() - start:.1f} s")
 
     # Step: the figure
-    if args.out is not None:
+    if figures_wanted(args.out):
         plot(args.out, scaled)
     return {"init": rows, "sweep": scaled, "output": error}
 
 
 # %%
-def plot(out: Path, sweep: list[dict]) -> None:
+def plot(out: Path | None, sweep: list[dict]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6.4, 4.0), constrained_layout=True)
     for bias_std, colour in ((0.0, "#1f77b4"), (0.05, "#d62728")):
         rows = [r for r in sweep if r["bias_std"] == bias_std]
@@ -299,8 +267,13 @@ def plot(out: Path, sweep: list[dict]) -> None:
     ax.set_ylabel(f"tokens whose top-{K} set changes (%)")
     ax.set_title("bfloat16 logits at K3's shape: a bias breaks the ties")
     ax.legend(fontsize=8)
-    fig.savefig(out / "bf16_router_flips.png", dpi=120)
-    plt.close(fig)
+    show_figure(fig, out, "bf16_router_flips.png",
+                caption="With a zero bias (blue) the rounded logits tie and the tie rule picks the boundary "
+                        "expert; a bias (red) separates the scores again, and the larger the logits the fewer "
+                        "tokens change.",
+                alt="Percentage of tokens whose top-16 set changes when the router logits are rounded to "
+                    "bfloat16, against the logits' standard deviation, for a zero bias and a bias of spread 0.05, "
+                    "with SGLang's 5.27% as a dashed line")
 
 
 # %%

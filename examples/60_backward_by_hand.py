@@ -32,6 +32,7 @@ import numpy as np
 
 from refimpl.backward import stable_latent_moe_vjp
 from refimpl.config import MoEConfig
+from refimpl.figures import figures_wanted, show_figure
 from refimpl.latent_moe import init_params, stable_latent_moe
 from refimpl.routing import route, router_scores
 
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"\nDifference quotient of {name}{tuple(int(i) for i in entry)} against the step: smallest error "
           f"{errors[best]:.1e} at eps = {steps[best]:.0e}; {errors[0]:.1e} at eps = {steps[0]:.0e} (rounding), "
           f"{errors[-1]:.1e} at eps = {steps[-1]:.0e} (truncation)")
-    if args.out is not None:
+    if figures_wanted(args.out):
         save_figure(args.out, steps, np.array(errors), name, entry)
     return dict(config=config, params=params, x=x, dy=dy, y=y, dx=dx, dparams=dparams, worst=worst,
                 bias_quotients=bias_quotients, used=used, row_norm=row_norm, steps=steps, errors=errors)
@@ -137,7 +138,6 @@ def save_figure(out: Path, steps: np.ndarray, errors: np.ndarray, name: str, ent
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.loglog(steps, np.maximum(errors, 1e-18), "o-", ms=3)
     ax.set_xlabel("step eps")
@@ -145,9 +145,11 @@ def save_figure(out: Path, steps: np.ndarray, errors: np.ndarray, name: str, ent
     ax.set_title(f"{name}{tuple(int(i) for i in entry)}, float64, seed {SEED}")
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "step_size.png", dpi=120)
-    plt.close(fig)
-    print(f"wrote {out / 'step_size.png'}")
+    show_figure(fig, out, "step_size.png",
+                caption="The difference quotient agrees best with the hand-derived gradient at a middle step: "
+                        "larger steps add truncation error, smaller ones rounding error.",
+                alt="Log-log plot of the error of a difference quotient against its step, falling and then "
+                    "rising again, with its minimum at a middle step")
 
 
 # %%

@@ -25,7 +25,7 @@ infinity there, so the step is skipped, as dynamic loss scaling does.
 bfloat16 has float32's range (about $3.4 \cdot 10^{38}$) and only 8 bits of
 mantissa: it cannot overflow here, it only rounds.
 
-The long run is recorded in `docs/results/62_activations_while_training.json`;
+The long run is recorded in `refimpl/results/62_activations_while_training.json` (shipped with the package);
 this page prints and plots it, and replays a few steps as a live check.
 """
 
@@ -38,26 +38,28 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
-from recorded_runs import (  # noqa: E402
+
+from refimpl.figures import figures_wanted, show_figure  # noqa: E402
+from refimpl.recorded import (  # noqa: E402
     band,
     diverged_at,
+    layer_field,
+    load_record,
     per_step,
     record_runs,
+    recorded_path,
     replay,
-    results_file,
     show,
     show_finished,
     write_record,
 )
-
 from refimpl.train import TrainConfig, default_layer  # noqa: E402
 
-RESULTS = results_file("62_activations_while_training.json", globals().get("__file__"))
+RESULTS = recorded_path("62_activations_while_training.json")
 COMMAND = "OPENBLAS_NUM_THREADS=1 python examples/62_activations_while_training.py --full"
 SEEDS = (0, 1, 2)
 STEPS = 300
@@ -161,27 +163,28 @@ def live_check(results: dict) -> dict[str, float]:
     return {"replay_identical": float(same), "peak_step_4": peaks[-1]}
 
 
-def plot(out: Path, results: dict) -> None:
+def plot(out: Path | None, results: dict) -> None:
+    """Three figures, one point each: the activation peaks in float32, the loss in low precision, the lost steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
-    fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(17, 4.8), constrained_layout=True)
     shades = dict(zip(RATES, ("#9ecae1", "#4292c6", "#08519c", "#08306b"), strict=True))
     warm = dict(zip(RATES, ("#fdae6b", "#f16913", "#d94801", "#7f2704"), strict=True))
     seeds = ", ".join(map(str, results["seeds"]))
+    peaks, (loss_fig, bx), (lost_fig, cx) = plt.subplots(figsize=(7, 4.4), constrained_layout=True), \
+        plt.subplots(figsize=(7, 4), constrained_layout=True), plt.subplots(figsize=(7, 4), constrained_layout=True)
+    fig, ax = peaks
     for label, by_seed in results["runs"].items():
         config = next(iter(by_seed.values()))["config"]
         steps = np.array([r["step"] for r in max((run["steps"] for run in by_seed.values()), key=len)])
         style = {"float32": "-", "float16": "--", "bfloat16": ":"}[config["precision"]]
         if config["precision"] == "float32":
-            colour = (warm if config["activation"] == "swiglu" else shades)[config["lr"]]
-            band(ax, steps, per_step(by_seed, peak_of), colour,
-                 label.replace(" float32", ""))
+            colour = (warm if layer_field(config, "activation") == "swiglu" else shades)[config["lr"]]
+            band(ax, steps, per_step(by_seed, peak_of), colour, label.replace(" float32", ""))
         if config["lr"] == LOW_PRECISION_RATE:
-            colour = "#d94801" if config["activation"] == "swiglu" else "#2171b5"
+            colour = "#d94801" if layer_field(config, "activation") == "swiglu" else "#2171b5"
             loss = per_step(by_seed, lambda r: r["loss"])  # [seeds, steps]
             smooth = np.array([np.convolve(row, np.ones(10) / 10, mode="valid") for row in loss])
             band(bx, steps[9:], smooth, colour, label, style)
@@ -193,20 +196,32 @@ def plot(out: Path, results: dict) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("largest routed activation |h|")
-    ax.set_title(f"float32, median of seeds {seeds} (band min-max)", fontsize=10)
     ax.legend(fontsize=7, ncol=2)
+    show_figure(fig, out, "activations_while_training.png",
+                caption=f"The largest routed activation per step in float32 (median of seeds {seeds}, the band "
+                        "their range): SwiGLU's grows with the learning rate, past float16's largest value at "
+                        "1e-1, while SiTU-GLU's stops at its bound of 100.",
+                alt="Line plot on a log scale of the largest routed activation per training step for SwiGLU "
+                    "and SiTU-GLU at four learning rates, with the float16 limit and the bound 100 marked")
     bx.set_xlabel("step")
     bx.set_ylabel("training loss (mean of 10 steps), nats/byte")
     bx.set_ylim(1.5, 4.0)
-    bx.set_title(f"lr {LOW_PRECISION_RATE:g}: the loss in each precision (seeds {seeds})", fontsize=10)
     bx.legend(fontsize=7)
+    show_figure(loss_fig, out, "loss_in_low_precision.png",
+                caption=f"At learning rate {LOW_PRECISION_RATE:g}, the training loss in each precision: SwiGLU "
+                        "in float16 falls behind, because most of its steps overflow and are skipped; SiTU-GLU "
+                        "trains alike in all three.",
+                alt="Line plot of the training loss per step for SwiGLU and SiTU-GLU in float32, float16 and "
+                    "bfloat16, where one line, SwiGLU in float16, stays well above the others")
     cx.set_xlabel("step")
     cx.set_ylabel("steps skipped so far (overflow)")
-    cx.set_title(f"float16: steps lost to overflow (seeds {seeds})", fontsize=10)
     if cx.lines:
         cx.legend(fontsize=7)
-    fig.savefig(out / "activations_while_training.png", dpi=110)
-    plt.close(fig)
+    show_figure(lost_fig, out, "float16_steps_lost.png",
+                caption="The steps lost to overflow in float16, counted as training goes on: SwiGLU loses most "
+                        "of its updates, SiTU-GLU none.",
+                alt="Line plot of the cumulative number of skipped steps against the training step in float16, "
+                    "rising almost linearly for SwiGLU")
 
 
 # %%
@@ -222,11 +237,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     start = time.perf_counter()
     if args.full:
         run_full(RESULTS)
-    results = json.loads(RESULTS.read_text())
+    results = load_record(RESULTS.name)
     table = print_results(results)
     check = live_check(results)
     print(f"run time {time.perf_counter() - start:.1f} s")
-    if args.out is not None:
+    if figures_wanted(args.out):
         plot(args.out, results)
     return {"table": table, "check": check}
 

@@ -24,7 +24,7 @@ from then on (its loss is NaN) to the end. The table gives, for each seed
 that diverged, the step from which its loss is NaN, and the losses over the
 seeds that finished.
 
-The long run is recorded in `docs/results/63_latent_norm_while_training.json`;
+The long run is recorded in `refimpl/results/63_latent_norm_while_training.json` (shipped with the package);
 this page prints and plots it, and replays a few steps as a live check.
 """
 
@@ -37,27 +37,29 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
-from recorded_runs import (  # noqa: E402
+
+from refimpl.figures import figures_wanted, show_figure  # noqa: E402
+from refimpl.recorded import (  # noqa: E402
     band,
     diverged_at,
     finished,
+    layer_field,
+    load_record,
     per_step,
     record_runs,
+    recorded_path,
     replay,
-    results_file,
     show,
     show_finished,
     write_record,
 )
-
 from refimpl.train import TrainConfig, default_layer  # noqa: E402
 
-RESULTS = results_file("63_latent_norm_while_training.json", globals().get("__file__"))
+RESULTS = recorded_path("63_latent_norm_while_training.json")
 COMMAND = "OPENBLAS_NUM_THREADS=1 python examples/63_latent_norm_while_training.py --full"
 SEEDS = (0, 1, 2)
 STEPS = 300
@@ -168,36 +170,60 @@ def live_check(results: dict) -> dict[str, float]:
     return {"replay_identical": float(same)}
 
 
-def plot(out: Path, results: dict) -> None:
+def colour_and_style(config: dict) -> tuple[tuple[float, float, float], str]:
+    """A run's line: blue and solid with the norm, brown and dashed without; darker at a larger learning rate."""
+    shade = dict(zip(RATES, np.linspace(0.3, 1.0, len(RATES)).tolist(), strict=True))[config["lr"]]
+    if layer_field(config, "use_latent_norm"):
+        return (1.0 - shade, 0.3, shade), "-"
+    return (shade, 0.35, 0.1), "--"
+
+
+def plot(out: Path | None, results: dict) -> None:
+    """Four figures, one point each: the scale of u, the projections' gradients, the loss, the rate sensitivity."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 5, figsize=(23, 4.6), constrained_layout=True)
-    shade = dict(zip(RATES, np.linspace(0.3, 1.0, len(RATES)).tolist(), strict=True))
     seeds = ", ".join(map(str, results["seeds"]))
+    (scale_fig, ax), (grad_fig, (gx, hx)), (loss_fig, lx) = (
+        plt.subplots(figsize=(7, 4.4), constrained_layout=True),
+        plt.subplots(1, 2, figsize=(10.5, 4), constrained_layout=True),
+        plt.subplots(figsize=(7, 4), constrained_layout=True))
     for label, by_seed in results["runs"].items():
-        config = next(iter(by_seed.values()))["config"]
-        colour = (1.0 - shade[config["lr"]], 0.3, shade[config["lr"]]) if config["latent_norm"] else \
-            (shade[config["lr"]], 0.35, 0.1)
-        style = "-" if config["latent_norm"] else "--"
-        for ax, key in zip(axes[:3], ("routed_rms", "grad_norm_down", "grad_norm_up"), strict=True):
-            band(ax, *series(by_seed, key), colour, label, style)
+        colour, style = colour_and_style(next(iter(by_seed.values()))["config"])
+        for axis, key in ((ax, "routed_rms"), (gx, "grad_norm_down"), (hx, "grad_norm_up")):
+            band(axis, *series(by_seed, key), colour, label, style)
         loss = per_step(by_seed, lambda r: r["loss"])  # [seeds, steps]
         smooth = np.array([np.convolve(row, np.ones(10) / 10, mode="valid") for row in loss])
-        band(axes[3], np.arange(10, loss.shape[1] + 1), smooth, colour, label, style)
-    titles = ("RMS of the routed sum u", "|grad W_down|", "|grad W_up|", "training loss (mean of 10 steps)")
-    for ax, title in zip(axes[:4], titles, strict=True):
-        ax.set_xlabel("step")
-        ax.set_title(f"{title}, seeds {seeds}", fontsize=10)
-    for ax in axes[:3]:
-        ax.set_yscale("log")
-    axes[3].set_ylim(1.5, 4.0)
-    axes[0].legend(fontsize=7, ncol=2)
-    # The sensitivity to the learning rate: held-out loss at the end, median over seeds with the range.
-    cx = axes[4]
+        band(lx, np.arange(10, loss.shape[1] + 1), smooth, colour, label, style)
+    for axis in (ax, gx, hx, lx):
+        axis.set_xlabel("step")
+    for axis in (ax, gx, hx):
+        axis.set_yscale("log")
+    ax.set_ylabel("RMS of the routed sum u")
+    ax.legend(fontsize=7, ncol=2)
+    show_figure(scale_fig, out, "latent_norm_while_training.png",
+                caption=f"The scale of the routed sum u before the norm (median of seeds {seeds}, the band their "
+                        "range): with the norm on (solid) it is free to drift, by orders of magnitude at the "
+                        "larger rates, because the norm rescales it before W_up; without the norm (dashed) it "
+                        "drifts less, but all of the drift reaches W_up.",
+                alt="Line plot on a log scale of the root mean square of the routed latent sum per training "
+                    "step, for the norm off (dashed) and on (solid) at six learning rates")
+    gx.set_title("|grad W_down|", fontsize=10)
+    hx.set_title("|grad W_up|", fontsize=10)
+    show_figure(grad_fig, out, "projection_gradients.png",
+                caption="The gradient norms of the two latent projections, W_down and W_up, per step, with the "
+                        "norm off (dashed) and on (solid) at each learning rate.",
+                alt="Two line plots on a log scale of the Frobenius norm of the gradients of the down- and "
+                    "up-projections per training step, for the norm off and on at six learning rates")
+    lx.set_ylabel("training loss (mean of 10 steps), nats/byte")
+    lx.set_ylim(1.5, 4.0)
+    show_figure(loss_fig, out, "loss_with_and_without_the_norm.png",
+                caption="The training loss with the norm off (dashed) and on (solid) at each learning rate: at "
+                        "the largest rate one seed without the norm diverges, and its line ends.",
+                alt="Line plot of the training loss per step for the norm off and on at six learning rates")
+    fig, cx = plt.subplots(figsize=(6.5, 4), constrained_layout=True)
     for norm, colour in ((False, "#a6501a"), (True, "#2b4c9a")):
         evals = np.array([[run["summary"]["final_eval_loss"] for run in results["runs"][
             f"norm {'on' if norm else 'off'} lr {lr:g}"].values()] for lr in RATES])  # [rates, seeds], NaN: diverged
@@ -209,10 +235,13 @@ def plot(out: Path, results: dict) -> None:
     cx.set_xscale("log")
     cx.set_xlabel("learning rate")
     cx.set_ylabel("held-out loss at the end, nats/byte")
-    cx.set_title(f"held-out loss, seeds {seeds}: median, min-max of those that finished", fontsize=9)
     cx.legend(fontsize=8)
-    fig.savefig(out / "latent_norm_while_training.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, "held_out_against_rate.png",
+                caption="The held-out loss at the end against the learning rate (median over the seeds that "
+                        "finished, bars their range): up to 3e-2 both curves have the same shape; from 1e-1 on only "
+                        "the model with the norm still learns well.",
+                alt="Plot of the final held-out loss against the learning rate on a log axis, with error bars, "
+                    "one line for the norm off and one for the norm on")
 
 
 # %%
@@ -228,11 +257,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     start = time.perf_counter()
     if args.full:
         run_full(RESULTS)
-    results = json.loads(RESULTS.read_text())
+    results = load_record(RESULTS.name)
     table = print_results(results)
     check = live_check(results)
     print(f"run time {time.perf_counter() - start:.1f} s")
-    if args.out is not None:
+    if figures_wanted(args.out):
         plot(args.out, results)
     return {"table": table, "check": check}
 

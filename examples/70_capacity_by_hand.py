@@ -1,9 +1,9 @@
-r"""Capacity and token dropping by hand: the textbook sketch's case
+r"""Capacity and token dropping by hand: three tokens, one slot per expert
 
-The textbook seed pins down a capacity rule with a three-token case and two
-asserts. Tokens with logits $[3, 0]$, $[2, 0]$ and $[0, 3]$ (the router is the
+A common sketch of capacity with token dropping pins its rule down with a
+three-token case and two asserts. Tokens with logits $[3, 0]$, $[2, 0]$ and $[0, 3]$ (the router is the
 identity) each choose both of the two experts, top-2, softmax weights; every
-expert may serve **one** assignment. The seed asserts
+expert may serve **one** assignment. The sketch asserts
 
 ```python
 kept == [[True, False], [False, False], [True, False]]
@@ -14,7 +14,7 @@ This script replays the rule one assignment at a time, in the order the
 sketch serves them (every token's first choice before any token's second
 choice, tokens in input order within a rank), prints what each step decides,
 and checks the result against `refimpl.capacity_keep` and against the
-seed's asserts. It then shows what dropping does to the weights (nothing is
+sketch's asserts. It then shows what dropping does to the weights (nothing is
 renormalized: token 1 loses its whole routed output, token 0 keeps only
 $p = 0.953$ of it) and what the capacity becomes with the usual formula
 $C = \lceil c\,mk/n \rceil$ at a few capacity factors.
@@ -77,9 +77,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"kept = {kept.tolist()}")
     print(f"load = {load.tolist()}")
     assert np.array_equal(kept, kept_by_hand)
-    assert kept.tolist() == [[True, False], [False, False], [True, False]]  # the seed's assert
-    assert load.tolist() == [1, 1]  # the seed's assert
-    print("Both of the seed's asserts hold, and capacity_keep agrees with the loops.")
+    assert kept.tolist() == [[True, False], [False, False], [True, False]]  # the sketch's assert
+    assert load.tolist() == [1, 1]  # the sketch's assert
+    print("Both of the sketch's asserts hold, and capacity_keep agrees with the loops.")
     print()
 
     # What the combine sees: dropped weights become zero, the rest are not renormalized.

@@ -54,6 +54,7 @@ from refimpl import (
     sign_balancing_update,
     switch_balance_loss,
 )
+from refimpl.figures import figures_wanted, show_figure
 from refimpl.routing import score_function_values, softmax
 
 # %%
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     top = np.bincount(ids, minlength=VOCAB)
     print()
     print(f"The 10 most frequent ids carry {np.sort(top)[::-1][:10].sum() / M:.0%} of the tokens.")
-    if args.out is not None:
+    if figures_wanted(args.out):
         plot(rows, args.out)
     return rows
 
@@ -162,7 +163,6 @@ def plot(rows: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(8, 4.2))
     for r in rows:
         ax.plot(np.arange(1, N + 1), r["sorted_load"], marker=".", label=r["router"])
@@ -172,8 +172,11 @@ def plot(rows: list[dict], out: Path) -> None:
     ax.set_title("One batch, nine routers: expert loads (served assignments)")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(out / "loads.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, "loads.png",
+                caption="The same batch under nine routers, experts sorted busiest first: the flatter a line "
+                        "stays near 1, the more evenly that router spreads its tokens.",
+                alt="Line plot of load over q for the experts of one batch sorted busiest first, one line for"
+                    " each of nine routers")
 
 
 # %%

@@ -1,7 +1,7 @@
 r"""Capacity mistakes the kit catches
 
 A capacity-limited layer is short to write and easy to get subtly wrong. This
-script writes the textbook sketch's overflow rule correctly, then three
+script writes the usual sketch's overflow rule correctly, then three
 versions with one real mistake each, and runs all four through
 `refimpl.testing.check_capacity`:
 

@@ -19,7 +19,7 @@ dropped. The held-out loss is measured every 50 steps with the biases
 frozen and nothing dropped.
 
 The long run is `python examples/73_balancers_in_training.py --full`, which
-writes `docs/results/balancers_training.json` (the command, seed and
+writes `refimpl/results/balancers_training.json` (the command, seed and
 configuration inside); without `--full` the script trains every rule for
 20 steps live, then prints and plots that committed file.
 """
@@ -27,17 +27,17 @@ configuration inside); without `--full` the script trains every rule for
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
-from recorded_runs import results_file
 
+from refimpl.figures import figures_wanted, show_figure
+from refimpl.recorded import load_record, recorded_path, write_record
 from refimpl.train import TrainConfig, train, train_many
 
 # %%
 RULES = ("qb", "sign", "seq", "aux", "capacity-1.0", "capacity-1.25", "hash")
-RESULTS = results_file("balancers_training.json", globals().get("__file__"))
+RESULTS = recorded_path("balancers_training.json")
 STEPS, BATCH, SEED = 200, 512, 0
 
 
@@ -72,31 +72,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.full:
         logs = run_all(STEPS, BATCH, SEED)
         command = "python examples/73_balancers_in_training.py --full"
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
         slim = [{"config": log["config"], "summary": log["summary"],
                  "steps": [{key: s[key] for key in ("step", "loss", "max_violation", "drop_rate", "aux_loss",
                                                      "eval_loss") if key in s} for s in log["steps"]]}
                 for log in logs]
-        RESULTS.write_text(json.dumps({"command": command, "seed": SEED, "steps": STEPS, "batch": BATCH,
-                                       "runs": slim}, indent=1) + "\n")
-        print(f"wrote {RESULTS}")
+        write_record(RESULTS, {"command": command, "seed": SEED, "steps": STEPS, "batch": BATCH, "runs": slim},
+                     indent=1)
     # A short live run: every rule, 20 steps of 256 tokens, here and now with this code.
     live = [train(TrainConfig(balancer=rule, steps=20, batch=256, seed=SEED, eval_every=20, eval_batch=512))
             for rule in RULES]
     print("Live check: 20 steps of 256 tokens per rule, seed 0, means over the last 10 steps.")
     show(summarize(live, last=10))
-    if not RESULTS.is_file():
-        print()
-        print(f"The long run has not been recorded: run `python examples/73_balancers_in_training.py --full` "
-              f"to write {RESULTS.name}.")
-        return []
-    results = json.loads(RESULTS.read_text())
+    results = load_record(RESULTS.name)
     print()
     print(f"From {RESULTS.name}, written by `{results['command']}`: {results['steps']} steps of "
           f"{results['batch']} tokens, seed {results['seed']}, means over the last 50 steps.")
     rows = summarize(results["runs"])
     show(rows)
-    if args.out is not None:
+    if figures_wanted(args.out):
         plot(results["runs"], args.out)
     return rows
 
@@ -117,8 +110,7 @@ def plot(runs: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(10.5, 3.6))
     for run in runs:
         steps = [s["step"] for s in run["steps"]]
         name = run["config"]["balancer"]
@@ -135,8 +127,12 @@ def plot(runs: list[dict], out: Path) -> None:
     axes[0].legend(fontsize=7)
     axes[2].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "training.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, "training.png",
+                caption="Seven ways of balancing the same model in training: its loss (left), the worst overload "
+                        "of each step (middle) and, for the capacity runs, the share of assignments dropped "
+                        "(right).",
+                alt="Three line plots against the training step, one line per balancing rule: the language-"
+                    "model loss, the worst overload, and the share of assignments dropped")
 
 
 # %%

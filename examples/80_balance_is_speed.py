@@ -28,11 +28,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-from skewed_router import batch, skewed_router, trained_biases
 
 from refimpl import MoEConfig, expert_load, route, router_scores
 from refimpl.expert_parallel import padded_routed_experts, padding_waste
+from refimpl.figures import figures_wanted, show_figure
 from refimpl.latent_moe import routed_experts
+from refimpl.workloads import skewed_batch, skewed_router, trained_biases
 
 # %%
 
@@ -62,7 +63,7 @@ def measure(config: MoEConfig, biases: dict[str, np.ndarray], weight: np.ndarray
     w3 = (rng.standard_normal((n, f, ell)) / np.sqrt(ell)).astype(np.float32)
     w2 = (rng.standard_normal((n, ell, f)) / np.sqrt(f)).astype(np.float32)
     z = rng.standard_normal((tokens, ell)).astype(np.float32)  # the latents of the batch
-    scores = router_scores(batch(weight, mean, tokens, seed, 10_000), weight)  # a batch no balancer saw
+    scores = router_scores(skewed_batch(weight, mean, tokens, seed, 10_000), weight)  # a batch no balancer saw
     rows = []
     for name, bias in biases.items():
         index, p = route(scores, bias, k)
@@ -131,9 +132,12 @@ def plot(rows: list[dict[str, float | str]], out: Path) -> None:
     axes[1].set_title("wasted work of the padded product")
     axes[1].legend()
     fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / "balance_is_speed.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, "balance_is_speed.png",
+                caption="The padded batched product costs in proportion to the busiest expert: the more "
+                        "imbalanced the batch, the slower the step and the larger the share of padded, wasted "
+                        "work.",
+                alt="Two plots against the max over mean expert load: the time of the padded and of the "
+                    "grouped product, and the padding as a percentage of useful work")
 
 
 # %%
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float | str]]:
     biases = trained_biases(weight, mean, args.top_k, args.steps, 1024, args.rate, args.seed)
     rows = measure(config, biases, weight, mean, args.tokens, args.repeats, args.seed)
     report(rows, config, args.tokens)
-    if args.out is not None:
+    if figures_wanted(args.out):
         plot(rows, args.out)
     if args.save is not None:
         settings = {key: value for key, value in vars(args).items() if key not in ("out", "save")}

@@ -35,11 +35,11 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from skewed_router import batch, skewed_router
 
 from refimpl import (
     MoEConfig,
@@ -55,11 +55,37 @@ from refimpl import (
     sign_balancing_update,
     stable_latent_moe,
 )
+from refimpl.figures import in_notebook, show_figure
+from refimpl.workloads import skewed_batch, skewed_router
 
 # %%
 
-#: This script, which relaunches itself (a notebook kernel has no `__file__`: start it from the repository root).
-SCRIPT = Path(globals().get("__file__") or "examples/81_expert_parallel_mpi.py").resolve()
+#: This script, which relaunches itself under mpiexec (in a notebook there is no script: see `rank_program`).
+SCRIPT = Path(__file__).resolve() if "__file__" in globals() else None
+
+#: The figure rank 0 draws, with what it shows.
+FIGURE = "ep_step_time.png"
+CAPTION = ("The median time of one ep_forward step against the slowest rank's share of the tokens, for the "
+           "zero bias, the sign rule and Quantile Balancing; the dotted line is a step time in proportion to "
+           "the slowest rank.")
+ALT = ("Scatter of the median step time in milliseconds against the slowest rank's load over the mean load, "
+       "one point per bias, with a dotted line through Quantile Balancing's point and the origin")
+
+
+def rank_program(folder: Path) -> Path:
+    """The file every rank runs: this script, or, in a notebook, the cells run so far, saved into `folder`.
+
+    A notebook has no file of its own; the code of the cells it has run (every definition above) followed by
+    a call of `main` is the same program as the script.
+    """
+    if SCRIPT is not None:
+        return SCRIPT
+    from IPython import get_ipython
+
+    cells = get_ipython().user_ns["In"][1:-1]  # the cells run before the one that calls main
+    path = folder / "81_expert_parallel_mpi.py"
+    path.write_text("\n\n".join(cells) + '\n\n\nif __name__ == "__main__":\n    main()\n', encoding="utf-8")
+    return path
 
 
 def under_mpi() -> bool:
@@ -67,13 +93,12 @@ def under_mpi() -> bool:
     return any(name in os.environ for name in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE"))
 
 
-def relaunch(argv: list[str], ranks: int, timeout: float) -> int:
-    """Run this script under `mpiexec -n ranks` (the one next to this Python), print what it printed."""
+def relaunch(program: Path, argv: list[str], ranks: int, timeout: float) -> int:
+    """Run `program` under `mpiexec -n ranks` (the one next to this Python), print what it printed."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if not mpiexec.is_file():
         raise SystemExit(f"no mpiexec next to {sys.executable}: pip install mpi4py mpich")
-    command = [str(mpiexec), "-n", str(ranks), sys.executable, "-m", "mpi4py", str(SCRIPT),
-               *argv]
+    command = [str(mpiexec), "-n", str(ranks), sys.executable, "-m", "mpi4py", str(program), *argv]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
     # One BLAS thread per rank, as MPI jobs run: the ranks, not the threads, share the cores.
     for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -118,7 +143,7 @@ def uneven_tokens(args: argparse.Namespace, size: int) -> list[np.ndarray]:
     """Every rank's own tokens: shard r holds (r + 1) * 64 tokens, except rank 2, which holds none."""
     counts = [0 if r == 2 else 64 * (r + 1) for r in range(size)]
     _, mean = skewed_router(args.experts, args.width, args.seed)
-    x = batch(np.zeros((1, args.width)), mean, sum(counts), args.seed, 999_999).astype(np.float64)
+    x = skewed_batch(np.zeros((1, args.width)), mean, sum(counts), args.seed, 999_999).astype(np.float64)
     return np.split(x, np.cumsum(counts)[:-1])
 
 
@@ -228,7 +253,7 @@ def trained_biases(args: argparse.Namespace, comm, config: MoEConfig) -> dict[st
     sign = np.zeros(config.n, np.float32)
     quantile = np.zeros(config.n, np.float32)
     for step in range(args.steps):
-        scores = router_scores(batch(weight, mean, args.train_tokens, args.seed, 1000 * step + rank), weight)
+        scores = router_scores(skewed_batch(weight, mean, args.train_tokens, args.seed, 1000 * step + rank), weight)
         # Quantile Balancing: the histogram of every rank's tokens, one integer Allreduce.
         quantile = ep_balance_update(scores, quantile, config.k, comm, bins=args.bins)
         # The sign rule: the global load, one integer Allreduce of n counts.
@@ -243,7 +268,7 @@ def speed(args: argparse.Namespace, comm, out: Path | None, save: Path | None = 
     config, params = layer(args)
     params = {name: a.astype(np.float32) for name, a in params.items()}
     weight, mean = skewed_router(config.n, config.d, args.seed)
-    x = batch(weight, mean, args.tokens, args.seed, 10**6 + rank)  # a fresh batch, [m, d] float32
+    x = skewed_batch(weight, mean, args.tokens, args.seed, 10**6 + rank)  # a fresh batch, [m, d] float32
     rows = []
     for name, bias in trained_biases(args, comm, config).items():
         mine = shard_params(dict(params, **{"gate.e_score_correction_bias": bias}), config, rank, size)
@@ -312,9 +337,7 @@ def plot(rows: list[dict], size: int, out: Path) -> None:
     ax.set_title(f"{size} ranks under mpiexec")
     ax.legend()
     fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / "ep_step_time.png", dpi=110)
-    plt.close(fig)
+    show_figure(fig, out, FIGURE, caption=CAPTION, alt=ALT)
 
 
 # %% [markdown]
@@ -324,7 +347,7 @@ def plot(rows: list[dict], size: int, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> bool:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="Expert parallelism over MPI: four ranks, two all-to-alls")
     parser.add_argument("--ranks", type=int, default=4, help="ranks to launch when started without mpiexec")
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=4)
@@ -342,9 +365,16 @@ def main(argv: list[str] | None = None) -> bool:
     parser.add_argument("--save", type=Path, default=None, help="rank 0 writes the speed table here (JSON)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not under_mpi():
-        code = relaunch(sys.argv[1:] if argv is None else list(argv), args.ranks, args.timeout)
-        if code:
-            raise SystemExit(f"the MPI job failed (exit {code})")
+        job_argv = sys.argv[1:] if argv is None else list(argv)
+        with tempfile.TemporaryDirectory(prefix="refimpl-81-") as folder:
+            # In a notebook rank 0 saves the figure here, and it is shown below the cell.
+            show = in_notebook() and args.out is None
+            code = relaunch(rank_program(Path(folder)), job_argv + (["--out", folder] if show else []),
+                            args.ranks, args.timeout)
+            if code:
+                raise SystemExit(f"the MPI job failed (exit {code})")
+            if show:
+                show_figure((Path(folder) / FIGURE).read_bytes(), None, FIGURE, caption=CAPTION, alt=ALT)
         return True
     from mpi4py import MPI
 

@@ -44,10 +44,19 @@ def new_folder_mode() -> int:
 
 
 def fsync_folder(folder: str | os.PathLike) -> None:
-    """Flush a folder's entries (the names of the files in it) to the disk."""
-    descriptor = os.open(folder, os.O_RDONLY)
+    """Flush a folder's entries (the names of the files in it) to the disk, where the platform allows it.
+
+    Some platforms and file systems cannot open or flush a folder; there the
+    rename is as durable as the platform makes it, and nothing is raised.
+    """
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
     try:
         os.fsync(descriptor)
+    except OSError:
+        pass
     finally:
         os.close(descriptor)
 

@@ -131,6 +131,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ._files import fsync_folder, new_file_mode
 from .config import MoEConfig, is_moe_layer
 from .latent_moe import MoEParams, check_params, parameter_shapes
 from .mx import MX_BLOCK, check_float_dtype, mxfp4_decode, mxfp4_encode
@@ -813,20 +814,20 @@ def _write_transaction(path: Path, files: dict[str, Callable[[str], None]], old:
     """
     created = [folder for folder in (path, *path.parents) if not folder.exists()]  # deepest first
     path.mkdir(parents=True, exist_ok=True)
-    mask = _umask()
+    mode = new_file_mode()
     staged: list[tuple[Path, Path]] = []  # (temporary, final)
     placed: list[Path] = []  # new files renamed into place under names no file had
     replaced = False  # whether a file the old checkpoint reads (config.json, the index, model.safetensors) changed
     mark_placed = False
     try:
         for name, write in files.items():
-            staged.append((_stage(path, name, write, mask), path / name))
+            staged.append((_stage(path, name, write, mode), path / name))
         stale_index = INDEX_FILE not in files and os.path.lexists(path / INDEX_FILE)
         if not os.path.lexists(path / INCOMPLETE_SAVE_MARK):  # an interrupted save's mark stays until we succeed
             mark = {"writing": list(files), "temporary": [temporary.name for temporary, _ in staged],
                     "replacing": sorted(old | ({INDEX_FILE} if stale_index else set()))}
             staged.append((_stage(path, INCOMPLETE_SAVE_MARK, lambda tmp: Path(tmp).write_text(json.dumps(mark)),
-                                  mask), path / INCOMPLETE_SAVE_MARK))
+                                  mode), path / INCOMPLETE_SAVE_MARK))
             os.replace(*staged[-1])
             staged.pop()
             mark_placed = True
@@ -838,9 +839,9 @@ def _write_transaction(path: Path, files: dict[str, Callable[[str], None]], old:
                 placed.append(final)
         if stale_index:
             os.unlink(path / INDEX_FILE)  # the single file is the checkpoint now; the old index would shadow it
-        _fsync_folder(path)
+        fsync_folder(path)
         os.unlink(path / INCOMPLETE_SAVE_MARK)
-        _fsync_folder(path)
+        fsync_folder(path)
     except BaseException:
         for temporary, _ in staged:
             if os.path.lexists(temporary):
@@ -857,16 +858,16 @@ def _write_transaction(path: Path, files: dict[str, Callable[[str], None]], old:
     for name in sorted(old - set(files)):  # the new checkpoint is complete: the old one's other files go
         if os.path.lexists(path / name) and not (path / name).is_dir():
             os.unlink(path / name)
-    _fsync_folder(path)
+    fsync_folder(path)
 
 
-def _stage(path: Path, name: str, write: Callable[[str], None], mask: int) -> Path:
+def _stage(path: Path, name: str, write: Callable[[str], None], mode: int) -> Path:
     """A temporary file in `path` holding what `write(temporary_name)` writes, flushed, with the umask's mode."""
     fd, temporary = tempfile.mkstemp(dir=path, prefix=f".{name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(temporary)
-        os.chmod(temporary, 0o666 & ~mask)  # mkstemp creates 0600; a new file gets what the umask allows
+        os.chmod(temporary, mode)  # mkstemp creates 0600; a new file gets what the umask allows
         fd = os.open(temporary, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -877,27 +878,6 @@ def _stage(path: Path, name: str, write: Callable[[str], None], mask: int) -> Pa
             os.unlink(temporary)
         raise
     return Path(temporary)
-
-
-def _umask() -> int:
-    """The process's umask (read by setting a restrictive one for an instant, then restoring it)."""
-    mask = os.umask(0o077)
-    os.umask(mask)
-    return mask
-
-
-def _fsync_folder(path: Path) -> None:
-    """Flush a folder's entries (the renames) to disk, where the platform allows it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _shard_groups(tensors: Mapping[str, np.ndarray], shard_size: int | None) -> list[list[str]]:

@@ -1,7 +1,7 @@
 r"""The MoE report card
 
-The textbook seed ends its MoE chapter with a checklist of what a report on an
-MoE model must contain:
+A textbook chapter on mixture-of-experts systems ends with a checklist of what
+a report on an MoE model must contain:
 
 * total and activated parameters;
 * number and size of routed and shared experts;
@@ -21,12 +21,12 @@ names its source; and where the sources say nothing the cell says
 **unknown**, with the reason. An empty-looking card is itself a finding: it
 shows how much of what the checklist asks the public reports leave out.
 
-Sources: **[K3]** the Kimi K3 technical report (through the project's seed
-documents), **[seed]** the textbook seed's MoE chapter, **[V3]** the
-DeepSeek-V3 technical report and its `config.json`, **[Switch]** Fedus, Zoph
-and Shazeer, *Switch Transformers* (JMLR 2022), **[LatentMoE]** the LatentMoE
-paper as the K3 seed summarizes it, **[computed]** computed here from the
-configuration.
+Sources: **[K3]** the Kimi K3 technical report, **[chapter]** that textbook
+chapter on mixture-of-experts systems (its summary of DeepSeek-V4, and its
+checklist), **[V3]** the DeepSeek-V3 technical report and its `config.json`,
+**[Switch]** Fedus, Zoph and Shazeer, *Switch Transformers* (JMLR 2022),
+**[LatentMoE]** the LatentMoE paper as the K3 report summarizes it,
+**[computed]** computed here from the configuration.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .config import MoEConfig
 
 __all__ = ["ITEMS", "CardEntry", "report_card", "report_card_entries", "systems"]
 
-#: The seed's checklist, in its order.
+#: The checklist of what an MoE report must state, in its order.
 ITEMS = (
     "total and activated parameters",
     "routed and shared experts",
@@ -138,19 +138,19 @@ def report_card_entries() -> dict[str, dict[str, CardEntry]]:
     v4_common = {
         "top-k and router normalization": CardEntry(
             "top-6 of sqrt(softplus(z)) + bias (the V3 bias, kept); weight normalization not stated; "
-            "first 3 MoE layers choose by a hash of the token id [seed]"),
+            "first 3 MoE layers choose by a hash of the token id [chapter]"),
         "capacity and overflow policy": unknown(not_stated),
         "load-balancing objective or bias": CardEntry(
             "auxiliary-loss-free bias (V3) plus a very small sequence-wise balance loss; its exact reduction is "
-            "not published [seed]"),
+            "not published [chapter]"),
         "expert-parallel topology": CardEntry(
             "no limit on the nodes a token may reach (V3's node limit removed), placement left to a redesigned "
-            "parallel system [seed]; the topology itself is not stated"),
-        "communication dtype and overlap": unknown("the seed refers to MegaMoE's wave dispatch and pull-based "
+            "parallel system [chapter]; the topology itself is not stated"),
+        "communication dtype and overlap": unknown("the chapter refers to MegaMoE's wave dispatch and pull-based "
                                                    "activations but gives no dtype"),
         "training token distribution": unknown(not_stated),
         "quality, throughput, tail latency, memory": unknown(
-            "no per-change ablation is reported (the seed says so); no figures in the sources"),
+            "no per-change ablation is reported (the chapter says so); no figures in the sources"),
     }
     return {
         "Kimi K3": {
@@ -185,12 +185,12 @@ def report_card_entries() -> dict[str, dict[str, CardEntry]]:
         },
         "DeepSeek-V4 Flash": {
             ITEMS[0]: _per_width(MoEConfig.deepseek_v4_flash(hidden_size=1)),
-            ITEMS[1]: CardEntry("256 routed of hidden size 2048; 1 shared expert [seed]"),
+            ITEMS[1]: CardEntry("256 routed of hidden size 2048; 1 shared expert [chapter]"),
             **v4_common,
         },
         "DeepSeek-V4 Pro": {
             ITEMS[0]: _per_width(MoEConfig.deepseek_v4_pro(hidden_size=1)),
-            ITEMS[1]: CardEntry("384 routed of hidden size 3072; 1 shared expert [seed]"),
+            ITEMS[1]: CardEntry("384 routed of hidden size 3072; 1 shared expert [chapter]"),
             **v4_common,
         },
         "Switch Transformer": {
@@ -210,8 +210,8 @@ def report_card_entries() -> dict[str, dict[str, CardEntry]]:
             ITEMS[0]: _parameters(plain, "as K3 less the norm gains, by construction"),
             ITEMS[1]: _experts(plain, ", the latent"),
             ITEMS[2]: CardEntry(f"as K3: top-{plain.k} of sigmoid + bias, renormalized raw scores [K3]"),
-            ITEMS[3]: unknown("the seeds do not state one for the original LatentMoE"),
-            ITEMS[4]: unknown("the seeds do not state the original LatentMoE's balancing"),
+            ITEMS[3]: unknown("the sources do not state one for the original LatentMoE"),
+            ITEMS[4]: unknown("the sources do not state the original LatentMoE's balancing"),
             ITEMS[5]: unknown(not_stated),
             ITEMS[6]: CardEntry("dispatch and combine: " + _payload(plain)),
             ITEMS[7]: CardEntry("the original paper's 95 B model: 300 B tokens [LatentMoE]"),

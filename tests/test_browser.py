@@ -1,15 +1,30 @@
 """The built site in a real browser: every page, as a reader opens it, with no network.
 
 The site built by `test_docs_build.py` is served on 127.0.0.1 from a thread,
-and headless Chromium, driven by Playwright, opens every page. Each page must
-answer 200, log no console error, request nothing outside 127.0.0.1, render
-every formula with KaTeX and no error, load every image, and link only to pages
-and anchors that exist; no navigation label or table of contents shows raw
-LaTeX, and no code line of up to 110 characters scrolls sideways on a
-1280-pixel screen. The reading path is followed from the landing page to its
-last page with the "next" links, every example's "Download as notebook" link
-is followed, search is tried offline, and printing is checked. Screenshots of the landing page and of the Eq. (11) page, and a PDF
-print of the latter, are saved into the build output (`<site>/screenshots/`).
+and headless Chromium, driven by Playwright, opens every page on a 1280-pixel
+screen. Each page must answer 200, log no console error, request nothing
+outside 127.0.0.1, render every formula with KaTeX and no error, load every
+image, and link only to pages and anchors that exist; no navigation label or
+table of contents shows raw LaTeX, and no code line of up to 110 characters
+scrolls sideways. What a reader sees is checked too:
+
+* every content figure has a caption and an alt text of several words, and is
+  shown at 0.6 of its natural width or more; nothing in the text column
+  (table, code, figure) reaches past it, except inside a box that scrolls;
+* the left sidebar holds at most 60 links, none to the same page twice, and no
+  label longer than two lines; no floating button covers the text;
+* no page cites the team's working papers (see `test_docs_build.OUTSIDE_WORDS`);
+* the conformance kit's page is at most 25,000 pixels tall, opens with how to
+  install the kit, and ends with its API reference and source;
+* the benchmark page leads with a plot per benchmark.
+
+The reading path is followed from the landing page to its last page with the
+"next" links, every example's "Download as notebook" link is followed (the
+notebook holds no path of the machine that built it), search is tried
+offline, printing is checked, and the landing, Eq. (11), kit, "Why Stable"
+and one example page are looked at on a phone's screen as well. Screenshots
+of those pages at both widths, and a PDF print of the Eq. (11) page, are saved
+into the build output (`<site>/screenshots/`).
 
 Chromium is looked for in `$CHROMIUM`, then as Debian's `/usr/bin/chromium`,
 then on the `PATH`; when there is none, these tests skip and say why.
@@ -18,6 +33,7 @@ then on the `PATH`; when there is none, these tests skip and say why.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shutil
@@ -27,9 +43,11 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
-from test_docs_build import build_site
+from test_docs_build import OUTSIDE_WORDS, build_site
 
 pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
 
 #: Flags that keep Chromium from reaching for the network or the GPU on its own.
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -90,9 +108,9 @@ def browser():
 class Visitor:
     """One browser tab that records, per page, everything the tests look at."""
 
-    def __init__(self, browser, base: str):
+    def __init__(self, browser, base: str, width: int = 1280):
         self.base = base
-        self.context = browser.new_context(viewport={"width": 1280, "height": 900})
+        self.context = browser.new_context(viewport={"width": width, "height": 900})
         self.outside: list[str] = []
         self.console: list[str] = []
         self.context.route("**/*", self._route)
@@ -137,9 +155,58 @@ class Visitor:
                 .filter(e => e.scrollWidth > e.clientWidth + 1)
                 .map(e => e.textContent.split('\n').reduce((a, b) => (b.length > a.length ? b : a))),
         })""")
+        report.update(self.page.evaluate(LOOK))
         report.update(path=path, status=response.status if response else None,
                       console=list(self.console), outside=list(self.outside))
         return report
+
+
+#: What a reader sees on a page, beyond what loads: figures, what sticks out of the column, the sidebar.
+LOOK = r"""() => {
+    const article = document.querySelector('.md-content article') || document.querySelector('.md-content');
+    const column = article.getBoundingClientRect();
+    const figures = [...article.querySelectorAll('img')].map(img => {
+        const figure = img.closest('figure');
+        const caption = figure && figure.querySelector('figcaption');
+        return {src: img.getAttribute('src'), alt: img.getAttribute('alt') || '',
+                caption: caption ? caption.textContent.trim() : '',
+                natural: img.naturalWidth, shown: img.getBoundingClientRect().width};
+    });
+    const scrolls = e => ['auto', 'scroll'].includes(getComputedStyle(e).overflowX);
+    // Material's table wrapper scrolls with a margin of -0.8rem on each side: that much is by design.
+    const slack = 0.8 * parseFloat(getComputedStyle(document.documentElement).fontSize) + 1;
+    const scrolledInside = e => {
+        for (let up = e; up && up !== article.parentElement; up = up.parentElement) {
+            if (scrolls(up) && up.getBoundingClientRect().right <= column.right + slack) return true;
+        }
+        return false;
+    };
+    const sticking = [...article.querySelectorAll('table, pre, img, figure, .katex-display')]
+        .filter(e => e.getBoundingClientRect().right > column.right + slack && !scrolledInside(e))
+        .map(e => `${e.tagName.toLowerCase()} ${Math.round(e.getBoundingClientRect().right - column.right)} px: `
+                  + e.textContent.slice(0, 60));
+    const primary = document.querySelector('.md-sidebar--primary');
+    const nav = primary ? [...primary.querySelectorAll('a.md-nav__link[href]')]
+        .filter(a => !a.closest('.md-nav--secondary')) : [];
+    const tall_labels = nav.filter(a => a.offsetParent !== null).filter(a => {
+        const line = parseFloat(getComputedStyle(a).lineHeight) || 16;
+        return a.getBoundingClientRect().height > 2.5 * line;
+    }).map(a => a.textContent.trim());
+    const top = document.querySelector('.md-top');
+    return {
+        figures, sticking,
+        nav_links: nav.map(a => a.href), tall_labels,
+        floating_top: !!(top && getComputedStyle(top).display !== 'none'),
+        text: (document.querySelector('.md-content') || document.body).innerText,
+        height: document.documentElement.scrollHeight,
+        headings: [...article.querySelectorAll('h2')].map(h => [h.textContent.replace('¶', '').trim(),
+                                                              h.getBoundingClientRect().top + window.scrollY]),
+        page_overflow: document.documentElement.scrollWidth - window.innerWidth,
+    };
+}"""
+
+#: The pages a reader is shown first, looked at on a phone's screen as well.
+LOOKED_AT = ["", "paper/latent_moe/", "paper/testing/", "pages/why-stable/", "examples/10_qb_by_hand/"]
 
 
 def site_pages(site: Path) -> list[str]:
@@ -204,10 +271,84 @@ def test_code_lines_of_110_characters_show_whole(visits):
     assert {p: r["scrolling_code"] for p, r in visits.items() if r["scrolling_code"]} == {}
 
 
-def test_every_example_page_downloads_its_notebook(server, browser):
-    """The "Download as notebook" link of each example page serves a valid notebook with outputs."""
-    import json
+def test_every_content_figure_has_a_caption_and_an_alt_text(visits):
+    """Each image of a page's text sits in a figure with a caption, and its alt text is several words."""
+    bad = {p: [(f["src"], f["alt"][:40], f["caption"][:40]) for f in r["figures"]
+               if not f["caption"] or len(f["alt"].split()) < 4] for p, r in visits.items()}
+    assert {p: b for p, b in bad.items() if b} == {}
+    assert sum(len(r["figures"]) for r in visits.values()) > 40
 
+
+def test_every_figure_is_shown_at_six_tenths_of_its_width_or_more(visits):
+    """At 1280 pixels a figure is legible: shown at 0.6 of its natural width at least (one point per figure)."""
+    small = {p: [(f["src"], f["natural"], round(f["shown"])) for f in r["figures"]
+                 if f["natural"] and f["shown"] < 0.6 * f["natural"]] for p, r in visits.items()}
+    assert {p: s for p, s in small.items() if s} == {}
+
+
+def test_nothing_reaches_past_the_text_column(visits):
+    """Tables, code, formulas and figures fit the column, or scroll inside a box of their own that does."""
+    assert {p: r["sticking"] for p, r in visits.items() if r["sticking"]} == {}
+
+
+def test_the_sidebar_holds_at_most_60_links_each_page_once_in_short_labels(visits):
+    for path, report in visits.items():
+        links = [link.split("#")[0] for link in report["nav_links"]]
+        assert len(links) <= 60, (path, len(links))
+        assert len(links) == len(set(links)), (path, sorted(link for link in links if links.count(link) > 1))
+        assert report["tall_labels"] == [], (path, report["tall_labels"])
+        assert not report["floating_top"], path  # no "Back to top" pill over the text
+    assert len(visits[""]["nav_links"]) >= 20
+
+
+def test_no_page_cites_the_specification_or_the_seeds(visits):
+    found = {p: sorted({m.group(0) for m in OUTSIDE_WORDS.finditer(r["text"])}) for p, r in visits.items()}
+    found = {p: words for p, words in found.items() if words}
+    assert found == {}, f"pages that cite the specification or the seeds: {found}"
+
+
+def test_the_kit_page_opens_with_installing_it_and_ends_with_its_reference(visits):
+    report = visits["paper/testing/"]
+    assert report["height"] <= 25_000, report["height"]
+    headings = [text for text, _ in report["headings"]]
+    top = dict(report["headings"])
+    assert headings[0] == "Install the kit in your own project", headings[:3]
+    assert top["Install the kit in your own project"] < report["height"] / 4
+    assert report["text"].index('pip install "refimpl[testing]"') < len(report["text"]) / 4
+    assert headings.index("A complete test file") == 1
+    assert headings[-2:] == ["API reference", "The source"], headings[-4:]
+
+
+def test_the_benchmark_page_leads_with_a_plot_per_benchmark(visits):
+    report = visits["benchmark-results/"]
+    headings = [text for text, _ in report["headings"]]
+    assert headings[0] == "At a glance" and "The recorded results" in headings
+    plotted = [f for f in report["figures"] if f["src"].endswith(".png")]
+    benchmarks = sorted((ROOT / "docs" / "benchmarks").glob("*.json"))
+    assert len(plotted) >= len(benchmarks) - 1 >= 7  # one plot per benchmark (a benchmark may have none)
+    assert dict(report["headings"])["At a glance"] < dict(report["headings"])["The recorded results"]
+
+
+def test_the_first_pages_read_on_a_phone(server, browser):
+    """On a 390-pixel screen the first pages do not scroll sideways and their figures fit."""
+    base, site = server
+    visitor = Visitor(browser, base, width=390)
+    shots = site / "screenshots"
+    shots.mkdir(exist_ok=True)
+    for path in LOOKED_AT:
+        report = visitor.visit(path)
+        name = path.strip("/").replace("/", "-") or "landing"
+        visitor.page.screenshot(path=str(shots / f"phone-{name}.png"), full_page=False)
+        assert report["page_overflow"] <= 1, (path, report["page_overflow"])
+        assert report["sticking"] == [], (path, report["sticking"])
+        assert all(f["shown"] <= 390 for f in report["figures"]), path
+    assert visitor.outside == [] and visitor.console == []
+    visitor.context.close()
+
+
+def test_every_example_page_downloads_its_notebook(server, browser):
+    """The "Download as notebook" link of each example page serves a valid notebook with outputs, and no path
+    of the machine that built it."""
     base, site = server
     visitor = Visitor(browser, base)
     pages = sorted(p.parent.name for p in (site / "examples").glob("[0-9][0-9]_*/index.html"))
@@ -224,6 +365,9 @@ def test_every_example_page_downloads_its_notebook(server, browser):
         assert notebook["nbformat"] == 4
         outputs = [o for c in notebook["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
         assert any(o["output_type"] == "stream" for o in outputs), stem
+        text = response.body().decode("utf-8")
+        assert not re.search(r"/tmp/|/root\b|/home/|/work/|ipykernel_\d+|argv = \[", text), stem
+        assert str(ROOT) not in text, stem
         with visitor.page.expect_download() as download:
             link.click()
         assert download.value.suggested_filename == f"{stem}.ipynb"
@@ -336,6 +480,10 @@ def test_screenshots_and_print(server, browser):
     })""")
     assert printed == {"sidebars": 0, "clipped_code": 0}
     visitor.page.pdf(path=str(shots / "eq11-latent_moe.pdf"), format="A4")
+    visitor.page.emulate_media(media="screen")
+    for path in LOOKED_AT[2:]:
+        visitor.visit(path)
+        visitor.page.screenshot(path=str(shots / f"desk-{path.strip('/').replace('/', '-')}.png"), full_page=True)
     visitor.context.close()
     for name in ("landing.png", "eq11-latent_moe.png", "eq11-latent_moe.pdf"):
         assert (shots / name).stat().st_size > 10_000

@@ -12,6 +12,7 @@ browser tests (`test_browser.py`) reuse the same build.
 from __future__ import annotations
 
 import ast
+import base64
 import html
 import json
 import os
@@ -251,46 +252,6 @@ def test_test_cases_are_listed_with_their_first_docstring_line(gen, tmp_path):
                      ("TestX.test_y", "TestX-test_y", "Y")]
 
 
-def test_examples_are_cached_by_source_and_package(gen, tmp_path, monkeypatch):
-    """A second build reuses the run; a change to the package re-runs it."""
-    package, scripts, cache = tmp_path / "refimpl", tmp_path / "examples", tmp_path / "cache"
-    package.mkdir()
-    scripts.mkdir()
-    (package / "core.py").write_text("X = 1\n", encoding="utf-8")
-    script = scripts / "01_hello.py"
-    script.write_text(textwrap.dedent('''\
-        """Hello."""
-        import sys
-        from pathlib import Path
-        out = Path(sys.argv[sys.argv.index("--out") + 1])
-        (out / "plot.png").write_bytes(b"png")
-        print("hello")
-        '''), encoding="utf-8")
-    for name, value in (("ROOT", tmp_path), ("PACKAGE", package), ("EXAMPLES", scripts), ("CACHE", cache)):
-        monkeypatch.setattr(gen, name, value)
-    first = gen.run_example(script)
-    assert (first.returncode, first.stdout, first.cached, first.figures) == (0, "hello\n", False, {"plot.png": b"png"})
-    second = gen.run_example(script)
-    assert (second.stdout, second.cached, second.figures) == ("hello\n", True, {"plot.png": b"png"})
-    (package / "core.py").write_text("X = 2\n", encoding="utf-8")
-    third = gen.run_example(script)
-    assert not third.cached and third.stdout == "hello\n"
-    assert len(list((cache / "01_hello").iterdir())) == 1  # only the newest run is kept
-
-
-def test_a_failing_example_is_reported_and_not_cached(gen, tmp_path, monkeypatch):
-    package, scripts, cache = tmp_path / "refimpl", tmp_path / "examples", tmp_path / "cache"
-    package.mkdir()
-    scripts.mkdir()
-    script = scripts / "02_broken.py"
-    script.write_text('"""Broken."""\nraise SystemExit("no luck")\n', encoding="utf-8")
-    for name, value in (("ROOT", tmp_path), ("PACKAGE", package), ("EXAMPLES", scripts), ("CACHE", cache)):
-        monkeypatch.setattr(gen, name, value)
-    run = gen.run_example(script)
-    assert run.returncode != 0 and "no luck" in run.stderr
-    assert not any(cache.rglob("run.json"))
-
-
 def test_docstrings_have_no_escape_accidents():
     """LaTeX in a docstring needs a raw string: in a plain one `\\alpha` becomes a bell character and `lpha`."""
     accidents = []
@@ -304,12 +265,90 @@ def test_docstrings_have_no_escape_accidents():
     assert accidents == []
 
 
-def test_markers_embed_cached_example_results(gen):
-    run = gen.ExampleRun("printed\n", "", 0, 0.1, {"table.md": b"| a |\n|---|\n", "log.txt": b"x"})
-    text = ("A <!-- refimpl:example-output 09_demo --> B <!-- refimpl:example-file 09_demo/table.md --> "
-            "C <!-- refimpl:example-file 09_demo/log.txt -->")
-    out = gen.expand_markers(text, {"09_demo": run}, "page.md")
-    assert out == "A ```text\nprinted\n```\n B | a |\n|---|\n C ```text\nx\n```\n"
+PNG_1x1 = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+                        "1f15c4890000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082")
+
+
+def made_up_record(folder: Path) -> Path:
+    """A made-up example whose script fails when run, and its record (a notebook with text and a figure)."""
+    script = folder / "09_demo.py"
+    script.write_text('r"""A demo.\n\nIts intro.\n"""\n\nraise SystemExit("examples are never run to build the site")\n',
+                      encoding="utf-8")
+    figure = {"output_type": "display_data", "data": {"image/png": base64.b64encode(PNG_1x1).decode(),
+                                                       "text/plain": "<plot.png>"},
+              "metadata": {"refimpl": {"filename": "plot.png", "caption": "What to see in the plot.",
+                                       "alt": "A plot of one thing against another"}}}
+    caption = {"output_type": "display_data", "data": {"text/markdown": "*What to see in the plot.*"},
+               "metadata": {"refimpl": {"caption_of": "plot.png"}}}
+    cells = [
+        {"cell_type": "markdown", "metadata": {}, "source": "# A demo\n\nIts intro."},
+        {"cell_type": "markdown", "metadata": {"refimpl": "note"}, "source": "*Made from the script.*"},
+        {"cell_type": "code", "metadata": {}, "execution_count": 1, "outputs": [],
+         "source": "def helper(x):\n    return 2 * x"},
+        {"cell_type": "markdown", "metadata": {"refimpl": "step"}, "source": "## Step 1: the table"},
+        {"cell_type": "code", "metadata": {}, "execution_count": 2, "source": "print('printed')",
+         "outputs": [{"output_type": "stream", "name": "stdout", "text": "printed\n"}, figure, caption]},
+        {"cell_type": "code", "metadata": {}, "execution_count": 3, "source": "print(report)",
+         "outputs": [{"output_type": "stream", "name": "stdout",
+                      "text": "Summary line\nrow 1\n\n" + "=" * 20 + "\nA mistake: its doc\n" + "=" * 20 +
+                              "\nits report\n"}]},
+    ]
+    record = {"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    script.with_suffix(".ipynb").write_text(json.dumps(record), encoding="utf-8")
+    return script
+
+
+def test_an_example_page_is_rendered_from_its_record_without_running_it(gen, tmp_path, monkeypatch):
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    script = made_up_record(tmp_path)
+    record = gen.read_record(script)
+    assert record.stdout.startswith("printed\n") and list(record.figures) == ["plot.png"]
+    assert record.figures["plot.png"].data == PNG_1x1 and (record.figures["plot.png"].width,
+                                                            record.figures["plot.png"].height) == (1, 1)
+    page = gen.example_page(script, record)
+    assert page.startswith("# A demo\n") and "Its intro." in page and "Made from the script" not in page
+    assert "[Download as notebook](09_demo.ipynb)" in page
+    assert "### Step 1: the table" in page  # steps sit under "The run, step by step"
+    assert page.index("print('printed')") < page.index("```text\nprinted\n```") < page.index("plot.png")
+    assert '<figure class="refimpl-figure" markdown="span">' in page
+    assert '![A plot of one thing against another](09_demo/plot.png){ width="1" height="1" }' in page
+    assert "<figcaption>What to see in the plot.</figcaption>" in page
+    assert page.count("What to see in the plot.") == 1  # the notebook's caption output is not shown twice
+    assert '??? abstract "Defines `helper`"' in page  # a cell of definitions only is folded
+    assert "examples are never run" in page.split("## Source")[1]  # the script's source comes last
+
+
+def test_a_missing_record_is_a_warning_that_says_how_to_make_it(gen, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    script = made_up_record(tmp_path)
+    script.with_suffix(".ipynb").unlink()
+    with caplog.at_level("WARNING"):
+        assert gen.read_record(script) is None
+    assert "make records" in caplog.text and "09_demo" in caplog.text
+
+
+def test_markers_embed_what_the_records_hold(gen, tmp_path, monkeypatch):
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    record = gen.read_record(made_up_record(tmp_path))
+    text = ("A <!-- refimpl:example-output 09_demo -->\n"
+            "B <!-- refimpl:example-figure 09_demo/plot.png -->\n"
+            "C <!-- refimpl:example-block 09_demo \"A mistake\" -->\n"
+            "    <!-- refimpl:example-block 09_demo \"Summary\" -->\n")
+    out = gen.expand_markers(text, {"09_demo": record}, "page.md", prefix="../")
+    assert out.startswith("A ```text\nprinted\nSummary line\n")
+    assert "![A plot of one thing against another](../examples/09_demo/plot.png)" in out
+    assert "C ```text\nits report\n```" in out
+    assert "    ```text\n    Summary line\n    row 1\n    ```" in out  # an indented marker stays indented
+
+
+def test_navigation_labels_of_examples_are_short(gen):
+    assert gen.nav_label(Path("10_qb_by_hand.py"), "Quantile Balancing by hand: twelve tokens") == \
+        "10 Quantile Balancing by hand"
+    assert gen.nav_label(Path("99_x.py"), "Error against the number of bins, and bytes against the batch size") == \
+        "99 Error against the number of bins"
+    for path in examples():
+        title = gen.example_title(path)[0]
+        assert len(gen.nav_label(path, title)) <= 34, title
 
 
 def test_benchmark_json_becomes_tables(gen):
@@ -393,15 +432,25 @@ def test_section_fragments_are_appended_to_their_module_page(site):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", examples(), ids=lambda p: p.stem)
-def test_example_pages_show_output_and_every_figure(site, script):
+def test_example_pages_show_their_record(site, script):
+    """The page shows what the record printed and every figure it holds, each with its caption."""
     markup = page(site, "examples", script.stem)
-    assert 'id="output"' in markup and 'class="language-text highlight"' in markup
-    assert "This example failed" not in markup
-    figures = sorted(p.name for p in (site / "examples" / script.stem).glob("*.png"))
-    for name in figures:
-        assert f'src="{name}"' in markup, name
+    assert 'id="the-run"' in markup and 'class="language-text highlight"' in markup
+    record = json.loads(script.with_suffix(".ipynb").read_text(encoding="utf-8"))
+    printed = [o["text"] if isinstance(o["text"], str) else "".join(o["text"]) for c in record["cells"]
+               if c["cell_type"] == "code" for o in c["outputs"] if o.get("name") == "stdout"]
+    shown = visible_text(markup)
+    for text in printed:
+        first = next((line for line in text.split("\n") if line.strip()), "")
+        assert visible_text(html.escape(first)) in shown, first
+    figures = [o["metadata"]["refimpl"] for c in record["cells"] if c["cell_type"] == "code"
+               for o in c["outputs"] if o.get("metadata", {}).get("refimpl", {}).get("filename")]
+    for meta in figures:
+        assert f'src="{meta["filename"]}"' in markup, meta["filename"]
+        assert (site / "examples" / script.stem / meta["filename"]).is_file()
+        assert visible_text(html.escape(meta["caption"])) in shown
     if script.stem == "40_compare_variants":
-        assert figures == ["half_precision.png", "output_scale.png"]
+        assert sorted(m["filename"] for m in figures) == ["half_precision.png", "output_scale.png"]
 
 
 @pytest.mark.slow
@@ -428,11 +477,20 @@ def test_literate_pages_open_with_an_idea_not_with_imports(site):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", examples(), ids=lambda p: p.stem)
-def test_example_pages_offer_their_notebook(site, script):
+def test_example_pages_offer_their_record_as_the_notebook(site, script):
     markup = page(site, "examples", script.stem)
     assert f'download="{script.stem}.ipynb" href="../{script.stem}.ipynb"' in markup
     assert "Download as notebook" in markup
-    assert (site / "examples" / f"{script.stem}.ipynb").is_file()
+    served = site / "examples" / f"{script.stem}.ipynb"
+    assert served.read_bytes() == script.with_suffix(".ipynb").read_bytes()
+
+
+@pytest.mark.slow
+def test_the_build_runs_no_example_and_says_what_it_does(site_build):
+    """The generator logs its stages, and builds every example page from its record (no example is run)."""
+    output = site_build.output
+    assert "no example is run" in output and "mkdocs now renders the pages" in output
+    assert re.search(r"rendered \d+ of \d+ pages", output)
 
 
 @pytest.mark.slow
@@ -481,3 +539,75 @@ def test_the_site_loads_nothing_from_outside(site):
     katex_css = (site / "assets" / "katex" / "katex.min.css").read_text(encoding="utf-8")
     fonts = set(re.findall(r"url\((fonts/[^)]+)\)", katex_css))
     assert fonts and all((site / "assets" / "katex" / font).is_file() for font in fonts)
+
+
+# ---------------------------------------------------------------------------
+# Words from outside the project, and the kit's page
+# ---------------------------------------------------------------------------
+
+#: The words that cite the team's working papers, which readers do not have: the specification (its
+#: name in capitals, its section numbers) and the documents the project grew from (the textbook one,
+#: its checklist, its source tag). A paper's own section, "Switch Transformers (JMLR 2022), \u00a72.2", is a citation a reader
+#: can follow. The words are spelled in pieces here, so that this file's own page does not cite them.
+CAPS, SECTION, SEED, SPEC_WORD = "SP" + "EC", "\u00a7", "se" + "ed", "sp" + "ec"
+OUTSIDE_WORDS = re.compile(
+    rf"(?-i:\b{CAPS}\b)|(?<!\), ){SECTION}\s*\d|\bof the {SPEC_WORD}\b|textbook {SEED}|{SEED} documents?"
+    rf"|(?<=\s)\[{SEED}\]|\bK3 {SEED}\b|\bthe {SEED}s'|\b{SEED}s' other"
+    rf"|\b{SEED}'s (checklist|claim|asserts?|sketch|chapter|notes)"
+    rf"|\bthe {SEED}s? (notes?|refers|says|do(es)? not (say|state)|asserts?|pins|gives|reports|summarizes)\b",
+    re.I)
+
+
+def outside_words_in(markup: str) -> list[str]:
+    """The words of a page's text (scripts and tags left out) that cite the specification or the seeds."""
+    text = visible_text(re.sub(r"<script.*?</script>", " ", markup, flags=re.S))
+    return sorted({m.group(0) for m in OUTSIDE_WORDS.finditer(text)})
+
+
+def test_the_outside_words_are_recognized():
+    for text in (f"see {CAPS} {SECTION}3", f"the textbook {SEED} says", f"the {SEED}'s checklist",
+                 f"not published [{SEED}]", f"{SECTION}9.1 of the {SPEC_WORD}", f"the {SEED}s' other systems",
+                 f"the {SEED} refers to MegaMoE", f"the {SEED}s do not state one"):
+        assert outside_words_in(f"<p>{text}</p>"), text
+    for text in ("from seeds 0, 1 and 2", "the seed sets the initial weights", "runs[label][seed]",
+                 f"Switch Transformers (JMLR 2022), {SECTION}2.2", "a spec sheet", "the random seed of the weights",
+                 "spectrum", "the OCP Microscaling specification"):
+        assert not outside_words_in(f"<p>{text}</p>"), text
+
+
+@pytest.mark.slow
+def test_no_page_cites_the_specification_or_the_seeds(site):
+    found = {}
+    for path in sorted(site.rglob("*.html")):
+        rel = path.relative_to(site).as_posix()
+        key = rel[: -len("index.html")] if rel.endswith("index.html") else rel
+        words = outside_words_in(path.read_text(encoding="utf-8"))
+        if words:
+            found[key] = words
+    assert found == {}
+
+
+@pytest.mark.slow
+def test_the_kit_page_opens_with_installing_it_and_ends_with_its_reference_and_source(site):
+    markup = page(site, "paper", "testing")
+    headings = [visible_text(h).rstrip("¶").strip() for h in re.findall(r"<h2[^>]*>(.*?)</h2>", markup, flags=re.S)]
+    assert headings[:2] == ["Install the kit in your own project", "A complete test file"], headings[:3]
+    assert headings[-2:] == ["API reference", "The source"], headings[-3:]
+    text = visible_text(markup[markup.index("<article"):])  # the page's text, not its table of contents
+    assert text.index('pip install "refimpl[testing]"') < text.index("A complete test file")
+    # The kit's source is folded at the end: no code of checks.py before "The source".
+    code = re.search(r"def\s+check_router\s*\(", text)
+    assert code and code.start() > text.rindex("The source")
+
+
+def test_the_kit_pages_complete_test_file_passes_under_pytest(tmp_path):
+    """The test file the kit's page tells a user to save runs, with pytest, in a folder of its own."""
+    fragment = (ROOT / "docs" / "sections" / "testing.md").read_text(encoding="utf-8")
+    section = fragment.split("## A complete test file", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_my_router.py").write_text(code, encoding="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "2 passed" in proc.stdout

@@ -2,7 +2,7 @@
 
 Each example is imported and its `main` called with `--out` into a temporary
 folder; the printed text is then checked line by line against values computed
-here independently (closed forms, `math`, the SPEC's literal numbers), and the
+here independently (closed forms, `math`, the numbers K3's report states), and the
 figures are checked to be PNG files. One slow test also runs each script as
 `python examples/NN_slug.py`, the way the docs build does.
 """
@@ -122,7 +122,7 @@ def test_k3_accounting(tmp_path, capsys):
     }
     for label, value in rows.items():
         assert row_value(text, label) == f"{value:,}", label
-    # SPEC section 7, literally.
+    # The numbers K3's report states, literally.
     for literal in ("33,030,144", "29,595,009,024", "2,722,740,830,208", "528,482,304", "132,120,576",
                     "51,380,224", "711,983,104", "6,422,528", "2.72T", "65.5B"):
         assert literal in text, literal

@@ -27,8 +27,8 @@ Put that call in a test function and pytest runs it like any other test.
 
 Each check takes a callable with the signature of the matching reference
 function. Inputs and outputs are NumPy arrays, so code in any framework fits
-behind a few lines that convert them (the section at the end of this page
-adapts a PyTorch router).
+behind a few lines that convert them (a PyTorch router behind such an adapter
+is shown with the kit's installation).
 
 | check | your callable | compared with | invariants beyond agreement |
 |---|---|---|---|

@@ -1,8 +1,9 @@
 r"""`check_capacity`: test your own capacity limit and token dropping.
 
 A layer with a capacity factor serves at most $C = \lceil c\,mk/n \rceil$
-assignments per expert and drops the rest. The textbook sketch fixes the
-overflow rule exactly (see `refimpl.baselines.capacity_keep`):
+assignments per expert and drops the rest. The usual capacity sketch (Switch
+Transformer's dispatch, as `refimpl.baselines.capacity_keep` implements it)
+fixes the overflow rule exactly:
 
 * assignments are served **rank by rank**, every token's first choice before
   any token's second choice, and within a rank **in token order**;

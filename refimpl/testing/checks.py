@@ -355,17 +355,17 @@ def check_router(fn: Callable[[np.ndarray, np.ndarray, int], tuple[Any, Any]], *
         Invariant("distinct experts per token", "Eq. (13): T_i is a set of k different experts",
                   distinct, distinct_ids, basic=True, describe=inputs),
         Invariant("weights from raw scores",
-                  "Eq. (13), SPEC §3: p uses the raw scores s of the chosen experts, never s + b",
+                  "Eq. (13): the weights come from the raw scores s of the chosen experts, never from s + b",
                   distinct, raw_weights, describe=inputs),
     ]
     if renormalize:
         invariants.append(Invariant(
             "weights sum to the scaling factor",
-            "SPEC §3: the k weights are renormalized to sum to one, then scaled", distinct, weight_sums,
+            "Eq. (13): the k weights are renormalized to sum to one, then scaled by the routed scaling factor", distinct, weight_sums,
             describe=inputs))
     invariants += [
         Invariant("bias-shift invariance",
-                  "SPEC §3-4: top-k of s + b + c equals top-k of s + b for any common shift c",
+                  "Eq. (13)-(14): adding one constant c to every bias changes no top-k of s + b",
                   st.tuples(distinct, rst.bias_shifts()), shift_invariance, describe=shifted_inputs),
         Invariant("selection is the top-k of s + b",
                   "Eq. (13): T_i = argtopk_k(s_i + b), the bias added to the scores", distinct, selection,
@@ -376,7 +376,7 @@ def check_router(fn: Callable[[np.ndarray, np.ndarray, int], tuple[Any, Any]], *
     ]
     if tie_order == "lower_id":
         invariants.append(Invariant(
-            "tie order: lower id first", "SPEC §3: ties resolve to the lower expert id", tied, lower_id_ties,
+            "tie order: lower id first", "the tie order you declared: among equal biased scores the lower expert id is chosen", tied, lower_id_ties,
             describe=inputs))
     return run_check("check_router", invariants, kit_settings(settings))
 

@@ -69,8 +69,8 @@ class Code(str):
 class Invariant:
     """A named property: `body(case)` raises `Violation` when the user's code breaks it.
 
-    `why` says in one line what the paper requires and where (SPEC section or
-    equation). `strategy` draws the cases; `describe(case)` names the inputs
+    `why` says in one line what the paper requires and where (the equation
+    or appendix). `strategy` draws the cases; `describe(case)` names the inputs
     to print when the body's violation does not (for instance when the
     user's function raised).
     """

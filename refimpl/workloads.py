@@ -1,13 +1,28 @@
-"""Helpers shared by the "balance is speed" examples (80, 81): a skewed router and fresh batches for it.
+"""A skewed router and fresh batches for it: the workload of the "Balance is speed" examples.
 
-Not an example itself (no number): the numbered scripts import it.
+Examples 80 and 81 measure what an imbalanced batch costs in time. They need
+a router whose experts are not equally popular, batches that change every
+step, and the biases that balancing rules would hold after some steps on
+such batches. All three are here, so that the examples (and their notebooks,
+run anywhere) draw exactly the same workload:
+
+* `skewed_router(n, width, seed)`: router weights `[n, width]` under which
+  expert $e$ leans towards a common mean token by $1 - e/n$, so the first
+  experts are popular, and that mean token;
+* `skewed_batch(weight, mean, tokens, seed, step)`: the router inputs of one
+  step, a fresh draw around the mean token;
+* `trained_biases(...)`: the bias the sign rule and Quantile Balancing hold
+  after the same `steps` earlier batches, next to the zero bias.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from refimpl import QuantileBalancer, SignBalancer, router_scores
+# The public names, as every user imports them (the package's own modules may move them around).
+from . import QuantileBalancer, SignBalancer, router_scores
+
+__all__ = ["skewed_batch", "skewed_router", "trained_biases"]
 
 
 def skewed_router(n: int, width: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -20,7 +35,7 @@ def skewed_router(n: int, width: int, seed: int) -> tuple[np.ndarray, np.ndarray
     return weight.astype(np.float32), (0.6 * mean).astype(np.float32)
 
 
-def batch(weight: np.ndarray, mean: np.ndarray, tokens: int, seed: int, step: int) -> np.ndarray:
+def skewed_batch(weight: np.ndarray, mean: np.ndarray, tokens: int, seed: int, step: int) -> np.ndarray:
     """Router inputs of one batch `[tokens, width]`, a fresh draw for each step."""
     x = np.random.default_rng([seed, step]).standard_normal((tokens, weight.shape[1]))
     return (x + mean).astype(np.float32)
@@ -32,7 +47,7 @@ def trained_biases(weight: np.ndarray, mean: np.ndarray, k: int, steps: int, tok
     n = weight.shape[0]
     sign, quantile = SignBalancer(n, k, rate=rate), QuantileBalancer(n, k)
     for step in range(steps):
-        scores = router_scores(batch(weight, mean, tokens, seed, step), weight)
+        scores = router_scores(skewed_batch(weight, mean, tokens, seed, step), weight)
         sign.step(scores)
         quantile.step(scores)
     return {"zero bias": np.zeros(n, np.float32), f"sign rule ({steps} steps)": sign.bias,
