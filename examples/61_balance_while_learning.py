@@ -26,8 +26,15 @@ a one-step-old bias can do on this text. Real text repeats itself (runs of
 indentation spaces give many identical 16-byte contexts in one batch), and
 identical tokens choose identical experts: no bias can split them.
 
-The long run is recorded in `refimpl/results/61_balance_while_learning.json` (shipped with the package);
-this page plots it and replays the first steps of one recorded run to check
+A fourth size is K3's own routing: $n = 896$ experts with $k = 16$ ($f = 8$,
+keeping the model small), at $m = 4096$ tokens per step ($q \approx 73$, about
+the load per expert of the smaller sizes), with the same balancers but the
+histogram estimate. It takes about an hour and a half on two cores, so it is a run and a
+record of its own (`--full-k3`).
+
+The long runs are recorded in `refimpl/results/61_balance_while_learning.json`
+and `refimpl/results/61_balance_at_k3_scale.json` (shipped with the package);
+this page plots them and replays the first steps of one recorded run to check
 that the code still produces the same numbers.
 """
 
@@ -60,6 +67,8 @@ from refimpl.train import TrainConfig, default_layer, load_corpus, noise_floor, 
 
 RESULTS = recorded_path("61_balance_while_learning.json")
 COMMAND = "OPENBLAS_NUM_THREADS=1 python examples/61_balance_while_learning.py --full"
+K3_RESULTS = recorded_path("61_balance_at_k3_scale.json")
+K3_COMMAND = "OPENBLAS_NUM_THREADS=1 python examples/61_balance_while_learning.py --full-k3"
 SEEDS = (0, 1, 2)
 STEPS = 300
 SIZES = {
@@ -67,15 +76,23 @@ SIZES = {
     "n=256": dict(experts=256, top_k=8, intermediate=16, batch=1024),
     "n=512": dict(experts=512, top_k=8, intermediate=16, batch=1024),
 }
+#: K3's routing, n = 896 and k = 16, with the model kept small (f = 8) and q = mk/n about 73.
+K3_SIZES = {"n=896": dict(experts=896, top_k=16, intermediate=8, batch=4096)}
 KEEP = ("step", "loss", "max_violation", "eval_loss")
+K3_CAPTION = ("At K3's own routing, 896 experts and 16 per token (q = 73): Quantile Balancing settles within about "
+              "sixty steps at 1.5 times the line of a router that does not learn; the sign rule at 1e-2 settles only "
+              "after about 110 steps, at three times QB's violation, and at 1e-3 it is still falling at step 300.")
 
 # %%
 
 
-def grid() -> dict[str, TrainConfig]:
-    """Every configuration of the experiment, by label (each is trained once per seed of `SEEDS`)."""
+def grid(sizes_by_label: dict[str, dict[str, int]] = SIZES) -> dict[str, TrainConfig]:
+    """Every configuration of the experiment, by label (each is trained once per seed of `SEEDS`).
+
+    Every size trains QB, the sign rule at two rates and no balancing; n = 64 also the histogram estimate,
+    and n = 64 and n = 896 the floor of a router that does not learn."""
     runs: dict[str, TrainConfig] = {}
-    for size, sizes in SIZES.items():
+    for size, sizes in sizes_by_label.items():
         common = dict(steps=STEPS, seed=SEEDS[0], stats_every=STEPS, eval_every=50, batch=sizes["batch"],
                       moe=default_layer(num_experts=sizes["experts"], top_k=sizes["top_k"],
                                         intermediate_size=sizes["intermediate"]))
@@ -85,17 +102,19 @@ def grid() -> dict[str, TrainConfig]:
         runs[f"{size} sign 1e-3"] = TrainConfig(balancer="sign", sign_rate=1e-3, **common)
         runs[f"{size} sign 1e-2"] = TrainConfig(balancer="sign", sign_rate=1e-2, **common)
         runs[f"{size} none"] = TrainConfig(balancer="none", **common)
-        if size == "n=64":
+        if size in ("n=64", "n=896"):
             runs[f"{size} qb, router frozen"] = TrainConfig(balancer="qb", **{**common, "lr": 1e-7})
     return runs
 
 
-def run_full(path: Path) -> None:
-    """The long run: train every configuration of `grid()` for every seed and write the results JSON."""
-    record = record_runs(COMMAND, grid(), SEEDS, KEEP)
+def run_full(path: Path, sizes_by_label: dict[str, dict[str, int]], command: str) -> None:
+    """A long run: train every configuration of `grid(sizes_by_label)` for every seed and write the record."""
+    started = time.perf_counter()
+    record = record_runs(command, grid(sizes_by_label), SEEDS, KEEP)
     # The sampling-noise floor depends only on m, n and k (its draws have their own fixed seed).
     record["floors"] = {size: noise_floor(s["batch"], s["experts"], s["top_k"], draws=200, seed=0).tolist()
-                        for size, s in SIZES.items()}
+                        for size, s in sizes_by_label.items()}
+    record["wall_seconds"] = time.perf_counter() - started
     write_record(path, record)
 
 
@@ -132,14 +151,16 @@ def summarize(results: dict) -> dict[str, dict]:
     return table
 
 
-def print_results(results: dict) -> dict[str, dict]:
+def print_results(results: dict, sizes_by_label: dict[str, dict[str, int]] = SIZES) -> dict[str, dict]:
+    """Print the table of one record (its sizes are `sizes_by_label`) and return `summarize`'s table."""
     table = summarize(results)
     seeds = ", ".join(map(str, results["seeds"]))
-    print(f"Recorded run ({results['command']}): seeds {seeds}, {STEPS} steps, two MoE layers, "
+    took = f", {results['wall_seconds'] / 60:.0f} min on two cores" if "wall_seconds" in results else ""
+    print(f"Recorded run ({results['command']}{took}): seeds {seeds}, {STEPS} steps, two MoE layers, "
           f"d = 64, l = 32, SiTU-GLU, latent norm on, Adam lr 3e-3.")
     print("max violation = max_j load_j / q - 1 on each step's batch with the bias in use (largest of the layers);")
     print("each entry: median over the seeds [smallest-largest]; steps 1 to 50: the median only")
-    for size, s in SIZES.items():
+    for size, s in sizes_by_label.items():
         floor = np.array(results["floors"][size])
         q = s["batch"] * s["top_k"] / s["experts"]
         print(f"\n{size}, k = {s['top_k']}, f = {s['intermediate']}, m = {s['batch']} (q = {q:g}); sampling-noise "
@@ -168,6 +189,9 @@ def print_results(results: dict) -> dict[str, dict]:
 # %%
 
 
+REPLAY_TOLERANCE = 1e-5  # relative; float32 sums in another order (another BLAS thread count) stay well inside
+
+
 def live_check(results: dict) -> dict[str, float]:
     """Replay the first steps of a recorded n = 64 QB run, then a short fresh comparison, QB against none."""
     seed = str(results["seeds"][0])
@@ -175,9 +199,11 @@ def live_check(results: dict) -> dict[str, float]:
     pairs = list(zip(replay(recorded, 3), recorded["steps"][:3], strict=True))
     # Bit for bit with the recorded BLAS thread count; another count sums the products in another order.
     drift = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in pairs)
-    same = drift <= 1e-5 and all(a["max_violation"] == b["max_violation"] for a, b in pairs)
+    same = drift <= REPLAY_TOLERANCE and all(a["max_violation"] == b["max_violation"] for a, b in pairs)
+    # The bound is printed, not the drift itself: the drift depends on the machine's BLAS and thread count.
     print(f"\nLive check 1: the first 3 steps of the recorded 'n=64 qb' run of seed {seed}, replayed: "
-          f"{'the same violations, losses within ' + f'{drift:.1e}' + ' relative' if same else 'DIFFERENT from the record'}")
+          + (f"the same violations, losses within {REPLAY_TOLERANCE:.0e} relative" if same
+             else f"DIFFERENT from the record (losses {drift:.1e} relative apart)"))
     corpus = load_corpus()
     short = {}
     for balancer in ("qb", "none"):
@@ -209,7 +235,7 @@ def violation_panel(ax, results: dict, size: str) -> None:
                label="sampling noise (5-95%)")
     ax.set_yscale("log")
     ax.set_xlabel("step")
-    s = SIZES[size]
+    s = {**SIZES, **K3_SIZES}[size]
     ax.set_title(f"{size}, k = {s['top_k']}, m = {s['batch']}", fontsize=10)
 
 
@@ -228,8 +254,8 @@ def loss_panel(ax, results: dict, size: str) -> None:
     ax.set_ylim(1.5, 3.0)
 
 
-def plot(out: Path | None, results: dict) -> None:
-    """Three figures, one point each: the balance at n = 64, the balance at n = 256 and 512, the losses."""
+def plot(out: Path | None, results: dict, k3: dict) -> None:
+    """Four figures, one point each: the balance at n = 64, at n = 256 and 512, at n = 896; the losses."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -260,6 +286,14 @@ def plot(out: Path | None, results: dict) -> None:
                 alt="Two line plots on a log scale of the max violation per training step for each balancer, "
                     "at 256 and at 512 experts, with grey sampling-noise bands")
 
+    fig, ax = plt.subplots(figsize=(7, 4.2), constrained_layout=True)
+    violation_panel(ax, k3, "n=896")
+    ax.set_ylabel("max violation (max load / q - 1)")
+    ax.legend(fontsize=8, ncol=2)
+    show_figure(fig, out, "balance_at_k3_scale.png",
+                caption=K3_CAPTION, alt="Line plot on a log scale of the max violation per training step for "
+                "each balancer at 896 experts and 16 per token, with a grey band for the sampling noise")
+
     fig, axes = plt.subplots(1, 3, figsize=(10.5, 3.6), constrained_layout=True, sharey=True)
     for ax, size in zip(axes, SIZES, strict=True):
         loss_panel(ax, results, size)
@@ -281,16 +315,24 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--full", action="store_true",
                         help=f"rerun the long experiment (about 32 min of CPU time, 16 min on two cores) and rewrite "
                              f"{RESULTS.name}")
+    parser.add_argument("--full-k3", action="store_true",
+                        help=f"rerun the experiment at n = 896, k = 16 (about an hour and a half on two cores) and rewrite "
+                             f"{K3_RESULTS.name}")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if args.full:
-        run_full(RESULTS)
+        run_full(RESULTS, SIZES, COMMAND)
+    if args.full_k3:
+        run_full(K3_RESULTS, K3_SIZES, K3_COMMAND)
     results = load_record(RESULTS.name)
     table = print_results(results)
+    print()
+    k3 = load_record(K3_RESULTS.name)
+    table.update(print_results(k3, K3_SIZES))
     check = live_check(results)
     print(f"run time {time.perf_counter() - start:.1f} s")
     if figures_wanted(args.out):
-        plot(args.out, results)
+        plot(args.out, results, k3)
     return {"table": table, "check": check}
 
 

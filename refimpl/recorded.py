@@ -9,6 +9,7 @@ with the package in `refimpl/results/`:
 | record | made by |
 |---|---|
 | `61_balance_while_learning.json` | `python examples/61_balance_while_learning.py --full` |
+| `61_balance_at_k3_scale.json` | `python examples/61_balance_while_learning.py --full-k3` (n = 896, k = 16) |
 | `62_activations_while_training.json` | `python examples/62_activations_while_training.py --full` |
 | `63_latent_norm_while_training.json` | `python examples/63_latent_norm_while_training.py --full` |
 | `balancers_training.json` | `python examples/73_balancers_in_training.py --full` |

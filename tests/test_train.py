@@ -25,6 +25,7 @@ import pytest
 
 from refimpl.balancing import quantile_balancing_update
 from refimpl.config import MoEConfig
+from refimpl.recorded import load_record
 from refimpl.train import (
     BALANCERS,
     HistogramBalancer,
@@ -319,8 +320,8 @@ def test_config_holds_the_layer_and_reads_every_recorded_run():
             "latent_norm": "use_latent_norm", "layers": "num_moe_layers"}
     records = []
     for name in ("61_balance_while_learning", "62_activations_while_training", "63_latent_norm_while_training",
-                 "balancers_training", "default_run"):
-        data = json.loads((ROOT / "docs" / "results" / f"{name}.json").read_text())
+                 "61_balance_at_k3_scale", "balancers_training", "default_run"):
+        data = load_record(name)
         runs = data.get("runs", {})
         for run in (runs if isinstance(runs, list) else [r for by_seed in runs.values() for r in by_seed.values()]):
             records.append(run["config"])
