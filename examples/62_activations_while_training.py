@@ -144,6 +144,9 @@ def print_results(results: dict) -> dict[str, dict]:
 # %%
 
 
+REPLAY_TOLERANCE = 1e-4  # relative; float32 sums in another order (another BLAS thread count) stay well inside
+
+
 def live_check(results: dict) -> dict[str, float]:
     """Replay the first steps of a recorded SwiGLU run at the largest rate: the same peaks and losses."""
     label = f"swiglu lr {LOW_PRECISION_RATE:g} float32"
@@ -155,11 +158,13 @@ def live_check(results: dict) -> dict[str, float]:
     drift = max(max(abs(a["loss"] - b["loss"]) / abs(b["loss"]),
                     max(abs(x - y) / abs(y) for x, y in zip(a["activation_peak"], b["activation_peak"], strict=True)))
                 for a, b in pairs)
-    same = drift <= 1e-4
+    same = drift <= REPLAY_TOLERANCE
     peaks = [max(r["activation_peak"]) for r in steps]
+    # The bound is printed, not the drift itself: the drift depends on the machine's BLAS and thread count.
     print(f"\nLive check: the first 4 steps of '{label}', seed {seed}, replayed: "
-          f"{'losses and peaks within ' + f'{drift:.1e}' + ' relative' if same else 'DIFFERENT from the record'}; "
-          f"peaks {', '.join(f'{p:.1f}' for p in peaks)}")
+          + (f"losses and peaks within {REPLAY_TOLERANCE:.0e} relative" if same
+             else f"DIFFERENT from the record ({drift:.1e} relative apart)")
+          + f"; peaks {', '.join(f'{p:.1f}' for p in peaks)}")
     return {"replay_identical": float(same), "peak_step_4": peaks[-1]}
 
 

@@ -156,6 +156,9 @@ def print_results(results: dict) -> dict[str, dict]:
 # %%
 
 
+REPLAY_TOLERANCE = 1e-5  # relative; float32 sums in another order (another BLAS thread count) stay well inside
+
+
 def live_check(results: dict) -> dict[str, float]:
     """Replay the first steps of a recorded norm-off run at the default rate."""
     label = "norm off lr 0.003"
@@ -164,9 +167,11 @@ def live_check(results: dict) -> dict[str, float]:
     # Bit for bit with the recorded BLAS thread count; another count sums the products in another order.
     drift = max(abs(a["loss"] - b["loss"]) / abs(b["loss"])
                 for a, b in zip(replay(recorded, 4), recorded["steps"][:4], strict=True))
-    same = drift <= 1e-5
+    same = drift <= REPLAY_TOLERANCE
+    # The bound is printed, not the drift itself: the drift depends on the machine's BLAS and thread count.
     print(f"\nLive check: the first 4 steps of '{label}', seed {seed}, replayed: "
-          f"{'losses within ' + f'{drift:.1e}' + ' relative' if same else 'DIFFERENT from the record'}")
+          + (f"losses within {REPLAY_TOLERANCE:.0e} relative" if same
+             else f"DIFFERENT from the record (losses {drift:.1e} relative apart)"))
     return {"replay_identical": float(same)}
 
 
