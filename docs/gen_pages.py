@@ -94,6 +94,7 @@ READING_PATH: list[tuple[str, str]] = [
     ("baselines", "The other routers and balancers"),
     ("expert_parallel", "Expert parallelism over MPI"),
     ("train", "Training a small model"),
+    ("train_parallel", "Training over MPI"),
     ("testing", "The conformance kit"),
 ]
 
