@@ -443,8 +443,10 @@ def notebook(cells: list[Cell], script_name: str):
         "language_info": {"name": "python"},
         "refimpl": {"source": f"examples/{script_name}", "refresh": REFRESH},
     })
-    for cell in cells:
+    for number, cell in enumerate(cells):
         new = v4.new_markdown_cell(cell.source) if cell.kind == "markdown" else v4.new_code_cell(cell.source)
+        # Ids by position, not nbformat's random ones: refreshing a record changes only what the run changed.
+        new.id = f"cell-{number}"
         if cell.metadata:
             new.metadata.update(copy.deepcopy(cell.metadata))
         nb.cells.append(new)
