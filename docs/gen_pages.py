@@ -105,7 +105,9 @@ STUDIES = ["why-stable", "balance-is-speed", "report-card", "conventions"]
 #: Helper modules: pages of their own, listed on `internals/index.md` rather than in the navigation.
 INTERNALS = {"_xp": "the array-API helpers the standard lacks", "validation": "input checks with clear errors",
              "recorded": "the recorded long runs the examples replay", "figures": "how the examples save and "
-             "show their figures", "workloads": "the skewed router of the balance-is-speed examples"}
+             "show their figures", "workloads": "the skewed router of the balance-is-speed examples",
+             "_fast": "the fast paths, each beside the readable code it replaces",
+             "_files": "atomic writes: a temporary name, flushed, then renamed"}
 
 #: Modules whose page is reached from a study page rather than from the navigation (one label, one page).
 NOT_IN_NAV = {"report_card"}

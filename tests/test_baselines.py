@@ -512,7 +512,7 @@ def test_bad_inputs_name_the_argument():
 # ---------------------------------------------------------------------------
 
 
-def test_example_70_reproduces_the_seed_asserts(capsys):
+def test_example_70_keeps_and_drops_the_hand_computed_slots(capsys):
     from conftest import load_example
 
     result = load_example("70_capacity_by_hand").main([])

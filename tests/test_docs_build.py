@@ -575,6 +575,16 @@ def test_the_outside_words_are_recognized():
         assert not outside_words_in(f"<p>{text}</p>"), text
 
 
+def test_hand_written_pages_show_example_figures_through_the_marker():
+    """A figure of an example comes from its record (with its caption and alt text), never from a bare image link."""
+    bare = {}
+    for path in sorted([*(ROOT / "docs" / "pages").glob("*.md"), *(ROOT / "docs" / "sections").glob("*.md")]):
+        links = re.findall(r"!\[[^\]]*\]\([^)]*examples/[^)]*\)", path.read_text(encoding="utf-8"))
+        if links:
+            bare[path.name] = links
+    assert bare == {}, "use <!-- refimpl:example-figure NN_slug/name.png --> instead of: " + repr(bare)
+
+
 @pytest.mark.slow
 def test_no_page_cites_the_specification_or_the_seeds(site):
     found = {}

@@ -321,7 +321,7 @@ def test_config_holds_the_layer_and_reads_every_recorded_run():
     records = []
     for name in ("61_balance_while_learning", "62_activations_while_training", "63_latent_norm_while_training",
                  "61_balance_at_k3_scale", "balancers_training", "default_run"):
-        data = load_record(name)
+        data = load_record(f"{name}.json")
         runs = data.get("runs", {})
         for run in (runs if isinstance(runs, list) else [r for by_seed in runs.values() for r in by_seed.values()]):
             records.append(run["config"])
