@@ -88,9 +88,12 @@ serve: docs
 
 # --- tests and benchmarks --------------------------------------------------
 
+# The test files run in JOBS processes (pytest-xdist), each file whole in one of them; JOBS=1 runs them in
+# this process, one after another.
+JOBS ?= 2
 test: $(TEST_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
 
 # Re-run the worked examples (all, or those in EXAMPLES) in a fresh Jupyter kernel each, alone in an empty
 # folder, and rewrite their records examples/NN_slug.ipynb. Commit the records with the change that made them.
