@@ -17,7 +17,8 @@ The public API re-exported here follows the paper section by section:
   and the microscaling formats `mxfp4_encode`, `mxfp4_decode`, `mxfp8_round` (`refimpl.mx`);
 * porting: `params_from_hf_state_dict` and `hf_state_dict_from_params`, one block's weights to and
   from Hugging Face tensor names (`refimpl.state_dict`);
-* expert parallelism: `ep_forward`, `ep_balance_update`, `shard_params`, `padded_routed_experts`;
+* expert parallelism: `ep_forward` and its backward `ep_vjp`, `ep_balance_update`, `shard_params`,
+  `padded_routed_experts`;
 * the conformance kit: the subpackage `refimpl.testing` (imported on first use,
   since it needs Hypothesis).
 """
@@ -82,6 +83,7 @@ from .expert_parallel import (
     EPStats,
     ep_balance_update,
     ep_forward,
+    ep_vjp,
     expected_remote_ranks,
     expert_block,
     padded_routed_experts,
@@ -161,6 +163,7 @@ __all__ = [
     "dual_objective",
     "ep_balance_update",
     "ep_forward",
+    "ep_vjp",
     "expected_remote_ranks",
     "expert_block",
     "expert_load",
