@@ -15,7 +15,7 @@ Balancers, at every size: exact Quantile Balancing (`qb`), DeepSeek-V3's sign
 rule at $\gamma = 10^{-3}$ (its published step) and at $\gamma = 10^{-2}$, and
 none; at $n = 64$ also QB's histogram estimate over 4 micro-batches
 (`qb-hist`). Every configuration is trained for 300 steps from seeds 0, 1
-and 2 (the seed sets the initial weights and the batches); the tables give
+and 2 (each seed sets the initial weights and the batches); the tables give
 the median over the three seeds and, in brackets, the smallest and largest.
 
 Two floors put the numbers in scale. **Sampling noise**: the max violation of
@@ -159,7 +159,7 @@ def print_results(results: dict, sizes_by_label: dict[str, dict[str, int]] = SIZ
     print(f"Recorded run ({results['command']}{took}): seeds {seeds}, {STEPS} steps, two MoE layers, "
           f"d = 64, l = 32, SiTU-GLU, latent norm on, Adam lr 3e-3.")
     print("max violation = max_j load_j / q - 1 on each step's batch with the bias in use (largest of the layers);")
-    print("each entry: median over the seeds [smallest-largest]; steps 1 to 50: the median only")
+    print("each entry: median across seeds [smallest-largest]; steps 1 to 50: the median only")
     for size, s in sizes_by_label.items():
         floor = np.array(results["floors"][size])
         q = s["batch"] * s["top_k"] / s["experts"]
@@ -175,7 +175,7 @@ def print_results(results: dict, sizes_by_label: dict[str, dict[str, int]] = SIZ
                   f"{show(row['reach'], 'g'):<19}{show(row['loss'], '.4f'):<24}{show(row['eval'], '.4f')}")
         print(f"  (QB band: running median of 10 steps <= 1.2 x QB's own median of its last 50 steps, per seed: "
               f"{show(table[size + ' qb']['band'])})")
-        print("  loss minus QB's loss of the same seed (same batches), smallest to largest over the seeds:")
+        print("  loss minus QB's loss of the same seed (same batches), smallest to largest across seeds:")
         qb = table[size + " qb"]
         for label, row in table.items():
             if label.startswith(size + " ") and "qb" not in label:
@@ -222,7 +222,7 @@ COLOURS = {"qb": "#1f77b4", "qb-hist": "#17becf", "sign 1e-3": "#ff7f0e", "sign 
 
 
 def violation_panel(ax, results: dict, size: str) -> None:
-    """The max violation per step at one size: every balancer's median over the seeds, the min-max shaded."""
+    """The max violation per step at one size: every balancer's median across seeds, the min-max shaded."""
     for label, by_seed in results["runs"].items():
         if not label.startswith(size + " "):
             continue

@@ -14,7 +14,7 @@ over the three seeds and, in brackets, the smallest and largest. A run has
 diverged when its weights have grown until its forward pass overflows:
 `refimpl.train` skips every step from then on (its loss is NaN) to the end.
 The table gives, for each seed that diverged, the step from which its loss
-is NaN, and the losses over the seeds that finished.
+is NaN, and the losses across seeds that finished.
 
 Then the same two models at the largest rate in low precision. The forward
 pass is rounded to float16 or bfloat16 (weights, block inputs and outputs,
@@ -129,7 +129,7 @@ def print_results(results: dict) -> dict[str, dict]:
           f"d = 64, l = 32, two layers, latent norm on, QB, m = 1024, Adam without clipping.")
     print("peak = largest |h| over all routed-expert activations of a step (both layers); "
           "spikes = steps with loss > 1.2 x the median of the 10 before;")
-    print("each entry: median over the seeds [smallest-largest]; losses over the seeds that finished; "
+    print("each entry: median across seeds [smallest-largest]; losses across seeds that finished; "
           "diverged: seed at step")
     print(f"  {'run':<25}{'peak step 1':<20}{'max peak':<33}{'steps > 65504':<16}{'skipped':<16}"
           f"{'spikes':<12}{'train loss':<34}{'held-out loss':<34}{'diverged'}")

@@ -8,7 +8,7 @@ their weights have grown. This example trains the small model of
 `refimpl.train` ($n = 64$, $k = 4$, two layers, SiTU-GLU, QB) with the norm
 off and on, at learning rates $10^{-3}$, $3 \cdot 10^{-3}$ (the default),
 $10^{-2}$, $3 \cdot 10^{-2}$, $10^{-1}$ and $3 \cdot 10^{-1}$ for 300 steps,
-each from seeds 0, 1 and 2 (the seed sets the initial weights and the
+each from seeds 0, 1 and 2 (each seed sets the initial weights and the
 batches), and logs every other step:
 
 * the RMS of the routed sum $u$ (before the norm), per layer;
@@ -127,10 +127,10 @@ def print_results(results: dict) -> dict[str, dict]:
           f"d = 64, l = 32, two layers, SiTU-GLU, QB, m = 1024, Adam without clipping.")
     print("RMS of u = root mean square of the routed latent sum before the norm (larger of the two layers); "
           "gradient norms: Frobenius, larger layer, median over the logged steps;")
-    print("each entry: median over the seeds [smallest-largest]")
+    print("each entry: median across seeds [smallest-largest]")
     print("RMS u, last: at the last logged step (before the divergence for a run that diverged); "
           "skipped: steps with a non-finite loss or gradient;")
-    print("losses over the seeds that finished with a finite held-out loss; diverged: the seeds whose loss is "
+    print("losses across seeds that finished with a finite held-out loss; diverged: those seeds whose loss is "
           "NaN from a step on (at that step) or that ended with a NaN held-out loss")
     print(f"  {'run':<19}{'RMS u, step 1':<21}{'RMS u, last':<33}{'|dW_down| median':<26}"
           f"{'|dW_up| median':<26}{'skipped':<16}{'train loss':<34}{'held-out loss':<34}{'diverged'}")
@@ -139,12 +139,12 @@ def print_results(results: dict) -> dict[str, dict]:
         print(f"  {label:<19}{show(row['rms_first']):<21}{show(row['rms_last']):<33}"
               f"{show(row['down_median'], '.4f'):<26}{show(row['up_median'], '.4f'):<26}"
               f"{show(row['skipped'], 'g'):<16}{show_finished(row['loss']):<34}{show_finished(row['eval']):<34}{diverged}")
-    print("\nheld-out loss against the learning rate (median [smallest-largest] over the seeds that finished):")
+    print("\nheld-out loss against the learning rate (median [smallest-largest] across seeds that finished):")
     print((f"  {'':<10}" + "".join(f"{'lr ' + format(lr, 'g'):<34}" for lr in RATES)).rstrip())
     for norm in ("off", "on"):
         cells = "".join(f"{show_finished(table[f'norm {norm} lr {lr:g}']['eval']):<34}" for lr in RATES)
         print(f"  norm {norm:<5}{cells}".rstrip())
-    print("norm on minus norm off, same seed (same batches), smallest to largest over the seeds where both finished:")
+    print("norm on minus norm off, same seed (same batches), smallest to largest across seeds where both finished:")
     for key, name in (("eval", "held-out"), ("loss", "training")):
         gaps = [finished(np.subtract(table[f"norm on lr {lr:g}"][key], table[f"norm off lr {lr:g}"][key]).tolist())
                 for lr in RATES]
@@ -242,7 +242,7 @@ def plot(out: Path | None, results: dict) -> None:
     cx.set_ylabel("held-out loss at the end, nats/byte")
     cx.legend(fontsize=8)
     show_figure(fig, out, "held_out_against_rate.png",
-                caption="The held-out loss at the end against the learning rate (median over the seeds that "
+                caption="The held-out loss at the end against the learning rate (median across seeds that "
                         "finished, bars their range): up to 3e-2 both curves have the same shape; from 1e-1 on only "
                         "the model with the norm still learns well.",
                 alt="Plot of the final held-out loss against the learning rate on a log axis, with error bars, "

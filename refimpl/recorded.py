@@ -21,7 +21,7 @@ installed. Each example then replays the first steps of one recorded run
 with today's code, so a record that no longer matches the code is noticed.
 
 A multi-seed record is `{"command", "seeds", "runs": {label: {seed: run}}}`;
-the helpers below summarize a quantity over the seeds as the median with the
+the helpers below summarize a quantity across seeds as the median with the
 smallest and largest value, which is how every table of those examples reads.
 A run that diverges goes on to its end: `refimpl.train` skips every step whose
 loss or gradient is not finite, so a diverged run's loss is NaN from some
@@ -138,7 +138,7 @@ def replay(recorded: Mapping[str, Any], steps: int) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------
-# Summaries over the seeds
+# Summaries across seeds
 # ---------------------------------------------------------------------------
 
 def layer_field(config: Mapping[str, Any], name: str) -> Any:
@@ -171,12 +171,12 @@ def show(values: Sequence[float | None], fmt: str = ".3f") -> str:
 
 
 def finished(values: Sequence[float]) -> list[float]:
-    """The values of the seeds whose run finished (a diverged run's loss is NaN)."""
+    """The values of those seeds whose run finished (a diverged run's loss is NaN)."""
     return [v for v in values if np.isfinite(v)]
 
 
 def show_finished(values: Sequence[float], fmt: str = ".4f") -> str:
-    """`show` over the seeds that finished, with how many they are when not all."""
+    """`show` across seeds that finished, with how many they are when not all."""
     kept = finished(values)
     if not kept:
         return "none finished"
@@ -184,7 +184,7 @@ def show_finished(values: Sequence[float], fmt: str = ".4f") -> str:
 
 
 def diverged_at(by_seed: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
-    """The step from which each seed's loss is NaN to the end (the model has diverged), for the seeds that did."""
+    """The step from which each seed's loss is NaN to the end (the model has diverged), for those seeds that did."""
     steps = {}
     for seed, run in by_seed.items():
         finite = np.isfinite(np.array([step["loss"] for step in run["steps"]], dtype=float))

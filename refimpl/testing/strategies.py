@@ -136,9 +136,9 @@ class Partition:
 
 @dataclass(frozen=True, eq=False)
 class ForwardCase:
-    """One forward-pass input: a config, a batch `x` `[m, d]` and the seed of its parameters.
+    """One forward-pass input: a config, a batch `x` `[m, d]` and the random seed of its parameters.
 
-    The parameters are rebuilt from the seed with `params()`, so a failure
+    The parameters are rebuilt from that seed with `params()`, so a failure
     report stays short and the case can be reproduced exactly.
     """
 
@@ -413,7 +413,7 @@ def batch_sequences(draw: st.DrawFn, n: int, *, steps: int = 3, min_tokens: int 
     for t in range(steps):
         m = draw(st.integers(min_tokens, max(min_tokens, max_tokens)), label=f"m[{t}]")
         seed = draw(st.integers(0, 2**16), label=f"seed[{t}]")
-        # The step number joins the seed, so shrunk seeds (all zero) still give different batches.
+        # The step number joins the random seed, so shrunk seeds (all zero) still give different batches.
         logits = np.random.default_rng([seed, t]).normal(size=(m, n))
         out.append((1.0 / (1.0 + np.exp(-logits))).astype(dtype))
     return tuple(out)
