@@ -50,7 +50,13 @@ SEED = 13
 
 # %%
 def skewed_scores(rng: np.random.Generator, m: int, n: int, offsets: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-(rng.normal(size=(m, n)) + offsets)))
+    """Sigmoid scores, rounded to multiples of 2**-24 so that every machine computes the same ones.
+
+    The last bits of a sigmoid depend on the processor (a vectorized exp rounds differently), and the
+    counts below hinge on exact ties: the atom of margins at -b_j.
+    """
+    s = 1.0 / (1.0 + np.exp(-(rng.normal(size=(m, n)) + offsets)))
+    return np.round(s * 2.0**24) / 2.0**24
 
 
 # %%
