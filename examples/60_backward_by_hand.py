@@ -120,10 +120,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     entry = np.unravel_index(int(np.argmax(np.abs(grad))), grad.shape)
     errors = [abs(difference_quotient(x, params, config, dy, name, entry, h) - float(grad[entry]))
               for h in steps]
-    best = int(np.argmin(errors))
-    print(f"\nDifference quotient of {name}{tuple(int(i) for i in entry)} against the step: smallest error "
-          f"{errors[best]:.1e} at eps = {steps[best]:.0e}; {errors[0]:.1e} at eps = {steps[0]:.0e} (rounding), "
-          f"{errors[-1]:.1e} at eps = {steps[-1]:.0e} (truncation)")
+    # Three steps of the figure: rounding dominates the smallest (the loss's own rounding, about u |L|, divided
+    # by eps), the truncated Taylor series the largest (terms in eps^2), and in between both are small.
+    print(f"\nDifference quotient of {name}{tuple(int(i) for i in entry)} against its step eps:")
+    for h, kind in ((1e-12, " (rounding: about u |L| / eps)"), (1e-6, ""), (1e-1, " (truncation: about eps^2)")):
+        at = int(np.argmin(np.abs(np.log10(steps) - np.log10(h))))
+        print(f"   eps = {steps[at]:.0e}: error {errors[at]:.1e}{kind}")
     if figures_wanted(args.out):
         save_figure(args.out, steps, np.array(errors), name, entry)
     return dict(config=config, params=params, x=x, dy=dy, y=y, dx=dx, dparams=dparams, worst=worst,

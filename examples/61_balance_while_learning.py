@@ -190,18 +190,22 @@ def print_results(results: dict, sizes_by_label: dict[str, dict[str, int]] = SIZ
 
 
 REPLAY_TOLERANCE = 1e-5  # relative; float32 sums in another order (another BLAS thread count) stay well inside
+# Two steps: the forward, one gradient and one Adam update, compared to float32 rounding. Later steps can
+# differ across processors by more (on one machine the third step of a recorded run came out 2e-5 apart):
+# once a token sits within rounding of a tie it routes differently, and the weights move apart from there.
+REPLAY_STEPS = 2
 
 
 def live_check(results: dict) -> dict[str, float]:
     """Replay the first steps of a recorded n = 64 QB run, then a short fresh comparison, QB against none."""
     seed = str(results["seeds"][0])
     recorded = results["runs"]["n=64 qb"][seed]
-    pairs = list(zip(replay(recorded, 3), recorded["steps"][:3], strict=True))
+    pairs = list(zip(replay(recorded, REPLAY_STEPS), recorded["steps"][:REPLAY_STEPS], strict=True))
     # Bit for bit with the recorded BLAS thread count; another count sums the products in another order.
     drift = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in pairs)
     same = drift <= REPLAY_TOLERANCE and all(a["max_violation"] == b["max_violation"] for a, b in pairs)
     # The bound is printed, not the drift itself: the drift depends on the machine's BLAS and thread count.
-    print(f"\nLive check 1: the first 3 steps of the recorded 'n=64 qb' run of seed {seed}, replayed: "
+    print(f"\nLive check 1: the first {REPLAY_STEPS} steps of the recorded 'n=64 qb' run of seed {seed}, replayed: "
           + (f"the same violations, losses within {REPLAY_TOLERANCE:.0e} relative" if same
              else f"DIFFERENT from the record (losses {drift:.1e} relative apart)"))
     corpus = load_corpus()

@@ -145,6 +145,10 @@ def print_results(results: dict) -> dict[str, dict]:
 
 
 REPLAY_TOLERANCE = 1e-4  # relative; float32 sums in another order (another BLAS thread count) stay well inside
+# Two steps: the forward, one gradient and one Adam update, compared to float32 rounding. Later steps can
+# differ across processors by more (on one machine the third step of a recorded run came out 2e-5 apart):
+# once a token sits within rounding of a tie it routes differently, and the weights move apart from there.
+REPLAY_STEPS = 2
 
 
 def live_check(results: dict) -> dict[str, float]:
@@ -152,19 +156,20 @@ def live_check(results: dict) -> dict[str, float]:
     label = f"swiglu lr {LOW_PRECISION_RATE:g} float32"
     seed = str(results["seeds"][0])
     recorded = results["runs"][label][seed]
-    steps = replay(recorded, 4)
-    pairs = list(zip(steps, recorded["steps"][:4], strict=True))
+    steps = replay(recorded, REPLAY_STEPS)
+    pairs = list(zip(steps, recorded["steps"][:REPLAY_STEPS], strict=True))
     # Bit for bit with the recorded BLAS thread count; another count sums the products in another order.
     drift = max(max(abs(a["loss"] - b["loss"]) / abs(b["loss"]),
                     max(abs(x - y) / abs(y) for x, y in zip(a["activation_peak"], b["activation_peak"], strict=True)))
                 for a, b in pairs)
     same = drift <= REPLAY_TOLERANCE
-    peaks = [max(r["activation_peak"]) for r in steps]
+    # How fast the peak grows, read from the record (its first four steps).
+    peaks = [max(r["activation_peak"]) for r in recorded["steps"][:4]]
     # The bound is printed, not the drift itself: the drift depends on the machine's BLAS and thread count.
-    print(f"\nLive check: the first 4 steps of '{label}', seed {seed}, replayed: "
+    print(f"\nLive check: the first {REPLAY_STEPS} steps of '{label}', seed {seed}, replayed: "
           + (f"losses and peaks within {REPLAY_TOLERANCE:.0e} relative" if same
              else f"DIFFERENT from the record ({drift:.1e} relative apart)")
-          + f"; peaks {', '.join(f'{p:.1f}' for p in peaks)}")
+          + f"; the recorded peaks of its first 4 steps: {', '.join(f'{p:.1f}' for p in peaks)}")
     return {"replay_identical": float(same), "peak_step_4": peaks[-1]}
 
 
