@@ -168,10 +168,10 @@ def correctness(args: argparse.Namespace, comm) -> bool:
     _, plain_stats = ep_forward(x, shard_params(plain_params, plain_config, rank, size), plain_config, comm)
     scores = router_scores(x, params["gate.weight"])
     bias = ep_balance_update(scores, params["gate.e_score_correction_bias"], config.k, comm, bins=args.bins)
-    report = comm.gather((y, y_wrong, stats, plain_stats, bias), root=0)
+    report = comm.gather((y, y_wrong, stats, plain_stats, scores, bias), root=0)
     if rank != 0:
         return True
-    ys, wrongs, stats_, plains, biases = zip(*report, strict=True)
+    ys, wrongs, stats_, plains, score_blocks, biases = zip(*report, strict=True)
     union = np.concatenate(uneven_tokens(args, size))
     single = stable_latent_moe(union, params, config, return_intermediates=True)
     got = np.concatenate(ys)
@@ -216,12 +216,18 @@ def correctness(args: argparse.Namespace, comm) -> bool:
               f"{relative[~spans].max():.1e} (one partial sum is the whole sum)")
     print()
     same = all(b.tobytes() == biases[0].tobytes() for b in biases)
-    reference = histogram_balancing_update([router_scores(union, params["gate.weight"])],
-                                           params["gate.e_score_correction_bias"], config.k, args.bins)
+    # One process histograms the same scores (the ranks' blocks, stacked): counts add, so the bias is the
+    # same to the bit. Scores recomputed from the stacked tokens would not do: a product's rounding depends
+    # on how many rows BLAS multiplies at once, and a score one unit in the last place away can fall into
+    # the next bin.
+    union_scores = np.concatenate(score_blocks)  # [m, n]
+    reference = histogram_balancing_update([union_scores], params["gate.e_score_correction_bias"], config.k,
+                                           args.bins)
     print("4. the balancer: one Allreduce of n x B = "
           f"{config.n} x {args.bins} int64 counts = {config.n * args.bins * 8:,} B")
     print(f"   bias sha256 per rank: {[checksum(b) for b in biases]}; identical: {'yes' if same else 'NO'}; "
-          f"equal to one process on the union: {'yes' if reference.tobytes() == biases[0].tobytes() else 'NO'}")
+          "equal to one process on the union of the ranks' scores: "
+          f"{'yes' if reference.tobytes() == biases[0].tobytes() else 'NO'}")
     print()
     return error < 1e-12 and same and reference.tobytes() == biases[0].tobytes()
 
