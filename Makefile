@@ -33,7 +33,7 @@ SITE_SOURCES := mkdocs.yml pyproject.toml \
 	$(shell find docs refimpl examples tests benchmarks -type f \
 		-not -path '*/__pycache__/*' -not -name '*.pyc' 2>/dev/null)
 
-.PHONY: all serve test docs records bench gpu clean distclean venv
+.PHONY: all serve test test-variants docs records bench gpu clean distclean venv
 
 all: test
 
@@ -94,6 +94,18 @@ JOBS ?= 2
 test: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
+
+# The suite again under each setting in which one machine's arithmetic differs from another's: one BLAS
+# thread (`make test` uses two), one core, another OpenBLAS kernel, and NumPy without its dispatched vector
+# paths. tests/test_settings.py checks in each run that the setting took. VARIANT_TESTS chooses the tests
+# (all by default; `make test-variants VARIANT_TESTS="tests/test_notebooks.py tests/test_one_layer.py"`).
+VARIANT_TESTS ?= tests
+NUMPY_DISPATCH = $(shell $(BIN)/python -c "from numpy._core._multiarray_umath import __cpu_dispatch__ as d; print(' '.join(d))")
+test-variants: $(TEST_STAMP)
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile $(VARIANT_TESTS)
+	REFIMPL_EXPECT_CPUS=1 taskset -c 0 $(BIN)/python -m pytest -q $(VARIANT_TESTS)
+	OPENBLAS_CORETYPE=Prescott $(BIN)/python -m pytest -q -n 2 --dist loadfile $(VARIANT_TESTS)
+	NPY_DISABLE_CPU_FEATURES="$(NUMPY_DISPATCH)" $(BIN)/python -m pytest -q -n 2 --dist loadfile $(VARIANT_TESTS)
 
 # Re-run the worked examples (all, or those in EXAMPLES) in a fresh Jupyter kernel each, alone in an empty
 # folder, and rewrite their records examples/NN_slug.ipynb. Commit the records with the change that made them.
