@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from refimpl._xp import to_numpy
@@ -101,6 +101,11 @@ EPS = 1e-6
 
 
 @given(config=configs(), seed=st.integers(0, 2**32 - 1), m=st.integers(1, 6))
+# A small router gradient (3e-6) beside a loss whose terms sum to 14: the difference quotient's rounding,
+# about u * 14 / EPS = 1.5e-9, exceeded the fixed 1e-9 allowance (found with HYPOTHESIS_PROFILE=dev).
+@example(config=MoEConfig(hidden_size=4, latent_size=4, num_experts=4, top_k=1, intermediate_size=3,
+                          num_shared_experts=1, renormalize=False, routed_scaling_factor=0.7,
+                          use_latent_projection=False), seed=429, m=1)
 def test_directional_derivatives_match_central_differences(config, seed, m):
     """For x and each parameter, <gradient, V> equals (L(θ + εV) - L(θ - εV)) / 2ε along a random V."""
     x, params, dy = make_layer(config, seed, m)
@@ -119,7 +124,11 @@ def test_directional_derivatives_match_central_differences(config, seed, m):
         numeric = (loss(*plus, config, dy) - loss(*minus, config, dy)) / (2 * EPS)
         analytic = float(np.sum(grad * direction))
         scale = float(np.sum(np.abs(grad * direction))) + 1e-12
-        assert abs(numeric - analytic) <= 1e-6 * scale + 1e-9, (name, numeric, analytic, config)
+        # Each loss is a sum of terms y * dy, each off by a few units in the last place: the quotient
+        # carries that rounding times 1 / (2 EPS), on top of its own truncation error (EPS^2 terms).
+        magnitude = float(np.sum(np.abs(y * dy)))
+        rounding = 8 * np.finfo(np.float64).eps * magnitude / (2 * EPS)
+        assert abs(numeric - analytic) <= 1e-6 * scale + 1e-9 + rounding, (name, numeric, analytic, config)
 
 
 def test_every_entry_matches_central_differences():
