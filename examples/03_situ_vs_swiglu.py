@@ -152,20 +152,23 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
           f"SwiGLU {swiglu_grad(a0, b0)[1][0]:.4f}")
 
     # Step 4: Where floating point gives out, and why the module avoids two textbook formulas.
-    print("\n4. Floating-point limits (first point on a grid of step 0.01)")
+    # 1 - tanh(z) = 2 / (e^{2z} + 1) falls below half the spacing of the floats just under 1, 2^-(p+1) for p
+    # bits, once z > (p + 2) ln 2 / 2: from there a correctly rounded tanh is exactly 1. Where a given tanh
+    # first returns 1 differs by a little between implementations (a vectorized one may stop early), so the
+    # example prints the limit the format sets and checks NumPy's tanh a step on either side of it.
+    print("\n4. Floating-point limits")
     limits = {}
-    for name, dtype in (("float64", np.float64), ("float32", np.float32)):
-        zgrid = np.arange(0, 4000, dtype=np.float64).astype(dtype) / dtype(100)
+    for name, dtype, p in (("float64", np.float64, 53), ("float32", np.float32, 24)):
+        tanh_one = (p + 2) * np.log(2) / 2
+        sigmoid_zero = -2 * tanh_one  # (1 + tanh(z/2)) / 2 is 0 once tanh(z/2) is -1
         with np.errstate(under="ignore"):
-            tanh_one = float(zgrid[np.argmax(np.tanh(zgrid) == 1)])
-            half = dtype(0.5)
-            textbook = half * (dtype(1) + np.tanh(half * -zgrid))
-            sigmoid_zero = -float(zgrid[np.argmax(textbook == 0)])
+            below, beyond = np.tanh(dtype(tanh_one - 1)), np.tanh(dtype(tanh_one + 2))
         limits[name] = (tanh_one, sigmoid_zero)
-        print(f"   {name}: tanh(z) == 1 for z >= {tanh_one:.2f}, so 1 - tanh(z)^2 is 0 there; "
-              f"(1 + tanh(z/2)) / 2 == 0 for z <= {sigmoid_zero:.2f}")
+        print(f"   {name}: tanh(z) rounds to 1 for z beyond {tanh_one:.2f} (NumPy's tanh: below 1 at z = "
+              f"{tanh_one - 1:.2f}: {bool(below < 1)}, exactly 1 at z = {tanh_one + 2:.2f}: {bool(beyond == 1)}), "
+              f"so 1 - tanh(z)^2 is 0 there; (1 + tanh(z/2)) / 2 is 0 for z below {sigmoid_zero:.2f}")
     results["limits"] = limits
-    z = np.array([limits["float64"][0] * 2])
+    z = np.array([40.0])
     print(f"   at z = {z[0]:g} in float64: 1 - tanh(z)^2 = {1 - np.tanh(z[0]) ** 2:g}, "
           f"while softcap_grad(z, 1) = {softcap_grad(z, 1.0)[0]:.3e} (the sech^2 form)")
 

@@ -195,18 +195,18 @@ def test_situ_vs_swiglu(tmp_path, capsys):
     g = 4 * math.tanh(2 / 4) * sigmoid(2.0)
     line = next(line for line in text.splitlines() if "d/db at (a, b) = (2, 40)" in line)
     assert f"SiTU-GLU {g / math.cosh(40 / 25) ** 2:.4f}, clamped GLU 0, SwiGLU {2 * sigmoid(2.0):.4f}" in line
-    # 4. The floating-point limits: the first grid point where tanh rounds to 1 and where the
-    # textbook sigmoid (1 + tanh(z/2)) / 2 underflows to 0; the sech^2 form is still positive.
+    # 4. The floating-point limits: where a correctly rounded tanh becomes 1, found independently by
+    # stepping z in Python floats through 1 - 2 / (e^{2z} + 1) (each operation correctly rounded), and
+    # NumPy's own tanh on either side; the sech^2 form is still positive far beyond.
     for name, dtype in (("float64", np.float64), ("float32", np.float32)):
         tanh_one, sigmoid_zero = r["limits"][name]
-        assert f"{name}: tanh(z) == 1 for z >= {tanh_one:.2f}" in text
-        assert np.tanh(dtype(tanh_one)) == 1 and np.tanh(dtype(tanh_one - 0.01)) < 1
-        half = dtype(0.5)
-        assert half * (1 + np.tanh(half * dtype(sigmoid_zero))) == 0
-        assert half * (1 + np.tanh(half * dtype(sigmoid_zero + 0.01))) > 0
-        assert sigmoid(sigmoid_zero) > 0
-    u = 2 * r["limits"]["float64"][0]
-    assert f"softcap_grad(z, 1) = {4 * math.exp(-2 * u) / (1 + math.exp(-2 * u)) ** 2:.3e}" in text
+        z = next(k / 1000 for k in range(1000, 40000)
+                 if dtype(1.0 - 2.0 / (math.exp(2 * k / 1000) + 1.0)) == dtype(1))
+        assert abs(tanh_one - z) < 0.02, (name, tanh_one, z)
+        assert sigmoid_zero == pytest.approx(-2 * tanh_one)
+        assert f"{name}: tanh(z) rounds to 1 for z beyond {tanh_one:.2f}" in text
+        assert f": True, exactly 1 at z = {tanh_one + 2:.2f}: True)" in text
+    assert f"softcap_grad(z, 1) = {4 * math.exp(-80) / (1 + math.exp(-80)) ** 2:.3e}" in text
     assert_pngs(out, ["functions.png", "derivatives.png", "bound.png", "convergence.png"])
 
 

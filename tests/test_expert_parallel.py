@@ -425,7 +425,7 @@ def test_example_81_relaunches_itself_under_mpiexec(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "2 ranks under mpiexec" in out
-    assert "identical: yes; equal to one process on the union of the ranks' scores: yes" in out
+    assert "the same bits on every rank: yes; equal to one process on the union of the ranks' scores: yes" in out
     assert "= 0.500 of the full-width MoE's" in out
     assert (tmp_path / "ep_step_time.png").is_file()
 
