@@ -779,7 +779,8 @@ def test_experiment_records_replay(stem, figure, tmp_path):
     proc = subprocess.run([sys.executable, f"examples/{stem}.py", "--out", str(tmp_path)], capture_output=True,
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    # Within rounding (1e-5 relative for the losses, 1e-4 with the activation peaks): a change of the arithmetic
-    # that keeps the meaning (a fused fast path) moves the last bits, a change of meaning moves far more.
+    # Within 1e-4 relative over the first two steps: a change of the arithmetic that keeps the meaning (a fused
+    # fast path, another machine's BLAS, a token within rounding of a tie) moves the losses by less, a change of
+    # meaning by far more.
     assert "replayed: " in proc.stdout and "DIFFERENT" not in proc.stdout
     assert (tmp_path / figure).stat().st_size > 10_000
