@@ -311,3 +311,5 @@ def test_records_are_valid_notebooks_with_outputs():
         assert record.cells[0].cell_type == "markdown" and record.cells[0].source.startswith("# ")
         assert any(c.get("outputs") for c in record.cells if c.cell_type == "code"), script.name
         assert json.loads(script.with_suffix(".ipynb").read_text(encoding="utf-8"))["nbformat"] == 4
+        # A live check that failed when the record was made would be compared with itself ever after.
+        assert "DIFFERENT from the record" not in stdout_of(record), script.name
