@@ -82,14 +82,17 @@ from __future__ import annotations
 import ast
 import inspect
 import math
+import tempfile
 import textwrap
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
 from hypothesis import HealthCheck, Phase, Verbosity, given
+from hypothesis import configuration as hypothesis_configuration
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
@@ -155,13 +158,21 @@ class Mistake:
 
     `name` is a short identifier, `title` the mistake in a few words, `why`
     what is wrong with it (one or two sentences that teach), and `answer` a
-    wrong answer with the puzzle's signature that makes exactly this mistake.
+    wrong answer with the puzzle's signature that makes exactly this mistake;
+    `also` holds other forms of the same mistake (moving an expert on target
+    up rather than down, say), which a check recognizes as well.
     """
 
     name: str
     title: str
     why: str
     answer: Callable[..., Any]
+    also: tuple[Callable[..., Any], ...] = ()
+
+    @property
+    def forms(self) -> tuple[Callable[..., Any], ...]:
+        """Every wrong answer that makes this mistake: `answer`, then `also`."""
+        return (self.answer, *self.also)
 
 
 class PuzzleFailure(AssertionError):
@@ -236,6 +247,24 @@ EXAMPLES = 60
 DIAGNOSIS_EXAMPLES = 30
 
 
+@contextmanager
+def _nothing_written_here() -> Iterator[None]:
+    """Point Hypothesis's storage at a temporary folder while a check runs, then back where it was.
+
+    `database=None` keeps the example database out of the learner's folder,
+    but Hypothesis also caches the constants it finds in local modules under
+    `.hypothesis/constants` of the working folder; during a check that cache
+    goes to a temporary folder that is removed afterwards.
+    """
+    previous = getattr(hypothesis_configuration, "__hypothesis_home_directory", None)
+    with tempfile.TemporaryDirectory(prefix="refimpl-puzzle-") as scratch:
+        hypothesis_configuration.set_hypothesis_home_dir(scratch)
+        try:
+            yield
+        finally:
+            hypothesis_configuration.set_hypothesis_home_dir(previous)
+
+
 def _copied(args: tuple) -> tuple:
     """The arguments, copied: an answer that writes into its inputs cannot change the reference's."""
     def copy(value: Any) -> Any:
@@ -300,8 +329,8 @@ class Puzzle:
 
     @property
     def signature(self) -> str:
-        """The function to write, `name(arguments) -> result`, as its solution declares it."""
-        return f"{self.function_name}{inspect.signature(self.solution)}"
+        """The function to write with its arguments, `name(a, b, c)`, as its solution declares it."""
+        return f"{self.function_name}({', '.join(inspect.signature(self.solution).parameters)})"
 
     @property
     def answer_source(self) -> str:
@@ -375,16 +404,16 @@ class Puzzle:
             return found.error is not None and isinstance(exc, found.error)
         return found.got is not None and bool(self.agree(found.got, value, found.case))
 
-    def _reproduces(self, fn: Callable[..., Any], mistake: Mistake) -> bool:
-        """Whether `fn` answers like `mistake` on every input of every family drawn (the mistake's own
-        errors skip an input)."""
+    def _reproduces(self, fn: Callable[..., Any], mistake: Callable[..., Any]) -> bool:
+        """Whether `fn` answers like the wrong answer `mistake` on every input of every family drawn (the
+        wrong answer's own errors skip an input)."""
         cases = st.one_of(*(t.cases for t in self.trials))
 
         @_settings(DIAGNOSIS_EXAMPLES)
         @given(cases)
         def prop(case: Case) -> None:
             try:
-                wrong = self.output(_quietly(mistake.answer, case.args), case)
+                wrong = self.output(_quietly(mistake, case.args), case)
             except Exception:
                 return
             got = self.output(_quietly(fn, case.args), case)
@@ -407,20 +436,24 @@ class Puzzle:
         """
         if found.got is None and found.error is None:
             return None, False
-        candidates = [m for m in self.mistakes if self._same_on(m.answer, found)]
-        for mistake in candidates:
-            if self._reproduces(fn, mistake):
+        candidates = [(m, form) for m in self.mistakes for form in m.forms if self._same_on(form, found)]
+        for mistake, form in candidates:
+            if self._reproduces(fn, form):
                 return mistake, True
-        return (candidates[0], False) if candidates else (None, False)
+        return (candidates[0][0], False) if candidates else (None, False)
 
     def check(self, fn: Callable[..., Any]) -> PuzzlePassed:
         """Try to break `fn`; return a `PuzzlePassed` when every input agrees, else raise `PuzzleFailure`.
 
         A stub (the answer raises `NotImplementedError`) raises `NotWrittenYet`.
         """
-        name = getattr(fn, "__name__", type(fn).__name__)
         if not callable(fn):
             raise TypeError(f"check needs the function you wrote, got {type(fn).__name__}")
+        with _nothing_written_here():
+            return self._check(fn)
+
+    def _check(self, fn: Callable[..., Any]) -> PuzzlePassed:
+        name = getattr(fn, "__name__", type(fn).__name__)
         for trial in self.trials:
             try:
                 found = self._first_mismatch(fn, trial, EXAMPLES)
@@ -1479,8 +1512,9 @@ or stay in integers: $\operatorname{sign}(q - \text{load}_j) = \operatorname{sig
                 lambda load, b, rate: b + rate * (load.mean() - load)),
         Mistake("on_target_moved", "an expert exactly on target moved",
                 "sign(0) = 0: an expert whose load equals q keeps its bias. Writing the rule as "
-                "'up if below q, else down' moves it.",
-                lambda load, b, rate: b + np.where(load < load.mean(), rate, -rate)),
+                "'up if below q, else down' (or 'down if above q, else up') moves it.",
+                lambda load, b, rate: b + np.where(load < load.mean(), rate, -rate),
+                also=(lambda load, b, rate: b + np.where(load > load.mean(), -rate, rate),)),
     ),
 )
 
