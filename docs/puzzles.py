@@ -22,6 +22,7 @@ notebooks are exactly what this script makes, and runs each in a fresh kernel.
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -189,7 +190,7 @@ def page(puzzle: Any) -> str:
              _fence(setup_source(puzzle), "python"), _fence(puzzle.stub_source, "python"),
              "and the one-line check:\n", _fence(check_source(puzzle), "python"),
              "Run on the stub, the check says:\n",
-             '<div class="refimpl-output" markdown>\n\n' + _fence(stub_verdict(puzzle), "text") + "\n</div>\n"]
+             VERDICT_BLOCK.format(_fence(stub_verdict(puzzle), "text"))]
     mistakes = "\n".join(f"- **{m.title}**: {m.why}" for m in puzzle.mistakes)
     parts.append(_folded("note", f"The mistakes this check names ({len(puzzle.mistakes)})",
                          "Each is a wrong answer that real implementations wrote. When your answer makes one of "
@@ -205,39 +206,60 @@ def page(puzzle: Any) -> str:
     return "\n".join(parts)
 
 
-def index_page(example: tuple[str, str] | None = ("mixture_weights", "top1_renormalized")) -> str:
-    """The puzzles' overview: the module's essay, the list, and one failure as the check prints it.
-
-    `example` is `(puzzle, mistake)`: the catalogued mistake whose failure message is shown (None: none).
-    """
+def index_page(example: bool = True) -> str:
+    """The puzzles' overview: the module's essay with its table linked, and (`example`) one wrong answer with
+    what the check prints for it."""
     import ast
 
     import refimpl.testing.puzzles as module
 
     doc = ast.get_docstring(ast.parse(Path(module.__file__).read_text(encoding="utf-8"))) or ""
     title, _, essay = doc.partition("\n")
-    parts = [f"# {title.strip().rstrip('.')}\n", essay.strip() + "\n", "## The puzzles\n",
-             "| | puzzle | you write | notebook |", "|---|---|---|---|"]
-    for puzzle in _puzzles().values():
-        parts.append(f"| {puzzle.number} | [{puzzle.title}]({puzzle.slug}.md) | `{puzzle.function_name}` | "
-                     f"[`{puzzle.slug}.ipynb`]({puzzle.slug}.ipynb) |")
-    parts.append("")
-    if example is not None:
-        puzzle = _puzzles()[example[0]]
-        mistake = next(m for m in puzzle.mistakes if m.name == example[1])
-        from refimpl.testing.puzzles import PuzzleFailure
-
-        try:
-            puzzle.check(mistake.answer)
-            shown = "(the check passed)"
-        except PuzzleFailure as failure:
-            shown = str(failure)
+    parts = [f"# {title.strip().rstrip('.')}\n", linked_table(essay.strip()) + "\n"]
+    if example:
         parts += ["## What a wrong answer meets\n",
-                  f"Puzzle {puzzle.number} asks for the mixture weights. An answer that renormalizes a single "
-                  f"top-1 weight to 1, as one configuration of a well-known model does, gets this from "
-                  f"`puzzle.run`:\n",
-                  '<div class="refimpl-output" markdown>\n\n' + _fence(shown, "text") + "\n</div>\n"]
+                  "Puzzle 2 asks for the mixture weights. This answer renormalizes the weights whatever $k$ is, so "
+                  "a single top-1 weight becomes 1 (the reference gate keeps the raw score):\n",
+                  _fence(WRONG_WEIGHTS, "python"), "`puzzle.run(mixture_weights)` prints:\n",
+                  VERDICT_BLOCK.format(_fence(wrong_verdict(), "text"))]
     return "\n".join(parts)
+
+
+#: A wrong answer to puzzle 2, as a learner writes it: the index page shows what the check tells it.
+WRONG_WEIGHTS = """\
+def mixture_weights(scores, bias, index, scaling_factor):
+    raw = np.take_along_axis(scores, index, axis=1)
+    return scaling_factor * raw / raw.sum(axis=1, keepdims=True)
+"""
+
+#: What a check prints, on a page: wrapped rather than scrolled (`refimpl-verdict` in extra.css).
+VERDICT_BLOCK = '<div class="refimpl-output refimpl-verdict" markdown>\n\n{}\n</div>\n'
+
+
+def wrong_verdict() -> str:
+    """The message of puzzle 2's check for `WRONG_WEIGHTS`."""
+    from refimpl.testing.puzzles import PuzzleFailure
+
+    namespace: dict[str, Any] = {"np": __import__("numpy")}
+    exec(compile(WRONG_WEIGHTS, "<a wrong answer>", "exec"), namespace)
+    try:
+        _puzzles()["mixture_weights"].check(namespace["mixture_weights"])
+    except PuzzleFailure as failure:
+        return str(failure)
+    raise AssertionError("the wrong answer shown on the puzzles' page passed its check")
+
+
+def linked_table(essay: str) -> str:
+    """The essay with its table of puzzles linked, each title to its page (which offers its notebook)."""
+    by_number = {p.number: p for p in _puzzles().values()}
+    out = []
+    for line in essay.split("\n"):
+        row = re.fullmatch(r"\| (\d+) \| (.+?) \| (.+) \|", line)
+        if row and int(row.group(1)) in by_number:
+            p = by_number[int(row.group(1))]
+            line = f"| {p.number} | [{row.group(2)}]({p.slug}.md) | {row.group(3)} |"
+        out.append(line)
+    return "\n".join(out)
 
 
 def pages() -> dict[str, str]:

@@ -91,16 +91,6 @@ def test_the_stub_is_not_written_yet(name, capsys):
     assert "Traceback" not in printed.out and len(printed.out.splitlines()) == 1
 
 
-@pytest.mark.parametrize("name, mistake", [(n, m.name) for n in NAMES for m in PUZZLES[n].mistakes])
-def test_every_catalogued_mistake_is_named(name, mistake):
-    puzzle = PUZZLES[name]
-    entry = next(m for m in puzzle.mistakes if m.name == mistake)
-    with pytest.raises(PuzzleFailure) as caught:
-        puzzle.check(entry.answer)
-    assert caught.value.mistake is entry and caught.value.reproduced
-    assert f"The mistake: {entry.title}." in str(caught.value)
-
-
 def test_a_check_writes_nothing_and_draws_the_same_inputs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     puzzle = PUZZLES["qb_update"]
@@ -381,11 +371,26 @@ def test_a_wrong_answer_is_named_for_its_mistake(name, wrong, mistake, capsys):
     assert failure.mistake is not None and failure.mistake.name == mistake, str(failure)
     assert failure.reproduced
     message = str(failure)
-    assert message.startswith("Not yet: on ") and f"`{wrong.__name__}`" in message.splitlines()[0]
+    assert message.startswith("Not yet: on ") and f"`{wrong.__name__}`" in message.split("\n\n")[0]
     assert f"The mistake: {failure.mistake.title}." in message
     assert "The simplest input Hypothesis found:" in message and f"Expected ({puzzle.reference_name}):" in message
     puzzle.run(wrong)
     assert capsys.readouterr().out == message + "\n"
+
+
+MADE_BELOW = {(name, mistake) for name, _, mistake in WRONG}
+
+
+@pytest.mark.parametrize("name, mistake", [(n, m.name) for n in NAMES for m in PUZZLES[n].mistakes
+                                           if (n, m.name) not in MADE_BELOW])
+def test_every_other_catalogued_mistake_is_named(name, mistake):
+    """A catalogued mistake that no wrong answer above makes is named when its own answer is checked."""
+    puzzle = PUZZLES[name]
+    entry = next(m for m in puzzle.mistakes if m.name == mistake)
+    with pytest.raises(PuzzleFailure) as caught:
+        puzzle.check(entry.answer)
+    assert caught.value.mistake is entry and caught.value.reproduced
+    assert f"The mistake: {entry.title}." in str(caught.value)
 
 
 def test_every_puzzle_has_two_wrong_answers_here():
@@ -415,7 +420,7 @@ def test_a_malformed_answer_or_an_error_is_a_message_not_a_traceback(capsys):
     puzzle = PUZZLES["cutoffs"]
     for fn, words in ((wrong_shape, "alpha must have shape"), (crashes, "it raised IndexError")):
         puzzle.run(fn)
-        out = capsys.readouterr().out
+        out = " ".join(capsys.readouterr().out.split())  # the message's lines are wrapped
         assert "did not return a valid answer" in out and words in out and "Traceback" not in out
 
 

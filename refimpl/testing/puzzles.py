@@ -483,7 +483,7 @@ class Puzzle:
             head = f"Not yet: on {trial.where}, `{name}` differs from {self.reference_name}."
             if found.problem:
                 head += f" Also, {found.problem}."
-        lines = [head, ""]
+        lines = [textwrap.fill(head, 100), ""]
         if mistake is not None and everywhere:
             lines += [f"The mistake: {mistake.title}.", textwrap.fill(mistake.why, 100), ""]
         elif mistake is not None:
@@ -665,7 +665,10 @@ logits $z = x W_r^\top$, and chooses each token's $k$ experts by the scores **pl
 per expert (`e_score_correction_bias`):
 
 $$
-s_{i,j} = \sigma(z_{i,j}) = \frac{1}{1 + e^{-z_{i,j}}}, \qquad
+s_{i,j} = \sigma(z_{i,j}) = \frac{1}{1 + e^{-z_{i,j}}},
+$$
+
+$$
 \mathcal{T}_i = \operatorname{argtopk}_k\,(s_i + b).
 $$
 
@@ -872,9 +875,14 @@ SITU_GLU = Puzzle(
 with both branches smoothly capped by a scaled $\tanh$:
 
 $$
-\operatorname{softcap}(z, \beta) = \beta \tanh(z / \beta), \qquad
-\operatorname{SiTU\text{-}GLU}(a, b) = \bigl[\operatorname{softcap}(a, \beta_1)\,\sigma(a)\bigr]
-\odot \operatorname{softcap}(b, \beta_2),
+\operatorname{softcap}(z, \beta) = \beta \tanh(z / \beta),
+$$
+
+$$
+\begin{aligned}
+\operatorname{SiTU\text{-}GLU}(a, b) = {}& \bigl[\operatorname{softcap}(a, \beta_1)\,\sigma(a)\bigr] \\
+&\odot \operatorname{softcap}(b, \beta_2),
+\end{aligned}
 $$
 
 with $a$ the gate pre-activation, $b$ the up pre-activation, $\beta_1 = 4$ (`activation_situ_beta`) and
@@ -1048,8 +1056,11 @@ LATENT_FORWARD = Puzzle(
 (K3: $\alpha = 2$), sums them there, normalizes the sum once, and projects it back:
 
 $$
-y = \sum_j E^{\text{shared}}_j(x) + W_\uparrow\,\operatorname{RMSNorm}\Bigl(\sum_{e \in \mathcal{T}(x)} p_e\,
-E_e\bigl(W_\downarrow x\bigr)\Bigr).
+u = \sum_{e \in \mathcal{T}(x)} p_e\, E_e\bigl(W_\downarrow x\bigr),
+$$
+
+$$
+y = \sum_j E^{\text{shared}}_j(x) + W_\uparrow\,\operatorname{RMSNorm}(u).
 $$
 
 Stage by stage, for a batch `x` of shape `[m, d]` and its route (`index`, `weights`, puzzles 1 and 2):
@@ -1149,10 +1160,10 @@ CUTOFFS = Puzzle(
     number=5, name="cutoffs", title="The cutoffs",
     spec=r"""Quantile Balancing (Eq. 14) starts by routing each token with the top-$(k{+}1)$ of its biased
 scores instead of the top-$k$. The first $k$ are the route; the $(k{+}1)$-th biased score is the token's
-**cutoff**
+**cutoff**, the $(k{+}1)$-th largest of $s_{i,1} + b_1, \dots, s_{i,n} + b_n$:
 
 $$
-\alpha_i = \bigl(s_i + b\bigr)_{(k+1)}, \quad\text{the } (k{+}1)\text{-th largest of } s_{i,1} + b_1, \dots, s_{i,n} + b_n,
+\alpha_i = \bigl(s_i + b\bigr)_{(k+1)},
 $$
 
 the value an expert outside the route must beat to enter token $i$'s top-$k$: expert $j$ is chosen exactly
@@ -1257,10 +1268,17 @@ tokens off the batch, with no step size:
 1. the cutoffs $\alpha_i$ = the $(k{+}1)$-th largest of $s_i + b$ (puzzle 5);
 2. the **margins** $M_{i,j} = s_{i,j} - \alpha_i$: with the cutoffs held, token $i$ takes expert $j$ under a
    new bias $\tilde b$ when $s_{i,j} + \tilde b_j > \alpha_i$, that is when $M_{i,j} > -\tilde b_j$. For
-   exactly $q$ margins of column $j$ to clear the bar, the bar is the $(q{+}1)$-th largest:
-   $$\tilde b_j = -\bigl(M_{:,j}\bigr)_{(q+1)};$$
+   exactly $q$ margins of column $j$ to clear the bar, the bar is the $(q{+}1)$-th largest margin of the column;
 3. **centre**: $b^{(t+1)} = \tilde b - \operatorname{mean}(\tilde b)$. A common shift changes no top-$k$,
    and keeping the bias near zero keeps float32 fine enough to separate the experts.
+
+$$
+\tilde b_j = -\bigl(M_{:,j}\bigr)_{(q+1)},
+$$
+
+$$
+b^{(t+1)} = \tilde b - \operatorname{mean}(\tilde b).
+$$
 
 **Ties.** Equal margins are order statistics like any others: a value that occurs $c$ times takes $c$
 consecutive ranks. Ties are not rare here, they are built in: for every token whose $(k{+}1)$-th choice is
@@ -1388,18 +1406,26 @@ and each expert $q = mk/n$ tokens with the largest total score. Its LP dual, wit
 token and $\beta_j$ per expert, is
 
 $$
-D(\alpha, \beta) = k \sum_i \alpha_i + q \sum_j \beta_j + \sum_{i,j} \max\bigl(0,\; s_{i,j} - \alpha_i - \beta_j\bigr),
+\begin{aligned}
+D(\alpha, \beta) = {}& k \sum_i \alpha_i + q \sum_j \beta_j \\
+&+ \sum_{i,j} \max\bigl(0,\; s_{i,j} - \alpha_i - \beta_j\bigr),
+\end{aligned}
 $$
 
 convex and piecewise linear; its minimum equals the best balanced score, and at the minimum each token takes
 its top-$k$ of $s_i - \beta$: routing needs only the expert side, with **$b = -\beta$**.
 
 **Coordinate descent has closed forms.** With $\beta$ fixed, $D$ in $\alpha_i$ has slope
-$k - \#\{j : s_{i,j} - \beta_j > \alpha_i\}$, which changes sign where exactly $k$ values lie above:
+$k - \#\{j : s_{i,j} - \beta_j > \alpha_i\}$, which changes sign where exactly $k$ values lie above: $\alpha_i$ is
+the $(k{+}1)$-th largest of $s_i - \beta$. Symmetrically, with $\alpha$ fixed, $\beta_j$ is the $(q{+}1)$-th
+largest of column $j$ of $s - \alpha$:
 
 $$
-\alpha_i = \bigl(s_i - \beta\bigr)_{(k+1)} \quad\text{(the } (k{+}1)\text{-th largest)}, \qquad
-\beta_j = \bigl(s_{:,j} - \alpha\bigr)_{(q+1)} \quad\text{with } \alpha \text{ fixed.}
+\alpha_i = \bigl(s_i - \beta\bigr)_{(k+1)},
+$$
+
+$$
+\beta_j = \bigl(s_{:,j} - \alpha\bigr)_{(q+1)}.
 $$
 
 The $\alpha$-step is the cutoff of puzzle 5 (with $b = -\beta$) and the $\beta$-step is the quantile of
@@ -1617,9 +1643,10 @@ reaches $t$. Inside it, the $c$ values it holds are taken as **evenly spread**, 
 $u$-th of the bin, sits at the middle of the $u$-th of $c$ equal slices:
 
 $$
-\hat r_{(t)} = e_\beta + \frac{u - \tfrac12}{c}\, w, \qquad
-u = t - (\text{count before bin } \beta), \qquad e_\beta = \text{low} + \beta w .
+\hat r_{(t)} = e_\beta + \frac{u - \tfrac12}{c}\, w,
 $$
+
+where $u = t - (\text{the count before bin } \beta)$ and $e_\beta = \text{low} + \beta w$ is the bin's lower edge.
 
 The exact value is inside that bin, so the estimate is **within one bin width** of it.
 
@@ -1751,9 +1778,14 @@ fit. Which assignments are dropped is fixed by a priority:
 * an assignment is kept while its expert has served fewer than $C$; a dropped assignment's weight becomes 0,
   and the token's other weights are **not renormalized**.
 
+With $\text{position}_{i,r}$ the number of assignments to expert `index[i, r]` served before $(i, r)$:
+
 $$
-\text{kept}_{i,r} = \bigl[\, \#\{\text{assignments to expert } \texttt{index}[i,r] \text{ served before } (i, r)\} < C \,\bigr],
-\qquad p'_{i,r} = p_{i,r}\,\text{kept}_{i,r}.
+\text{kept}_{i,r} = \bigl[\,\text{position}_{i,r} < C\,\bigr],
+$$
+
+$$
+p'_{i,r} = p_{i,r}\,\text{kept}_{i,r}.
 $$
 
 Serving each token's $k$ choices together, token after token, would let the first tokens of a batch take all
