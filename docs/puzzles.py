@@ -8,8 +8,9 @@ Every puzzle of `refimpl.testing.puzzles` becomes
   `puzzle.run(fn)`, then a hint and the answer, both collapsed
   (`"jupyter": {"source_hidden": true}`), and a link to the next puzzle;
 * a page of the site, `puzzles/NN_name.md`, with the same parts, the hint and
-  the answer folded (`<details>`), what the check prints for the stub, and the
-  mistakes the check names.
+  the answer folded (`<details>`), what the check prints for the stub, the
+  mistakes the check names, and links to the previous and next puzzles (the
+  sidebar holds one link, to the overview `puzzles/index.md`).
 
 The notebooks are committed **without outputs**: a puzzle starts clean, and
 the stub's verdict is shown on its page instead (computed by the check itself
@@ -33,14 +34,6 @@ FOLDER = ROOT / "examples" / "puzzles"
 
 #: The command that rewrites the notebooks, named in the test that finds one stale.
 REFRESH = "python docs/puzzles.py write"
-
-#: Short labels for the site's navigation, by puzzle name.
-NAV_LABELS = {
-    "routing": "Routing with a bias", "mixture_weights": "Weights and top-1", "situ_glu": "SiTU-GLU's bound",
-    "latent_forward": "The latent forward", "cutoffs": "The cutoffs", "qb_update": "The QB update, with ties",
-    "dual_step": "The dual step", "sign_rule": "The sign rule", "histogram_quantile": "The histogram quantile",
-    "capacity": "Capacity and dropping",
-}
 
 RULES = """## The rules
 
@@ -181,6 +174,7 @@ def page(puzzle: Any) -> str:
     """The Markdown of the puzzle's page on the site."""
     name = f"{puzzle.slug}.ipynb"
     parts = [f"# Puzzle {puzzle.number}: {puzzle.title}\n",
+             " · ".join(_neighbours(puzzle)) + "\n",
              f"[Download the notebook]({name}){{ .md-button download='{name}' }} `{name}` runs in any folder, in "
              "a Jupyter kernel where refimpl is installed with its `testing` extra "
              "(`pip install \"refimpl[testing]\"`).\n",
@@ -198,12 +192,23 @@ def page(puzzle: Any) -> str:
     parts.append(_folded("tip", "Hint", puzzle.hint))
     parts.append(_folded("success", "The answer", "One answer, NumPy only (refimpl's own code is "
                          f"`{puzzle.reference_name}`):\n\n" + _fence(puzzle.answer_source, "python")))
-    after = _next(puzzle)
-    if after is not None:
-        parts.append(f"Next: [puzzle {after.number}, {after.title}]({after.slug}.md).\n")
-    else:
-        parts.append("That was the last puzzle. [Back to all puzzles](index.md).\n")
+    parts.append(" · ".join(_neighbours(puzzle)) + "\n")
     return "\n".join(parts)
+
+
+def _neighbours(puzzle: Any) -> list[str]:
+    """Links to the previous puzzle, the overview and the next puzzle (the puzzles are not in the sidebar)."""
+    names = list(_puzzles())
+    at = names.index(puzzle.name)
+    links = []
+    if at > 0:
+        before = _puzzles()[names[at - 1]]
+        links.append(f"Previous: [puzzle {before.number}, {before.title}]({before.slug}.md)")
+    links.append("[All puzzles](index.md)")
+    after = _next(puzzle)
+    links.append(f"Next: [puzzle {after.number}, {after.title}]({after.slug}.md)" if after is not None
+                 else "That was the last puzzle")
+    return links
 
 
 def index_page(example: bool = True) -> str:
@@ -271,12 +276,12 @@ def pages() -> dict[str, str]:
 
 
 def nav_lines(indent: str = "    ") -> list[str]:
-    """The puzzles' section of the navigation (literate-nav lines), indented by `indent`."""
-    lines = [f"{indent}* Puzzles", f"{indent}    * [All ten puzzles](puzzles/index.md)"]
-    for puzzle in _puzzles().values():
-        lines.append(f"{indent}    * [{puzzle.number} {NAV_LABELS.get(puzzle.name, puzzle.title)}]"
-                     f"(puzzles/{puzzle.slug}.md)")
-    return lines
+    """The puzzles' entry in the navigation (a literate-nav line), indented by `indent`.
+
+    One link, to the overview: the sidebar stays short (the site keeps it under 60 links), and the
+    overview's table and each page's previous and next links lead through the ten puzzles in order.
+    """
+    return [f"{indent}* [Puzzles](puzzles/index.md)"]
 
 
 def _main(argv: list[str]) -> int:

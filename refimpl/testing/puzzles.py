@@ -344,9 +344,14 @@ class Puzzle:
         tree = ast.parse(source)
         node = tree.body[0]
         lines = source.splitlines()
-        first_body = node.body[1] if ast.get_docstring(node) is not None else node.body[0]
-        head = lines[: first_body.lineno - 1]
-        indent = " " * first_body.col_offset
+        # Everything up to the end of the docstring (or of the definition line): not the answer's comments.
+        if ast.get_docstring(node) is not None:
+            head = lines[: node.body[0].end_lineno]
+        else:
+            head = lines[: node.body[0].lineno - 1]
+            while head and head[-1].strip().startswith("#"):
+                head.pop()
+        indent = " " * node.body[0].col_offset
         return "\n".join(head + [f"{indent}raise NotImplementedError  # your answer here"]) + "\n"
 
     # -- checking ----------------------------------------------------------
@@ -725,7 +730,8 @@ def mixture_weights(scores: np.ndarray, bias: np.ndarray, index: np.ndarray,
                     scaling_factor: float) -> np.ndarray:
     """The weights of each token's chosen experts, from the raw scores (never s + b).
 
-    scores [m, n], bias [n], index [m, k] (the route, best first), scaling_factor c  ->  weights [m, k]
+    scores [m, n], bias [n], index [m, k] (the route, best first), scaling_factor c
+    ->  weights [m, k]
     """
     # The raw scores of the chosen experts; the bias only chose them
     raw = np.take_along_axis(scores, index, axis=1)
@@ -831,7 +837,8 @@ The bias is an argument only so that you can leave it out.""",
 def situ_glu(gate: np.ndarray, up: np.ndarray, beta: float, linear_beta: float) -> np.ndarray:
     """Eq. (12): [softcap(a, beta) * sigmoid(a)] * softcap(b, linear_beta), elementwise.
 
-    gate (a), up (b): arrays of one shape; beta (K3: 4.0), linear_beta (K3: 25.0)  ->  array of that shape
+    gate (a), up (b): arrays of one shape; beta (K3: 4.0), linear_beta (K3: 25.0)
+    ->  an array of that shape
     """
     # softcap(a, beta) = beta * tanh(a / beta), a smooth cap to (-beta, beta)
     capped_gate = beta * np.tanh(gate / beta)
@@ -944,12 +951,14 @@ def latent_moe(x: np.ndarray, index: np.ndarray, weights: np.ndarray, params: di
     """Eq. (11) with the route given: y = shared(x) + W_up RMSNorm(sum_e p_e E_e(W_down x)).
 
     x [m, d]; index, weights [m, k] (the route); params: the layer's arrays by HF name;
-    config: beta = config.situ_beta, linear_beta = config.situ_linear_beta, eps = config.rms_norm_eps  ->  y [m, d]
+    config: beta_1 = config.situ_beta, beta_2 = config.situ_linear_beta, eps = config.rms_norm_eps
+    ->  y [m, d]
     """
     def glu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         # SiTU-GLU (puzzle 3)
         beta, linear_beta = config.situ_beta, config.situ_linear_beta
-        return beta * np.tanh(a / beta) * np.exp(-np.logaddexp(0.0, -a)) * linear_beta * np.tanh(b / linear_beta)
+        sig = np.exp(-np.logaddexp(0.0, -a))
+        return beta * np.tanh(a / beta) * sig * linear_beta * np.tanh(b / linear_beta)
 
     # Down-projection, one matrix for all routed experts: z = x W_down^T, [m, l]
     z = x @ params["routed_expert_down_proj.weight"].T
@@ -965,8 +974,9 @@ def latent_moe(x: np.ndarray, index: np.ndarray, weights: np.ndarray, params: di
     # Up-projection, once per token after the sum: [m, d]
     y_routed = v @ params["routed_expert_up_proj.weight"].T
     # The shared experts: one GLU on the full-width input
-    shared = glu(x @ params["shared_experts.gate_proj.weight"].T, x @ params["shared_experts.up_proj.weight"].T)
-    y_shared = shared @ params["shared_experts.down_proj.weight"].T
+    gate_s = x @ params["shared_experts.gate_proj.weight"].T
+    up_s = x @ params["shared_experts.up_proj.weight"].T
+    y_shared = glu(gate_s, up_s) @ params["shared_experts.down_proj.weight"].T
     return y_shared + y_routed
 
 
@@ -1475,7 +1485,8 @@ def sign_update(load: np.ndarray, bias: np.ndarray, rate: float) -> np.ndarray:
     load [n] int (tokens per expert), bias [n], rate (gamma > 0)  ->  new bias [n]
     """
     n = load.shape[0]
-    # sign(q - load_j) with q = sum(load) / n, in integers: sign(sum(load) - n load_j), exactly 0 on target
+    # sign(q - load_j) with q = sum(load) / n, in integers: sign(sum(load) - n load_j),
+    # exactly 0 on target
     direction = np.sign(load.sum() - n * load)
     return bias + rate * direction
 
@@ -1550,7 +1561,7 @@ or stay in integers: $\operatorname{sign}(q - \text{load}_j) = \operatorname{sig
 # ---------------------------------------------------------------------------
 
 def histogram_thresholds(counts: np.ndarray, bias: np.ndarray, top_k: int) -> np.ndarray:
-    """Each expert's threshold b~_j, the (q+1)-th smallest required bias, read from its histogram row.
+    """Each expert's threshold b~_j, the (q+1)-th smallest required bias, from its histogram row.
 
     counts [n, B] int (row j: expert j's required biases r binned), bias [n] (it fixed the range),
     top_k (q = m k / n whole, m = the row sum)  ->  thresholds [n] (not centred)
@@ -1568,8 +1579,8 @@ def histogram_thresholds(counts: np.ndarray, bias: np.ndarray, top_k: int) -> np
     rows = np.arange(n)
     inside = counts[rows, beta]
     before = cumulative[rows, beta] - inside
-    # The value of rank t is the u-th of the c values in its bin, taken as evenly spread: the middle of
-    # the u-th of c equal slices
+    # The value of rank t is the u-th of the c values in its bin, taken as evenly spread:
+    # the middle of the u-th of c equal slices
     u = t - before
     return low + (beta + (u - 0.5) / inside) * width
 
@@ -1696,7 +1707,8 @@ def serve_with_capacity(index: np.ndarray, weights: np.ndarray, num_experts: int
                         capacity: int) -> tuple[np.ndarray, np.ndarray]:
     """Keep at most `capacity` assignments per expert: first choices first, then token order.
 
-    index [m, k] int (best first), weights [m, k], num_experts n, capacity C  ->  (kept [m, k] bool, weights [m, k])
+    index [m, k] int (best first), weights [m, k], num_experts n, capacity C
+    ->  (kept [m, k] bool, new_weights [m, k])
     """
     m, k = index.shape
     served = np.zeros(num_experts, dtype=np.int64)
