@@ -28,8 +28,8 @@ every page below exists only inside the build, and it logs a line per stage:
   "Studies" in the order of `STUDIES` and then alphabetically.
 * `puzzles/index.md` and `puzzles/<NN_name>.md`: the puzzles of `refimpl.testing.puzzles`, made by
   `docs/puzzles.py` (the page shows what the check prints for the stub, computed here), with each
-  committed notebook `examples/puzzles/NN_name.ipynb` served for download. They form the "Puzzles"
-  section of the navigation, before the conformance kit.
+  committed notebook `examples/puzzles/NN_name.ipynb` served for download. The overview is the
+  "Puzzles" entry of the navigation, before the conformance kit; the puzzles link to each other.
 * `tests/<file>.md`: the test files, rendered the same literate way, one anchor
   per test so the module pages can link to each property; `tests/index.md`
   lists them.
@@ -177,7 +177,7 @@ def _load_puzzles():
 
 
 def puzzle_pages() -> tuple[dict[str, str], list[str]]:
-    """The "Puzzles" section: its pages by site path and its navigation lines; empty when the puzzles are
+    """The puzzles: their pages by site path and their navigation lines; empty when the puzzles are
     not there (a warning, which fails a strict build, when they are there but cannot be imported)."""
     if not (DOCS / "puzzles.py").is_file() or not (PACKAGE / "testing" / "puzzles.py").is_file():
         return {}, []
