@@ -26,6 +26,10 @@ every page below exists only inside the build, and it logs a line per stage:
 * `pages/<slug>.md`: the hand-written stand-alone pages `docs/pages/<slug>.md`
   (first line `# Title`), with their markers expanded, listed under
   "Studies" in the order of `STUDIES` and then alphabetically.
+* `puzzles/index.md` and `puzzles/<NN_name>.md`: the puzzles of `refimpl.testing.puzzles`, made by
+  `docs/puzzles.py` (the page shows what the check prints for the stub, computed here), with each
+  committed notebook `examples/puzzles/NN_name.ipynb` served for download. The overview is the
+  "Puzzles" entry of the navigation, before the conformance kit; the puzzles link to each other.
 * `tests/<file>.md`: the test files, rendered the same literate way, one anchor
   per test so the module pages can link to each property; `tests/index.md`
   lists them.
@@ -158,6 +162,32 @@ def _load_notebooks():
 
 
 notebooks = _load_notebooks()
+
+
+def _load_puzzles():
+    """`docs/puzzles.py`: the puzzles' notebooks and pages, made from `refimpl.testing.puzzles`."""
+    name = "refimpl_docs_puzzles"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, DOCS / "puzzles.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def puzzle_pages() -> tuple[dict[str, str], list[str]]:
+    """The puzzles: their pages by site path and their navigation lines; empty when the puzzles are
+    not there (a warning, which fails a strict build, when they are there but cannot be imported)."""
+    if not (DOCS / "puzzles.py").is_file() or not (PACKAGE / "testing" / "puzzles.py").is_file():
+        return {}, []
+    try:
+        puzzles = _load_puzzles()
+        return puzzles.pages(), puzzles.nav_lines()
+    except Exception as exc:  # Hypothesis missing, or the package mid-edit
+        log.warning("the puzzles' pages could not be made (%r): install the docs extra, which includes "
+                    "Hypothesis", exc)
+        return {}, []
 
 
 # ---------------------------------------------------------------------------
@@ -1378,10 +1408,13 @@ def k3_numbers() -> str:
     return "\n".join(lines) + "\n"
 
 
-def reading_path(modules: dict[str, Module], compare: bool) -> str:
+def reading_path(modules: dict[str, Module], compare: bool, puzzles: bool = False) -> str:
     """The landing page's reading path: the pages of this build, in order."""
     lines = []
     for name, label in READING_PATH:
+        if name == "testing" and puzzles:
+            lines.append("1. [Puzzles](puzzles/index.md): write each piece yourself, from Eq. (13) to Appendix D, "
+                         "with the kit trying to break every answer.")
         if name in modules:
             title = literate_title(modules[name])
             lines.append(f"1. [{label}](paper/{modules[name].slug}.md): {title}.")
@@ -1476,7 +1509,7 @@ def start_here(modules: dict[str, Module], examples: set[str], studies: dict[str
 
 
 def landing_page(modules: dict[str, Module], compare: bool, examples: set[str] | None = None,
-                 studies: dict[str, tuple[str, Path]] | None = None) -> str | None:
+                 studies: dict[str, tuple[str, Path]] | None = None, puzzles: bool = False) -> str | None:
     """`docs/index.md` with its markers replaced by computed content."""
     index = DOCS / "index.md"
     if not index.is_file():
@@ -1484,7 +1517,7 @@ def landing_page(modules: dict[str, Module], compare: bool, examples: set[str] |
     text = hand_written(index, prefix="")
     text = text.replace("<!-- refimpl:k3-numbers -->", k3_numbers())
     text = text.replace("<!-- refimpl:start-here -->", start_here(modules, examples or set(), studies or {}))
-    return text.replace("<!-- refimpl:reading-path -->", reading_path(modules, compare))
+    return text.replace("<!-- refimpl:reading-path -->", reading_path(modules, compare, puzzles))
 
 
 def parse_ok(path: Path) -> bool:
@@ -1603,12 +1636,20 @@ def main() -> None:
             handle.write(data)
     stage("the benchmark page (%d plots)", len(images))
 
+    puzzle_texts, puzzle_nav = puzzle_pages()
+    for site_path, text in puzzle_texts.items():
+        write(site_path, text, edit="refimpl/testing/puzzles.py")
+    for notebook in sorted((EXAMPLES / "puzzles").glob("[0-9][0-9]_*.ipynb")) if puzzle_texts else []:
+        with mkdocs_gen_files.open(f"puzzles/{notebook.name}", "w") as handle:
+            handle.write(notebook.read_text(encoding="utf-8"))
+    stage("%d puzzle pages and their notebooks", len(puzzle_texts))
+
     studies = study_pages()
     for slug, (_, path) in studies.items():
         write(f"pages/{slug}.md", hand_written(path), edit=path.relative_to(ROOT).as_posix())
 
     compare = EXAMPLES / f"{COMPARE_EXAMPLE}.py" in example_paths
-    landing = landing_page(modules, compare, {p.stem for p in example_paths}, studies)
+    landing = landing_page(modules, compare, {p.stem for p in example_paths}, studies, bool(puzzle_texts))
     if landing is not None:
         write("index.md", landing, edit="docs/index.md")
     stage("%d study pages and the landing page", len(studies))
@@ -1617,6 +1658,8 @@ def main() -> None:
     nav.append("* The paper, module by module")
     labels = dict(READING_PATH)
     for module in ordered + [m for m in extras if m.name not in NOT_IN_NAV]:
+        if module.name == "testing":
+            nav += puzzle_nav  # after the equations and the balancers, before the kit
         label = labels.get(module.name) or MODULE_LABELS.get(module.name) or literate_title(module).split(":")[0]
         nav.append(f"    * [{label}](paper/{module.slug}.md)")
     if compare:
