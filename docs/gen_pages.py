@@ -1002,11 +1002,11 @@ def expand_markers(text: str, records: dict[str, Record], where: str, prefix: st
 
 
 def report_card_markdown() -> str:
-    """The MoE report card, computed by the package (`refimpl.report_card.report_card()`)."""
+    """The MoE report card, computed by the package (`refimpl.studies.report_card.report_card()`)."""
     try:
-        from refimpl.report_card import report_card
+        from refimpl.studies.report_card import report_card
     except Exception as exc:  # the package is mid-edit or not installed
-        log.warning("cannot import refimpl.report_card to build the report card: %r", exc)
+        log.warning("cannot import refimpl.studies.report_card to build the report card: %r", exc)
         return "*(The report card could not be computed for this build.)*\n"
     return report_card().strip() + "\n"
 
@@ -1338,7 +1338,7 @@ def k3_numbers() -> str:
     """The K3 table of the landing page, computed by the package at build time."""
     try:
         import refimpl
-        from refimpl.accounting import combinatorial_sparsity, dispatch_payload, parameter_counts
+        from refimpl.layer.accounting import combinatorial_sparsity, dispatch_payload, parameter_counts
     except Exception as exc:  # the package is mid-edit or not installed
         log.warning("cannot import refimpl to compute the K3 numbers: %r", exc)
         return "*(The K3 numbers could not be computed for this build.)*\n"

@@ -21,12 +21,19 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from refimpl._xp import to_numpy
-from refimpl.activations import glu_and_grad, rms_norm_backward, situ_glu, situ_glu_grad, swiglu, swiglu_grad
-from refimpl.backward import stable_latent_moe_vjp
+from refimpl._lib.xp import to_numpy
 from refimpl.config import MoEConfig
-from refimpl.latent_moe import init_params, stable_latent_moe
-from refimpl.routing import route, router_scores
+from refimpl.layer.activations import (
+    glu_and_grad,
+    rms_norm_backward,
+    situ_glu,
+    situ_glu_grad,
+    swiglu,
+    swiglu_grad,
+)
+from refimpl.layer.backward import stable_latent_moe_vjp
+from refimpl.layer.latent_moe import init_params, stable_latent_moe
+from refimpl.layer.routing import route, router_scores
 
 torch = pytest.importorskip("torch")
 
@@ -272,7 +279,7 @@ def test_top1_renormalized_router_gets_no_gradient():
 @given(st.lists(st.floats(-60, 60), min_size=1, max_size=12), st.lists(st.floats(-80, 80), min_size=12,
                                                                        max_size=12))
 def test_glu_and_grad_agrees_with_the_activation_module(a_list, b_list):
-    """Value and partials equal `situ_glu`/`swiglu` and their derivatives in `refimpl.activations`."""
+    """Value and partials equal `situ_glu`/`swiglu` and their derivatives in `refimpl.layer.activations`."""
     a = np.array(a_list)
     b = np.array(b_list[:len(a_list)])
     h, da, db = glu_and_grad(a, b, "situ", 4.0, 25.0)

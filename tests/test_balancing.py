@@ -1,7 +1,7 @@
 """Eq. (14): the exact Quantile Balancing update, the sign rule and the balancers.
 
 References are independent: full sorts instead of partitions, Python loops
-over experts, routing with `refimpl.routing.route` to count what a bias does.
+over experts, routing with `refimpl.layer.routing.route` to count what a bias does.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from conftest import load_example
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from refimpl._xp import to_numpy
+from refimpl._lib.xp import to_numpy
 from refimpl.balancing import (
     Balancer,
     QuantileBalancer,
@@ -30,7 +30,7 @@ from refimpl.balancing import (
     sign_balancing_update,
     target_load,
 )
-from refimpl.routing import expert_load, route, selection_cutoff
+from refimpl.layer.routing import expert_load, route, selection_cutoff
 
 # ---------------------------------------------------------------------------
 # Independent references
@@ -339,7 +339,7 @@ def test_cupy_branch_of_the_update_with_numpy_standing_in(monkeypatch):
     contract, stands in for CuPy's. A slip in that branch's ranks fails here, not first on a GPU."""
     import types
 
-    import refimpl.balancing as balancing
+    import refimpl.balancing.quantile as balancing
 
     monkeypatch.setattr(balancing, "is_numpy", lambda xp: False)
     monkeypatch.setattr(balancing, "is_cupy", lambda xp: True)
@@ -574,7 +574,7 @@ def test_every_kind_restores_after_import_refimpl_alone(tmp_path):
     np.savez(tmp_path / "batch.npz", scores=batches[3][0], ids=batches[3][1])
     code = (
         "import sys, numpy as np, refimpl\n"
-        "assert 'refimpl.train' not in sys.modules and 'refimpl.train_baselines' not in sys.modules\n"
+        "assert 'refimpl.train' not in sys.modules and 'refimpl.balancing.baselines' not in sys.modules\n"
         f"batch = np.load({str(tmp_path / 'batch.npz')!r})\n"
         f"for number in range({len(KINDS)}):\n"
         f"    b = refimpl.Balancer.restore({str(tmp_path)!r} + f'/{{number}}.npz')\n"

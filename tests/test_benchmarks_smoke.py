@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from conftest import load_script
 
-from refimpl.accounting import parameter_counts
 from refimpl.config import MoEConfig
+from refimpl.layer.accounting import parameter_counts
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"

@@ -1,10 +1,10 @@
-"""Tests of `refimpl.checkpoint` and of the configuration semantics of the reference modeling code.
+"""Tests of `refimpl.checkpoints.hf_checkpoint` and of the configuration semantics of the reference modeling code.
 
 The oracle is a transcription, in PyTorch, of the reference code's `KimiMoEGate` and
 `KimiSparseMoeBlock` (one module per expert, its own gate, its own SiTU, its own RMSNorm),
 fed from the raw configuration keys. It shares nothing with `refimpl` but the weights.
 Checkpoints are read back with the `safetensors` library and MXFP4 experts decoded with
-compressed-tensors, independently of `refimpl.checkpoint` and `refimpl.mx`.
+compressed-tensors, independently of `refimpl.checkpoints.hf_checkpoint` and `refimpl.mx`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from safetensors import safe_open
 
 from refimpl import MoEConfig, init_params, stable_latent_moe
-from refimpl.checkpoint import ExpertStack, load_hf_layer, save_hf_layer
-from refimpl.latent_moe import parameter_shapes
+from refimpl.checkpoints.hf_checkpoint import ExpertStack, load_hf_layer, save_hf_layer
+from refimpl.layer.latent_moe import parameter_shapes
 from refimpl.mx import mxfp4_decode
 
 # ---------------------------------------------------------------------------

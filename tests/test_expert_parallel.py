@@ -25,8 +25,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from refimpl import MoEConfig, init_params, stable_latent_moe
-from refimpl._xp import to_numpy
-from refimpl.expert_parallel import (
+from refimpl._lib.xp import to_numpy
+from refimpl.balancing.histogram import histogram_balancing_update
+from refimpl.layer.latent_moe import routed_experts
+from refimpl.layer.routing import router_scores
+from refimpl.parallel.expert_parallel import (
     EPStats,
     ep_balance_update,
     ep_forward,
@@ -36,9 +39,6 @@ from refimpl.expert_parallel import (
     padding_waste,
     shard_params,
 )
-from refimpl.histogram import histogram_balancing_update
-from refimpl.latent_moe import routed_experts
-from refimpl.routing import router_scores
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "ep_worker.py"

@@ -1,6 +1,6 @@
 """Appendix D: the histogram estimator against an exact, sort-based Eq. (14) threshold.
 
-The reference below is written independently of `refimpl.histogram`: it sorts
+The reference below is written independently of `refimpl.balancing.histogram`: it sorts
 every column of required biases and picks the order statistics of Eq. (14)'s
 rule (the (q+1)-th largest margin, interpolated between ranks floor(q)+1 and
 floor(q)+2 when q is fractional).
@@ -15,8 +15,13 @@ from conftest import load_example
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refimpl._xp import to_numpy
-from refimpl.histogram import BiasHistogram, histogram_balancing_update, histogram_range, required_bias
+from refimpl._lib.xp import to_numpy
+from refimpl.balancing.histogram import (
+    BiasHistogram,
+    histogram_balancing_update,
+    histogram_range,
+    required_bias,
+)
 
 # ---------------------------------------------------------------------------
 # The independent reference

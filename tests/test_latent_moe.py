@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refimpl._xp import to_numpy
+from refimpl._lib.xp import to_numpy
 from refimpl.config import MoEConfig
-from refimpl.latent_moe import (
+from refimpl.layer.latent_moe import (
     MoEOutput,
     MoEParams,
     check_params,

@@ -1,4 +1,4 @@
-"""Tests of training over MPI (`refimpl.train_parallel`, `python -m refimpl.train --expert-parallel`).
+"""Tests of training over MPI (`refimpl.train.expert_parallel`, `python -m refimpl.train --expert-parallel`).
 
 The reference is the one-process run: the same command without
 `--expert-parallel`, with the same seed and batch. An expert-parallel run adds
@@ -21,13 +21,13 @@ import pytest
 from conftest import run_mpiexec, run_under_mpiexec
 
 import refimpl.train as train_module
-from refimpl.backward import stable_latent_moe_vjp
 from refimpl.balancing import Balancer, QuantileBalancer
 from refimpl.config import MoEConfig
-from refimpl.expert_parallel import ep_vjp, shard_params
-from refimpl.latent_moe import init_params
+from refimpl.layer.backward import stable_latent_moe_vjp
+from refimpl.layer.latent_moe import init_params
+from refimpl.parallel.expert_parallel import ep_vjp, shard_params
 from refimpl.train import BALANCERS, BIAS, TrainConfig, default_layer, main, train
-from refimpl.train_parallel import (
+from refimpl.train.expert_parallel import (
     BALANCE_ACROSS_RANKS,
     STAGES,
     ExpertParallel,

@@ -2,7 +2,7 @@ r"""`check_capacity`: test your own capacity limit and token dropping.
 
 A layer with a capacity factor serves at most $C = \lceil c\,mk/n \rceil$
 assignments per expert and drops the rest. The usual capacity sketch (Switch
-Transformer's dispatch, as `refimpl.baselines.capacity_keep` implements it)
+Transformer's dispatch, as `refimpl.layer.baselines.capacity_keep` implements it)
 fixes the overflow rule exactly:
 
 * assignments are served **rank by rank**, every token's first choice before
@@ -38,7 +38,7 @@ import numpy as np
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
-from ..baselines import capacity_keep
+from ..layer.baselines import capacity_keep
 from .checks import kit_settings
 from .report import CheckResult, Invariant, Violation, call_user, errors, run_check
 
@@ -128,7 +128,7 @@ def check_capacity(fn: Callable[[np.ndarray, np.ndarray, int, int], Any], *, rto
     5. **token order within a rank**: among assignments of equal rank to one expert, an earlier
        token is never dropped while a later one is served;
     6. **dropped weights are zero, kept weights unchanged**: no renormalization after a drop;
-    7. **the same as the reference** `refimpl.baselines.capacity_keep`.
+    7. **the same as the reference** `refimpl.layer.baselines.capacity_keep`.
 
     `rtol`, `atol` apply to the weights (the kept ones must come back as they went in).
     """
@@ -245,7 +245,7 @@ def check_capacity(fn: Callable[[np.ndarray, np.ndarray, int, int], Any], *, rto
         Invariant("dropped weights zero, kept weights unchanged",
                   "the sketch does not renormalize the remaining gates after a drop", cases, weights_kept,
                   describe=describe),
-        Invariant("same as capacity_keep", "the sketch's overflow rule, as refimpl.baselines implements it",
+        Invariant("same as capacity_keep", "the sketch's overflow rule, as refimpl.layer.baselines implements it",
                   cases, reference, describe=describe),
     ]
     return run_check("check_capacity", invariants, kit_settings(settings))

@@ -32,11 +32,11 @@ import numpy as np
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
-from .._xp import dtype_name
-from ..activations import sigmoid
+from .._lib.xp import dtype_name
 from ..config import MoEConfig
-from ..latent_moe import routed_experts, stable_latent_moe
-from ..routing import route
+from ..layer.activations import sigmoid
+from ..layer.latent_moe import routed_experts, stable_latent_moe
+from ..layer.routing import route
 from . import strategies as rst
 from .report import (
     COMMON_SETTINGS,

@@ -61,9 +61,9 @@ from typing import TYPE_CHECKING, Any
 import ml_dtypes
 import numpy as np
 
-from ..latent_moe import MoEParams, stable_latent_moe
+from ..layer.latent_moe import MoEParams, stable_latent_moe
+from ..layer.routing import biased_scores, route, router_scores, score_function_values
 from ..mx import mxfp4_decode
-from ..routing import biased_scores, route, router_scores, score_function_values
 
 if TYPE_CHECKING:
     from .hf_block import HFBlockCase

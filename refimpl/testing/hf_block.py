@@ -114,13 +114,13 @@ import numpy as np
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
-from .._xp import dtype_name
-from ..checkpoint import ExpertStack
+from .._lib.xp import dtype_name
+from ..checkpoints.hf_checkpoint import ExpertStack
+from ..checkpoints.state_dict import hf_state_dict_from_params
 from ..config import MoEConfig
-from ..latent_moe import MoEParams, init_params, stable_latent_moe
+from ..layer.latent_moe import MoEParams, init_params, stable_latent_moe
+from ..layer.routing import biased_scores
 from ..mx import mxfp4_decode, mxfp4_encode
-from ..routing import biased_scores
-from ..state_dict import hf_state_dict_from_params
 from .checks import kit_settings
 from .conventions import CATALOGUE, Convention
 from .report import CheckFailure, CheckResult, Code, Invariant, Violation, call_user, run_check
@@ -479,7 +479,7 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
     `build(text_config, state_dict)` gets the reference's `text_config` keys
     (a `dict`, absent keys meaning what the reference code makes of them) and
     the block's tensors (`dict` of NumPy arrays of `dtype` under the names of
-    the reference block's `state_dict()`, see `refimpl.state_dict`), and
+    the reference block's `state_dict()`, see `refimpl.checkpoints.state_dict`), and
     returns `forward`, with `forward(x)` taking `x` `[m, d]` (NumPy, `dtype`)
     and returning `y` `[m, d]`. The tolerance follows from `dtype` (see the
     page: float64 is held to float32's, the reference's own precision).

@@ -55,7 +55,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from ..config import MoEConfig
-from ..latent_moe import init_params
+from ..layer.latent_moe import init_params
 
 __all__ = [
     "BalancerCase",

@@ -56,7 +56,7 @@ measured (worked example 81 prints it).
 **The balancer across ranks.** Quantile Balancing needs each expert's margin
 quantile over the *global* batch. `ep_balance_update` is Appendix D as it runs
 in a job: every rank counts its own scores into the $n \times B$ integer
-histogram of `refimpl.histogram`, one integer `Allreduce` (a sum) gives every
+histogram of `refimpl.balancing.histogram`, one integer `Allreduce` (a sum) gives every
 rank the global counts, and each rank reads the new bias from them. Integer
 sums do not depend on the order of addition, so every rank holds the same
 bias **bit for bit**, without a broadcast.
@@ -130,17 +130,18 @@ from typing import Any
 
 import numpy as np
 
-from ._xp import Array, array_namespace, compute_dtype, dtype_name, to_numpy
-from .activations import expert_glu, rms_norm
-from .backward import (
+from .._lib.validation import check_finite, check_float_array, check_int
+from .._lib.xp import Array, array_namespace, compute_dtype, dtype_name, to_numpy
+from ..balancing.histogram import BiasHistogram
+from ..config import MoEConfig
+from ..layer.activations import expert_glu, rms_norm
+from ..layer.backward import (
     check_upstream,
     latent_output_backward,
     routed_experts_backward,
     router_and_input_backward,
 )
-from .config import MoEConfig
-from .histogram import BiasHistogram
-from .latent_moe import (
+from ..layer.latent_moe import (
     MoEOutput,
     MoEParams,
     RoutedActivations,
@@ -149,8 +150,7 @@ from .latent_moe import (
     routed_experts,
     shared_experts,
 )
-from .routing import Selection, router_scores, select_experts, serving_rule
-from .validation import check_finite, check_float_array, check_int
+from ..layer.routing import Selection, router_scores, select_experts, serving_rule
 
 __all__ = [
     "EPStats",

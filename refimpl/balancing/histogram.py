@@ -129,7 +129,7 @@ one step; `histogram_balancing_update` runs it over a sequence of blocks. The
 counting has a NumPy fast path (a few expert columns at a time, with work
 arrays reused so they stay in cache, and `np.bincount` on flat
 $(\text{expert}, \text{bin})$ ids) and a portable path for any array-API
-library (sort plus `searchsorted` counting, through `refimpl._xp.bincount`);
+library (sort plus `searchsorted` counting, through `refimpl._lib.xp.bincount`);
 both compute every bin with the same floating-point operations in the same
 order, so they give identical counts. `HistogramBalancer`, at the end of the
 page, is the estimator as a balancer of the training loop (`qb-hist`).
@@ -143,10 +143,11 @@ from typing import Any
 
 import numpy as np
 
-from ._fast import fast_path_applies, histogram_count_by_experts
-from ._xp import Array, array_namespace, bincount, compute_dtype, dtype_name
-from .balancing import Balancer, cutoff_values
-from .validation import check_bias, check_finite, check_float_array, check_int
+from .._lib.fast import fast_path_applies, histogram_count_by_experts
+from .._lib.validation import check_bias, check_finite, check_float_array, check_int
+from .._lib.xp import Array, array_namespace, bincount, compute_dtype, dtype_name
+from .balancer import Balancer
+from .quantile import cutoff_values
 
 __all__ = [
     "BiasHistogram",
@@ -485,7 +486,7 @@ class HistogramBalancer(Balancer):
     width of exact Quantile Balancing. The training loop's `qb-hist`.
     """
 
-    kind = "histogram"
+    kind = "qb-hist"
 
     def __init__(self, num_experts: int, top_k: int, *, bins: int = 1000, micro_batches: int = 4,
                  bias: Array | None = None, dtype: Any = np.float32) -> None:

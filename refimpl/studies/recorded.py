@@ -38,13 +38,13 @@ from typing import Any
 
 import numpy as np
 
-from ._files import write_atomically as write_file_atomically
+from .._lib.files import write_atomically as write_file_atomically
 
 __all__ = ["RESULTS", "band", "diverged_at", "finished", "layer_field", "load_record", "per_step", "record_runs",
            "recorded_path", "replay", "show", "show_finished", "spread", "write_atomically", "write_record"]
 
 #: The folder of the recorded runs, inside the installed package.
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 # ---------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def load_record(name: str) -> dict[str, Any]:
 def write_atomically(path: Path, data: bytes | str) -> None:
     """Write `data` (text is UTF-8) to `path`, creating its folder, so that no reader ever finds half a file.
 
-    The bytes go through `refimpl._files.write_atomically`: a temporary file in
+    The bytes go through `refimpl._lib.files.write_atomically`: a temporary file in
     the same folder, flushed to disk, given the permissions the umask sets,
     then renamed into place.
     """
@@ -109,7 +109,7 @@ def record_runs(command: str, runs: Mapping[str, Any], seeds: Sequence[int],
     each step keeping only the keys in `keep`. The most expensive runs (most experts, most steps) start
     first, so the two processes finish close together.
     """
-    from .train import train_many
+    from ..train.loop import train_many
 
     jobs = sorted(((label, seed) for label in runs for seed in seeds),
                   key=lambda job: -runs[job[0]].moe.num_experts * runs[job[0]].steps)
@@ -131,7 +131,7 @@ def replay(recorded: Mapping[str, Any], steps: int) -> list[dict[str, Any]]:
     The recorded configuration is read by `TrainConfig.from_record`, which knows both the layout of
     today's logs (the layer's fields under `moe`) and that of the earlier flat ones.
     """
-    from .train import TrainConfig, load_corpus, train
+    from ..train.loop import TrainConfig, load_corpus, train
 
     config = replace(TrainConfig.from_record(recorded["config"]), steps=steps, eval_every=1000)
     return train(config, corpus=load_corpus())["steps"]
@@ -143,7 +143,7 @@ def replay(recorded: Mapping[str, Any], steps: int) -> list[dict[str, Any]]:
 
 def layer_field(config: Mapping[str, Any], name: str) -> Any:
     """A field of a recorded run's layer (`activation`, `use_latent_norm`, ...), in either log layout."""
-    from .train import TrainConfig
+    from ..train.loop import TrainConfig
 
     return getattr(TrainConfig.from_record(config).moe, name)
 

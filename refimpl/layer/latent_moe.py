@@ -72,13 +72,13 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from ._fast import combine_in_buffers, fast_path_applies, routed_experts_in_buffers
-from ._xp import Array, array_namespace, bincount, compute_dtype, is_numpy, to_numpy
+from .._lib.fast import combine_in_buffers, fast_path_applies, routed_experts_in_buffers
+from .._lib.validation import check_finite, check_float_array
+from .._lib.xp import Array, array_namespace, bincount, compute_dtype, is_numpy, to_numpy
+from ..config import MoEConfig
+from ..mx import MX_BLOCK, mxfp8_round
 from .activations import expert_glu, expert_glu_and_grad, rms_norm
-from .config import MoEConfig
-from .mx import MX_BLOCK, mxfp8_round
 from .routing import Selection, router_scores, select_experts
-from .validation import check_finite, check_float_array
 
 __all__ = [
     "EXPERT_INPUT_PRECISIONS",
@@ -180,7 +180,7 @@ def check_params(params: Mapping[str, Array], config: MoEConfig) -> None:
     """Raise if `params` does not have exactly the names and shapes `config` needs.
 
     The expert stacks may be arrays or read-only stacks that decode one
-    expert on `w[e]` (`refimpl.checkpoint.ExpertStack`, e.g. MXFP4 weights
+    expert on `w[e]` (`refimpl.checkpoints.hf_checkpoint.ExpertStack`, e.g. MXFP4 weights
     as loaded by `load_hf_layer`); every other entry must be an array.
     """
     if not isinstance(params, Mapping):
@@ -303,7 +303,7 @@ def routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array,
     expert weights are stacked: `w1`, `w3` `[n, f, l]`, `w2` `[n, l, f]`.
     Returns `u`, `[m, l]`, in the dtype of `z`. The stacks may be stored in
     a narrower dtype than `z` (a float16 checkpoint), or be packed stacks
-    that decode one expert on `w[e]` (`refimpl.checkpoint.ExpertStack`,
+    that decode one expert on `w[e]` (`refimpl.checkpoints.hf_checkpoint.ExpertStack`,
     MXFP4): each expert's matrices are cast or decoded when its turn comes
     and dropped before the next expert's, so at most one expert is ever held
     in the compute dtype.
@@ -438,7 +438,7 @@ def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, 
     weights)` (both `[m, k]`) replaces step 2 with a given route (the seam the
     conformance kit uses to reproduce other routing conventions; a capacity is
     not applied to it); `save_for_backward=True` keeps what
-    `refimpl.backward.stable_latent_moe_vjp` reads (and implies
+    `refimpl.layer.backward.stable_latent_moe_vjp` reads (and implies
     `return_intermediates`).
     """
     check_layer_inputs(x, params, config)
@@ -499,9 +499,9 @@ def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, 
 # * **The score function** (step 1): `config.score_function` names an entry of the routing page's table
 #   of score functions: K3's sigmoid, the softmax of Switch Transformer, DeepSeek-V4's $\sqrt{\operatorname{softplus}}$.
 # * **The choice rule** (step 2): `config.hash_routing` picks the rule registered as `"hash"` instead of
-#   K3's biased top-$k$ (`refimpl.routing.EXPERT_CHOICE`); it reads `token_ids`.
+#   K3's biased top-$k$ (`refimpl.layer.routing.EXPERT_CHOICE`); it reads `token_ids`.
 # * **The serving rule** (step 2): `config.capacity_factor` applies the rule registered as `"capacity"`
-#   (`refimpl.routing.SERVING`), which drops the assignments an expert has no room for.
+#   (`refimpl.layer.routing.SERVING`), which drops the assignments an expert has no room for.
 # * **The experts' input precision** (steps 4-5): `mxfp8_inputs=True` rounds each expert product's input
 #   with the entry `"mxfp8"` below.
 # * **A given route** (step 2): `routing=(index, weights)` bypasses the selection altogether.

@@ -75,10 +75,10 @@ import numpy as np
 import scipy.optimize
 import scipy.sparse
 
-from ._xp import Array, array_namespace, compute_dtype, to_numpy
-from .balancing import kth_largest, quantile_rank, quantile_thresholds
-from .routing import expert_load, route
-from .validation import check_finite, check_float_array, check_int, check_shape
+from .._lib.validation import check_finite, check_float_array, check_int, check_shape
+from .._lib.xp import Array, array_namespace, compute_dtype, to_numpy
+from ..layer.routing import expert_load, route
+from .quantile import kth_largest, quantile_rank, quantile_thresholds, sign_balancing_update
 
 __all__ = [
     "AssignmentLP",
@@ -489,8 +489,6 @@ def subgradient_check(scores: Array, bias: Array, top_k: int, *, step: float = 1
     batches). The right derivative is exact unless some $s_{i,j} - \alpha_i - \beta_j$
     lies in $(0, h)$, which for a small `step` is rounding-level.
     """
-    from .balancing import sign_balancing_update
-
     m, n = _check_scores(scores)
     top_k = check_int("top_k", top_k, low=1, high=n - 1)
     _check_vector("bias", bias, n)

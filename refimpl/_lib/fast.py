@@ -11,9 +11,9 @@ selection would do. This module holds the versions that avoid those costs,
 
 | fast path | speeds up | by |
 |---|---|---|
-| `glu_in_place`, `glu_and_grad_by_chunks` | `refimpl.activations.expert_glu`, `expert_glu_and_grad` | writing every step into the products' own buffers, fewer exponentials |
-| `routed_experts_in_buffers`, `routed_experts_backward_in_buffers`, `combine_in_buffers` | the routed expert loops of `refimpl.latent_moe` and `refimpl.backward`, `combine` | gathering into reused buffers, writing products with `out=` |
-| `topk_by_partition` | `refimpl._xp.topk` | partitioning instead of sorting each row |
+| `glu_in_place`, `glu_and_grad_by_chunks` | `refimpl.layer.activations.expert_glu`, `expert_glu_and_grad` | writing every step into the products' own buffers, fewer exponentials |
+| `routed_experts_in_buffers`, `routed_experts_backward_in_buffers`, `combine_in_buffers` | the routed expert loops of `refimpl.layer.latent_moe` and `refimpl.layer.backward`, `combine` | gathering into reused buffers, writing products with `out=` |
+| `topk_by_partition` | `refimpl._lib.xp.topk` | partitioning instead of sorting each row |
 | `kth_largest_by_sampling`, `kth_largest_cupy` | `refimpl.balancing.kth_largest` | a sample that discards most entries first (Floyd and Rivest), CuPy's selection kernel |
 | `cutoffs_by_blocks`, `expert_major_margins_by_blocks` | Eq. (14)'s cutoffs and margins | blocks of tokens that stay in cache |
 | `histogram_count_by_experts` | Appendix D's scatter-add | a few experts at a time, in reused buffers |
@@ -74,10 +74,10 @@ def glu_in_place(a: np.ndarray, b: np.ndarray, activation: str, beta: float,
                  linear_beta: float | None) -> np.ndarray:
     r"""The expert GLU of fresh products `a`, `b` (float32/float64 blocks), overwriting both; returns `a`.
 
-    The formula of `refimpl.activations.situ_glu` (or `swiglu`), each step
+    The formula of `refimpl.layer.activations.situ_glu` (or `swiglu`), each step
     written with `out=` so that an expert's `[m_e, f]` block is transformed
     where it lies, in cache, with one temporary instead of a dozen. The
-    sigmoid is the branch-free accurate form of `refimpl.activations.sigmoid`,
+    sigmoid is the branch-free accurate form of `refimpl.layer.activations.sigmoid`,
     $\sigma(a) = e^{\min(a, 0)} / (1 + e^{-|a|})$.
     """
     sig = np.minimum(a, 0.0)  # [m_e, f], the only temporary besides the denominator
@@ -102,7 +102,7 @@ def glu_in_place(a: np.ndarray, b: np.ndarray, activation: str, beta: float,
 
 def glu_and_grad_in_place(a: np.ndarray, b: np.ndarray, activation: str, beta: float, linear_beta: float | None,
                           da: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    r"""`refimpl.activations.glu_and_grad` in place: $h$ over `a`, $\partial_b\phi$ over `b`, $\partial_a\phi$ into `da`.
+    r"""`refimpl.layer.activations.glu_and_grad` in place: $h$ over `a`, $\partial_b\phi$ over `b`, $\partial_a\phi$ into `da`.
 
     Four temporaries instead of some twenty, and three `exp` and two `tanh`
     per entry instead of six and two, which is what costs most on a CPU.
@@ -188,7 +188,7 @@ def glu_and_grad_by_chunks(a: np.ndarray, b: np.ndarray, activation: str, beta: 
 # ---------------------------------------------------------------------------
 
 def combine_in_buffers(sorted_rows: np.ndarray, position: np.ndarray) -> np.ndarray:
-    """`refimpl.latent_moe.combine` on NumPy: each slot's rows gathered into one reused buffer (same sums, same order)."""
+    """`refimpl.layer.latent_moe.combine` on NumPy: each slot's rows gathered into one reused buffer (same sums, same order)."""
     m, k = position.shape
     total = np.take(sorted_rows, position[:, 0], axis=0)  # [m, width]
     rows = np.empty_like(total)  # [m, width]
@@ -199,9 +199,9 @@ def combine_in_buffers(sorted_rows: np.ndarray, position: np.ndarray) -> np.ndar
 
 def routed_experts_in_buffers(z: np.ndarray, dispatch: Any, w1: Any, w3: Any, w2: Any, activation: tuple[str, float, Any],
                    *, save: bool = False) -> tuple[np.ndarray, dict[int, tuple] | None, np.ndarray]:
-    r"""The loop of `refimpl.latent_moe.routed_experts` for NumPy float32/float64: returns `(u, hidden, out_sorted)`.
+    r"""The loop of `refimpl.layer.latent_moe.routed_experts` for NumPy float32/float64: returns `(u, hidden, out_sorted)`.
 
-    `dispatch` is the `refimpl.latent_moe.Dispatch` of the route and
+    `dispatch` is the `refimpl.layer.latent_moe.Dispatch` of the route and
     `activation` the triple `(activation, beta, linear_beta)`. Each expert's
     latents are gathered into one buffer sized for the busiest expert, $p\,h$
     is formed in another, and the down-projection is written straight into
@@ -236,7 +236,7 @@ def routed_experts_in_buffers(z: np.ndarray, dispatch: Any, w1: Any, w3: Any, w2
 def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: Any, w2: Any, du: np.ndarray,
                             out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """`refimpl.backward.routed_experts_backward` for NumPy float32/float64, in a handful of reused buffers.
+    """`refimpl.layer.backward.routed_experts_backward` for NumPy float32/float64, in a handful of reused buffers.
 
     The readable loop makes some fifteen fresh arrays per expert; at the
     benchmark size that is close to a gigabyte of short-lived memory per
@@ -295,7 +295,7 @@ def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: A
 # ---------------------------------------------------------------------------
 
 def topk_by_partition(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """`refimpl._xp.topk` on NumPy for `0 < k < n`: partition, then sort only the `k` survivors.
+    """`refimpl._lib.xp.topk` on NumPy for `0 < k < n`: partition, then sort only the `k` survivors.
 
     O(n) per row plus a sort of k. Rows where the k-th value is tied with an
     unselected entry (where a partition may pick either) are redone with a
@@ -442,7 +442,7 @@ PASS_MARGINS = 1 << 18
 
 def histogram_count_by_experts(counts: np.ndarray, s: np.ndarray, alpha: np.ndarray, low: np.generic,
                     scale: np.generic) -> None:
-    """The histogram's scatter-add of one chunk (`refimpl.histogram.BiasHistogram.add`) on NumPy, in place, by experts.
+    """The histogram's scatter-add of one chunk (`refimpl.balancing.histogram.BiasHistogram.add`) on NumPy, in place, by experts.
 
     Each pass takes a group of expert columns small enough that its work
     arrays stay in cache, and reuses the same buffers. The float operations

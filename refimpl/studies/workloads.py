@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 # The public names, as every user imports them (the package's own modules may move them around).
-from . import QuantileBalancer, SignBalancer, router_scores
+from .. import QuantileBalancer, SignBalancer, router_scores
 
 __all__ = ["skewed_batch", "skewed_router", "trained_biases"]
 

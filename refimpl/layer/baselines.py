@@ -114,10 +114,10 @@ import math
 import numbers
 from fractions import Fraction
 
-from ._xp import Array, array_namespace, bincount, topk
-from .config import MoEConfig
+from .._lib.validation import check_finite, check_float_array, check_int
+from .._lib.xp import Array, array_namespace, bincount, topk
+from ..config import MoEConfig
 from .routing import mixture_weights, register_expert_choice, register_serving_rule, score_function_vjp
-from .validation import check_finite, check_float_array, check_int
 
 __all__ = [
     "capacity_keep",

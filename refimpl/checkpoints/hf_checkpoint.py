@@ -131,10 +131,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ._files import fsync_folder, new_file_mode
-from .config import MoEConfig, is_moe_layer
-from .latent_moe import MoEParams, check_params, parameter_shapes
-from .mx import MX_BLOCK, check_float_dtype, mxfp4_decode, mxfp4_encode
+from .._lib.files import fsync_folder, new_file_mode
+from ..config import MoEConfig, is_moe_layer
+from ..layer.latent_moe import MoEParams, check_params, parameter_shapes
+from ..mx import MX_BLOCK, check_float_dtype, mxfp4_decode, mxfp4_encode
 
 __all__ = [
     "ExpertStack",

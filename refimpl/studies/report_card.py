@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .accounting import dispatch_payload, parameter_counts
-from .config import MoEConfig
+from ..config import MoEConfig
+from ..layer.accounting import dispatch_payload, parameter_counts
 
 __all__ = ["ITEMS", "CardEntry", "report_card", "report_card_entries", "systems"]
 

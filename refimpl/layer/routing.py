@@ -63,10 +63,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._xp import Array, array_namespace, bincount, compute_dtype, topk
+from .._lib.validation import check_bias, check_finite, check_float_array, check_int, check_positive
+from .._lib.xp import Array, array_namespace, bincount, compute_dtype, topk
+from ..config import SCORE_FUNCTIONS, MoEConfig
 from .activations import sigmoid
-from .config import SCORE_FUNCTIONS, MoEConfig
-from .validation import check_bias, check_finite, check_float_array, check_int, check_positive
 
 __all__ = [
     "EXPERT_CHOICE",
@@ -408,7 +408,7 @@ def register_serving_rule(name: str, rule: ServingRule) -> None:
 def _registered(table: dict, name: str, switch: str) -> Callable:
     if name not in table:
         raise ValueError(f"{switch} needs the rule {name!r}, which is not registered (known: {sorted(table)}); "
-                         "it is registered when refimpl.baselines is imported, as `import refimpl` does")
+                         "it is registered when refimpl.layer.baselines is imported, as `import refimpl` does")
     return table[name]
 
 

@@ -10,7 +10,7 @@ Training needs, for a loss $L$ and the upstream gradient
 $\bar y = \partial L / \partial y$ (`dy`, shape `[m, d]`), the gradient of $L$
 in the input, $\bar x$, and in every parameter. This page derives each one
 and computes it, stage by stage, in the reverse order of the forward page
-(`refimpl.latent_moe`), so the two read as a pair. A bar over a symbol is
+(`refimpl.layer.latent_moe`), so the two read as a pair. A bar over a symbol is
 its gradient: $\bar v = \partial L / \partial v$, with the shape of $v$.
 
 `stable_latent_moe_vjp(x, params, config)` runs the forward pass and returns
@@ -51,7 +51,7 @@ own: it calls `stable_latent_moe(..., save_for_backward=True)`, the layer of
 the forward page, which returns every intermediate (the scores, the
 selection, $z$, $u$, $v$) and, for every expert, its activation $h$ **with
 both partial derivatives** $\partial_a\phi$, $\partial_b\phi$. These come
-from `refimpl.activations.glu_and_grad`, which evaluates value and
+from `refimpl.layer.activations.glu_and_grad`, which evaluates value and
 derivatives from the same exponentials, so the backward recomputes no
 product and no transcendental function: $3mk f$ routed values and
 $3 m N_s f$ shared ones are the price, as in any autograd framework that
@@ -77,13 +77,13 @@ from typing import Any
 
 import numpy as np
 
-from ._fast import fast_path_applies, routed_experts_backward_in_buffers
-from ._xp import Array, array_namespace, compute_dtype
+from .._lib.fast import fast_path_applies, routed_experts_backward_in_buffers
+from .._lib.validation import check_finite, check_float_array
+from .._lib.xp import Array, array_namespace, compute_dtype
+from ..config import MoEConfig
 from .activations import rms_norm_backward
-from .config import MoEConfig
 from .latent_moe import MoEOutput, MoEParams, RoutedActivations, combine, stable_latent_moe
 from .routing import score_function_grad
-from .validation import check_finite, check_float_array
 
 __all__ = [
     "check_upstream",
@@ -122,7 +122,7 @@ def routed_experts_backward(z: Array, saved: RoutedActivations, w1: Array, w3: A
 
     $$\bar z_i = \textstyle\sum_{t \in i} \bigl(\bar a_t G_e + \bar b_t U_e\bigr).$$
 
-    `saved` is what `refimpl.latent_moe.routed_experts(..., save=True)` kept.
+    `saved` is what `refimpl.layer.latent_moe.routed_experts(..., save=True)` kept.
     Shapes: `z`, `du` `[m, l]`; stacks as in the forward (`w1`, `w3`
     `[n, f, l]`, `w2` `[n, l, f]`). Returns `(dz [m, l], dweights [m, k],
     dw1, dw3, dw2)`, all in the dtype of `z`. Experts that received no token
@@ -216,7 +216,7 @@ def router_backward(scores: Array, index: Array, ds_hat: Array, score_function: 
     combine; a token's $k$ experts are distinct, so no entry is written
     twice. `dscores` `[m, n]`, if given, is a further gradient in all the
     scores (an auxiliary balance loss computed from them) and is added.
-    Then the score function's derivative (`refimpl.routing.score_function_grad`):
+    Then the score function's derivative (`refimpl.layer.routing.score_function_grad`):
     for the sigmoid $\bar z_{i,j} = \bar s_{i,j}\, s_{i,j}(1 - s_{i,j})$, so
     only the chosen entries (and those of `dscores`) are non-zero; a softmax
     spreads the gradient over every logit of the token.
@@ -274,7 +274,7 @@ def latent_output_backward(y_bar: Array, u: Array, v: Array, weight: Callable[[s
 
     $y = y_s + y_r$ passes $\bar y$ to both branches; then
     $\bar W_\uparrow = \bar y^\top v$, $\bar v = \bar y W_\uparrow$, and the norm's
-    backward (`refimpl.activations.rms_norm_backward`) gives $\bar u$ and $\bar g$.
+    backward (`refimpl.layer.activations.rms_norm_backward`) gives $\bar u$ and $\bar g$.
     `u`, `v` are the forward's `[m, l]`; `weight(name)` a parameter in the
     compute dtype. Returns `(u_bar [m, l], grads)`.
     """
@@ -377,7 +377,7 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConf
     the benchmark size), are written where they lie instead of being
     allocated and faulted in by the kernel again at every step.
     """
-    # The forward pass of `refimpl.latent_moe`, keeping what the backward reads.
+    # The forward pass of `refimpl.layer.latent_moe`, keeping what the backward reads.
     fwd = stable_latent_moe(x, params, config, token_ids=token_ids, save_for_backward=True)
     xp = array_namespace(x)
     dtype = compute_dtype(xp, x)

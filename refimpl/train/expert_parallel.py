@@ -30,7 +30,7 @@ answers them across the ranks:
 
 | the step asks | one process | `ExpertParallel` |
 |---|---|---|
-| the layer, forward and backward | `stable_latent_moe_vjp` | `refimpl.expert_parallel.ep_vjp`: the tokens' latents travel to the experts' ranks and back (two `Alltoallv`), the gradients the same way transposed |
+| the layer, forward and backward | `stable_latent_moe_vjp` | `refimpl.parallel.expert_parallel.ep_vjp`: the tokens' latents travel to the experts' ranks and back (two `Alltoallv`), the gradients the same way transposed |
 | the loss and $\partial\mathcal L/\partial\,\text{logits}$ | the batch mean | each rank's sum, added in rank order, over $m$ |
 | the replicated parameters' gradients | those of the batch | each rank's share, summed: `Reduce` to rank 0, then `Bcast` |
 | the experts' gradients | those of the batch | each rank's own block, already whole |
@@ -93,7 +93,7 @@ where the most loaded rank sets the pace of the step and the others wait in
 the next exchange.
 
 **What the ranks check.** Before the first exchange the ranks agree (one
-`allgather`, `refimpl.expert_parallel.check_ranks_agree`) on the whole
+`allgather`, `refimpl.parallel.expert_parallel.check_ranks_agree`) on the whole
 configuration (seed included), the corpus and the number of ranks, and
 share any error a rank met checking its own arguments; every rank then
 raises the same error, naming the rank and the values, rather than some
@@ -119,9 +119,11 @@ from typing import Any
 
 import numpy as np
 
-from .balancing import Balancer, BalanceStep, sign_balancing_update
-from .config import MoEConfig
-from .expert_parallel import (
+from ..balancing import Balancer, BalanceStep, sign_balancing_update
+from ..config import MoEConfig
+from ..layer.latent_moe import MoEOutput
+from ..layer.routing import expert_load
+from ..parallel.expert_parallel import (
     EXPERT_STACKS,
     EPStats,
     check_ranks_agree,
@@ -130,9 +132,11 @@ from .expert_parallel import (
     ep_vjp,
     expert_block,
 )
-from .latent_moe import MoEOutput
-from .routing import expert_load
-from .train import BALANCERS, Corpus, Ranks, TrainConfig, cross_entropy, load_corpus, train
+from .config import BALANCERS, TrainConfig
+from .data import Corpus, load_corpus
+from .loop import train
+from .model import cross_entropy
+from .step import Ranks
 
 __all__ = ["BALANCE_ACROSS_RANKS", "ExpertParallel", "batch_rows", "check_expert_parallel", "train_expert_parallel",
            "world"]
@@ -190,8 +194,8 @@ def _held(ranks: ExpertParallel, balancer: Balancer, scores: np.ndarray, bias: n
 #: How each kind of balancer computes its next bias across ranks, by `Balancer.kind`. A kind missing here
 #: cannot train expert-parallel, and a run with it is refused before its first step.
 BALANCE_ACROSS_RANKS: dict[str, Rule] = {
-    "quantile": _quantiles_of_the_whole_batch,
-    "histogram": _histogram_counts,
+    "qb": _quantiles_of_the_whole_batch,
+    "qb-hist": _histogram_counts,
     "sign": _signs_of_the_loads,
     "seq": _signs_of_the_loads,
     "none": _held,

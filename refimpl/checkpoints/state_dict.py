@@ -91,11 +91,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ._xp import dtype_name
-from .checkpoint import ExpertStack, layer_prefix
-from .config import MoEConfig
-from .latent_moe import MoEParams, check_params, parameter_shapes
-from .mx import MX_BLOCK, mxfp4_encode
+from .._lib.xp import dtype_name
+from ..config import MoEConfig
+from ..layer.latent_moe import MoEParams, check_params, parameter_shapes
+from ..mx import MX_BLOCK, mxfp4_encode
+from .hf_checkpoint import ExpertStack, layer_prefix
 
 __all__ = [
     "EXPERT_MATRICES",

@@ -12,7 +12,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
-from ._xp import Array, array_namespace, dtype_name, is_real_floating
+from .xp import Array, array_namespace, dtype_name, is_real_floating
 
 __all__ = [
     "check_bias",

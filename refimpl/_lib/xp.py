@@ -12,7 +12,7 @@ passed; the benchmark page has the run).
 The standard has no top-k, no bincount and no scatter-add. This module gives
 each one a portable definition built from standard functions (stable sorts,
 `searchsorted`, cumulative sums), and calls the native NumPy or CuPy routine
-(or the partitioning top-k of `refimpl._fast`) when the input is one of
+(or the partitioning top-k of `refimpl._lib.fast`) when the input is one of
 those. Both paths return the same values, and the tests check that they do.
 
 Tie order is part of the contract: `topk` ranks equal values by the lower
@@ -26,7 +26,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from ._fast import topk_by_partition
+from .fast import topk_by_partition
 
 Array = Any  # any array of an array-API namespace (NumPy, CuPy, array_api_strict, ...)
 
@@ -115,7 +115,7 @@ def topk(x: Array, k: int) -> tuple[Array, Array]:
     determined by the input.
 
     The readable definition is a stable descending sort. On NumPy the fast
-    path (`refimpl._fast.topk_by_partition`) partitions instead, O(n) per row plus a sort
+    path (`refimpl._lib.fast.topk_by_partition`) partitions instead, O(n) per row plus a sort
     of the k survivors, with the same tie rule.
     """
     xp = array_namespace(x)

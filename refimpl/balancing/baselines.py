@@ -42,11 +42,12 @@ from typing import Any
 
 import numpy as np
 
-from ._xp import Array
-from .balancing import Balancer, SignBalancer
-from .baselines import hash_route, sequence_balance_loss, sequence_balance_loss_grad
-from .config import MoEConfig
-from .validation import check_int, check_positive
+from .._lib.validation import check_int, check_positive
+from .._lib.xp import Array
+from ..config import MoEConfig
+from ..layer.baselines import hash_route, sequence_balance_loss, sequence_balance_loss_grad
+from .balancer import Balancer
+from .quantile import SignBalancer
 
 __all__ = ["AuxLossBalancer", "CapacityBalancer", "HashBalancer", "SequenceLossBalancer"]
 

@@ -50,12 +50,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._fast import fast_path_applies, glu_and_grad_by_chunks, glu_in_place
-from ._xp import Array, array_namespace, compute_dtype
-from .validation import check_float_array, check_positive
+from .._lib.fast import fast_path_applies, glu_and_grad_by_chunks, glu_in_place
+from .._lib.validation import check_float_array, check_positive
+from .._lib.xp import Array, array_namespace, compute_dtype
 
 if TYPE_CHECKING:
-    from .config import MoEConfig
+    from ..config import MoEConfig
 
 __all__ = [
     "expert_glu",
@@ -342,7 +342,7 @@ def expert_glu(a: Array, b: Array, config: MoEConfig) -> Array:
     r"""The experts' activation $\phi(a, b)$ of a layer: SiTU-GLU with the config's caps (K3), or SwiGLU.
 
     `a`, `b` are fresh products (gate and up pre-activations) in the compute
-    dtype. On NumPy the fast path (`refimpl._fast.glu_in_place`) overwrites
+    dtype. On NumPy the fast path (`refimpl._lib.fast.glu_in_place`) overwrites
     them instead of allocating; the values are those of `situ_glu` / `swiglu`.
     """
     if fast_path_applies(a, b):
@@ -355,7 +355,7 @@ def expert_glu(a: Array, b: Array, config: MoEConfig) -> Array:
 def expert_glu_and_grad(a: Array, b: Array, config: MoEConfig) -> tuple[Array, Array, Array]:
     r"""`glu_and_grad` with the layer's activation and caps: $(h, \partial_a\phi, \partial_b\phi)$ of fresh products.
 
-    On NumPy the fast path (`refimpl._fast.glu_and_grad_by_chunks`) writes the
+    On NumPy the fast path (`refimpl._lib.fast.glu_and_grad_by_chunks`) writes the
     three into the products' buffers, a few rows at a time.
     """
     if fast_path_applies(a, b):

@@ -22,14 +22,14 @@ of nudging it:
    $(q+1)$-th largest margin of column $j$ (the $(1-k/n)$ quantile).
 3. **Centering.** Adding the same constant to every $b_j$ changes no top-$k$,
    so the mean is removed; this keeps the bias near zero, where float32 is
-   finest (see the bfloat16 pitfall in `refimpl.routing`).
+   finest (see the bfloat16 pitfall in `refimpl.layer.routing`).
 4. **Next step.** $b^{(t+1)}$ routes the *next* batch. A batch is never
    routed with a bias computed from itself; `QuantileBalancer` enforces this
    order. At inference the last bias is frozen and no quantile is computed.
 
-Step 1 is `refimpl.routing.selection_cutoff`. One QB update is exactly one
+Step 1 is `refimpl.layer.routing.selection_cutoff`. One QB update is exactly one
 $\alpha$-step followed by one $\beta$-step of coordinate descent on the dual of
-the balanced-assignment LP, with $b = -\beta$; `refimpl.dual` derives this and
+the balanced-assignment LP, with $b = -\beta$; `refimpl.balancing.dual` derives this and
 checks it against SciPy's HiGHS.
 
 ## The rule for a fractional target
@@ -60,7 +60,7 @@ the histogram estimator of Appendix D is compared against it.
   margin of each column, so it needs $\lceil q \rceil + 1 \le m$, i.e.
   $m \ge n/(n-k)$ tokens. A smaller batch is a `ValueError`. With $k < n$
   the target $q = mk/n$ is always below $m$, so "$q > m$" cannot arise here;
-  it can in the LP of `refimpl.dual`, which reports it as infeasible.
+  it can in the LP of `refimpl.balancing.dual`, which reports it as infeasible.
 * **Ties among margins** are order statistics like any others: a value that
   occurs $c$ times occupies $c$ consecutive ranks. The threshold is therefore
   always one of the margins (or between two of them), never invented.
@@ -87,7 +87,7 @@ $(k+1)$-th choice and must overtake its $k$-th, which lies $\kappa_i - \alpha_i$
 higher, so a small raise brings in nobody. The exact rule (the default) keeps
 the paper's definition and lands on the atom; which of its members count as
 "above" is decided by rounding. An over-loaded expert always moves, since its
-$(q+1)$-th margin lies above the atom. In the dual of `refimpl.dual` the atom
+$(q+1)$-th margin lies above the atom. In the dual of `refimpl.balancing.dual` the atom
 is a kink of $D$ in $\beta_j$ at which the $\beta$-step is exactly minimal,
 although a joint move of $\beta_j$ and of the atom tokens' $\alpha_i$ would
 lower $D$: this is where repeated updates on one batch stall.
@@ -105,7 +105,7 @@ $$
 With margins $s_{i,j} - c_{i,j}$ the count of tokens clearing
 $-\tilde b_j$ is the load expert $j$ would get if *only its own* bias moved,
 exactly, and the atom is gone (an atom token's margin becomes
-$s_{i,j} - \kappa_i < -b_j$). In the language of `refimpl.dual` this is an
+$s_{i,j} - \kappa_i < -b_j$). In the language of `refimpl.balancing.dual` this is an
 exact coordinate step on $\min_\alpha D(\alpha, \beta)$ rather than on
 $D(\alpha, \beta)$ with $\alpha$ frozen. `quantile_balancing_update(...,
 leave_one_out=True)` computes it from the same top-$(k+1)$. Taken for all
@@ -127,32 +127,31 @@ error and needs a step size $\gamma$; QB jumps to the quantile and has none.
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
-import zipfile
-from dataclasses import dataclass
-from importlib import import_module
-from os import PathLike
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
-from ._fast import (
+from .._lib.fast import (
     cutoffs_by_blocks,
     expert_major_margins_by_blocks,
     kth_largest_by_sampling,
     kth_largest_cupy,
 )
-from ._files import write_atomically
-from ._xp import Array, array_namespace, compute_dtype, is_cupy, is_numpy, to_numpy
-from .config import MoEConfig
-from .routing import expert_load, route, selection_cutoff
-from .validation import check_bias, check_finite, check_float_array, check_int, check_positive, check_shape
+from .._lib.validation import (
+    check_bias,
+    check_finite,
+    check_float_array,
+    check_int,
+    check_positive,
+    check_shape,
+)
+from .._lib.xp import Array, array_namespace, compute_dtype, is_cupy, is_numpy
+from ..layer.routing import expert_load, selection_cutoff
+from .balancer import Balancer
 
 __all__ = [
-    "BalanceStep",
-    "Balancer",
     "FrozenBalancer",
     "QuantileBalancer",
     "SignBalancer",
@@ -161,7 +160,6 @@ __all__ = [
     "expert_major_margins",
     "interpolated_kth_largest",
     "kth_largest",
-    "load_ratio",
     "margins",
     "quantile_balancing_update",
     "quantile_rank",
@@ -184,7 +182,7 @@ def kth_largest(x: Array, r: int, *, previous: bool = False, overwrite: bool = F
     caller's scratch array), which saves a copy of the whole matrix.
 
     The readable definition sorts each row. On NumPy and CuPy a selection does
-    the same in $O(L)$ per row (`refimpl._fast.kth_largest_by_sampling`, a sample that
+    the same in $O(L)$ per row (`refimpl._lib.fast.kth_largest_by_sampling`, a sample that
     discards most entries first, and CuPy's selection kernel).
     """
     xp = array_namespace(x)
@@ -293,7 +291,7 @@ def quantile_rank(m: int, n: int, top_k: int) -> tuple[int, float]:
 
 
 def _biased(scores: Array, bias: Array) -> Array:
-    r"""$s + b$, `[m, n]`: the same values as `refimpl.routing.biased_scores`, for already-checked inputs.
+    r"""$s + b$, `[m, n]`: the same values as `refimpl.layer.routing.biased_scores`, for already-checked inputs.
 
     It skips the second validation and the extra copy of `scores` (at
     $m = 131{,}072$ tokens each copy is half a gigabyte).
@@ -307,10 +305,10 @@ def _biased(scores: Array, bias: Array) -> Array:
 def cutoff_values(scores: Array, bias: Array, top_k: int, *, with_kth: bool = False) -> Array | tuple:
     r"""$\alpha_i$, the $(k+1)$-th largest biased score of each token (and the $k$-th, $\kappa_i$, if asked), unchecked.
 
-    The values of `refimpl.routing.selection_cutoff` (a test checks it bit
+    The values of `refimpl.layer.routing.selection_cutoff` (a test checks it bit
     for bit) without ranking expert ids: each row is selected, not sorted.
     For inputs the caller has validated (`cutoffs` is the checked form); on
-    NumPy it runs by blocks of tokens (`refimpl._fast.cutoffs_by_blocks`),
+    NumPy it runs by blocks of tokens (`refimpl._lib.fast.cutoffs_by_blocks`),
     so the whole `[m, n]` matrix of biased scores is never allocated.
     """
     if is_numpy(array_namespace(scores, bias)):
@@ -325,7 +323,7 @@ def expert_major_margins(scores: Array, alpha: Array, *, bias: Array | None = No
 
     $M_{i,j} = s_{i,j} - \alpha_i$; with `bias` and `kappa` given, the
     leave-one-out margins of the extension. On NumPy by blocks of tokens
-    (`refimpl._fast.expert_major_margins_by_blocks`: NumPy transposes element
+    (`refimpl._lib.fast.expert_major_margins_by_blocks`: NumPy transposes element
     by element, and blocks keep both sides in cache).
     """
     xp = array_namespace(scores, alpha)
@@ -349,7 +347,7 @@ def quantile_thresholds(scores: Array, alpha: Array, whole: int, frac: float, *,
 
     `whole`, `frac` are $\lfloor q \rfloor$ and $q - \lfloor q \rfloor$
     (`quantile_rank`). Eq. (14) negates it; the $\beta$-step of
-    `refimpl.dual` is this value itself.
+    `refimpl.balancing.dual` is this value itself.
     """
     margins_t = expert_major_margins(scores, alpha, bias=bias, kappa=kappa)  # [n, m]
     # $$M_{(q+1),j}$$, with the interpolation rule for a fractional q
@@ -359,7 +357,7 @@ def quantile_thresholds(scores: Array, alpha: Array, whole: int, frac: float, *,
 def cutoffs(scores: Array, bias: Array, top_k: int) -> Array:
     r"""Each token's cutoff $\alpha_i$, `[m]`: the $(k+1)$-th largest of $s_i + b$, values only.
 
-    The same values as `refimpl.routing.selection_cutoff(scores, bias, top_k)[1]`,
+    The same values as `refimpl.layer.routing.selection_cutoff(scores, bias, top_k)[1]`,
     bit for bit, without ranking expert ids: the cheaper pass that Eq. (14) and
     the histogram estimator (Appendix D) need when the route itself is not.
     """
@@ -376,7 +374,7 @@ def margins(scores: Array, bias: Array, top_k: int) -> Array:
     r"""The margin matrix $M_{i,j} = s_{i,j} - \alpha_i$, `[m, n]`, of Eq. (14).
 
     $\alpha_i$ is token $i$'s cutoff, the $(k+1)$-th largest of $s_i + b$
-    (from `refimpl.routing.selection_cutoff`). Expert $j$ is in token $i$'s
+    (from `refimpl.layer.routing.selection_cutoff`). Expert $j$ is in token $i$'s
     top-$k$ exactly when $M_{i,j} > -b_j$; the tokens whose $(k+1)$-th choice
     is $j$ have $M_{i,j} = -b_j$ up to rounding (the atom).
     """
@@ -461,7 +459,7 @@ def sign_balancing_update(load: Array, bias: Array, rate: float) -> Array:
     Parameters
     ----------
     load
-        `[n]` integer token counts of the batch just routed (`refimpl.routing.expert_load`).
+        `[n]` integer token counts of the batch just routed (`refimpl.layer.routing.expert_load`).
     bias
         `[n]` the bias that routed it, float32 or float64.
     rate
@@ -485,271 +483,9 @@ def sign_balancing_update(load: Array, bias: Array, rate: float) -> Array:
     return bias + rate * xp.astype(direction, bias.dtype)
 
 
-def load_ratio(load: Array) -> float:
-    """The max/min load of a step (1.0 is perfect balance; infinity when some expert got no token)."""
-    values = to_numpy(load)
-    low, high = int(values.min()), int(values.max())
-    return math.inf if low == 0 else high / low
-
-
 # ---------------------------------------------------------------------------
 # The balancer: route with the bias held, then compute the next one
 # ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class BalanceStep:
-    """What one balancer step did.
-
-    `index` `[m, k]` is the route of the batch, made with `bias` `[n]` (the
-    bias held *before* the batch was seen); `load` `[n]` counts its tokens per
-    expert and `ratio` is max/min of `load`; `next_bias` `[n]` is the bias
-    computed from this batch, which will route the next one.
-    """
-
-    step: int
-    index: Array
-    load: np.ndarray
-    ratio: float
-    bias: np.ndarray
-    next_bias: np.ndarray
-
-
-class Balancer:
-    r"""The one interface of every balancer: the place where a layer's bias lives between steps.
-
-    A balancer holds the bias that will route the next batch. `step(scores)`
-    routes the batch with that bias, records the loads, and only then
-    computes the bias for the next batch from this one. In a training step
-    the layer routes the batch itself (with the held bias) and hands its own
-    route over, `step(scores, index=layer_route)`, so the loads recorded are
-    those of the layer that ran. The bias is kept as a NumPy array in float32
-    (or the `dtype` given), as K3 keeps it; each batch may come from any
-    array namespace.
-
-    What every balancer declares, so that a training loop needs to know
-    nothing else about it:
-
-    * `kind`, a class attribute: the name it is saved under (every subclass
-      sets its own and is registered under it when the class is defined);
-    * `layer_config(config)`: the layer it balances, the `MoEConfig` with the
-      switches it changes (a capacity that drops, hash routing); most change
-      nothing;
-    * `needs_token_ids`: whether it routes by token id, so that `step` must
-      be given `token_ids` when the layer's route is not;
-    * `coefficient` and `auxiliary(scores, index)`: the weight of its
-      auxiliary balance loss in the objective (0: it has none) and the loss
-      with its gradient in the scores;
-    * `options()`: its settings, the keywords that build it again;
-    * the two rules a subclass writes: `choose(scores, bias, token_ids)`, its
-      route when it routes a batch alone (default: the biased top-$k$ of
-      Eq. 13), and `next_bias(scores, bias, index)`, the bias for the next
-      batch.
-
-    `save` writes the whole state (kind, options, bias, step count, history)
-    to an `.npz` file atomically, and `Balancer.restore` reads it back bit for
-    bit, whatever the kind, so a resumed run routes exactly as an
-    uninterrupted one.
-
-    History: `loads` (one `[n]` array per step), `ratios` (max/min per step)
-    and `biases` (the bias that routed each step).
-
-    The rules: `QuantileBalancer` (Eq. 14), `SignBalancer` (DeepSeek-V3),
-    `FrozenBalancer` (no balancing), `refimpl.histogram.HistogramBalancer`
-    (Appendix D) and, on the page "The other balancers in the training
-    loop", auxiliary losses, capacity and hash routing.
-    """
-
-    kind: ClassVar[str] = ""
-    needs_token_ids: ClassVar[bool] = False
-    #: The weight of the auxiliary balance loss in the training objective (0: the balancer has none).
-    coefficient: float = 0.0
-    #: Every kind, by name: filled as the subclasses are defined.
-    kinds: ClassVar[dict[str, type[Balancer]]] = {}
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        kind = cls.__dict__.get("kind")
-        if not isinstance(kind, str) or not kind:
-            raise TypeError(f"{cls.__name__} must set its own kind (the name it is saved under), as a class "
-                            "attribute")
-        known = Balancer.kinds.get(kind)
-        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise TypeError(f"the balancer kind {kind!r} is taken by {known.__module__}.{known.__qualname__}")
-        Balancer.kinds[kind] = cls
-
-    def __init__(self, num_experts: int, top_k: int, *, bias: Array | None = None,
-                 dtype: Any = np.float32) -> None:
-        self.num_experts = check_int("num_experts", num_experts, low=1)
-        self.top_k = check_int("top_k", top_k, low=1, high=self.num_experts)
-        dtype = np.dtype(dtype)
-        if dtype not in (np.float32, np.float64):
-            raise TypeError(f"dtype must be float32 or float64, got {dtype}")
-        if bias is None:
-            self._bias = np.zeros(self.num_experts, dtype=dtype)
-        else:
-            held = np.array(to_numpy(bias), dtype=dtype, copy=True)
-            if held.shape != (self.num_experts,):
-                raise ValueError(f"bias must have shape [{self.num_experts}], got {list(held.shape)}")
-            if not np.isfinite(held).all():
-                raise ValueError("bias must be finite")
-            self._bias = held
-        self.step_count = 0
-        self.loads: list[np.ndarray] = []
-        self.ratios: list[float] = []
-        self.biases: list[np.ndarray] = []
-
-    # -- what it declares ------------------------------------------------------
-
-    @property
-    def bias(self) -> np.ndarray:
-        """A copy of the bias that will route the next batch."""
-        return self._bias.copy()
-
-    def options(self) -> dict[str, Any]:
-        """The settings of this balancer: the keywords (besides sizes, bias and dtype) that build it again."""
-        return {}
-
-    def layer_config(self, config: MoEConfig) -> MoEConfig:
-        """The layer this balancer balances: `config` with the switches it changes (here: none)."""
-        if not isinstance(config, MoEConfig):
-            raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
-        if (config.num_experts, config.top_k) != (self.num_experts, self.top_k):
-            raise ValueError(f"the layer has num_experts={config.num_experts}, top_k={config.top_k}; this "
-                             f"balancer was built for {self.num_experts} and {self.top_k}")
-        return config
-
-    def auxiliary(self, scores: Array, index: Array) -> tuple[float, np.ndarray]:
-        """The auxiliary balance loss of a routed batch and its gradient in the scores `[m, n]` (none here: zeros)."""
-        return 0.0, np.zeros(tuple(scores.shape))
-
-    def check_batch(self, m: int) -> None:
-        """Raise `ValueError` if this rule cannot balance batches of `m` tokens (a run checks before its first step)."""
-        check_int("m", m, low=1)
-
-    # -- the two rules a subclass writes --------------------------------------
-
-    def choose(self, scores: Array, bias: Array, token_ids: Array | None) -> Array:
-        """The route `[m, k]` of a batch this balancer routes alone: the top-$k$ of $s + b$ (Eq. 13)."""
-        index, _ = route(scores, bias, self.top_k)
-        return index
-
-    def next_bias(self, scores: Array, bias: Array, index: Array) -> Array:
-        """The bias `[n]` for the next batch, from this batch's `scores` `[m, n]`, the `bias` that routed it and its route."""
-        raise NotImplementedError(f"{type(self).__name__} must define next_bias(scores, bias, index)")
-
-    # -- the step --------------------------------------------------------------
-
-    def step(self, scores: Array, *, index: Array | None = None, token_ids: Array | None = None) -> BalanceStep:
-        """Route `scores` (`[m, n]`) with the held bias, then compute the next bias from them.
-
-        `index` (`[m, k]`), if given, is the route the layer itself made of
-        this batch with the held bias (a training step passes it, so that the
-        loads are those of the layer that ran); otherwise the balancer routes
-        the batch with `choose`, reading `token_ids` (`[m]`) when it
-        `needs_token_ids`.
-        """
-        check_float_array("scores", scores, ndim=2)
-        check_shape("scores", scores, (None, self.num_experts))
-        xp = array_namespace(scores)
-        used = self._bias.copy()  # fixed before the batch is looked at
-        if index is None:
-            if self.needs_token_ids and token_ids is None:
-                raise ValueError(f"a {self.kind} balancer routes by token id: step() needs token_ids, an [m] "
-                                 "integer array (or the layer's route as index=)")
-            index = self.choose(scores, xp.asarray(used), token_ids)
-        else:
-            check_shape("index", index, (scores.shape[0], self.top_k))
-        new_bias = self.next_bias(scores, xp.asarray(used), index)
-        return self.advance(index, expert_load(index, self.num_experts), new_bias)
-
-    def advance(self, index: Array, load: Array, next_bias: Array) -> BalanceStep:
-        """The end of a step: record the batch's route `index` and `load` `[n]`, then hold `next_bias` `[n]`.
-
-        `step` ends here. A step whose load and next bias are computed
-        elsewhere calls it directly: an expert-parallel training step, where
-        each rank routed only its own tokens (`index`) and the load and the
-        next bias are those of the whole batch, gathered over the ranks.
-        """
-        load = to_numpy(load)
-        if tuple(load.shape) != (self.num_experts,) or not np.issubdtype(load.dtype, np.integer) \
-                or (load < 0).any():
-            raise ValueError(f"load must be [{self.num_experts}] non-negative integer counts, got "
-                             f"{load.dtype} of shape {list(load.shape)}")
-        next_bias = to_numpy(next_bias)
-        if tuple(next_bias.shape) != (self.num_experts,):
-            raise ValueError(f"next_bias must have shape [{self.num_experts}], got {list(next_bias.shape)}")
-        used = self._bias.copy()  # the bias that routed the batch
-        load = load.astype(np.int64)
-        ratio = load_ratio(load)
-        self._bias = next_bias.astype(self._bias.dtype)
-        self.step_count += 1
-        self.loads.append(load)
-        self.ratios.append(ratio)
-        self.biases.append(used)
-        return BalanceStep(self.step_count, index, load, ratio, used, self._bias.copy())
-
-    # -- saving and restoring ----------------------------------------------------
-
-    def save(self, path: str | PathLike) -> None:
-        """Write the whole state to the `.npz` file `path`, atomically: kind, options, bias, step count, history.
-
-        The file is written under a temporary name in the same folder and
-        renamed into place, so `path` holds the old state or the new one,
-        never a part. It needs no pickle: arrays, and the options as JSON.
-        """
-        n = self.num_experts
-        arrays = {
-            "kind": np.array(self.kind),
-            "module": np.array(type(self).__module__),
-            "options": np.array(json.dumps(self.options(), allow_nan=False)),
-            "num_experts": np.int64(n),
-            "top_k": np.int64(self.top_k),
-            "step_count": np.int64(self.step_count),
-            "bias": self._bias,
-            "loads": np.array(self.loads, dtype=np.int64).reshape(-1, n),
-            "ratios": np.array(self.ratios, dtype=np.float64),
-            "biases": np.array(self.biases, dtype=self._bias.dtype).reshape(-1, n),
-        }
-        write_atomically(path, lambda handle: np.savez(handle, **arrays))
-
-    @classmethod
-    def restore(cls, path: str | PathLike) -> Balancer:
-        """Read a balancer written by `save`, of any kind; the result continues the run bit for bit.
-
-        A kind defined in a module of this package that is not imported yet
-        (the training balancers) is imported from the module the file names;
-        a kind of your own must be defined (its module imported) first.
-        """
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                fields = {name: data[name] for name in data.files}
-        except (OSError, ValueError, zipfile.BadZipFile) as exc:
-            if isinstance(exc, FileNotFoundError):
-                raise
-            raise ValueError(f"{path} is not a balancer state written by Balancer.save: {exc}") from None
-        if "kind" in fields and "options" not in fields:  # written before the options were kept as JSON
-            fields["module"] = np.array("refimpl.balancing")
-            fields["options"] = np.array(json.dumps({name: fields.pop(name).item() for name in
-                                                     ("leave_one_out", "damping", "rate") if name in fields}))
-        missing = sorted({"kind", "module", "options", "num_experts", "top_k", "step_count", "bias", "loads",
-                          "ratios", "biases"} - set(fields))
-        if missing:
-            raise ValueError(f"{path} is not a balancer state written by Balancer.save: it lacks {missing}")
-        kind, module = str(fields["kind"]), str(fields["module"])
-        if kind not in Balancer.kinds and module.startswith("refimpl."):
-            import_module(module)  # a kind of this package whose module was not imported yet
-        if kind not in Balancer.kinds:
-            raise ValueError(f"{path} holds an unknown balancer kind {kind!r} (defined in {module!r}); known kinds: "
-                             f"{sorted(Balancer.kinds)}")
-        options = json.loads(str(fields["options"]))
-        balancer = Balancer.kinds[kind](int(fields["num_experts"]), int(fields["top_k"]), bias=fields["bias"],
-                                        dtype=fields["bias"].dtype, **options)
-        balancer.step_count = int(fields["step_count"])
-        balancer.loads = [row.copy() for row in fields["loads"]]
-        balancer.ratios = [float(r) for r in fields["ratios"]]
-        balancer.biases = [row.copy() for row in fields["biases"]]
-        return balancer
-
 
 class QuantileBalancer(Balancer):
     r"""Eq. (14) step by step: route with the held bias, then jump to the quantile bias of this batch.
@@ -759,10 +495,10 @@ class QuantileBalancer(Balancer):
     the module text, and `damping` $\eta < 1$ moves only a fraction $\eta$ of
     the way to the new bias. Together they let repeated steps on one fixed
     batch reach the LP optimum, which the plain rule does not (see
-    `refimpl.dual`).
+    `refimpl.balancing.dual`).
     """
 
-    kind = "quantile"
+    kind = "qb"
 
     def __init__(self, num_experts: int, top_k: int, *, bias: Array | None = None,
                  dtype: Any = np.float32, leave_one_out: bool = False, damping: float = 1.0) -> None:

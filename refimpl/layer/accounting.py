@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 
-from .config import MoEConfig
+from ..config import MoEConfig
 
 __all__ = ["combinatorial_sparsity", "dispatch_payload", "log10_binomial", "parameter_counts"]
 
