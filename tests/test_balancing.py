@@ -574,7 +574,7 @@ def test_every_kind_restores_after_import_refimpl_alone(tmp_path):
     np.savez(tmp_path / "batch.npz", scores=batches[3][0], ids=batches[3][1])
     code = (
         "import sys, numpy as np, refimpl\n"
-        "assert 'refimpl.train' not in sys.modules and 'refimpl.balancing.baselines' not in sys.modules\n"
+        "assert 'refimpl.train' not in sys.modules and 'refimpl.train_baselines' not in sys.modules\n"
         f"batch = np.load({str(tmp_path / 'batch.npz')!r})\n"
         f"for number in range({len(KINDS)}):\n"
         f"    b = refimpl.Balancer.restore({str(tmp_path)!r} + f'/{{number}}.npz')\n"
