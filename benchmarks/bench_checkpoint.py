@@ -37,7 +37,7 @@ from common import (
     write_results,
 )
 
-from refimpl.checkpoints.hf_checkpoint import load_hf_layer, save_hf_layer
+from refimpl.checkpoints import load_hf_layer, save_hf_layer
 from refimpl.config import MoEConfig
 from refimpl.layer.latent_moe import MoEParams, init_params, stable_latent_moe
 from refimpl.layer.routing import route

@@ -88,7 +88,7 @@ from refimpl.layer.latent_moe import (
     stable_latent_moe,
 )
 from refimpl.layer.routing import route, router_scores
-from refimpl.parallel.expert_parallel import padded_routed_experts, padding_waste
+from refimpl.parallel import padded_routed_experts, padding_waste
 
 FLOAT16_EPS = float(np.finfo(np.float16).eps)  # 2^-10
 

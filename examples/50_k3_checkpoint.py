@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from refimpl import MoEConfig, init_params, load_hf_layer, save_hf_layer, stable_latent_moe
-from refimpl.checkpoints.hf_checkpoint import open_safetensors
+from refimpl.checkpoints import open_safetensors
 from refimpl.layer.latent_moe import stable_latent_moe_reference
 from refimpl.mx import E2M1_VALUES, mxfp4_decode
 from refimpl.studies.figures import figures_wanted, show_figure

@@ -31,7 +31,7 @@ import numpy as np
 
 from refimpl import MoEConfig, expert_load, route, router_scores
 from refimpl.layer.latent_moe import routed_experts
-from refimpl.parallel.expert_parallel import padded_routed_experts, padding_waste
+from refimpl.parallel import padded_routed_experts, padding_waste
 from refimpl.studies.figures import figures_wanted, show_figure
 from refimpl.studies.workloads import skewed_batch, skewed_router, trained_biases
 

@@ -55,8 +55,13 @@ from .balancing import (
     subgradient_check,
     target_load,
 )
-from .checkpoints.hf_checkpoint import ExpertStack, load_hf_layer, save_hf_layer
-from .checkpoints.state_dict import hf_state_dict_from_params, params_from_hf_state_dict
+from .checkpoints import (
+    ExpertStack,
+    hf_state_dict_from_params,
+    load_hf_layer,
+    params_from_hf_state_dict,
+    save_hf_layer,
+)
 from .config import MoEConfig
 from .layer.accounting import combinatorial_sparsity, dispatch_payload, log10_binomial, parameter_counts
 from .layer.activations import (
@@ -103,7 +108,7 @@ from .layer.routing import (
     softplus,
 )
 from .mx import mxfp4_decode, mxfp4_encode, mxfp8_round
-from .parallel.expert_parallel import (
+from .parallel import (
     EPStats,
     ep_balance_update,
     ep_forward,

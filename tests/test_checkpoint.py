@@ -21,7 +21,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from safetensors import safe_open
 
 from refimpl import MoEConfig, init_params, stable_latent_moe
-from refimpl.checkpoints.hf_checkpoint import ExpertStack, load_hf_layer, save_hf_layer
+from refimpl.checkpoints import ExpertStack, load_hf_layer, save_hf_layer
 from refimpl.layer.latent_moe import parameter_shapes
 from refimpl.mx import mxfp4_decode
 

@@ -29,7 +29,7 @@ from refimpl._lib.xp import to_numpy
 from refimpl.balancing.histogram import histogram_balancing_update
 from refimpl.layer.latent_moe import routed_experts
 from refimpl.layer.routing import router_scores
-from refimpl.parallel.expert_parallel import (
+from refimpl.parallel import (
     EPStats,
     ep_balance_update,
     ep_forward,

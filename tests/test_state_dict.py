@@ -21,7 +21,7 @@ from hf_reference_block import KimiSparseMoeBlock, decode_mxfp4_pairs, to_torch
 
 import refimpl
 from refimpl import MoEConfig, hf_state_dict_from_params, init_params, params_from_hf_state_dict
-from refimpl.checkpoints.hf_checkpoint import ExpertStack
+from refimpl.checkpoints import ExpertStack
 from refimpl.checkpoints.state_dict import as_numpy, hf_tensor_shapes
 
 # Text configs of the reference code: K3's switches, no latent, latent without norm, no shared experts.

@@ -25,7 +25,7 @@ from refimpl.balancing import Balancer, QuantileBalancer
 from refimpl.config import MoEConfig
 from refimpl.layer.backward import stable_latent_moe_vjp
 from refimpl.layer.latent_moe import init_params
-from refimpl.parallel.expert_parallel import ep_vjp, shard_params
+from refimpl.parallel import ep_vjp, shard_params
 from refimpl.train import BALANCERS, BIAS, TrainConfig, default_layer, main, train
 from refimpl.train.expert_parallel import (
     BALANCE_ACROSS_RANKS,

@@ -24,7 +24,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from refimpl import MoEConfig, init_params, stable_latent_moe
-from refimpl.checkpoints.hf_checkpoint import (
+from refimpl.checkpoints import (
     INCOMPLETE_SAVE_MARK,
     ExpertStack,
     load_hf_layer,

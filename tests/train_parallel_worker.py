@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 from refimpl import MoEConfig, init_params
 from refimpl import train_parallel as tp
-from refimpl.parallel.expert_parallel import EXPERT_STACKS, ep_vjp, shard_params
+from refimpl.parallel import EXPERT_STACKS, ep_vjp, shard_params
 from refimpl.train import BALANCERS, BIAS, TrainConfig, default_layer, main
 
 COMM = MPI.COMM_WORLD

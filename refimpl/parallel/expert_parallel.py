@@ -121,8 +121,6 @@ computation and no node-limited routing.
 
 from __future__ import annotations
 
-import hashlib
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -130,11 +128,10 @@ from typing import Any
 
 import numpy as np
 
-from .._lib.validation import check_finite, check_float_array, check_int
 from .._lib.xp import Array, array_namespace, compute_dtype, dtype_name, to_numpy
 from ..balancing.histogram import BiasHistogram
 from ..config import MoEConfig
-from ..layer.activations import expert_glu, rms_norm
+from ..layer.activations import rms_norm
 from ..layer.backward import (
     check_upstream,
     latent_output_backward,
@@ -144,314 +141,34 @@ from ..layer.backward import (
 from ..layer.latent_moe import (
     MoEOutput,
     MoEParams,
-    RoutedActivations,
-    dispatch_by_expert,
-    parameter_shapes,
-    routed_experts,
     shared_experts,
 )
 from ..layer.routing import Selection, router_scores, select_experts, serving_rule
+from .exchange import (
+    EXPERT_STACKS,
+    LocalSlots,
+    Plan,
+    alltoallv,
+    check_comm,
+    check_ep_inputs,
+    check_ranks_agree,
+    digest,
+    dispatch_plan,
+    exchange_counts,
+    local_experts,
+    sum_rows,
+)
+from .padded import padded_routed_experts, padding_waste
 
 __all__ = [
     "EPStats",
-    "check_ranks_agree",
     "ep_balance_update",
     "ep_forward",
     "ep_vjp",
-    "expected_remote_ranks",
-    "expert_block",
     "padded_routed_experts",
     "padding_waste",
-    "shard_params",
 ]
 
-#: The three expert stacks, the only parameters that are split between ranks.
-EXPERT_STACKS = ("experts.w1", "experts.w3", "experts.w2")
-
-
-# ---------------------------------------------------------------------------
-# Who holds which expert
-# ---------------------------------------------------------------------------
-
-def _check_ranks(n: int, size: int) -> int:
-    """`size` ranks must split `n` experts into equal blocks; returns the block size n/P."""
-    size = check_int("size (ranks in the communicator)", size, low=1)
-    if n % size:
-        raise ValueError(f"the number of ranks P={size} must divide the number of experts n={n} "
-                         f"(each rank holds a block of n/P experts)")
-    return n // size
-
-
-def expert_block(n: int, size: int, rank: int) -> tuple[int, int]:
-    r"""The experts rank `rank` of `size` holds: $[r\,n/P,\ (r+1)\,n/P)$, as `(start, stop)`."""
-    n = check_int("n", n, low=1)
-    per_rank = _check_ranks(n, size)
-    rank = check_int("rank", rank, low=0, high=size - 1)
-    return rank * per_rank, (rank + 1) * per_rank
-
-
-def expected_remote_ranks(n: int, k: int, size: int) -> float:
-    r"""How many *other* ranks a token is sent to, on average, when its $k$ experts are uniformly random.
-
-    With $P$ ranks of $n/P$ experts, a token's $k$ distinct experts miss a
-    given rank with probability $\binom{n - n/P}{k} / \binom{n}{k}$, so they
-    occupy on average
-
-    $$\mathbb{E}[R] = P \left(1 - \binom{n - n/P}{k} \Big/ \binom{n}{k}\right)$$
-
-    ranks, and the token's own rank is one of them with probability
-    $\mathbb{E}[R]/P$. Each exchange then carries $\mathbb{E}[R](1 - 1/P)$
-    latents per token, between 0 ($P = 1$) and $k$. A planning number: a
-    balanced router is close to uniform on average, but real routing is
-    correlated, and the measured bytes (`EPStats`) are the truth.
-    """
-    n = check_int("n", n, low=1)
-    k = check_int("k", k, low=1, high=n)
-    per_rank = _check_ranks(n, size)
-    # $$\Pr[\text{no expert of the token on a given rank}] = \binom{n - n/P}{k} / \binom{n}{k}$$
-    miss = math.comb(n - per_rank, k) / math.comb(n, k)
-    occupied = size * (1.0 - miss)
-    # $$\mathbb{E}[\text{remote}] = \mathbb{E}[R]\,(1 - 1/P)$$
-    return occupied * (1.0 - 1.0 / size)
-
-
-def shard_params(params: Mapping[str, Array], config: MoEConfig, rank: int, size: int) -> dict[str, Array]:
-    """What rank `rank` of `size` holds: every parameter whole, except the expert stacks cut to its block.
-
-    `params` has the full shapes of `parameter_shapes(config)`. The expert
-    stacks are sliced (views for NumPy), the rest is passed through.
-    """
-    if not isinstance(config, MoEConfig):
-        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
-    start, stop = expert_block(config.n, size, rank)
-    shard = dict(params)
-    for name in EXPERT_STACKS:
-        if name not in params:
-            raise ValueError(f"params must contain {name!r}, the stacked expert weights")
-        if params[name].shape[0] != config.n:
-            raise ValueError(f"params[{name!r}] must hold all n={config.n} experts to be sharded, "
-                             f"got shape {list(params[name].shape)}")
-        shard[name] = params[name][start:stop, ...]
-    return shard
-
-
-def _check_ep_inputs(x: Array, params: Mapping[str, Array], config: MoEConfig, size: int) -> int:
-    """Raise a readable error for a bad input of `ep_forward`; returns n/P."""
-    if not isinstance(config, MoEConfig):
-        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
-    per_rank = _check_ranks(config.n, size)
-    check_float_array("x", x, ndim=2)
-    if x.shape[1] != config.d:
-        raise ValueError(f"x must have shape [m, {config.d}] (hidden_size), got {list(x.shape)}")
-    check_finite("x", x)
-    if not isinstance(params, Mapping):
-        raise TypeError(f"params must be a mapping from parameter names to arrays, got {type(params).__name__}")
-    shapes = parameter_shapes(config)
-    missing, extra = sorted(set(shapes) - set(params)), sorted(set(params) - set(shapes))
-    if missing or extra:
-        raise ValueError(f"params must have exactly the names {sorted(shapes)}; missing {missing}, extra {extra}")
-    for name, shape in shapes.items():
-        check_float_array(f"params[{name!r}]", params[name])
-        if name in EXPERT_STACKS:
-            # This rank's block only: [n/P, ...] instead of [n, ...].
-            shape = (per_rank, *shape[1:])
-            if tuple(params[name].shape) != shape:
-                raise ValueError(
-                    f"params[{name!r}] must hold this rank's block of n/P = {config.n}/{size} = {per_rank} "
-                    f"experts, shape {list(shape)}, got {list(params[name].shape)} (shard_params cuts a "
-                    f"whole stack)")
-        elif tuple(params[name].shape) != shape:
-            raise ValueError(f"params[{name!r}] must have shape {list(shape)} (replicated on every rank), "
-                             f"got {list(params[name].shape)}")
-    check_finite("params['gate.e_score_correction_bias']", params["gate.e_score_correction_bias"])
-    return per_rank
-
-
-def _check_comm(comm: Any) -> tuple[int, int]:
-    if not all(hasattr(comm, name) for name in ("Get_size", "Get_rank", "Alltoall", "Alltoallv", "allgather")):
-        raise TypeError(f"comm must be an mpi4py communicator (Get_size, Get_rank, Alltoall, Alltoallv, "
-                        f"allgather), got {type(comm).__name__}")
-    return int(comm.Get_size()), int(comm.Get_rank())
-
-
-def digest(a: Array | None) -> str | None:
-    """A short SHA-256 of an array's dtype, shape and bytes: what ranks compare to agree on a bias."""
-    if a is None:
-        return None
-    values = np.ascontiguousarray(to_numpy(a))
-    head = f"{values.dtype.str}{values.shape}".encode()
-    return hashlib.sha256(head + values.tobytes()).hexdigest()[:16]
-
-
-def check_ranks_agree(comm: Any, what: str, fingerprint: Mapping[str, Any],
-                      error: BaseException | None = None) -> None:
-    r"""Before any exchange: one `allgather` of what must agree, and the same error on every rank if it does not.
-
-    `fingerprint` maps names to plain values that must be equal on every
-    rank (sizes, a dtype name, a digest of the bias); `error` is what this
-    rank met while checking its own inputs (None if nothing). Every rank
-    receives every rank's pair, so every rank can tell, identically, whether
-    some rank failed (its error is raised everywhere, naming the rank) or
-    two ranks disagree (a `ValueError` naming the field and each rank's
-    value). Called by every rank of `comm`, like any collective; it never
-    hangs the others, because it is the first exchange and every rank reaches it.
-    """
-    size = int(comm.Get_size())
-    report = None if error is None else (type(error).__name__, str(error))
-    entries = comm.allgather((dict(fingerprint), report))
-    failed = [(rank, entry[1]) for rank, entry in enumerate(entries) if entry[1] is not None]
-    if failed:
-        rank, (kind, text) = failed[0]
-        others = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
-        cls = TypeError if kind == "TypeError" else ValueError
-        raise cls(f"{what}: rank {rank} of {size}{others}: {text}")
-    for key in fingerprint:
-        values = [entry[0].get(key) for entry in entries]
-        if any(v != values[0] for v in values[1:]):
-            listed = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-            raise ValueError(f"{what}: the {size} ranks must agree on {key}, got {listed}")
-
-
-# ---------------------------------------------------------------------------
-# The dispatch plan: which (token, rank) pairs travel
-# ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Plan:
-    """Which of this rank's tokens go to which rank, in the order they are sent.
-
-    `present` `[m, P]`: token i has an expert on rank p. The pairs are sent
-    rank by rank, tokens in order within a rank: pair s is token
-    `pair_token[s]` for rank `pair_rank[s]`, and `position[i, p]` is the pair
-    number of (i, p) where `present[i, p]`. `send_rows` `[P]` counts the pairs
-    per destination. `local_id` and `weight` `[S, k]` are what travels with
-    each pair: the id, within the destination's block, and the weight of each
-    of the token's experts held there (-1 and 0 for the others).
-    """
-
-    present: Array
-    position: Array
-    pair_token: Array
-    send_rows: np.ndarray
-    local_id: Array
-    weight: Array
-
-
-def _sum_rows(values: Array, position: Array, mask: Array) -> Array:
-    r"""Row sums by groups: $\text{out}_g = \sum_c [\text{mask}_{g,c}]\, \text{values}_{\text{position}_{g,c}}$.
-
-    `values` `[S, w]`, `position` and `mask` `[G, c]`; returns `[G, w]`. The
-    portable scatter-add of this module, in the style of `routed_experts`'
-    combine: one gather per column $c$, never an unsorted copy.
-    """
-    xp = array_namespace(values, position, mask)
-    out = xp.zeros((position.shape[0], values.shape[1]), dtype=values.dtype)  # [G, w]
-    for c in range(position.shape[1]):
-        rows = xp.take(values, xp.where(mask[:, c], position[:, c], xp.zeros((), dtype=position.dtype)),
-                       axis=0)  # [G, w]
-        out += xp.where(mask[:, c:c + 1], rows, xp.zeros((), dtype=values.dtype))
-    return out
-
-
-def _dispatch_plan(index: Array, weights: Array, per_rank: int, size: int) -> _Plan:
-    """The pairs this rank sends, from its route `index`, `weights` `[m, k]`."""
-    xp = array_namespace(index, weights)
-    # The rank that holds each chosen expert: $$\text{owner}_{i,r} = \lfloor \mathcal{T}_{i,r} / (n/P) \rfloor$$
-    owner = index // per_rank  # [m, k]
-    ranks = xp.arange(size, dtype=owner.dtype)  # [P]
-    present = xp.any(owner[:, :, None] == ranks[None, None, :], axis=1)  # [m, P]
-    # Pairs rank by rank, tokens in order: the non-zeros of present^T in row-major order.
-    pair_rank, pair_token = xp.nonzero(xp.matrix_transpose(present))  # [S], [S]
-    per_column = xp.astype(present, xp.int64)  # [m, P]
-    send_rows = to_numpy(xp.sum(per_column, axis=0)).astype(np.int64)  # [P]
-    # Pair number of (i, p): the pairs for ranks before p, plus token i's place among rank p's tokens.
-    first = xp.asarray(np.concatenate(([0], np.cumsum(send_rows)[:-1])), dtype=xp.int64)  # [P]
-    position = xp.cumulative_sum(per_column, axis=0) - 1 + first[None, :]  # [m, P], valid where present
-    # What travels with pair s: the token's experts held by the destination, as ids within its block.
-    token_index = xp.take(index, pair_token, axis=0)  # [S, k]
-    mine = (token_index // per_rank) == xp.astype(pair_rank, token_index.dtype)[:, None]  # [S, k]
-    local_id = xp.where(mine, token_index - xp.astype(pair_rank, token_index.dtype)[:, None] * per_rank,
-                        xp.full((), -1, dtype=token_index.dtype))  # [S, k]
-    weight = xp.where(mine, xp.take(weights, pair_token, axis=0), xp.zeros((), dtype=weights.dtype))  # [S, k]
-    return _Plan(present, position, pair_token, send_rows, local_id, weight)
-
-
-# ---------------------------------------------------------------------------
-# The exchange
-# ---------------------------------------------------------------------------
-
-def _alltoallv(comm: Any, send: Array, send_rows: np.ndarray, recv_rows: np.ndarray) -> Array:
-    """Send rows `send` `[S, w]` (`send_rows[p]` of them to rank p); returns the `[R, w]` rows received.
-
-    The buffers are NumPy arrays on the host (MPI reads memory); other array
-    libraries are copied there and back.
-    """
-    xp = array_namespace(send)
-    width = int(send.shape[1])
-    buffer = np.ascontiguousarray(to_numpy(send))  # [S, w]
-    received = np.empty((int(recv_rows.sum()), width), dtype=buffer.dtype)  # [R, w]
-
-    def spec(rows: np.ndarray) -> tuple[list[int], list[int]]:
-        counts = (rows * width).astype(np.int64)
-        return counts.tolist(), np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64).tolist()
-
-    comm.Alltoallv([buffer, spec(send_rows)], [received, spec(recv_rows)])
-    return received if isinstance(send, np.ndarray) else xp.asarray(received)
-
-
-def _exchange_counts(comm: Any, send_rows: np.ndarray) -> np.ndarray:
-    """Every rank learns how many pairs each other rank will send it (one `Alltoall` of P integers)."""
-    recv_rows = np.empty_like(send_rows)
-    comm.Alltoall(send_rows, recv_rows)
-    return recv_rows
-
-
-# ---------------------------------------------------------------------------
-# The experts of this rank, on what arrived
-# ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _LocalSlots:
-    """The slots of the pairs that arrived, one row per (pair, local expert), and what their backward reads."""
-
-    valid: Array  # [R, k] bool, which entries of each pair are experts of this rank
-    slot_pair: Array  # [T], the pair of each slot (row-major: pair by pair)
-    slot_position: Array  # [R, k], the slot number of (pair, r) where valid
-    z_slots: Array  # [T, l], each slot's latent
-    routed: RoutedActivations | None  # what `routed_experts(..., save=True)` kept
-
-
-def _local_experts(z: Array, local_id: Array, weight: Array, w1: Array, w3: Array, w2: Array,
-                   config: MoEConfig, padded: bool, mxfp8_inputs: bool = False,
-                   save: bool = False) -> tuple[Array, Array, _LocalSlots]:
-    r"""Each arrived pair's partial sum $\sum_{e \text{ here}} p_{i,e} E_e(z_i)$, `[R, l]`, and the local loads `[n/P]`.
-
-    The pairs' slots (those with `local_id >= 0`) are laid out one per row,
-    the grouped loop of `routed_experts` (or the padded product) runs on them
-    with one expert each, and each pair's rows are added back together.
-    With `save`, the routed activations are kept for the backward.
-    """
-    xp = array_namespace(z, local_id, weight)
-    valid = local_id >= 0  # [R, k]
-    slot_pair, _ = xp.nonzero(valid)  # [T], row-major: pair by pair
-    slot_expert = local_id[valid][:, None]  # [T, 1]
-    slot_weight = weight[valid][:, None]  # [T, 1]
-    z_slots = xp.take(z, slot_pair, axis=0)  # [T, l]
-    routed = None
-    # $$o_t = p_{i,e}\, E_e(z_i)$$ for every slot $t = (i, e)$ computed here
-    if padded:
-        out = padded_routed_experts(z_slots, slot_expert, slot_weight, w1, w3, w2, config)  # [T, l]
-    elif save:
-        out, routed = routed_experts(z_slots, slot_expert, slot_weight, w1, w3, w2, config, save=True)
-    else:
-        out = routed_experts(z_slots, slot_expert, slot_weight, w1, w3, w2, config, mxfp8_inputs=mxfp8_inputs)
-    # Slot number of (pair, r), valid where `valid`.
-    slot_position = xp.reshape(xp.cumulative_sum(xp.reshape(xp.astype(valid, xp.int64), (-1,))) - 1,
-                               valid.shape)  # [R, k]
-    # $$u^{(p)}_i = \sum_{e \in \mathcal{T}_i \cap \mathcal{E}_p} o_{(i, e)}$$
-    partial = _sum_rows(out, slot_position, valid)  # [R, l]
-    load = dispatch_by_expert(slot_expert, slot_weight, w1.shape[0]).load  # [n/P]
-    return partial, load, _LocalSlots(valid, slot_pair, slot_position, z_slots, routed)
 
 
 # ---------------------------------------------------------------------------
@@ -569,9 +286,9 @@ class _EPSaved:
     z: Array  # [m, l]
     u: Array  # [m, l]
     v: Array  # [m, l]
-    plan: _Plan
+    plan: Plan
     recv_rows: np.ndarray  # [P]
-    slots: _LocalSlots
+    slots: LocalSlots
     shared: tuple[Array, Array, Array] | None
     y_routed: Array  # [m, d]
     y_shared: Array  # [m, d]
@@ -581,10 +298,10 @@ def _ep_layer(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: An
               reduce_before_norm: bool, token_ids: Array | None, mxfp8_inputs: bool, save: bool,
               what: str) -> tuple[Array, EPStats, _EPSaved | None]:
     """The expert-parallel layer, for `ep_forward` and `ep_vjp`: `(y, stats, saved)`."""
-    size, rank = _check_comm(comm)
+    size, rank = check_comm(comm)
     error: Exception | None = None
     try:
-        per_rank = _check_ep_inputs(x, params, config, size)
+        per_rank = check_ep_inputs(x, params, config, size)
         if mxfp8_inputs and padded:
             raise ValueError("mxfp8_inputs=True runs the grouped expert loop: pass padded=False")
     except (TypeError, ValueError) as exc:
@@ -615,16 +332,16 @@ def _ep_layer(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: An
 
     # 2. Dispatch: each token's latent to every rank that holds one of its experts, once per rank.
     started = time.perf_counter()
-    plan = _dispatch_plan(selection.index, weights, per_rank, size)
-    recv_rows = _exchange_counts(comm, plan.send_rows)  # [P], pairs each rank sends here
-    z_arrived = _alltoallv(comm, xp.take(z, plan.pair_token, axis=0), plan.send_rows, recv_rows)  # [R, l]
-    id_arrived = _alltoallv(comm, plan.local_id, plan.send_rows, recv_rows)  # [R, k]
-    weight_arrived = _alltoallv(comm, plan.weight, plan.send_rows, recv_rows)  # [R, k]
+    plan = dispatch_plan(selection.index, weights, per_rank, size)
+    recv_rows = exchange_counts(comm, plan.send_rows)  # [P], pairs each rank sends here
+    z_arrived = alltoallv(comm, xp.take(z, plan.pair_token, axis=0), plan.send_rows, recv_rows)  # [R, l]
+    id_arrived = alltoallv(comm, plan.local_id, plan.send_rows, recv_rows)  # [R, k]
+    weight_arrived = alltoallv(comm, plan.weight, plan.send_rows, recv_rows)  # [R, k]
     seconds["dispatch"] = time.perf_counter() - started
 
     # 3. This rank's experts on what arrived, reduced per pair: one l-vector per (token, rank).
     started, started_cpu = time.perf_counter(), time.process_time()
-    partial, load, slots = _local_experts(z_arrived, id_arrived, weight_arrived, params["experts.w1"],
+    partial, load, slots = local_experts(z_arrived, id_arrived, weight_arrived, params["experts.w1"],
                                           params["experts.w3"], params["experts.w2"], config, padded,
                                           mxfp8_inputs, save=save)  # [R, l]
     expert_seconds, expert_cpu_seconds = time.perf_counter() - started, time.process_time() - started_cpu
@@ -635,10 +352,10 @@ def _ep_layer(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: An
 
     # 4. Combine: the partial sums travel back (the dispatch's counts reversed) and add up per token.
     started = time.perf_counter()
-    returned = _alltoallv(comm, partial, recv_rows, plan.send_rows)  # [S, l], in the order sent
+    returned = alltoallv(comm, partial, recv_rows, plan.send_rows)  # [S, l], in the order sent
     seconds["combine"] = time.perf_counter() - started
     # $$u_i = \sum_{p} u^{(p)}_i$$, in rank order
-    u = _sum_rows(returned, plan.position, plan.present)  # [m, l]
+    u = sum_rows(returned, plan.position, plan.present)  # [m, l]
     # Then, and only then, the norm of the whole sum: $$v = \operatorname{RMSNorm}(u) \odot g$$
     if config.use_latent_norm and reduce_before_norm:
         v = rms_norm(u, weight("routed_expert_norm.weight"), config.rms_norm_eps)  # [m, l]
@@ -760,7 +477,7 @@ def ep_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, 
         u_bar, grads = latent_output_backward(y_bar, saved.u, saved.v, weight, config)  # [m, l]
         # The combine, transposed: each pair's partial sum receives its token's $\bar u_i$.
         started = time.perf_counter()
-        partial_bar = _alltoallv(comm, xp.take(u_bar, plan.pair_token, axis=0), plan.send_rows,
+        partial_bar = alltoallv(comm, xp.take(u_bar, plan.pair_token, axis=0), plan.send_rows,
                                  saved.recv_rows)  # [R, l]
         exchange = time.perf_counter() - started
         # 4-5. This rank's experts: each slot's $\bar o_t = \bar u^{(p)}_{\text{pair}(t)}$.
@@ -771,21 +488,21 @@ def ep_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, 
             slots.z_slots, slots.routed, params["experts.w1"], params["experts.w3"], params["experts.w2"],
             out_bar)  # [T, l], [T, 1], this rank's block
         # Per pair: the latent gradients of its slots summed, the weight gradients in their columns.
-        dz_arrived = _sum_rows(dz_slots, slots.slot_position, slots.valid)  # [R, l]
+        dz_arrived = sum_rows(dz_slots, slots.slot_position, slots.valid)  # [R, l]
         dp_arrived = xp.where(slots.valid, xp.take(xp.reshape(dp_slots, (-1,)), xp.where(
             slots.valid, slots.slot_position, xp.zeros((), dtype=slots.slot_position.dtype))),
             xp.zeros((), dtype=dp_slots.dtype))  # [R, k]
         seconds_experts = time.perf_counter() - started
         # The dispatch, transposed: the pairs' gradients travel back to the tokens' ranks.
         started = time.perf_counter()
-        dz_pairs = _alltoallv(comm, dz_arrived, saved.recv_rows, plan.send_rows)  # [S, l]
-        dp_pairs = _alltoallv(comm, dp_arrived, saved.recv_rows, plan.send_rows)  # [S, k]
+        dz_pairs = alltoallv(comm, dz_arrived, saved.recv_rows, plan.send_rows)  # [S, l]
+        dp_pairs = alltoallv(comm, dp_arrived, saved.recv_rows, plan.send_rows)  # [S, k]
         exchange += time.perf_counter() - started
         stats.seconds["backward exchanges"] = exchange
         stats.seconds["backward experts"] = seconds_experts
         # $$\bar z_i = \sum_p \bar z^{(p)}_i, \qquad \bar p_{i,r}$$ from the rank that holds expert $\mathcal{T}_{i,r}$
-        z_bar = _sum_rows(dz_pairs, plan.position, plan.present)  # [m, l]
-        p_bar = _sum_rows(dp_pairs, plan.position, plan.present)  # [m, k]
+        z_bar = sum_rows(dz_pairs, plan.position, plan.present)  # [m, l]
+        p_bar = sum_rows(dp_pairs, plan.position, plan.present)  # [m, k]
         # 2, 1, 3, 8. To the router, the input and the shared experts, as in one process (this rank's share).
         selection = saved.selection
         x_bar, more = router_and_input_backward(h, y_bar, saved.scores, selection.index, selection.kept, p_bar,
@@ -842,75 +559,3 @@ def ep_balance_update(scores: Array, bias: Array, top_k: int, comm: Any, *, bins
     return histogram.new_bias()
 
 
-# ---------------------------------------------------------------------------
-# Fast path for one device: all experts in one padded batched product
-# ---------------------------------------------------------------------------
-
-def padding_waste(load: Array) -> float:
-    r"""Work a padded product spends on padding, relative to the useful work: $\max_e L_e / \bar L - 1$.
-
-    `load` `[n]` counts the slots per expert (or per rank). 0 means perfect
-    balance; 1 means half of the computed rows are padding.
-    """
-    values = to_numpy(load)
-    if values.ndim != 1 or values.shape[0] < 1:
-        raise ValueError(f"load must be a non-empty 1-D array of counts, got shape {list(values.shape)}")
-    if (values < 0).any():
-        raise ValueError("load must hold non-negative counts")
-    total = float(values.sum())
-    if total == 0:
-        return 0.0
-    # $$\frac{\max_e L_e}{\bar L} - 1, \qquad \bar L = \tfrac{1}{n}\textstyle\sum_e L_e$$
-    return float(values.max()) * values.shape[0] / total - 1.0
-
-
-def padded_routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array, w2: Array,
-                          config: MoEConfig, *, capacity: int | None = None) -> Array:
-    r"""The routed sum $u_i = \sum_{e \in \mathcal{T}_i} p_{i,e} E_e(z_i)$ as one padded batched product.
-
-    Same arguments and result as `routed_experts` (`z` `[m, l]`, `index` and
-    `weights` `[m, k]`, stacks `w1`, `w3` `[n, f, l]`, `w2` `[n, l, f]`;
-    returns `u` `[m, l]`). Instead of a loop over experts, every expert's
-    tokens are laid out in a block of $C$ rows, $C$ = the largest load (or
-    `capacity`, which must be at least that), zero rows filling the rest, and
-    each weight is applied to all $n$ blocks at once: three `matmul` calls on
-    `[n, C, l]` and `[n, C, f]` arrays. This is how a batched GPU kernel runs
-    experts, and why balance is speed: the product computes $nC$ rows for the
-    $mk$ that matter, wasting `padding_waste(load)` of the useful work.
-    """
-    xp = array_namespace(z, index, weights)
-    m, k = index.shape
-    n, ell = w2.shape[0], w2.shape[1]
-    if m == 0:
-        return xp.zeros((0, ell), dtype=z.dtype)
-    # Slots sorted by expert, as in `routed_experts`.
-    dispatch = dispatch_by_expert(index, weights, n)
-    token_sorted, p_sorted = dispatch.token, dispatch.weight[:, 0]  # [m*k] each
-    load = xp.asarray(dispatch.load)  # [n]
-    start = xp.asarray(dispatch.start[:-1])  # [n], first sorted slot of each expert
-    largest = int(dispatch.load.max())
-    if capacity is None:
-        capacity = largest
-    capacity = check_int("capacity", capacity, low=largest)
-    # Cell (e, c) of the padded layout holds sorted slot start[e] + c, for c < load[e].
-    c = xp.arange(capacity, dtype=start.dtype)  # [C]
-    filled = c[None, :] < load[:, None]  # [n, C]
-    zero = xp.zeros((), dtype=z.dtype)
-    cell_slot = xp.where(filled, start[:, None] + c[None, :], xp.zeros((), dtype=start.dtype))  # [n, C]
-    cell_slot = xp.reshape(cell_slot, (n * capacity,))  # [n*C]
-    z_blocks = xp.reshape(xp.take(z, xp.take(token_sorted, cell_slot), axis=0), (n, capacity, ell))
-    z_blocks = xp.where(filled[:, :, None], z_blocks, zero)  # [n, C, l], zero rows as padding
-    p_blocks = xp.where(filled, xp.reshape(xp.take(p_sorted, cell_slot), (n, capacity)), zero)  # [n, C]
-    g, u_, d = (xp.astype(w, z.dtype, copy=False) for w in (w1, w3, w2))  # [n,f,l] [n,f,l] [n,l,f]
-    # All experts at once: $$H_e = \operatorname{SiTU\text{-}GLU}(Z_e G_e^\top, Z_e U_e^\top)$$
-    h = expert_glu(z_blocks @ xp.matrix_transpose(g), z_blocks @ xp.matrix_transpose(u_), config)  # [n, C, f]
-    # $$O_e = (p_e \odot H_e)\, D_e^\top$$
-    out = xp.reshape((p_blocks[:, :, None] * h) @ xp.matrix_transpose(d), (n * capacity, ell))  # [n*C, l]
-    # Combine: slot (i, r) sits in cell index[i, r] * C + (its sorted position - start of its expert).
-    first = xp.reshape(xp.take(start, xp.reshape(index, (m * k,))), (m, k))  # [m, k]
-    cell = index * capacity + dispatch.position - first  # [m, k]
-    u = xp.zeros((m, ell), dtype=z.dtype)  # [m, l]
-    for r in range(k):
-        # $$u_i \mathrel{+}= p_{i,r}\, E_{\mathcal{T}_{i,r}}(z_i)$$
-        u += xp.take(out, cell[:, r], axis=0)
-    return u

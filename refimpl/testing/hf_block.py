@@ -115,7 +115,7 @@ from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
 from .._lib.xp import dtype_name
-from ..checkpoints.hf_checkpoint import ExpertStack
+from ..checkpoints import ExpertStack
 from ..checkpoints.state_dict import hf_state_dict_from_params
 from ..config import MoEConfig
 from ..layer.latent_moe import MoEParams, init_params, stable_latent_moe

@@ -93,7 +93,7 @@ where the most loaded rank sets the pace of the step and the others wait in
 the next exchange.
 
 **What the ranks check.** Before the first exchange the ranks agree (one
-`allgather`, `refimpl.parallel.expert_parallel.check_ranks_agree`) on the whole
+`allgather`, `refimpl.parallel.exchange.check_ranks_agree`) on the whole
 configuration (seed included), the corpus and the number of ranks, and
 share any error a rank met checking its own arguments; every rank then
 raises the same error, naming the rank and the values, rather than some
@@ -123,7 +123,7 @@ from ..balancing import Balancer, BalanceStep, sign_balancing_update
 from ..config import MoEConfig
 from ..layer.latent_moe import MoEOutput
 from ..layer.routing import expert_load
-from ..parallel.expert_parallel import (
+from ..parallel import (
     EXPERT_STACKS,
     EPStats,
     check_ranks_agree,
