@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 import refimpl.testing as kit
 from refimpl.testing import strategies as rst
-from refimpl.testing.checks import PROFILES, QUICK, THOROUGH, profile
+from refimpl.testing.profiles import PROFILES, QUICK, THOROUGH, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 

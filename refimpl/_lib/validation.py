@@ -12,7 +12,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
-from .xp import Array, array_namespace, dtype_name, is_real_floating
+from .xp import Array, array_namespace, dtype_name, is_array, is_real_floating
 
 __all__ = [
     "check_bias",
@@ -25,14 +25,14 @@ __all__ = [
 
 
 def _describe(x: Any) -> str:
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
+    if is_array(x):
         return f"{type(x).__name__} of dtype {x.dtype}"
     return type(x).__name__
 
 
 def check_float_array(name: str, x: Any, ndim: int | None = None) -> None:
     """`x` must be a real floating array (float16/32/64 or bfloat16), of rank `ndim` if given."""
-    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    if not is_array(x):
         raise TypeError(f"{name} must be an array, got {_describe(x)}")
     if not is_real_floating(x):
         raise TypeError(f"{name} must be a real floating array (float16/32/64 or bfloat16), got dtype {x.dtype}")

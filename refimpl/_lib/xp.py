@@ -36,6 +36,7 @@ __all__ = [
     "bincount",
     "compute_dtype",
     "dtype_name",
+    "is_array",
     "is_cupy",
     "is_numpy",
     "is_real_floating",
@@ -47,6 +48,11 @@ __all__ = [
 def array_namespace(*arrays: Array) -> Any:
     """The array-API namespace shared by `arrays` (NumPy arrays give a NumPy-compatible one)."""
     return array_api_compat.array_namespace(*arrays)
+
+
+def is_array(x: Any) -> bool:
+    """True when `x` is an array of some namespace (it has a `shape` and a `dtype`); the one test of "is it an array"."""
+    return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def is_numpy(xp: Any) -> bool:

@@ -145,7 +145,7 @@ import numpy as np
 
 from .._lib.fast import fast_path_applies, histogram_count_by_experts
 from .._lib.validation import check_bias, check_finite, check_float_array, check_int
-from .._lib.xp import Array, array_namespace, bincount, compute_dtype, dtype_name
+from .._lib.xp import Array, array_namespace, bincount, compute_dtype, dtype_name, is_array
 from .balancer import Balancer
 from .quantile import cutoff_values
 
@@ -464,7 +464,7 @@ def histogram_balancing_update(blocks: Iterable[Array] | Array, bias: Array, top
         for any split of the same tokens into blocks.
     """
     histogram = BiasHistogram(bias, top_k, bins, chunk_size=chunk_size)
-    if hasattr(blocks, "shape") and hasattr(blocks, "dtype"):
+    if is_array(blocks):
         blocks = [blocks]
     for number, block in enumerate(blocks):
         if hasattr(block, "shape") and len(block.shape) == 2 and block.shape[1] != histogram.n:

@@ -115,7 +115,7 @@ import numbers
 from fractions import Fraction
 
 from .._lib.validation import check_finite, check_float_array, check_int
-from .._lib.xp import Array, array_namespace, bincount, topk
+from .._lib.xp import Array, array_namespace, bincount, is_array, topk
 from ..config import MoEConfig
 from .routing import mixture_weights, register_expert_choice, register_serving_rule, score_function_vjp
 
@@ -390,7 +390,7 @@ def route_by_hash(scores: Array, token_ids: Array, top_k: int, *, renormalize: b
 def _check_integers(name: str, a: Array, shape_text: str, low: int, high: int) -> None:
     """`a` must be an integer array of rank `len(shape_text)` with values in `[low, high)`."""
     rank = shape_text.count(",") + 1
-    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+    if not is_array(a):
         raise TypeError(f"{name} must be an integer array of shape {shape_text}, got {type(a).__name__}")
     xp = array_namespace(a)
     if not xp.isdtype(a.dtype, "integral"):

@@ -64,7 +64,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._lib.validation import check_bias, check_finite, check_float_array, check_int, check_positive
-from .._lib.xp import Array, array_namespace, bincount, compute_dtype, topk
+from .._lib.xp import Array, array_namespace, bincount, compute_dtype, is_array, topk
 from ..config import SCORE_FUNCTIONS, MoEConfig
 from .activations import sigmoid
 
@@ -343,7 +343,7 @@ def selection_cutoff(scores: Array, bias: Array, top_k: int) -> tuple[Array, Arr
 
 def expert_load(index: Array, n: int) -> Array:
     """Tokens routed to each expert: `[n]` integer counts of the ids in `index` (any shape)."""
-    if not (hasattr(index, "shape") and hasattr(index, "dtype")):
+    if not is_array(index):
         raise TypeError(f"index must be an integer array of expert ids, got {type(index).__name__}")
     xp = array_namespace(index)
     n = check_int("n", n, low=1)

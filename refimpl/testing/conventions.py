@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -64,9 +64,7 @@ import numpy as np
 from ..layer.latent_moe import MoEParams, stable_latent_moe
 from ..layer.routing import biased_scores, route, router_scores, score_function_values
 from ..mx import mxfp4_decode
-
-if TYPE_CHECKING:
-    from .hf_block import HFBlockCase
+from .hf_cases import HFBlockCase
 
 __all__ = ["CATALOGUE", "Convention", "convention"]
 

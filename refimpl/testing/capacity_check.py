@@ -39,7 +39,7 @@ from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
 from ..layer.baselines import capacity_keep
-from .checks import kit_settings
+from .profiles import kit_settings
 from .report import CheckResult, Invariant, Violation, call_user, errors, run_check
 
 __all__ = ["CapacityCase", "capacity_cases", "check_capacity"]
