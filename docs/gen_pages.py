@@ -77,43 +77,61 @@ TESTS = ROOT / "tests"
 EXAMPLES = ROOT / "examples"
 PAGES = DOCS / "pages"
 
-#: The reading path: module and navigation label, in reading order.
+#: The packages whose modules each get a page of their own; the package's page is its essay, a table of its
+#: modules and what it exports. The other packages (`train`, `testing`) read as one page, file by file.
+SPLIT_PACKAGES = ("layer", "balancing", "checkpoints", "parallel", "studies", "_lib")
+
+#: The reading path: module (or package) and navigation label, in reading order. The rooms of the house come
+#: in the paper's order: the layer (Eqs. 11-13), its number formats and checkpoints, balancing (Eq. 14,
+#: Appendices C and D), parallelism, training and the conformance kit.
 READING_PATH: list[tuple[str, str]] = [
     ("config", "Configuration"),
+    ("layer", "The layer: Eqs. (11)-(13)"),
     ("activations", "Eq. (12) & App. B: SiTU-GLU"),
     ("routing", "Eq. (13): routing"),
     ("latent_moe", "Eq. (11): the forward pass"),
     ("backward", "The backward pass"),
     ("accounting", "Accounting"),
     ("mx", "MXFP4 and MXFP8"),
-    ("checkpoint", "Loading the released checkpoint"),
+    ("checkpoints", "Checkpoints and tensors"),
+    ("hf_checkpoint", "Loading the released checkpoint"),
+    ("safetensors", "Reading safetensors safely"),
     ("state_dict", "Porting: HF tensor names"),
-    ("balancing", "Eq. (14): Quantile Balancing"),
+    ("balancing", "Balancing: Eq. (14), App. C, D"),
+    ("balancer", "The balancer interface"),
+    ("quantile", "Eq. (14): Quantile Balancing"),
     ("dual", "App. C: the LP and its dual"),
     ("histogram", "App. D: the histogram estimator"),
     ("baselines", "The other routers and balancers"),
-    ("expert_parallel", "Expert parallelism over MPI"),
+    ("other_balancers", "Other balancers in training"),
+    ("parallel", "Expert parallelism over MPI"),
+    ("expert_parallel", "The layer across ranks"),
+    ("exchange", "The exchange between ranks"),
+    ("padded", "One device: padded experts"),
     ("train", "Training a small model"),
-    ("train_parallel", "Training over MPI"),
     ("testing", "The conformance kit"),
 ]
+
+#: Test files named after a module that has since been renamed: module -> the stem in `tests/test_<stem>.py`.
+TEST_STEMS = {"hf_checkpoint": "checkpoint"}
 
 #: The stand-alone pages `docs/pages/<slug>.md` that come first under "Studies", in this order;
 #: any other page follows, alphabetically by slug.
 STUDIES = ["why-stable", "balance-is-speed", "report-card", "conventions"]
 
 #: Helper modules: pages of their own, listed on `internals/index.md` rather than in the navigation.
-INTERNALS = {"_xp": "the array-API helpers the standard lacks", "validation": "input checks with clear errors",
+INTERNALS = {"_lib": "the private helpers, together", "studies": "what the worked examples and study pages share",
+             "xp": "the array-API helpers the standard lacks", "validation": "input checks with clear errors",
              "recorded": "the recorded long runs the examples replay", "figures": "how the examples save and "
              "show their figures", "workloads": "the skewed router of the balance-is-speed examples",
-             "_fast": "the fast paths, each beside the readable code it replaces",
-             "_files": "atomic writes: a temporary name, flushed, then renamed"}
+             "fast": "the fast paths, each beside the readable code it replaces",
+             "files": "atomic writes: a temporary name, flushed, then renamed"}
 
 #: Modules whose page is reached from a study page rather than from the navigation (one label, one page).
 NOT_IN_NAV = {"report_card"}
 
 #: Navigation labels of modules outside the reading path whose title is long.
-MODULE_LABELS = {"train_baselines": "Other balancers in training"}
+MODULE_LABELS: dict[str, str] = {}
 
 #: The example shown as its own page, "Compare the variants".
 COMPARE_EXAMPLE = "40_compare_variants"
@@ -594,8 +612,9 @@ def literate(source: str, *, test_file: bool = False, fold_preamble: bool = True
 class Module:
     """A module (or package) of `refimpl/` and the pages made from it."""
 
-    name: str  # "latent_moe", "testing", "_xp"
+    name: str  # "latent_moe", "testing", "xp"
     files: list[Path]  # the module file, or a package's `__init__.py` then its submodules
+    package: str = ""  # the package a module of a split package lives in ("layer" for "latent_moe")
 
     @property
     def slug(self) -> str:
@@ -603,7 +622,7 @@ class Module:
 
     @property
     def dotted(self) -> str:
-        return f"refimpl.{self.name}"
+        return f"refimpl.{self.package + '.' if self.package else ''}{self.name}"
 
 
 def discover_modules() -> dict[str, Module]:
@@ -616,8 +635,33 @@ def discover_modules() -> dict[str, Module]:
             found[path.stem] = Module(path.stem, [path])
         elif path.is_dir() and (path / "__init__.py").is_file():
             subs = sorted(p for p in path.rglob("*.py") if p.name != "__init__.py" and "__pycache__" not in p.parts)
-            found[path.name] = Module(path.name, [path / "__init__.py", *subs])
+            if path.name not in SPLIT_PACKAGES:
+                found[path.name] = Module(path.name, [path / "__init__.py", *subs])
+                continue
+            found[path.name] = Module(path.name, [path / "__init__.py"])
+            for sub in subs:
+                if sub.stem in found or sub.stem.lstrip("_") in {m.lstrip("_") for m in found}:
+                    log.warning("refimpl/%s/%s.py: a page of that name exists already", path.name, sub.stem)
+                    continue
+                found[sub.stem] = Module(sub.stem, [sub], package=path.name)
     return found
+
+
+def page_of(dotted: str, name: str | None = None) -> str:
+    """The page that shows `name` of the module `refimpl.<dotted>` (or the module itself): the module's page in
+    a split package, following a package's re-exports to the module that defines the name."""
+    parts = dotted.split(".")
+    if parts[0] not in SPLIT_PACKAGES:
+        return parts[0]
+    if len(parts) > 1:
+        return parts[1]
+    init = PACKAGE / parts[0] / "__init__.py"
+    if name is not None and init.is_file():
+        for node in ast.walk(ast.parse(init.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module \
+                    and any((alias.asname or alias.name) == name for alias in node.names):
+                return node.module.split(".")[0]
+    return parts[0]
 
 
 def public_names(path: Path) -> list[str]:
@@ -645,7 +689,7 @@ def reexports() -> dict[str, str]:
     for node in ast.walk(ast.parse(init.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
             for alias in node.names:
-                found[alias.asname or alias.name] = node.module.split(".")[0]
+                found[alias.asname or alias.name] = page_of(node.module, alias.name)
     return found
 
 
@@ -661,7 +705,7 @@ def modules_used(source: str, exported: dict[str, str]) -> set[str]:
             if node.module == "refimpl":
                 used.update(exported.get(alias.name, alias.name) for alias in node.names)
             elif node.module.startswith("refimpl."):
-                used.add(node.module.split(".")[1])
+                used.update(page_of(node.module[len("refimpl."):], alias.name) for alias in node.names)
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "refimpl":
             used.add(exported.get(node.attr, node.attr))
     return used
@@ -678,7 +722,7 @@ class PropertyTest:
 
 def tests_of_module(module: str) -> list[Path]:
     """The test files of a module: `tests/test_<module>.py` and `tests/test_<module>_*.py`."""
-    slug = module.lstrip("_")
+    slug = TEST_STEMS.get(module, module).lstrip("_")
     return sorted({*TESTS.glob(f"test_{slug}.py"), *TESTS.glob(f"test_{slug}_*.py")})
 
 
@@ -1212,6 +1256,12 @@ def module_page(module: Module, examples: list[tuple[Path, str]], tests: dict[Pa
         subrel = sub.relative_to(ROOT).as_posix()
         parts += [f"## `{subrel}`\n", f"**{part.title}.**\n" if part.title else "", part.intro + "\n",
                   re.sub(r"^(#{2,5}) ", r"#\1 ", part.body, flags=re.M)]
+    if module.name in SPLIT_PACKAGES and not module.package:
+        subs = sorted(p for p in (PACKAGE / module.name).glob("*.py") if p.stem != "__init__")
+        parts.append("## Its modules\n")
+        parts.append("\n".join(f"- [`{module.dotted}.{s.stem}`]({s.stem.lstrip('_')}.md): "
+                               f"{(ast.get_docstring(ast.parse(s.read_text(encoding='utf-8'))) or '').split(chr(10))[0]}"
+                               for s in subs) + "\n")
     parts += properties_and_examples(tests, examples)
     if text:
         parts.append(text)
@@ -1299,6 +1349,11 @@ def reference_page(module: Module, extra_names: Iterable[str]) -> str:
     summary = doc.strip().split("\n")[0] if doc else ""
     parts = [f"# `{module.dotted}`\n", f"{summary}\n" if summary else "",
              f"The narrative and the code side by side: [the literate page](../paper/{module.slug}.md).\n"]
+    if module.name in SPLIT_PACKAGES and not module.package:
+        subs = sorted(p.stem for p in (PACKAGE / module.name).glob("*.py") if p.stem != "__init__")
+        parts.append("Its modules, each with its own reference page:\n")
+        parts.append("\n".join(f"- [`{module.dotted}.{s}`]({s.lstrip('_')}.md)" for s in subs) + "\n")
+        return "\n".join(p for p in parts if p)
     if not names:
         parts.append(f"::: {module.dotted}\n")
     for name in names:
@@ -1318,8 +1373,9 @@ def reference_index(modules: list[Module], exported: dict[str, str]) -> str:
     for mod, names in by_module.items():
         if mod not in present:
             continue
-        parts.append(f"## [`refimpl.{mod}`]({present[mod].slug}.md)\n")
-        parts.append("\n".join(f"- [`{n}`][refimpl.{mod}.{n}]" for n in sorted(names, key=str.lower)) + "\n")
+        dotted = present[mod].dotted
+        parts.append(f"## [`{dotted}`]({present[mod].slug}.md)\n")
+        parts.append("\n".join(f"- [`{n}`][{dotted}.{n}]" for n in sorted(names, key=str.lower)) + "\n")
     parts.append("## All modules\n")
     parts.append("\n".join(f"- [`{m.dotted}`]({m.slug}.md)" for m in modules) + "\n")
     return "\n".join(parts)
@@ -1434,7 +1490,7 @@ START_HERE: list[tuple[str, str, list[tuple[str, str, str]]]] = [
         ("paper", "testing", "checks that take your own function and report where it disagrees"),
         ("example", "30_test_your_router", "run the kit on a router of your own"),
         ("example", "31_mistakes_the_kit_catches", "the mistakes it catches"),
-        ("paper", "checkpoint", "one layer of the released weights, read as they are stored"),
+        ("paper", "hf_checkpoint", "one layer of the released weights, read as they are stored"),
         ("paper", "mx", "the element formats of the deployed experts"),
         ("paper", "expert_parallel", "dispatch and combine between ranks, and their bytes"),
         ("site", "reference/index.md", "the API reference"),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from refimpl import capacity_keep, expert_capacity, hash_route, stable_latent_moe
-from refimpl.balancing.baselines import AuxLossBalancer
+from refimpl.balancing.other_balancers import AuxLossBalancer
 from refimpl.train import (
     BALANCERS,
     TrainConfig,

@@ -9,7 +9,7 @@ this order:
 | `refimpl.balancing.quantile` | Eq. (14): the cutoffs, the margins and the quantile that give the next bias (`QuantileBalancer`), and DeepSeek-V3's sign rule beside it |
 | `refimpl.balancing.dual` | Appendix C: the balanced-assignment LP, its dual, and Eq. (14) as coordinate descent on it, checked with HiGHS |
 | `refimpl.balancing.histogram` | Appendix D: the same update read from integer counts that add across ranks and micro-batches |
-| `refimpl.balancing.baselines` | the other balancers a small model is trained with: auxiliary losses, capacity with dropping, hash routing |
+| `refimpl.balancing.other_balancers` | the other balancers a small model is trained with: auxiliary losses, capacity with dropping, hash routing |
 
 Data flows one way: the layer's routing (`refimpl.layer.routing`) gives the
 cutoffs; Eq. (14) reads them; the dual explains the update; the histogram
@@ -18,7 +18,7 @@ estimates it at scale. Every rule is a `Balancer`, and every kind is known
 """
 
 from .balancer import FORMER_KINDS, Balancer, BalanceStep, load_ratio
-from .baselines import AuxLossBalancer, CapacityBalancer, HashBalancer, SequenceLossBalancer
+from .other_balancers import AuxLossBalancer, CapacityBalancer, HashBalancer, SequenceLossBalancer
 from .dual import (
     AssignmentLP,
     DescentTrace,

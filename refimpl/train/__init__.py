@@ -61,7 +61,7 @@ give the bias of step $t+1$ (Eq. 14). The balancers are a table,
 | `capacity-1.0`, `capacity-1.25` | token dropping at a capacity |
 | `hash` | hash routing on the byte being read |
 
-The last five are the rules K3 is compared with (`refimpl.balancing.baselines`).
+The last five are the rules K3 is compared with (`refimpl.balancing.other_balancers`).
 Every entry is a `Balancer` and the training step asks each one the same
 questions, through one declared interface, and nothing else:
 

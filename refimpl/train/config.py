@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from ..balancing import Balancer, FrozenBalancer, QuantileBalancer, SignBalancer
-from ..balancing.baselines import AuxLossBalancer, CapacityBalancer, HashBalancer, SequenceLossBalancer
+from ..balancing.other_balancers import AuxLossBalancer, CapacityBalancer, HashBalancer, SequenceLossBalancer
 from ..balancing.histogram import HistogramBalancer
 from ..config import MoEConfig
 
@@ -205,7 +205,7 @@ BALANCERS: dict[str, Callable[[TrainConfig], Balancer]] = {
                                                 micro_batches=config.micro_batches),
     "sign": lambda config: SignBalancer(config.moe.num_experts, config.moe.top_k, rate=config.sign_rate),
     "none": lambda config: FrozenBalancer(config.moe.num_experts, config.moe.top_k),
-    # The other balancers (refimpl.balancing.baselines): auxiliary losses, capacity with dropping, hash routing.
+    # The other balancers (refimpl.balancing.other_balancers): auxiliary losses, capacity with dropping, hash routing.
     "aux": lambda config: AuxLossBalancer(config.moe.num_experts, config.moe.top_k),
     "seq": lambda config: SequenceLossBalancer(config.moe.num_experts, config.moe.top_k, rate=config.sign_rate),
     "capacity-1.0": lambda config: CapacityBalancer(config.moe.num_experts, config.moe.top_k, capacity_factor=1.0),
