@@ -233,6 +233,8 @@ class MoEConfig:
     num_hash_layers: int = 0
 
     # -- the paper's symbols -------------------------------------------------
+    # Read-only aliases, for code that reads like the paper (`config.n`); the fields above are the one name
+    # each quantity is stored and set under (the Hugging Face key), and the package itself uses only them.
     @property
     def d(self) -> int:
         """Model width $d$."""

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "enabled",
     "CUTOFF_BLOCK",
     "ENABLED",
     "GLU_CHUNK",
@@ -56,6 +57,11 @@ __all__ = [
 
 #: Switch the fast paths off (`False`) to run every teaching module's readable code, as the tests do.
 ENABLED = True
+
+
+def enabled() -> bool:
+    """Whether the fast paths are on (`ENABLED`): every dispatch to a fast path asks this, or `fast_path_applies`."""
+    return ENABLED
 
 
 def fast_path_applies(*arrays: Any) -> bool:

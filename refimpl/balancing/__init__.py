@@ -18,7 +18,6 @@ estimates it at scale. Every rule is a `Balancer`, and every kind is known
 """
 
 from .balancer import FORMER_KINDS, Balancer, BalanceStep, load_ratio
-from .other_balancers import AuxLossBalancer, CapacityBalancer, HashBalancer, SequenceLossBalancer
 from .dual import (
     AssignmentLP,
     DescentTrace,
@@ -40,6 +39,7 @@ from .histogram import (
     histogram_range,
     required_bias,
 )
+from .other_balancers import AuxLossBalancer, CapacityBalancer, HashBalancer, SequenceLossBalancer
 from .quantile import (
     FrozenBalancer,
     QuantileBalancer,

@@ -135,6 +135,7 @@ import numpy as np
 
 from .._lib.fast import (
     cutoffs_by_blocks,
+    enabled,
     expert_major_margins_by_blocks,
     kth_largest_by_sampling,
     kth_largest_cupy,
@@ -187,10 +188,10 @@ def kth_largest(x: Array, r: int, *, previous: bool = False, overwrite: bool = F
     """
     xp = array_namespace(x)
     length = x.shape[-1]
-    if is_numpy(xp):
+    if enabled() and is_numpy(xp):
         part = x if overwrite and x.flags.c_contiguous else np.array(x, order="C", copy=True)
         return kth_largest_by_sampling(part, r, previous)
-    if is_cupy(xp):
+    if enabled() and is_cupy(xp):
         return kth_largest_cupy(x, r, previous)
     # $$x_{(r)} = \text{sort}(x)_{L - r}$$ (ascending: the r-th largest sits at position L - r)
     ordered = xp.sort(x, axis=-1)  # [p, L]
@@ -311,7 +312,7 @@ def cutoff_values(scores: Array, bias: Array, top_k: int, *, with_kth: bool = Fa
     NumPy it runs by blocks of tokens (`refimpl._lib.fast.cutoffs_by_blocks`),
     so the whole `[m, n]` matrix of biased scores is never allocated.
     """
-    if is_numpy(array_namespace(scores, bias)):
+    if enabled() and is_numpy(array_namespace(scores, bias)):
         return cutoffs_by_blocks(np.asarray(scores), np.asarray(bias), top_k, with_kth=with_kth)
     # $$\alpha_i = (s_i + b)_{(k+1)}, \qquad \kappa_i = (s_i + b)_{(k)}$$
     return kth_largest(_biased(scores, bias), top_k + 1, previous=with_kth, overwrite=True)
@@ -327,7 +328,7 @@ def expert_major_margins(scores: Array, alpha: Array, *, bias: Array | None = No
     by element, and blocks keep both sides in cache).
     """
     xp = array_namespace(scores, alpha)
-    if is_numpy(xp):
+    if enabled() and is_numpy(xp):
         return expert_major_margins_by_blocks(np.asarray(scores), np.asarray(alpha),
                                                     None if bias is None else np.asarray(bias), kappa)
     s_t = xp.astype(scores, alpha.dtype).T  # [n, m]

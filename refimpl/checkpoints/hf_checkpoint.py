@@ -398,7 +398,7 @@ def load_hf_layer(path: str | os.PathLike, layer: int, *,
         params[name] = to_dtype(shards.read(base + name), keep, base + name)  # in memory, detached from the map
     shapes = parameter_shapes(config)
     for hf_name, stack in _EXPERT_MATRICES.items():
-        params[stack] = _expert_stack(shards, base, hf_name, config.n, shapes[stack][1:], quantized, dtype)
+        params[stack] = _expert_stack(shards, base, hf_name, config.num_experts, shapes[stack][1:], quantized, dtype)
     # Order as parameter_shapes, the order every other function lists them in.
     return config, MoEParams((name, params[name]) for name in shapes)
 
@@ -459,9 +459,9 @@ def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[st
     if isinstance(layer, bool) or not isinstance(layer, int | np.integer) or not 1 <= layer <= config.num_moe_layers:
         raise ValueError(f"layer must be an MoE layer in [1, {config.num_moe_layers}] (layer 0 is dense), "
                          f"got {layer!r}")
-    if mxfp4 and (config.ell % MX_BLOCK or config.f % MX_BLOCK):
+    if mxfp4 and (config.latent_size % MX_BLOCK or config.intermediate_size % MX_BLOCK):
         raise ValueError(f"mxfp4=True needs latent_size and intermediate_size that are multiples of {MX_BLOCK}, "
-                         f"got {config.ell} and {config.f}")
+                         f"got {config.latent_size} and {config.intermediate_size}")
     hf = config.to_hf_config(nested=True)  # raises for a config the reference code cannot express
     path = Path(path)
     found = _checkpoint_files_in(path)  # before any encoding: a refusal costs nothing
@@ -478,7 +478,7 @@ def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[st
             continue
         tensors[base + name] = np.ascontiguousarray(np.asarray(value))
     for hf_name, stack in _EXPERT_MATRICES.items():
-        for e in range(config.n):
+        for e in range(config.num_experts):
             tensors.update({base + key: value for key, value in
                             _expert_tensors(f"experts.{e}.{hf_name}", params[stack], e, mxfp4, stack).items()})
 

@@ -146,7 +146,7 @@ def hf_tensor_shapes(config: MoEConfig, *, mxfp4: bool = False) -> dict[str, tup
             continue  # the reference block has no shared-expert module at all
         shapes[name] = shape
     all_shapes = parameter_shapes(config)
-    for e in range(config.n):
+    for e in range(config.num_experts):
         for module, stack in EXPERT_MATRICES.items():
             out, inp = all_shapes[stack][1:]
             for key, shape in _expert_entries(out, inp, mxfp4).items():
@@ -317,7 +317,7 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, 
         if not ok_dtype or tuple(value.shape) != tuple(shape):
             want = "floating" if kind == "float" else "uint8 (MXFP4 bytes)"
             hint = ""
-            if name == "routed_expert_norm.weight" and tuple(value.shape) == (config.d,) != tuple(shape):
+            if name == "routed_expert_norm.weight" and tuple(value.shape) == (config.hidden_size,) != tuple(shape):
                 hint = " (sized by hidden_size instead of the latent width routed_expert_hidden_size?)"
             problems.wrong.append(f"{full}: expected {want} {_shape_text(shape)}, "
                                   f"got {value.dtype} {_shape_text(tuple(value.shape))}{hint}")
@@ -338,14 +338,14 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, 
     shapes = parameter_shapes(config)
     for module, stack in EXPERT_MATRICES.items():
         out, inp = shapes[stack][1:]
-        params[stack] = _read_stack(module, out, inp, config.n, ours, take, problems, base, dtype)
+        params[stack] = _read_stack(module, out, inp, config.num_experts, ours, take, problems, base, dtype)
     if unused:
         problems.extra += sorted(base + name for name in unused if isinstance(name, str))
         problems.extra += [repr(name) for name in unused if not isinstance(name, str)]
     if problems:
         raise problems.error(where)
     if config.shared_size == 0:
-        d = config.d
+        d = config.hidden_size
         for name, shape in (("gate_proj", (0, d)), ("up_proj", (0, d)), ("down_proj", (d, 0))):
             params[f"shared_experts.{name}.weight"] = np.zeros(shape, dtype=_float_dtype(np.float32, dtype))
     ordered = MoEParams((name, params[name]) for name in shapes)  # the order of parameter_shapes
@@ -416,14 +416,14 @@ def hf_state_dict_from_params(params: Mapping[str, Any], config: MoEConfig, *, l
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     check_params(params, config)
     base = block_prefix(layer, prefix)
-    if mxfp4 and (config.ell % MX_BLOCK or config.f % MX_BLOCK):
+    if mxfp4 and (config.latent_size % MX_BLOCK or config.intermediate_size % MX_BLOCK):
         raise ValueError(f"mxfp4=True needs latent_size and intermediate_size that are multiples of {MX_BLOCK}, "
-                         f"got {config.ell} and {config.f}")
+                         f"got {config.latent_size} and {config.intermediate_size}")
     out: dict[str, np.ndarray] = {}
     for name in hf_tensor_shapes(config):
         if not name.startswith("experts."):
             out[base + name] = np.array(as_numpy(params[name], name))
-    for e in range(config.n):
+    for e in range(config.num_experts):
         for module, stack in EXPERT_MATRICES.items():
             w = params[stack]
             key = f"{base}experts.{e}.{module}"

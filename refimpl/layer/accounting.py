@@ -46,7 +46,7 @@ def parameter_counts(config: MoEConfig) -> dict[str, int]:
     `activated_all_layers` over `config.num_moe_layers` layers.
     """
     _check_config(config)
-    d, ell, n, k, f = config.d, config.ell, config.n, config.k, config.f
+    d, ell, n, k, f = config.hidden_size, config.latent_size, config.num_experts, config.top_k, config.intermediate_size
     # One routed expert: gate and up $[f, \ell]$, down $[\ell, f]$.
     routed_expert = 3 * ell * f
     routed = n * routed_expert
@@ -83,8 +83,8 @@ def dispatch_payload(config: MoEConfig, bytes_per_value: float = 2.0) -> dict[st
     is_number = isinstance(bytes_per_value, int | float) and not isinstance(bytes_per_value, bool)
     if not (is_number and math.isfinite(bytes_per_value) and bytes_per_value > 0):
         raise ValueError(f"bytes_per_value must be a positive number, got {bytes_per_value!r}")
-    latent = config.k * config.ell
-    full = config.k * config.d
+    latent = config.top_k * config.latent_size
+    full = config.top_k * config.hidden_size
     return {
         "latent_values": latent,
         "full_width_values": full,
@@ -114,11 +114,11 @@ def combinatorial_sparsity(config: MoEConfig) -> dict[str, float]:
     _check_config(config)
     alpha = config.alpha
     a = round(alpha)
-    if abs(alpha - a) > 1e-12 or config.n % a or config.k % a:
+    if abs(alpha - a) > 1e-12 or config.num_experts % a or config.top_k % a:
         raise ValueError(
             f"combinatorial_sparsity needs an integer alpha dividing n and k, got alpha={alpha}, "
-            f"n={config.n}, k={config.k}")
-    latent = log10_binomial(config.n, config.k)
-    base = a * log10_binomial(config.n // a, config.k // a)
+            f"n={config.num_experts}, k={config.top_k}")
+    latent = log10_binomial(config.num_experts, config.top_k)
+    base = a * log10_binomial(config.num_experts // a, config.top_k // a)
     return {"alpha": float(a), "log10_latent": latent, "log10_base_power_alpha": base,
             "log10_ratio": latent - base}

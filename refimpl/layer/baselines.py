@@ -451,7 +451,7 @@ def hash_choice(scores: Array, bias: Array, config: MoEConfig, token_ids: Array 
     """The choice rule `"hash"` of a layer with `config.hash_routing`: `route_by_hash` with the layer's switches."""
     if token_ids is None:
         raise ValueError("token_ids must be given (an [m] integer array) when config.hash_routing is True")
-    return route_by_hash(scores, token_ids, config.k, renormalize=config.renormalize,
+    return route_by_hash(scores, token_ids, config.top_k, renormalize=config.renormalize,
                          scaling_factor=config.routed_scaling_factor)
 
 
@@ -463,8 +463,8 @@ def capacity_serving(index: Array, weights: Array, config: MoEConfig) -> tuple[A
     weight becomes 0 and the others are **not** renormalized.
     """
     xp = array_namespace(index, weights)
-    capacity = expert_capacity(index.shape[0], config.n, config.k, config.capacity_factor)
-    kept = capacity_keep(index, config.n, capacity)  # [m, k] bool
+    capacity = expert_capacity(index.shape[0], config.num_experts, config.top_k, config.capacity_factor)
+    kept = capacity_keep(index, config.num_experts, capacity)  # [m, k] bool
     # Dropped assignments contribute nothing: $$p_{i,r} \leftarrow p_{i,r}\,\text{kept}_{i,r}$$
     return weights * xp.astype(kept, weights.dtype), kept
 

@@ -110,7 +110,7 @@ def parameter_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
     Projections are absent when `config.use_latent_projection` is false, and
     the norm gain when `config.use_latent_norm` is false.
     """
-    d, ell, n, f, s = config.d, config.ell, config.n, config.f, config.shared_size
+    d, ell, n, f, s = config.hidden_size, config.latent_size, config.num_experts, config.intermediate_size, config.shared_size
     shapes: dict[str, tuple[int, ...]] = {
         "gate.weight": (n, d),
         "gate.e_score_correction_bias": (n,),
@@ -410,8 +410,8 @@ def check_layer_inputs(x: Array, params: Mapping[str, Array], config: MoEConfig)
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     check_float_array("x", x, ndim=2)
-    if x.shape[1] != config.d:
-        raise ValueError(f"x must have shape [m, {config.d}] (hidden_size), got {list(x.shape)}")
+    if x.shape[1] != config.hidden_size:
+        raise ValueError(f"x must have shape [m, {config.hidden_size}] (hidden_size), got {list(x.shape)}")
     check_finite("x", x)
     check_params(params, config)
 
@@ -442,9 +442,9 @@ def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, 
     `return_intermediates`).
     """
     check_layer_inputs(x, params, config)
-    if mxfp8_inputs and (config.ell % MX_BLOCK or config.f % MX_BLOCK):
+    if mxfp8_inputs and (config.latent_size % MX_BLOCK or config.intermediate_size % MX_BLOCK):
         raise ValueError(f"mxfp8_inputs=True needs latent_size and intermediate_size that are multiples of "
-                         f"{MX_BLOCK} (MXFP8 blocks), got {config.ell} and {config.f}")
+                         f"{MX_BLOCK} (MXFP8 blocks), got {config.latent_size} and {config.intermediate_size}")
     xp = array_namespace(x, *(a for a in params.values() if not is_packed_stack(a)))
     if mxfp8_inputs and not is_numpy(xp):
         raise TypeError("mxfp8_inputs=True needs NumPy arrays (refimpl.mx is NumPy code)")
@@ -522,15 +522,15 @@ def _given_routing(routing: Any, m: int, config: MoEConfig) -> Selection:
         raise TypeError(f"routing must be a pair (index, weights) of [m, k] arrays, got {type(routing).__name__}")
     index, weights = routing
     for name, a in (("index", index), ("weights", weights)):
-        if tuple(getattr(a, "shape", ())) != (m, config.k):
-            raise ValueError(f"routing's {name} must have shape [{m}, {config.k}] (tokens, top_k), "
+        if tuple(getattr(a, "shape", ())) != (m, config.top_k):
+            raise ValueError(f"routing's {name} must have shape [{m}, {config.top_k}] (tokens, top_k), "
                              f"got {list(getattr(a, 'shape', ()))}")
     check_float_array("routing's weights", weights)
     xp = array_namespace(index)
     if not xp.isdtype(index.dtype, "integral"):
         raise TypeError(f"routing's index must be an integer array, got dtype {index.dtype}")
-    if m and (int(xp.min(index)) < 0 or int(xp.max(index)) >= config.n):
-        raise ValueError(f"routing's index must hold expert ids in [0, {config.n - 1}], got values in "
+    if m and (int(xp.min(index)) < 0 or int(xp.max(index)) >= config.num_experts):
+        raise ValueError(f"routing's index must hold expert ids in [0, {config.num_experts - 1}], got values in "
                          f"[{int(xp.min(index))}, {int(xp.max(index))}]")
     check_finite("routing's weights", weights)
     return Selection(index, weights)
@@ -551,7 +551,7 @@ def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: M
     inputs only.
     """
     check_layer_inputs(x, params, config)
-    p = {name: (np.stack([np.asarray(a[e], dtype=np.float64) for e in range(config.n)]) if is_packed_stack(a)
+    p = {name: (np.stack([np.asarray(a[e], dtype=np.float64) for e in range(config.num_experts)]) if is_packed_stack(a)
                  else to_numpy(a).astype(np.float64)) for name, a in params.items()}
     xs = to_numpy(x).astype(np.float64)
     b1, b2 = config.situ_beta, config.situ_linear_beta
@@ -573,13 +573,13 @@ def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: M
     def biased_top_k(s_i: np.ndarray) -> list[int]:
         """K3's choice for one token: the k largest s + b (within the best groups), ties to the lower id."""
         biased = s_i + p["gate.e_score_correction_bias"]
-        allowed = np.ones(config.n, dtype=bool)
+        allowed = np.ones(config.num_experts, dtype=bool)
         if config.n_group > 1:
-            size = config.n // config.n_group
+            size = config.num_experts // config.n_group
             group_score = [sum(sorted(biased[g * size:(g + 1) * size])[-2:]) for g in range(config.n_group)]
             best = sorted(range(config.n_group), key=lambda g: (-group_score[g], g))[:config.topk_group]
-            allowed = np.array([j // size in best for j in range(config.n)])
-        return sorted((j for j in range(config.n) if allowed[j]), key=lambda j: (-biased[j], j))[:config.k]
+            allowed = np.array([j // size in best for j in range(config.num_experts)])
+        return sorted((j for j in range(config.num_experts) if allowed[j]), key=lambda j: (-biased[j], j))[:config.top_k]
 
     def hashed_experts(token_id: int) -> list[int]:
         """The hash-routing rule by hand, with Python integers: the k experts of largest splitmix64 key."""
@@ -591,8 +591,8 @@ def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: M
             return z ^ (z >> 31)
 
         v = mix(token_id)
-        key = [mix((v + (e + 1) * 0x9E3779B97F4A7C15) & mask) >> 1 for e in range(config.n)]
-        return sorted(range(config.n), key=lambda e: (-key[e], e))[:config.k]
+        key = [mix((v + (e + 1) * 0x9E3779B97F4A7C15) & mask) >> 1 for e in range(config.num_experts)]
+        return sorted(range(config.num_experts), key=lambda e: (-key[e], e))[:config.top_k]
 
     if config.hash_routing and token_ids is None:
         raise ValueError("token_ids must be given (an [m] integer array) when config.hash_routing is True")
@@ -602,11 +602,11 @@ def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: M
         s_i = score(p["gate.weight"] @ x_i)  # [n]
         routes.append((s_i, hashed_experts(int(ids[i])) if config.hash_routing else biased_top_k(s_i)))
     # A capacity serves every token's first choice, then every second choice, ..., tokens in order.
-    served = [[True] * config.k for _ in routes]
+    served = [[True] * config.top_k for _ in routes]
     if config.capacity_factor is not None:
-        capacity = math.ceil(Fraction(str(config.capacity_factor)) * config.k * xs.shape[0] / config.n)
-        load = [0] * config.n
-        for r in range(config.k):
+        capacity = math.ceil(Fraction(str(config.capacity_factor)) * config.top_k * xs.shape[0] / config.num_experts)
+        load = [0] * config.num_experts
+        for r in range(config.top_k):
             for i, (_, chosen) in enumerate(routes):
                 served[i][r] = load[chosen[r]] < capacity
                 load[chosen[r]] += served[i][r]
@@ -620,14 +620,14 @@ def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: M
         # Dropped assignments weigh nothing; the others keep their weights (no renormalization).
         p_i = p_i * config.routed_scaling_factor * np.array(served[i], dtype=float)
         z_i = p["routed_expert_down_proj.weight"] @ x_i if config.use_latent_projection else x_i
-        u_i = np.zeros(config.ell)
+        u_i = np.zeros(config.latent_size)
         for weight_ie, e in zip(p_i, chosen, strict=True):
             hidden = act(p["experts.w1"][e] @ z_i, p["experts.w3"][e] @ z_i)
             u_i += weight_ie * (p["experts.w2"][e] @ hidden)
         if config.use_latent_norm:
             u_i = u_i / np.sqrt(np.mean(u_i**2) + config.rms_norm_eps) * p["routed_expert_norm.weight"]
         y_routed = p["routed_expert_up_proj.weight"] @ u_i if config.use_latent_projection else u_i
-        y_shared = np.zeros(config.d)
+        y_shared = np.zeros(config.hidden_size)
         if config.shared_size:
             hidden = act(p["shared_experts.gate_proj.weight"] @ x_i, p["shared_experts.up_proj.weight"] @ x_i)
             y_shared = p["shared_experts.down_proj.weight"] @ hidden

@@ -377,7 +377,7 @@ class Selection:
 
 def biased_top_k(scores: Array, bias: Array, config: MoEConfig, token_ids: Array | None = None) -> tuple[Array, Array]:
     r"""K3's choice rule, Eq. (13) with the layer's switches: `route` by $s + b$, weights from the raw $s$."""
-    return route(scores, bias, config.k, renormalize=config.renormalize,
+    return route(scores, bias, config.top_k, renormalize=config.renormalize,
                  scaling_factor=config.routed_scaling_factor, n_group=config.n_group, topk_group=config.topk_group)
 
 

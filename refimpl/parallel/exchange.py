@@ -82,13 +82,13 @@ def shard_params(params: Mapping[str, Array], config: MoEConfig, rank: int, size
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
-    start, stop = expert_block(config.n, size, rank)
+    start, stop = expert_block(config.num_experts, size, rank)
     shard = dict(params)
     for name in EXPERT_STACKS:
         if name not in params:
             raise ValueError(f"params must contain {name!r}, the stacked expert weights")
-        if params[name].shape[0] != config.n:
-            raise ValueError(f"params[{name!r}] must hold all n={config.n} experts to be sharded, "
+        if params[name].shape[0] != config.num_experts:
+            raise ValueError(f"params[{name!r}] must hold all n={config.num_experts} experts to be sharded, "
                              f"got shape {list(params[name].shape)}")
         shard[name] = params[name][start:stop, ...]
     return shard
@@ -98,10 +98,10 @@ def check_ep_inputs(x: Array, params: Mapping[str, Array], config: MoEConfig, si
     """Raise a readable error for a bad input of `ep_forward`; returns n/P."""
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
-    per_rank = _check_ranks(config.n, size)
+    per_rank = _check_ranks(config.num_experts, size)
     check_float_array("x", x, ndim=2)
-    if x.shape[1] != config.d:
-        raise ValueError(f"x must have shape [m, {config.d}] (hidden_size), got {list(x.shape)}")
+    if x.shape[1] != config.hidden_size:
+        raise ValueError(f"x must have shape [m, {config.hidden_size}] (hidden_size), got {list(x.shape)}")
     check_finite("x", x)
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a mapping from parameter names to arrays, got {type(params).__name__}")
@@ -116,7 +116,7 @@ def check_ep_inputs(x: Array, params: Mapping[str, Array], config: MoEConfig, si
             shape = (per_rank, *shape[1:])
             if tuple(params[name].shape) != shape:
                 raise ValueError(
-                    f"params[{name!r}] must hold this rank's block of n/P = {config.n}/{size} = {per_rank} "
+                    f"params[{name!r}] must hold this rank's block of n/P = {config.num_experts}/{size} = {per_rank} "
                     f"experts, shape {list(shape)}, got {list(params[name].shape)} (shard_params cuts a "
                     f"whole stack)")
         elif tuple(params[name].shape) != shape:

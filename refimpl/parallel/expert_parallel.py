@@ -376,7 +376,7 @@ def _ep_layer(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: An
     stats = EPStats(
         dispatch_bytes=remote_sent * int(z.shape[1]) * itemsize,
         combine_bytes=remote_returned * int(z.shape[1]) * itemsize,
-        routing_bytes=remote_sent * config.k * routing_item,
+        routing_bytes=remote_sent * config.top_k * routing_item,
         pairs_sent=plan.send_rows.copy(),
         pairs_received=recv_rows,
         expert_load=to_numpy(load).astype(np.int64),

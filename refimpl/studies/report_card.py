@@ -110,15 +110,15 @@ def _per_width(config: MoEConfig) -> CardEntry:
 
 def _experts(config: MoEConfig, where: str) -> CardEntry:
     counts = parameter_counts(config)
-    shared = (f"{config.num_shared_experts} shared of width {config.f} on d = {config.d} "
+    shared = (f"{config.num_shared_experts} shared of width {config.intermediate_size} on d = {config.hidden_size} "
               f"(merged width {config.shared_size})") if config.num_shared_experts else "no shared expert"
-    return CardEntry(f"{config.n} routed of {counts['routed_expert']:,} parameters (f = {config.f}, "
-                     f"input width {config.ell}{where}); {shared} [computed]")
+    return CardEntry(f"{config.num_experts} routed of {counts['routed_expert']:,} parameters (f = {config.intermediate_size}, "
+                     f"input width {config.latent_size}{where}); {shared} [computed]")
 
 
 def _payload(config: MoEConfig) -> str:
     p = dispatch_payload(config)
-    return (f"{p['latent_values']:,} values per token each way (k x {config.ell}; "
+    return (f"{p['latent_values']:,} values per token each way (k x {config.latent_size}; "
             f"{p['ratio']:.2f} of a full-width layer's k x d) [computed]")
 
 
@@ -209,7 +209,7 @@ def report_card_entries() -> dict[str, dict[str, CardEntry]]:
         "LatentMoE (K3 sizes, no norm)": {
             ITEMS[0]: _parameters(plain, "as K3 less the norm gains, by construction"),
             ITEMS[1]: _experts(plain, ", the latent"),
-            ITEMS[2]: CardEntry(f"as K3: top-{plain.k} of sigmoid + bias, renormalized raw scores [K3]"),
+            ITEMS[2]: CardEntry(f"as K3: top-{plain.top_k} of sigmoid + bias, renormalized raw scores [K3]"),
             ITEMS[3]: unknown("the sources do not state one for the original LatentMoE"),
             ITEMS[4]: unknown("the sources do not state the original LatentMoE's balancing"),
             ITEMS[5]: unknown(not_stated),

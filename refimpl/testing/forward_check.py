@@ -45,13 +45,13 @@ def reference_forward(case: rst.ForwardCase, dtype: Any) -> tuple[np.ndarray, np
     params64 = {name: value.astype(np.float64) for name, value in case.params(dtype).items()}
     out = stable_latent_moe(x64, params64, config, return_intermediates=True)
     keep = np.ones(x64.shape[0], dtype=bool)
-    if config.k < config.n:
+    if config.top_k < config.num_experts:
         s = sigmoid(x64 @ params64["gate.weight"].T)  # [m, n]
         sb = np.sort(s + params64["gate.e_score_correction_bias"], axis=1)[:, ::-1]
-        keep &= (sb[:, config.k - 1] - sb[:, config.k]) > 1e-4
+        keep &= (sb[:, config.top_k - 1] - sb[:, config.top_k]) > 1e-4
     if config.use_latent_norm:
         terms = np.zeros_like(out.u)
-        for r in range(config.k):  # |p_r E_r(z)| of each slot, summed: the size before cancellation
+        for r in range(config.top_k):  # |p_r E_r(z)| of each slot, summed: the size before cancellation
             terms += np.abs(routed_experts(out.z, out.index[:, r:r + 1], out.weights[:, r:r + 1],
                                            params64["experts.w1"], params64["experts.w3"],
                                            params64["experts.w2"], config))

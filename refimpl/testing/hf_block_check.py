@@ -150,9 +150,9 @@ def _routing_margin(case: HFBlockCase, scores: np.ndarray) -> np.ndarray:
         allowed = np.zeros((m, config.n_group), dtype=bool)
         np.put_along_axis(allowed, kept, True, axis=1)
         biased = np.where(allowed[:, :, None], grouped, -np.inf).reshape(m, n)
-    if config.k < n:
+    if config.top_k < n:
         ordered = -np.sort(-biased, axis=1)
-        margin = np.minimum(margin, ordered[:, config.k - 1] - ordered[:, config.k])
+        margin = np.minimum(margin, ordered[:, config.top_k - 1] - ordered[:, config.top_k])
     return margin
 
 
@@ -245,9 +245,9 @@ def _diagnose(v: _Mismatch) -> None:
 
 def _shapes(case: HFBlockCase) -> str:
     c = case.config
-    latent = f"l = {c.ell}" if c.use_latent_projection else "no latent (l = d)"
+    latent = f"l = {c.latent_size}" if c.use_latent_projection else "no latent (l = d)"
     experts = ("MXFP4 pairs weight_packed/weight_scale" if case.mxfp4 else "weight")
-    return (f"shapes: x [{case.tokens}, {c.d}]; d = {c.d}, {latent}, n = {c.n}, k = {c.k}, f = {c.f}, "
+    return (f"shapes: x [{case.tokens}, {c.hidden_size}]; d = {c.hidden_size}, {latent}, n = {c.num_experts}, k = {c.top_k}, f = {c.intermediate_size}, "
             f"shared width N_s f = {c.shared_size}; experts.{{e}}.w1/w3/w2 as {experts}")
 
 

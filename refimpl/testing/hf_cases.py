@@ -77,14 +77,14 @@ class HFBlockCase:
         rng = np.random.default_rng(self.seed)
         # Matrices N(0, 1/fan_in), so every product keeps unit scale; a nonzero bias, on the scale of the
         # scores (sigmoid scores spread over about 0.2, softmax scores over about 1/n).
-        spread = 0.2 if config.score_function == "sigmoid" else 0.2 / config.n
+        spread = 0.2 if config.score_function == "sigmoid" else 0.2 / config.num_experts
         p = init_params(config, rng, dtype=np.float64, bias_scale=spread)
         if config.use_latent_norm:
-            p["routed_expert_norm.weight"] = rng.uniform(0.5, 1.5, config.ell)  # a gain that is not all ones
+            p["routed_expert_norm.weight"] = rng.uniform(0.5, 1.5, config.latent_size)  # a gain that is not all ones
         # Larger gate and up pre-activations reach the SiTU caps.
         for name in ("experts.w1", "experts.w3", "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"):
             p[name] = p[name] * self.activation_scale
-        x = rng.standard_normal((self.tokens, config.d)).astype(dtype)  # [m, d]
+        x = rng.standard_normal((self.tokens, config.hidden_size)).astype(dtype)  # [m, d]
         given, exact = MoEParams(), MoEParams()
         expert_bytes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for name, value in p.items():

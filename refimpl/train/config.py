@@ -24,8 +24,8 @@ import ml_dtypes
 import numpy as np
 
 from ..balancing import Balancer, FrozenBalancer, QuantileBalancer, SignBalancer
-from ..balancing.other_balancers import AuxLossBalancer, CapacityBalancer, HashBalancer, SequenceLossBalancer
 from ..balancing.histogram import HistogramBalancer
+from ..balancing.other_balancers import AuxLossBalancer, CapacityBalancer, HashBalancer, SequenceLossBalancer
 from ..config import MoEConfig
 
 #: Floating formats the forward pass can be rounded to.
