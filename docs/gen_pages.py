@@ -90,6 +90,7 @@ READING_PATH: list[tuple[str, str]] = [
     ("activations", "Eq. (12) & App. B: SiTU-GLU"),
     ("routing", "Eq. (13): routing"),
     ("latent_moe", "Eq. (11): the forward pass"),
+    ("selection", "Step 2 and its extension points"),
     ("backward", "The backward pass"),
     ("accounting", "Accounting"),
     ("mx", "MXFP4 and MXFP8"),

@@ -103,10 +103,10 @@ from .layer.routing import (
     router_scores,
     score_function_values,
     score_function_vjp,
-    select_experts,
     selection_cutoff,
     softplus,
 )
+from .layer.selection import select_experts
 from .mx import mxfp4_decode, mxfp4_encode, mxfp8_round
 from .parallel import (
     EPStats,

@@ -117,7 +117,7 @@ from fractions import Fraction
 from .._lib.validation import check_finite, check_float_array, check_int
 from .._lib.xp import Array, array_namespace, bincount, is_array, topk
 from ..config import MoEConfig
-from .routing import mixture_weights, register_expert_choice, register_serving_rule, score_function_vjp
+from .routing import mixture_weights, score_function_vjp
 
 __all__ = [
     "capacity_keep",
@@ -467,7 +467,3 @@ def capacity_serving(index: Array, weights: Array, config: MoEConfig) -> tuple[A
     kept = capacity_keep(index, config.num_experts, capacity)  # [m, k] bool
     # Dropped assignments contribute nothing: $$p_{i,r} \leftarrow p_{i,r}\,\text{kept}_{i,r}$$
     return weights * xp.astype(kept, weights.dtype), kept
-
-
-register_expert_choice("hash", hash_choice)
-register_serving_rule("capacity", capacity_serving)

@@ -78,7 +78,8 @@ from .._lib.xp import Array, array_namespace, bincount, compute_dtype, is_numpy,
 from ..config import MoEConfig
 from ..mx import MX_BLOCK, mxfp8_round
 from .activations import expert_glu, expert_glu_and_grad, rms_norm
-from .routing import Selection, router_scores, select_experts
+from .routing import router_scores
+from .selection import Selection, select_experts
 
 __all__ = [
     "EXPERT_INPUT_PRECISIONS",
@@ -499,9 +500,9 @@ def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, 
 # * **The score function** (step 1): `config.score_function` names an entry of the routing page's table
 #   of score functions: K3's sigmoid, the softmax of Switch Transformer, DeepSeek-V4's $\sqrt{\operatorname{softplus}}$.
 # * **The choice rule** (step 2): `config.hash_routing` picks the rule registered as `"hash"` instead of
-#   K3's biased top-$k$ (`refimpl.layer.routing.EXPERT_CHOICE`); it reads `token_ids`.
+#   K3's biased top-$k$ (`refimpl.layer.selection.EXPERT_CHOICE`); it reads `token_ids`.
 # * **The serving rule** (step 2): `config.capacity_factor` applies the rule registered as `"capacity"`
-#   (`refimpl.layer.routing.SERVING`), which drops the assignments an expert has no room for.
+#   (`refimpl.layer.selection.SERVING`), which drops the assignments an expert has no room for.
 # * **The experts' input precision** (steps 4-5): `mxfp8_inputs=True` rounds each expert product's input
 #   with the entry `"mxfp8"` below.
 # * **A given route** (step 2): `routing=(index, weights)` bypasses the selection altogether.

@@ -143,7 +143,8 @@ from ..layer.latent_moe import (
     MoEParams,
     shared_experts,
 )
-from ..layer.routing import Selection, router_scores, select_experts, serving_rule
+from ..layer.routing import router_scores
+from ..layer.selection import Selection, select_experts, serving_rule
 from .exchange import (
     EXPERT_STACKS,
     LocalSlots,
