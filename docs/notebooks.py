@@ -538,9 +538,9 @@ def _record_one(script: Path) -> str:
     text, seconds = record(script)
     target = record_path(script)
     old = target.read_text(encoding="utf-8") if target.is_file() else None
-    from refimpl.studies.recorded import write_atomically
+    from refimpl._lib.files import write_atomically
 
-    write_atomically(target, text)
+    write_atomically(target, text, make_folder=True)
     state = "unchanged" if old == text else ("written" if old is None else "refreshed")
     return f"{target.relative_to(ROOT)}: {state} ({seconds:.0f} s)"
 

@@ -681,7 +681,8 @@ def test_checkpoint_folder_is_checked_before_the_first_step(tmp_path, capsys, mo
 #: Run the command in a process that stops, at its second checkpoint, at the place named by argv[1], and says so.
 PAUSING = """
 import sys, time
-import refimpl.train as T
+import refimpl.train
+import refimpl.train.checkpoints as T
 
 where, argv = sys.argv[1], sys.argv[2:]
 calls = {"write": 0, "pointer": 0, "remove": 0}
@@ -714,7 +715,7 @@ def paused_remove(path, *args, **kwargs):
     rmtree(path, *args, **kwargs)
 
 T._write_file, T.write_atomically, T.shutil.rmtree = paused_write_file, paused_pointer, paused_remove
-T.main(argv)
+refimpl.train.main(argv)
 """
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-__all__ = ["fsync_folder", "new_file_mode", "new_folder_mode", "write_atomically"]
+__all__ = ["Content", "flush_file", "write_new_file", "fsync_folder", "new_file_mode", "new_folder_mode", "write_atomically"]
 
 
 def _umask() -> int:
@@ -61,14 +61,49 @@ def fsync_folder(folder: str | os.PathLike) -> None:
         os.close(descriptor)
 
 
-def write_atomically(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
-    """Write a file by `write(handle)` into a temporary file beside `path`, flush it, then rename it to `path`.
+#: What a file is written from: its bytes, its text (UTF-8), or a function that writes into a binary handle.
+Content = bytes | str | Callable[[IO[bytes]], None]
 
-    `write` receives a binary file opened for writing. If it raises, or the
-    flush or rename fails, the temporary file is removed and `path` keeps
-    what it held (or stays absent).
+
+def _writer(content: Content) -> Callable[[IO[bytes]], None]:
+    if callable(content):
+        return content
+    data = content.encode("utf-8") if isinstance(content, str) else bytes(content)
+    return lambda handle: handle.write(data)
+
+
+def flush_file(path: str | os.PathLike) -> None:
+    """Flush the file `path` to the disk (`fsync`), e.g. one a library wrote by name."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def write_new_file(path: str | os.PathLike, content: Content) -> None:
+    """Write a new file `path` (it must not exist) from `content` and flush it to the disk.
+
+    For a file inside a folder that is itself renamed into place once complete (a training checkpoint
+    being staged); a file that replaces another uses `write_atomically`.
+    """
+    with open(path, "xb") as handle:
+        _writer(content)(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def write_atomically(path: str | os.PathLike, content: Content, *, make_folder: bool = False) -> None:
+    """Write `path` from `content` into a temporary file beside it, flush it, then rename it to `path`.
+
+    `content` is bytes, text (written as UTF-8) or a function that receives a binary file opened for
+    writing. If writing raises, or the flush or rename fails, the temporary file is removed and `path`
+    keeps what it held (or stays absent). `make_folder=True` creates the folder first.
     """
     path = Path(path)
+    if make_folder:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    write = _writer(content)
     handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".partial",
                                          delete=False)
     try:

@@ -131,7 +131,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .._lib.files import fsync_folder, new_file_mode
+from .._lib.files import flush_file, fsync_folder, new_file_mode
 from ..config import MoEConfig, is_moe_layer
 from ..layer.latent_moe import MoEParams, check_params, parameter_shapes
 from ..mx import MX_BLOCK, check_float_dtype, mxfp4_decode, mxfp4_encode
@@ -641,11 +641,7 @@ def _stage(path: Path, name: str, write: Callable[[str], None], mode: int) -> Pa
     try:
         write(temporary)
         os.chmod(temporary, mode)  # mkstemp creates 0600; a new file gets what the umask allows
-        fd = os.open(temporary, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        flush_file(temporary)
     except BaseException:
         if os.path.lexists(temporary):
             os.unlink(temporary)

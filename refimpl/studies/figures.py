@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .recorded import write_atomically
+from .._lib.files import write_atomically
 
 __all__ = ["DPI", "figures_wanted", "in_notebook", "png_size", "show_figure"]
 
@@ -86,7 +86,7 @@ def show_figure(fig: Any, out: str | Path | None, name: str, *, caption: str, al
         plt.close(fig)
         data = buffer.getvalue()
     if out is not None:
-        write_atomically(Path(out) / name, data)
+        write_atomically(Path(out) / name, data, make_folder=True)
     if in_notebook():
         from IPython.display import display
 

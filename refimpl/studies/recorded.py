@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from .._lib.files import write_atomically as write_file_atomically
+from .._lib.files import write_atomically
 
 __all__ = ["RESULTS", "band", "diverged_at", "finished", "layer_field", "load_record", "per_step", "record_runs",
-           "recorded_path", "replay", "show", "show_finished", "spread", "write_atomically", "write_record"]
+           "recorded_path", "replay", "show", "show_finished", "spread", "write_record"]
 
 #: The folder of the recorded runs, inside the installed package.
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -74,26 +74,13 @@ def load_record(name: str) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
 
 
-def write_atomically(path: Path, data: bytes | str) -> None:
-    """Write `data` (text is UTF-8) to `path`, creating its folder, so that no reader ever finds half a file.
-
-    The bytes go through `refimpl._lib.files.write_atomically`: a temporary file in
-    the same folder, flushed to disk, given the permissions the umask sets,
-    then renamed into place.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = data.encode("utf-8") if isinstance(data, str) else data
-    write_file_atomically(path, lambda handle: handle.write(payload))
-
-
 def write_record(path: Path, record: Mapping[str, Any], indent: int | None = None) -> None:
-    """Write a record as JSON, atomically (`write_atomically`).
+    """Write a record as JSON, atomically (`refimpl._lib.files.write_atomically`), creating its folder.
 
     Compact (one line) by default; `indent` spreads it over lines as `json.dumps` does.
     """
     separators = (",", ":") if indent is None else None
-    write_atomically(Path(path), json.dumps(record, separators=separators, indent=indent) + "\n")
+    write_atomically(Path(path), json.dumps(record, separators=separators, indent=indent) + "\n", make_folder=True)
     print(f"wrote {path}")
 
 

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from .._lib.files import fsync_folder, new_folder_mode, write_atomically
+from .._lib.files import fsync_folder, new_folder_mode, write_atomically, write_new_file
 from ..balancing import Balancer
 from .config import TrainConfig, new_balancers
 from .data import Corpus
@@ -148,10 +148,7 @@ def _npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
 
 def _write_file(path: Path, data: bytes) -> None:
     """Write a new file of a checkpoint being staged, flushed to the disk."""
-    with open(path, "xb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+    write_new_file(path, data)
 
 
 def _digest(path: Path) -> dict[str, Any]:
@@ -198,7 +195,7 @@ def write_checkpoint(folder: str | Path, run: RunState, config: TrainConfig, cor
     fsync_folder(folder)
     pointer = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "checkpoint": final.name,
                "step": run.step}
-    write_atomically(folder / POINTER_FILE, lambda handle: handle.write(json.dumps(pointer, indent=1).encode()))
+    write_atomically(folder / POINTER_FILE, json.dumps(pointer, indent=1))
     # The new checkpoint is current: the earlier ones, and any left half-written by a killed run, go.
     for entry in folder.iterdir():
         if entry.name == final.name:

@@ -259,4 +259,4 @@ def write_log(path: str | Path, log: Mapping[str, Any]) -> None:
     file as it was.
     """
     text = json.dumps(json_safe(log, lambda x: None), indent=1, allow_nan=False) + "\n"
-    write_atomically(path, lambda handle: handle.write(text.encode()))
+    write_atomically(path, text)
