@@ -422,18 +422,6 @@ def test_example_bins_and_traffic(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == {"error_vs_bins.png", "bytes_vs_tokens.png"}
 
 
-@pytest.mark.slow
-def test_benchmark_smoke(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "benchmarks/bench_histogram.py", "--smoke", "--out", str(tmp_path)],
-                          cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "histogram pass" in proc.stdout and "peak resident memory" in proc.stdout
-    assert {p.name for p in tmp_path.iterdir()} == {"histogram.json", "histogram.md"}
 
 
 # ---------------------------------------------------------------------------

@@ -542,13 +542,6 @@ def test_a_failed_write_leaves_the_previous_log(tmp_path, capsys, monkeypatch):
     assert len(strict_json(out.read_text())["steps"]) == 2
 
 
-def test_benchmark_smoke(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/bench_train.py", "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    written = json.loads((tmp_path / "train.json").read_text())
-    assert all(run["tokens_per_second"] > 0 for run in written["runs"].values())
-    assert "tokens/s" in (tmp_path / "train.md").read_text()
 
 
 # ---------------------------------------------------------------------------
