@@ -11,53 +11,15 @@ layer also uses for its deployment precision.
 """
 
 from .hf_checkpoint import (
-    INCOMPLETE_SAVE_MARK,
-    K3_QUANTIZATION_CONFIG,
-    ExpertStack,
-    layer_prefix,
-    load_hf_layer,
-    save_hf_layer,
+           INCOMPLETE_SAVE_MARK,
+           K3_QUANTIZATION_CONFIG,
+           ExpertStack,
+           load_hf_layer,
+           save_hf_layer,
 )
-from .safetensors import (
-    CONFIG_FILE,
-    INDEX_FILE,
-    SINGLE_FILE,
-    Shards,
-    inside_folder,
-    open_safetensors,
-    read_json,
-    read_safetensors_header,
-    to_dtype,
-)
-from .state_dict import (
-    EXPERT_MATRICES,
-    as_numpy,
-    block_prefix,
-    hf_state_dict_from_params,
-    hf_tensor_shapes,
-    params_from_hf_state_dict,
-)
+from .safetensors import open_safetensors, read_safetensors_header
+from .state_dict import hf_state_dict_from_params, hf_tensor_shapes, params_from_hf_state_dict
 
-__all__ = [
-    "INCOMPLETE_SAVE_MARK",
-    "K3_QUANTIZATION_CONFIG",
-    "ExpertStack",
-    "layer_prefix",
-    "load_hf_layer",
-    "save_hf_layer",
-    "CONFIG_FILE",
-    "INDEX_FILE",
-    "SINGLE_FILE",
-    "inside_folder",
-    "open_safetensors",
-    "read_json",
-    "read_safetensors_header",
-    "Shards",
-    "to_dtype",
-    "EXPERT_MATRICES",
-    "as_numpy",
-    "block_prefix",
-    "hf_state_dict_from_params",
-    "hf_tensor_shapes",
-    "params_from_hf_state_dict",
-]
+__all__ = ["INCOMPLETE_SAVE_MARK", "K3_QUANTIZATION_CONFIG", "ExpertStack", "hf_state_dict_from_params",
+           "hf_tensor_shapes", "load_hf_layer", "open_safetensors", "params_from_hf_state_dict",
+           "read_safetensors_header", "save_hf_layer"]
