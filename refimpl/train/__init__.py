@@ -145,6 +145,7 @@ across ranks, and what the ranks check before they exchange anything.
 `--expert-parallel` started without `mpiexec` runs as one rank.
 """
 
+from ..balancing import FrozenBalancer, HistogramBalancer
 from .checkpoints import Checkpoint, read_checkpoint
 from .cli import main
 from .config import BALANCERS, DEFAULT_LAYER, PRECISIONS, TrainConfig, TrainConfigError, default_layer
@@ -154,7 +155,7 @@ from .model import BIAS, Adam, cross_entropy, init_model, model_shapes, rms_norm
 from .step import ONE_PROCESS, Ranks, StepResult, evaluate, forward_backward, single_process_layer
 
 __all__ = [
-    "BALANCERS", "BIAS", "CORPUS_FILES", "DEFAULT_LAYER", "ONE_PROCESS", "PRECISIONS", "VOCAB", "Adam", "Checkpoint",
+    "BALANCERS", "BIAS", "CORPUS_FILES", "DEFAULT_LAYER", "ONE_PROCESS", "PRECISIONS", "VOCAB", "Adam", "Checkpoint", "FrozenBalancer", "HistogramBalancer",
     "Corpus", "Ranks", "StepResult", "TrainConfig", "TrainConfigError", "check_resources", "cross_entropy",
     "default_layer", "evaluate", "forward_backward", "init_model", "load_corpus", "main", "model_shapes",
     "noise_floor", "read_checkpoint", "rms_norm_vjp", "routed_activation_peak", "sample_batch",

@@ -52,7 +52,7 @@ from .._lib.files import fsync_folder, new_folder_mode, write_atomically, write_
 from ..balancing import Balancer
 from .config import TrainConfig, new_balancers
 from .data import Corpus
-from .model import BIAS, Adam, init_model, model_shapes
+from .model import Adam, init_model, model_shapes
 from .step import ONE_PROCESS, Ranks
 
 # ---------------------------------------------------------------------------
@@ -93,8 +93,7 @@ class RunState:
         """Step 0: the weights drawn with `config.seed` (this process's part of them), fresh balancers and optimizer."""
         rng = np.random.default_rng(config.seed)
         params = ranks.shard(init_model(config, rng))
-        trained = [name for name in params if not name.endswith(BIAS)]
-        adam = Adam(trained, params, config.lr, config.betas, config.eps)
+        adam = Adam(list(params), params, config.lr, config.betas, config.eps)
         return cls(0, params, adam, new_balancers(config), rng)
 
 

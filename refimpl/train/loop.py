@@ -25,11 +25,12 @@ import ml_dtypes
 import numpy as np
 
 from .._lib.files import write_atomically
+from ..balancing import Balancer
 from ..layer.routing import route
 from .checkpoints import RunState, json_safe, load_run, write_checkpoint
 from .config import PRECISIONS, TrainConfig, TrainConfigError
 from .data import VOCAB, Corpus, load_corpus, sample_batch
-from .model import model_shapes
+from .model import BIAS, model_shapes, moe_prefix
 from .step import ONE_PROCESS, Ranks, evaluate, forward_backward
 
 # ---------------------------------------------------------------------------
@@ -93,6 +94,15 @@ def _clip(grads: dict[str, np.ndarray], max_norm: float, ranks: Ranks = ONE_PROC
         for name in grads:
             grads[name] = (grads[name] * (max_norm / total)).astype(np.float32)
     return total
+
+
+def routing_biases(balancers: Sequence[Balancer]) -> list[np.ndarray]:
+    """Each block's bias as the last step used it (the balancer's history; its held bias before any step).
+
+    The bias lives in the balancer only; the evaluation after step $t$ and the final parameters read the
+    bias that routed step $t$, as the layer did.
+    """
+    return [balancer.biases[-1] if balancer.biases else balancer.bias for balancer in balancers]
 
 
 def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool = False,
@@ -183,7 +193,7 @@ def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool =
             record.update(result.stats)
         if t % config.eval_every == 0 or t == config.steps:
             record["eval_loss"] = evaluate(run.params, eval_tokens, eval_targets, config, eval_layers,
-                                           ranks=ranks)
+                                           biases=routing_biases(run.balancers), ranks=ranks)
         record.update(ranks.step_record())
         run.records.append(record)
         run.step = session["last_step"] = t
@@ -195,9 +205,10 @@ def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool =
     session["seconds"] = time.perf_counter() - start
     if "eval_loss" not in run.records[-1]:  # resumed at its last step from a checkpoint between evaluations
         run.records[-1]["eval_loss"] = evaluate(run.params, eval_tokens, eval_targets, config, eval_layers,
-                                                ranks=ranks)
+                                                biases=routing_biases(run.balancers), ranks=ranks)
     if final_params is not None:
         final_params.update(run.params)
+        final_params.update({moe_prefix(number) + BIAS: bias for number, bias in enumerate(routing_biases(run.balancers))})
     seconds = sum(part["seconds"] for part in run.sessions)
     records = run.records
     summary = {"seconds": seconds, "tokens_per_second": config.batch * config.steps / seconds if seconds else 0.0,

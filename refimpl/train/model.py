@@ -123,7 +123,8 @@ def model_shapes(config: TrainConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (VOCAB, e), "mix.weight": (d, c * e)}
     for layer in range(config.moe.num_moe_layers):
         shapes[f"layers.{layer}.norm.weight"] = (d,)
-        shapes.update({moe_prefix(layer) + name: shape for name, shape in parameter_shapes(config.moe).items()})
+        shapes.update({moe_prefix(layer) + name: shape for name, shape in parameter_shapes(config.moe).items()
+                       if name != BIAS})  # the bias is its balancer's, never a trained parameter
     shapes["norm.weight"] = (d,)
     shapes["out.weight"] = (VOCAB, d)
     return shapes
@@ -134,7 +135,8 @@ def init_model(config: TrainConfig, rng: np.random.Generator) -> dict[str, np.nd
 
     Names: `embed.weight` `[256, e]`, `mix.weight` `[d, c e]`, per layer `l`
     `layers.l.norm.weight` `[d]` and `layers.l.moe.<HF name>` (the layer of
-    `init_params`), `norm.weight` `[d]`, `out.weight` `[256, d]`.
+    `init_params`, without its selection bias: each layer's bias lives in its
+    balancer, and only there), `norm.weight` `[d]`, `out.weight` `[256, d]`.
     """
     d, c, e = config.moe.hidden_size, config.context, config.embed
     params: dict[str, np.ndarray] = {
@@ -144,15 +146,19 @@ def init_model(config: TrainConfig, rng: np.random.Generator) -> dict[str, np.nd
     for layer in range(config.moe.num_moe_layers):
         params[f"layers.{layer}.norm.weight"] = np.ones(d, dtype=np.float32)
         for name, value in init_params(config.moe, rng).items():
-            params[moe_prefix(layer) + name] = value
+            if name != BIAS:
+                params[moe_prefix(layer) + name] = value
     params["norm.weight"] = np.ones(d, dtype=np.float32)
     params["out.weight"] = (rng.standard_normal((VOCAB, d)) / np.sqrt(d)).astype(np.float32)
     return params
 
 
-def block_params(params: Mapping[str, np.ndarray], layer: int) -> dict[str, np.ndarray]:
+def block_params(params: Mapping[str, np.ndarray], layer: int, bias: np.ndarray) -> dict[str, np.ndarray]:
+    """The parameters of block `layer`'s MoE layer under their HF names, with `bias` (its balancer's) as its bias."""
     prefix = moe_prefix(layer)
-    return {name[len(prefix):]: value for name, value in params.items() if name.startswith(prefix)}
+    block = {name[len(prefix):]: value for name, value in params.items() if name.startswith(prefix)}
+    block[BIAS] = bias
+    return block
 
 
 def rounded(x: np.ndarray, precision: str) -> np.ndarray:

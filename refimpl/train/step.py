@@ -179,13 +179,13 @@ def forward_backward(params: dict[str, np.ndarray], tokens: np.ndarray, targets:
         # Pre-norm: $$a = \operatorname{RMSNorm}(h) \odot g_l$$
         g = params[f"layers.{number}.norm.weight"]
         a = rounded(rms_norm(h, g, eps), precision)  # [m, d]
+        # The layer's weights, and the bias its balancer holds from the previous step (stored there only).
         layer_params = {name: (value if name == BIAS else rounded(value, precision))
-                        for name, value in block_params(params, number).items()}
+                        for name, value in block_params(params, number, balancer.bias).items()}
         # A forward pass that overflowed (an infinite input or router weight): no step.
         if not ranks.all(np.all(np.isfinite(a)) and np.all(np.isfinite(layer_params["gate.weight"]))):
             return StepResult(math.nan, {}, [math.nan] * len(balancers))
         # Route with the bias held from the previous step: the layer runs once, forward and backward.
-        layer_params[BIAS] = params[moe_prefix(number) + BIAS] = balancer.bias
         ids = token_ids if (layer.hash_routing or balancer.needs_token_ids) else None
         try:
             out, moe_back = (ranks.layer_vjp if layer_vjp is None else layer_vjp)(a, layer_params, layer, ids)
@@ -274,16 +274,19 @@ def _gradient_norms(grads: Mapping[str, np.ndarray], config: TrainConfig, stats:
 
 def evaluate(params: Mapping[str, np.ndarray], tokens: np.ndarray, targets: np.ndarray,
              config: TrainConfig, layers: Sequence[MoEConfig] | None = None, *,
-             ranks: Ranks = ONE_PROCESS) -> float:
+             biases: Sequence[np.ndarray] | None = None, ranks: Ranks = ONE_PROCESS) -> float:
     """The loss on held-out tokens with the biases frozen as they are (inference: no quantile is computed).
 
     `layers` are the blocks' layers as the balancers give them (default:
     `config.moe` in every block); a capacity is not applied at evaluation,
-    where nothing is dropped. `tokens`, `targets` and `ranks` are as in
+    where nothing is dropped. `biases` are the blocks' biases as their
+    balancers hold them (default: zero). `tokens`, `targets` and `ranks` are as in
     `forward_backward`: the loss is that of the whole held-out batch.
     """
     eps = config.moe.rms_norm_eps
     layers = [config.moe] * config.moe.num_moe_layers if layers is None else layers
+    if biases is None:
+        biases = [np.zeros(config.moe.num_experts, dtype=np.float32)] * len(layers)
     m, c = tokens.shape
     h = params["embed.weight"][tokens].reshape(m, c * config.embed) @ params["mix.weight"].T  # [m, d]
     for number, layer in enumerate(layers):
@@ -292,7 +295,7 @@ def evaluate(params: Mapping[str, np.ndarray], tokens: np.ndarray, targets: np.n
             return math.nan  # a model that has diverged: its activations overflow
         served = layer.replace(capacity_factor=None)
         ids = tokens[:, -1] if served.hash_routing else None
-        layer_params = block_params(params, number)
+        layer_params = block_params(params, number, biases[number])
         try:
             h = h + np.asarray(ranks.layer(a, layer_params, served, ids))
         except ValueError:
