@@ -90,6 +90,8 @@ __all__ = [
     "check_layer_inputs",
     "check_params",
     "combine",
+    "down_project",
+    "latent_output",
     "dispatch_by_expert",
     "init_params",
     "is_packed_stack",
@@ -359,6 +361,28 @@ def routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array,
     return (u, RoutedActivations(dispatch, hidden)) if save else u
 
 
+def down_project(h: Array, weight: Callable[[str], Array], config: MoEConfig) -> Array:
+    r"""Step 3: the latent of every token, $z = x W_\downarrow^\top$ `[m, l]` (the input itself without a latent path).
+
+    `weight(name)` gives a parameter by its HF name, in the compute dtype.
+    """
+    return h @ weight("routed_expert_down_proj.weight").T if config.use_latent_projection else h
+
+
+def latent_output(u: Array, weight: Callable[[str], Array], config: MoEConfig) -> tuple[Array, Array]:
+    r"""Steps 6-7: $v = \operatorname{RMSNorm}(u) \odot g$ (when the norm is on) and $y_{\text{routed}} = v W_\uparrow^\top$.
+
+    `u` `[m, l]` must be the **whole** routed sum of each token: the norm of a sum is not the sum of norms.
+    `weight(name)` gives a parameter by its HF name, in the compute dtype. Returns `(v [m, l], y_routed [m, d])`.
+    """
+    if config.use_latent_norm:
+        v = rms_norm(u, weight("routed_expert_norm.weight"), config.rms_norm_eps)  # [m, l]
+    else:
+        v = u
+    y_routed = v @ weight("routed_expert_up_proj.weight").T if config.use_latent_projection else v  # [m, d]
+    return v, y_routed
+
+
 def shared_experts(x: Array, gate_proj: Array, up_proj: Array, down_proj: Array, config: MoEConfig, *,
                    save: bool = False) -> Array | tuple[Array, tuple[Array, Array, Array] | None]:
     r"""The shared experts on the full width: $\operatorname{SiTU\text{-}GLU}(x G_s^\top, x U_s^\top)\,D_s^\top$, `[m, d]`.
@@ -464,7 +488,7 @@ def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, 
         selection = _given_routing(routing, x.shape[0], config)
     weights = xp.astype(selection.weights, dtype)  # [m, k]
     # 3. One down-projection for all routed experts: $$z = x W_\downarrow^\top$$
-    z = h @ weight("routed_expert_down_proj.weight").T if config.use_latent_projection else h  # [m, l]
+    z = down_project(h, weight, config)  # [m, l]
     # 4-5. Each token's k experts on the latent, mixed in the latent space:
     # $$u_i = \textstyle\sum_{e \in \mathcal{T}_i} p_{i,e} E_e(z_i)$$
     # The expert stacks go in as stored: `routed_experts` casts one expert at a time, so a
@@ -473,10 +497,9 @@ def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, 
                             params["experts.w2"], config, mxfp8_inputs=mxfp8_inputs,
                             save=save_for_backward)
     u, routed_saved = routed if save_for_backward else (routed, None)  # [m, l]
-    # 6. The Stable addition: $$v = \operatorname{RMSNorm}(u) \odot g$$
-    v = rms_norm(u, weight("routed_expert_norm.weight"), config.rms_norm_eps) if config.use_latent_norm else u
-    # 7. One up-projection, once per token after the combine: $$y_{\text{routed}} = v W_\uparrow^\top$$
-    y_routed = v @ weight("routed_expert_up_proj.weight").T if config.use_latent_projection else v  # [m, d]
+    # 6-7. The Stable addition, then one up-projection per token after the combine:
+    # $$v = \operatorname{RMSNorm}(u) \odot g, \qquad y_{\text{routed}} = v W_\uparrow^\top$$
+    v, y_routed = latent_output(u, weight, config)  # [m, l], [m, d]
     # 8. Shared experts on the full width, one merged GLU of width $N_s f$.
     shared = shared_experts(h, weight("shared_experts.gate_proj.weight"), weight("shared_experts.up_proj.weight"),
                             weight("shared_experts.down_proj.weight"), config, save=save_for_backward)

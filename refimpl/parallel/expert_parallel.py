@@ -141,6 +141,8 @@ from ..layer.backward import (
 from ..layer.latent_moe import (
     MoEOutput,
     MoEParams,
+    down_project,
+    latent_output,
     shared_experts,
 )
 from ..layer.routing import router_scores
@@ -329,7 +331,7 @@ def _ep_layer(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: An
     selection = _select_across_ranks(comm, scores, params["gate.e_score_correction_bias"], config, token_ids)
     weights = xp.astype(selection.weights, dtype)  # [m, k]
     # The latent, once per token, before anything is sent: $$z = x W_\downarrow^\top$$
-    z = h @ weight("routed_expert_down_proj.weight").T if config.use_latent_projection else h  # [m, l]
+    z = down_project(h, weight, config)  # [m, l]
 
     # 2. Dispatch: each token's latent to every rank that holds one of its experts, once per rank.
     started = time.perf_counter()
@@ -357,13 +359,10 @@ def _ep_layer(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: An
     seconds["combine"] = time.perf_counter() - started
     # $$u_i = \sum_{p} u^{(p)}_i$$, in rank order
     u = sum_rows(returned, plan.position, plan.present)  # [m, l]
-    # Then, and only then, the norm of the whole sum: $$v = \operatorname{RMSNorm}(u) \odot g$$
-    if config.use_latent_norm and reduce_before_norm:
-        v = rms_norm(u, weight("routed_expert_norm.weight"), config.rms_norm_eps)  # [m, l]
-    else:
-        v = u
-    # W_up once per token, after the combine: $$y_{\text{routed}} = v W_\uparrow^\top$$
-    y_routed = v @ weight("routed_expert_up_proj.weight").T if config.use_latent_projection else v  # [m, d]
+    # Then, and only then, the layer's steps 6-7 on the whole sum (the norm already ran on the partial sums
+    # when the pitfall is asked for): $$v = \operatorname{RMSNorm}(u) \odot g, \quad y_{\text{routed}} = v W_\uparrow^\top$$
+    after_combine = config if reduce_before_norm else config.replace(use_latent_norm=False)
+    v, y_routed = latent_output(u, weight, after_combine)  # [m, l], [m, d]
     shared = shared_experts(h, weight("shared_experts.gate_proj.weight"), weight("shared_experts.up_proj.weight"),
                             weight("shared_experts.down_proj.weight"), config, save=save)  # [m, d]
     y_shared, shared_saved = shared if save else (shared, None)
