@@ -81,6 +81,10 @@ PAGES = DOCS / "pages"
 #: modules and what it exports. The other packages (`train`, `testing`) read as one page, file by file.
 SPLIT_PACKAGES = ("layer", "balancing", "checkpoints", "parallel", "studies", "_lib")
 
+#: A split package whose page opens with one of its modules, shown on the package's page rather than its own:
+#: the room of balancing is read first as Eq. (14).
+ROOM_OPENERS = {"balancing": "quantile"}
+
 #: The reading path: module (or package) and navigation label, in reading order. The rooms of the house come
 #: in the paper's order: the layer (Eqs. 11-13), its number formats and checkpoints, balancing (Eq. 14,
 #: Appendices C and D), parallelism, training and the conformance kit.
@@ -98,9 +102,8 @@ READING_PATH: list[tuple[str, str]] = [
     ("hf_checkpoint", "Loading the released checkpoint"),
     ("safetensors", "Reading safetensors safely"),
     ("state_dict", "Porting: HF tensor names"),
-    ("balancing", "Balancing: Eq. (14), App. C, D"),
+    ("balancing", "Eq. (14): Quantile Balancing"),
     ("balancer", "The balancer interface"),
-    ("quantile", "Eq. (14): Quantile Balancing"),
     ("dual", "App. C: the LP and its dual"),
     ("histogram", "App. D: the histogram estimator"),
     ("baselines", "The other routers and balancers"),
@@ -128,8 +131,9 @@ INTERNALS = {"_lib": "the private helpers, together", "studies": "what the worke
              "fast": "the fast paths, each beside the readable code it replaces",
              "files": "atomic writes: a temporary name, flushed, then renamed"}
 
-#: Modules whose page is reached from a study page rather than from the navigation (one label, one page).
-NOT_IN_NAV = {"report_card"}
+#: Modules whose page is reached from another page rather than from the navigation: the report card from its
+#: study page, the smaller modules of a room from the room's page (the sidebar holds at most 60 links).
+NOT_IN_NAV = {"report_card", "safetensors", "exchange", "padded", "balancer", "other_balancers"}
 
 #: Navigation labels of modules outside the reading path whose title is long.
 MODULE_LABELS: dict[str, str] = {}
@@ -639,8 +643,11 @@ def discover_modules() -> dict[str, Module]:
             if path.name not in SPLIT_PACKAGES:
                 found[path.name] = Module(path.name, [path / "__init__.py", *subs])
                 continue
-            found[path.name] = Module(path.name, [path / "__init__.py"])
+            opener = [p for p in subs if p.stem == ROOM_OPENERS.get(path.name)]
+            found[path.name] = Module(path.name, [path / "__init__.py", *opener])
             for sub in subs:
+                if sub in opener:
+                    continue
                 if sub.stem in found or sub.stem.lstrip("_") in {m.lstrip("_") for m in found}:
                     log.warning("refimpl/%s/%s.py: a page of that name exists already", path.name, sub.stem)
                     continue
@@ -655,13 +662,13 @@ def page_of(dotted: str, name: str | None = None) -> str:
     if parts[0] not in SPLIT_PACKAGES:
         return parts[0]
     if len(parts) > 1:
-        return parts[1]
+        return parts[0] if ROOM_OPENERS.get(parts[0]) == parts[1] else parts[1]
     init = PACKAGE / parts[0] / "__init__.py"
     if name is not None and init.is_file():
         for node in ast.walk(ast.parse(init.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module \
                     and any((alias.asname or alias.name) == name for alias in node.names):
-                return node.module.split(".")[0]
+                return page_of(f"{parts[0]}.{node.module.split('.')[0]}")
     return parts[0]
 
 
@@ -1258,7 +1265,8 @@ def module_page(module: Module, examples: list[tuple[Path, str]], tests: dict[Pa
         parts += [f"## `{subrel}`\n", f"**{part.title}.**\n" if part.title else "", part.intro + "\n",
                   re.sub(r"^(#{2,5}) ", r"#\1 ", part.body, flags=re.M)]
     if module.name in SPLIT_PACKAGES and not module.package:
-        subs = sorted(p for p in (PACKAGE / module.name).glob("*.py") if p.stem != "__init__")
+        subs = sorted(p for p in (PACKAGE / module.name).glob("*.py")
+                      if p.stem not in ("__init__", ROOM_OPENERS.get(module.name)))
         parts.append("## Its modules\n")
         parts.append("\n".join(f"- [`{module.dotted}.{s.stem}`]({s.stem.lstrip('_')}.md): "
                                f"{(ast.get_docstring(ast.parse(s.read_text(encoding='utf-8'))) or '').split(chr(10))[0]}"
@@ -1351,9 +1359,13 @@ def reference_page(module: Module, extra_names: Iterable[str]) -> str:
     parts = [f"# `{module.dotted}`\n", f"{summary}\n" if summary else "",
              f"The narrative and the code side by side: [the literate page](../paper/{module.slug}.md).\n"]
     if module.name in SPLIT_PACKAGES and not module.package:
-        subs = sorted(p.stem for p in (PACKAGE / module.name).glob("*.py") if p.stem != "__init__")
+        opener = ROOM_OPENERS.get(module.name)
+        subs = sorted(p.stem for p in (PACKAGE / module.name).glob("*.py") if p.stem not in ("__init__", opener))
         parts.append("Its modules, each with its own reference page:\n")
         parts.append("\n".join(f"- [`{module.dotted}.{s}`]({s.lstrip('_')}.md)" for s in subs) + "\n")
+        if opener:
+            parts.append(f"## `{module.dotted}.{opener}`\n")
+            parts.append(f"::: {module.dotted}.{opener}\n")
         return "\n".join(p for p in parts if p)
     if not names:
         parts.append(f"::: {module.dotted}\n")
@@ -1374,7 +1386,7 @@ def reference_index(modules: list[Module], exported: dict[str, str]) -> str:
     for mod, names in by_module.items():
         if mod not in present:
             continue
-        dotted = present[mod].dotted
+        dotted = present[mod].dotted + (f".{ROOM_OPENERS[mod]}" if mod in ROOM_OPENERS else "")
         parts.append(f"## [`{dotted}`]({present[mod].slug}.md)\n")
         parts.append("\n".join(f"- [`{n}`][{dotted}.{n}]" for n in sorted(names, key=str.lower)) + "\n")
     parts.append("## All modules\n")
@@ -1673,7 +1685,7 @@ def main() -> None:
     nav = ["* [Home](index.md)"] if landing is not None else []
     nav.append("* The paper, module by module")
     labels = dict(READING_PATH)
-    for module in ordered + [m for m in extras if m.name not in NOT_IN_NAV]:
+    for module in [m for m in ordered + extras if m.name not in NOT_IN_NAV]:
         label = labels.get(module.name) or MODULE_LABELS.get(module.name) or literate_title(module).split(":")[0]
         nav.append(f"    * [{label}](paper/{module.slug}.md)")
     if compare:

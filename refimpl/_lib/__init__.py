@@ -8,6 +8,8 @@ r"""The private helpers, together: what every room of the package uses and no re
 | `refimpl._lib.files` | the one atomic writer: a temporary name, flushed, then renamed |
 """
 
+from __future__ import annotations
+
 from . import fast, files, validation, xp
 
 __all__ = ["fast", "files", "validation", "xp"]

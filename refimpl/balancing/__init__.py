@@ -17,6 +17,8 @@ estimates it at scale. Every rule is a `Balancer`, and every kind is known
 (`Balancer.kinds`) once this package is imported.
 """
 
+from __future__ import annotations
+
 from .balancer import FORMER_KINDS, Balancer, BalanceStep, load_ratio
 from .dual import (
     AssignmentLP,

@@ -10,6 +10,8 @@ The element formats themselves (MXFP4, MXFP8) are `refimpl.mx`, which the
 layer also uses for its deployment precision.
 """
 
+from __future__ import annotations
+
 from .hf_checkpoint import (
            INCOMPLETE_SAVE_MARK,
            K3_QUANTIZATION_CONFIG,

@@ -22,6 +22,8 @@ other path of the package (expert parallelism, training, the conformance
 kit) calls these functions; none writes the layer again.
 """
 
+from __future__ import annotations
+
 from . import accounting, activations, backward, baselines, latent_moe, routing, selection
 
 __all__ = ["accounting", "activations", "backward", "baselines", "latent_moe", "routing", "selection"]

@@ -10,6 +10,8 @@ Every rank computes the stages of the one layer (`refimpl.layer.latent_moe`);
 only the routed experts' part is split, and only latent vectors travel.
 """
 
+from __future__ import annotations
+
 from .exchange import EXPERT_STACKS, check_ranks_agree, expected_remote_ranks, expert_block, shard_params
 from .expert_parallel import EPStats, ep_balance_update, ep_forward, ep_vjp
 from .padded import padded_routed_experts, padding_waste

@@ -12,6 +12,8 @@ notebook, run in an empty folder) finds the same data wherever refimpl is
 installed.
 """
 
+from __future__ import annotations
+
 from . import figures, recorded, report_card, workloads
 
 __all__ = ["figures", "recorded", "report_card", "workloads"]

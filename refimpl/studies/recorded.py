@@ -118,7 +118,7 @@ def replay(recorded: Mapping[str, Any], steps: int) -> list[dict[str, Any]]:
     The recorded configuration is read by `TrainConfig.from_record`, which knows both the layout of
     today's logs (the layer's fields under `moe`) and that of the earlier flat ones.
     """
-    from ..train.loop import TrainConfig, load_corpus, train
+    from ..train import TrainConfig, load_corpus, train
 
     config = replace(TrainConfig.from_record(recorded["config"]), steps=steps, eval_every=1000)
     return train(config, corpus=load_corpus())["steps"]
@@ -130,7 +130,7 @@ def replay(recorded: Mapping[str, Any], steps: int) -> list[dict[str, Any]]:
 
 def layer_field(config: Mapping[str, Any], name: str) -> Any:
     """A field of a recorded run's layer (`activation`, `use_latent_norm`, ...), in either log layout."""
-    from ..train.loop import TrainConfig
+    from ..train import TrainConfig
 
     return getattr(TrainConfig.from_record(config).moe, name)
 

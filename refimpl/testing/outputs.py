@@ -62,7 +62,7 @@ def float_output(name: str, out: Any, shape: tuple[int, ...], shape_text: str, *
         raise Violation(f"{name} must be an array {shape_text}, got {type(out).__name__}")
     out = np.asarray(out)
     if out.shape != shape:
-        raise Violation(f"{name} must have shape {shape_text} = {list(shape)}, got {list(out.shape)}")
+        raise Violation(f"{name} must have the shape {shape_text} = {list(shape)}, got {list(out.shape)}")
     if not is_float(out):
         raise Violation(f"{name} must be a real floating array, got dtype {out.dtype}")
     out = out.astype(np.float64)

@@ -145,13 +145,24 @@ across ranks, and what the ranks check before they exchange anything.
 `--expert-parallel` started without `mpiexec` runs as one rank.
 """
 
+from __future__ import annotations
+
 from ..balancing import FrozenBalancer, HistogramBalancer
 from .checkpoints import Checkpoint, read_checkpoint
 from .cli import main
 from .config import BALANCERS, DEFAULT_LAYER, PRECISIONS, TrainConfig, TrainConfigError, default_layer
 from .data import CORPUS_FILES, VOCAB, Corpus, load_corpus, sample_batch
 from .loop import check_resources, noise_floor, train, train_many, write_log
-from .model import BIAS, Adam, cross_entropy, init_model, model_shapes, rms_norm_vjp, routed_activation_peak
+from .model import (
+    BIAS,
+    Adam,
+    cross_entropy,
+    init_model,
+    model_shapes,
+    rms_norm_vjp,
+    routed_activation_peak,
+    trained_params,
+)
 from .step import ONE_PROCESS, Ranks, StepResult, evaluate, forward_backward, single_process_layer
 
 __all__ = [
@@ -159,5 +170,5 @@ __all__ = [
     "Corpus", "Ranks", "StepResult", "TrainConfig", "TrainConfigError", "check_resources", "cross_entropy",
     "default_layer", "evaluate", "forward_backward", "init_model", "load_corpus", "main", "model_shapes",
     "noise_floor", "read_checkpoint", "rms_norm_vjp", "routed_activation_peak", "sample_batch",
-    "single_process_layer", "train", "train_many", "write_log",
+    "single_process_layer", "train", "train_many", "trained_params", "write_log",
 ]

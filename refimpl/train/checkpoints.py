@@ -52,7 +52,7 @@ from .._lib.files import fsync_folder, new_folder_mode, write_atomically, write_
 from ..balancing import Balancer
 from .config import TrainConfig, new_balancers
 from .data import Corpus
-from .model import Adam, init_model, model_shapes
+from .model import Adam, init_model, model_shapes, trained_params
 from .step import ONE_PROCESS, Ranks
 
 # ---------------------------------------------------------------------------
@@ -92,7 +92,7 @@ class RunState:
     def start(cls, config: TrainConfig, ranks: Ranks = ONE_PROCESS) -> RunState:
         """Step 0: the weights drawn with `config.seed` (this process's part of them), fresh balancers and optimizer."""
         rng = np.random.default_rng(config.seed)
-        params = ranks.shard(init_model(config, rng))
+        params = ranks.shard(trained_params(init_model(config, rng)))
         adam = Adam(list(params), params, config.lr, config.betas, config.eps)
         return cls(0, params, adam, new_balancers(config), rng)
 
@@ -283,7 +283,7 @@ def load_run(folder: str | Path, config: TrainConfig, corpus: Corpus) -> RunStat
     run = RunState.start(config)  # the structure to fill (the weights drawn here are all replaced)
     with np.load(where / "params.npz", allow_pickle=False) as data:
         params = {name: data[name] for name in data.files}
-    shapes = model_shapes(config)
+    shapes = trained_params(model_shapes(config))
     if set(params) != set(shapes) or any(params[name].shape != shapes[name] or params[name].dtype != np.float32
                                          for name in shapes):
         raise ValueError(f"{where / 'params.npz'} does not hold the parameters of this model")

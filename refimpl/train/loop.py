@@ -97,12 +97,11 @@ def _clip(grads: dict[str, np.ndarray], max_norm: float, ranks: Ranks = ONE_PROC
 
 
 def routing_biases(balancers: Sequence[Balancer]) -> list[np.ndarray]:
-    """Each block's bias as the last step used it (the balancer's history; its held bias before any step).
+    """Each block's bias as its balancer holds it now: the bias the evaluation and the final parameters use.
 
-    The bias lives in the balancer only; the evaluation after step $t$ and the final parameters read the
-    bias that routed step $t$, as the layer did.
+    The bias lives in the balancer only; at inference the last bias is frozen, and so it is here.
     """
-    return [balancer.biases[-1] if balancer.biases else balancer.bias for balancer in balancers]
+    return [balancer.bias for balancer in balancers]
 
 
 def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool = False,

@@ -123,8 +123,7 @@ def model_shapes(config: TrainConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (VOCAB, e), "mix.weight": (d, c * e)}
     for layer in range(config.moe.num_moe_layers):
         shapes[f"layers.{layer}.norm.weight"] = (d,)
-        shapes.update({moe_prefix(layer) + name: shape for name, shape in parameter_shapes(config.moe).items()
-                       if name != BIAS})  # the bias is its balancer's, never a trained parameter
+        shapes.update({moe_prefix(layer) + name: shape for name, shape in parameter_shapes(config.moe).items()})
     shapes["norm.weight"] = (d,)
     shapes["out.weight"] = (VOCAB, d)
     return shapes
@@ -135,8 +134,9 @@ def init_model(config: TrainConfig, rng: np.random.Generator) -> dict[str, np.nd
 
     Names: `embed.weight` `[256, e]`, `mix.weight` `[d, c e]`, per layer `l`
     `layers.l.norm.weight` `[d]` and `layers.l.moe.<HF name>` (the layer of
-    `init_params`, without its selection bias: each layer's bias lives in its
-    balancer, and only there), `norm.weight` `[d]`, `out.weight` `[256, d]`.
+    `init_params`, its selection bias zero), `norm.weight` `[d]`,
+    `out.weight` `[256, d]`. A training run keeps `trained_params` of it: each
+    layer's bias lives in its balancer, and only there.
     """
     d, c, e = config.moe.hidden_size, config.context, config.embed
     params: dict[str, np.ndarray] = {
@@ -146,11 +146,15 @@ def init_model(config: TrainConfig, rng: np.random.Generator) -> dict[str, np.nd
     for layer in range(config.moe.num_moe_layers):
         params[f"layers.{layer}.norm.weight"] = np.ones(d, dtype=np.float32)
         for name, value in init_params(config.moe, rng).items():
-            if name != BIAS:
-                params[moe_prefix(layer) + name] = value
+            params[moe_prefix(layer) + name] = value
     params["norm.weight"] = np.ones(d, dtype=np.float32)
     params["out.weight"] = (rng.standard_normal((VOCAB, d)) / np.sqrt(d)).astype(np.float32)
     return params
+
+
+def trained_params(params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The parameters the optimizer trains: all but the layers' selection biases, which their balancers hold."""
+    return {name: value for name, value in params.items() if not name.endswith("." + BIAS)}
 
 
 def block_params(params: Mapping[str, np.ndarray], layer: int, bias: np.ndarray) -> dict[str, np.ndarray]:

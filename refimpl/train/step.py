@@ -285,8 +285,9 @@ def evaluate(params: Mapping[str, np.ndarray], tokens: np.ndarray, targets: np.n
     """
     eps = config.moe.rms_norm_eps
     layers = [config.moe] * config.moe.num_moe_layers if layers is None else layers
-    if biases is None:
-        biases = [np.zeros(config.moe.num_experts, dtype=np.float32)] * len(layers)
+    if biases is None:  # the biases the parameters hold, if they do (zero otherwise)
+        biases = [params.get(moe_prefix(number) + BIAS, np.zeros(config.moe.num_experts, dtype=np.float32))
+                  for number in range(len(layers))]
     m, c = tokens.shape
     h = params["embed.weight"][tokens].reshape(m, c * config.embed) @ params["mix.weight"].T  # [m, d]
     for number, layer in enumerate(layers):
