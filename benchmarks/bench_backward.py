@@ -45,9 +45,9 @@ from common import (
 )
 from torch_compare import relative_error, torch_finish, torch_route, torch_situ_glu
 
-from refimpl.backward import stable_latent_moe_vjp
 from refimpl.config import MoEConfig
-from refimpl.latent_moe import init_params, stable_latent_moe
+from refimpl.layer.backward import stable_latent_moe_vjp
+from refimpl.layer.latent_moe import init_params, stable_latent_moe
 
 try:
     import torch

@@ -44,7 +44,7 @@ from common import (
 )
 
 from refimpl.balancing import quantile_balancing_update
-from refimpl.dual import coordinate_descent, dual_objective, solve_assignment_lp
+from refimpl.balancing.dual import coordinate_descent, dual_objective, solve_assignment_lp
 
 TARGET_SECONDS, TARGET_MEMORY, TARGET_LP_SECONDS = 1.5, 2.0, 60.0
 

@@ -37,11 +37,11 @@ from common import (
     write_results,
 )
 
-from refimpl.checkpoint import load_hf_layer, save_hf_layer
+from refimpl.checkpoints import load_hf_layer, save_hf_layer
 from refimpl.config import MoEConfig
-from refimpl.latent_moe import MoEParams, init_params, stable_latent_moe
+from refimpl.layer.latent_moe import MoEParams, init_params, stable_latent_moe
+from refimpl.layer.routing import route
 from refimpl.mx import mxfp4_decode
-from refimpl.routing import route
 
 TARGET_RATIO = 1.5
 BF16 = ml_dtypes.bfloat16

@@ -37,10 +37,10 @@ from common import (
     write_results,
 )
 
-from refimpl.activations import rms_norm
 from refimpl.config import MoEConfig
-from refimpl.latent_moe import init_params, routed_experts, shared_experts, stable_latent_moe
-from refimpl.routing import route, router_scores
+from refimpl.layer.activations import rms_norm
+from refimpl.layer.latent_moe import init_params, routed_experts, shared_experts, stable_latent_moe
+from refimpl.layer.routing import route, router_scores
 
 TARGET_GFLOPS = 120.0
 

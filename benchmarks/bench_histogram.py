@@ -47,8 +47,8 @@ from common import (
 )
 
 from refimpl.balancing import cutoffs
-from refimpl.histogram import BiasHistogram
-from refimpl.routing import selection_cutoff
+from refimpl.balancing.histogram import BiasHistogram
+from refimpl.layer.routing import selection_cutoff
 
 TARGET_SECONDS, TARGET_MB, TARGET_NS = 60.0, 2048.0, 4.0
 

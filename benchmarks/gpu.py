@@ -77,18 +77,18 @@ from common import (
     write_results,
 )
 
-from refimpl._xp import array_namespace, compute_dtype, to_numpy
-from refimpl.activations import rms_norm, sigmoid, situ_glu
+from refimpl._lib.xp import array_namespace, compute_dtype, to_numpy
 from refimpl.config import MoEConfig
-from refimpl.expert_parallel import padded_routed_experts, padding_waste
-from refimpl.latent_moe import (
+from refimpl.layer.activations import rms_norm, sigmoid, situ_glu
+from refimpl.layer.latent_moe import (
     init_params,
     parameter_shapes,
     routed_experts,
     shared_experts,
     stable_latent_moe,
 )
-from refimpl.routing import route, router_scores
+from refimpl.layer.routing import route, router_scores
+from refimpl.parallel import padded_routed_experts, padding_waste
 
 FLOAT16_EPS = float(np.finfo(np.float16).eps)  # 2^-10
 
@@ -350,7 +350,7 @@ def step_balancing(backend: Backend, n: int, k: int, m: int, check_m: int, n_blo
                    repeats: int) -> dict[str, Any]:
     try:
         from refimpl.balancing import quantile_balancing_update
-        from refimpl.histogram import histogram_balancing_update
+        from refimpl.balancing.histogram import histogram_balancing_update
     except ImportError as exc:
         print(f"  skipped: {exc}")
         return {"skipped": str(exc), "ok": True}

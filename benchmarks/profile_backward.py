@@ -22,10 +22,10 @@ from common import base_parser, set_blas_threads
 
 from refimpl import _fast
 from refimpl import backward as bw
-from refimpl.activations import expert_glu_and_grad, rms_norm_backward
 from refimpl.config import MoEConfig
-from refimpl.latent_moe import combine, init_params, routed_experts, shared_experts
-from refimpl.routing import route, router_scores
+from refimpl.layer.activations import expert_glu_and_grad, rms_norm_backward
+from refimpl.layer.latent_moe import combine, init_params, routed_experts, shared_experts
+from refimpl.layer.routing import route, router_scores
 
 
 def median_time(fn, repeats: int) -> float:

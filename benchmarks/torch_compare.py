@@ -4,7 +4,7 @@ Two measurements:
 
 1. **The forward pass** of Eq. (11) at d = 1024, l = 512, n = 128, k = 8,
    f = 384, shared width 768, m = 4096, float32:
-   * `refimpl.latent_moe.stable_latent_moe` (NumPy);
+   * `refimpl.layer.latent_moe.stable_latent_moe` (NumPy);
    * the same grouped algorithm written in PyTorch (sort the token-slots by
      expert, one GLU per expert on its contiguous slice, scatter-add back with
      `index_add_`), the way a PyTorch user would write it;
@@ -49,7 +49,7 @@ from common import (
 )
 
 from refimpl.config import MoEConfig
-from refimpl.latent_moe import init_params, stable_latent_moe
+from refimpl.layer.latent_moe import init_params, stable_latent_moe
 
 try:
     import torch

@@ -81,43 +81,66 @@ TESTS = ROOT / "tests"
 EXAMPLES = ROOT / "examples"
 PAGES = DOCS / "pages"
 
-#: The reading path: module and navigation label, in reading order.
+#: The packages whose modules each get a page of their own; the package's page is its essay, a table of its
+#: modules and what it exports. The other packages (`train`, `testing`) read as one page, file by file.
+SPLIT_PACKAGES = ("layer", "balancing", "checkpoints", "parallel", "studies", "_lib")
+
+#: A split package whose page opens with one of its modules, shown on the package's page rather than its own:
+#: the room of balancing is read first as Eq. (14).
+ROOM_OPENERS = {"balancing": "quantile"}
+
+#: The reading path: module (or package) and navigation label, in reading order. The rooms of the house come
+#: in the paper's order: the layer (Eqs. 11-13), its number formats and checkpoints, balancing (Eq. 14,
+#: Appendices C and D), parallelism, training and the conformance kit.
 READING_PATH: list[tuple[str, str]] = [
     ("config", "Configuration"),
+    ("layer", "The layer: Eqs. (11)-(13)"),
     ("activations", "Eq. (12) & App. B: SiTU-GLU"),
     ("routing", "Eq. (13): routing"),
     ("latent_moe", "Eq. (11): the forward pass"),
+    ("selection", "Step 2 and its extension points"),
     ("backward", "The backward pass"),
     ("accounting", "Accounting"),
     ("mx", "MXFP4 and MXFP8"),
-    ("checkpoint", "Loading the released checkpoint"),
+    ("checkpoints", "Checkpoints and tensors"),
+    ("hf_checkpoint", "Loading the released checkpoint"),
+    ("safetensors", "Reading safetensors safely"),
     ("state_dict", "Porting: HF tensor names"),
     ("balancing", "Eq. (14): Quantile Balancing"),
+    ("balancer", "The balancer interface"),
     ("dual", "App. C: the LP and its dual"),
     ("histogram", "App. D: the histogram estimator"),
     ("baselines", "The other routers and balancers"),
-    ("expert_parallel", "Expert parallelism over MPI"),
+    ("other_balancers", "Other balancers in training"),
+    ("parallel", "Expert parallelism over MPI"),
+    ("expert_parallel", "The layer across ranks"),
+    ("exchange", "The exchange between ranks"),
+    ("padded", "One device: padded experts"),
     ("train", "Training a small model"),
-    ("train_parallel", "Training over MPI"),
     ("testing", "The conformance kit"),
 ]
+
+#: Test files named after a module that has since been renamed: module -> the stem in `tests/test_<stem>.py`.
+TEST_STEMS = {"hf_checkpoint": "checkpoint"}
 
 #: The stand-alone pages `docs/pages/<slug>.md` that come first under "Studies", in this order;
 #: any other page follows, alphabetically by slug.
 STUDIES = ["why-stable", "balance-is-speed", "report-card", "conventions"]
 
 #: Helper modules: pages of their own, listed on `internals/index.md` rather than in the navigation.
-INTERNALS = {"_xp": "the array-API helpers the standard lacks", "validation": "input checks with clear errors",
+INTERNALS = {"_lib": "the private helpers, together", "studies": "what the worked examples and study pages share",
+             "xp": "the array-API helpers the standard lacks", "validation": "input checks with clear errors",
              "recorded": "the recorded long runs the examples replay", "figures": "how the examples save and "
              "show their figures", "workloads": "the skewed router of the balance-is-speed examples",
-             "_fast": "the fast paths, each beside the readable code it replaces",
-             "_files": "atomic writes: a temporary name, flushed, then renamed"}
+             "fast": "the fast paths, each beside the readable code it replaces",
+             "files": "atomic writes: a temporary name, flushed, then renamed"}
 
-#: Modules whose page is reached from a study page rather than from the navigation (one label, one page).
-NOT_IN_NAV = {"report_card"}
+#: Modules whose page is reached from another page rather than from the navigation: the report card from its
+#: study page, the smaller modules of a room from the room's page (the sidebar holds at most 60 links).
+NOT_IN_NAV = {"report_card", "safetensors", "exchange", "padded", "balancer", "other_balancers"}
 
 #: Navigation labels of modules outside the reading path whose title is long.
-MODULE_LABELS = {"train_baselines": "Other balancers in training"}
+MODULE_LABELS: dict[str, str] = {}
 
 #: The example shown as its own page, "Compare the variants".
 COMPARE_EXAMPLE = "40_compare_variants"
@@ -624,8 +647,9 @@ def literate(source: str, *, test_file: bool = False, fold_preamble: bool = True
 class Module:
     """A module (or package) of `refimpl/` and the pages made from it."""
 
-    name: str  # "latent_moe", "testing", "_xp"
+    name: str  # "latent_moe", "testing", "xp"
     files: list[Path]  # the module file, or a package's `__init__.py` then its submodules
+    package: str = ""  # the package a module of a split package lives in ("layer" for "latent_moe")
 
     @property
     def slug(self) -> str:
@@ -633,7 +657,7 @@ class Module:
 
     @property
     def dotted(self) -> str:
-        return f"refimpl.{self.name}"
+        return f"refimpl.{self.package + '.' if self.package else ''}{self.name}"
 
 
 def discover_modules() -> dict[str, Module]:
@@ -646,8 +670,36 @@ def discover_modules() -> dict[str, Module]:
             found[path.stem] = Module(path.stem, [path])
         elif path.is_dir() and (path / "__init__.py").is_file():
             subs = sorted(p for p in path.rglob("*.py") if p.name != "__init__.py" and "__pycache__" not in p.parts)
-            found[path.name] = Module(path.name, [path / "__init__.py", *subs])
+            if path.name not in SPLIT_PACKAGES:
+                found[path.name] = Module(path.name, [path / "__init__.py", *subs])
+                continue
+            opener = [p for p in subs if p.stem == ROOM_OPENERS.get(path.name)]
+            found[path.name] = Module(path.name, [path / "__init__.py", *opener])
+            for sub in subs:
+                if sub in opener:
+                    continue
+                if sub.stem in found or sub.stem.lstrip("_") in {m.lstrip("_") for m in found}:
+                    log.warning("refimpl/%s/%s.py: a page of that name exists already", path.name, sub.stem)
+                    continue
+                found[sub.stem] = Module(sub.stem, [sub], package=path.name)
     return found
+
+
+def page_of(dotted: str, name: str | None = None) -> str:
+    """The page that shows `name` of the module `refimpl.<dotted>` (or the module itself): the module's page in
+    a split package, following a package's re-exports to the module that defines the name."""
+    parts = dotted.split(".")
+    if parts[0] not in SPLIT_PACKAGES:
+        return parts[0]
+    if len(parts) > 1:
+        return parts[0] if ROOM_OPENERS.get(parts[0]) == parts[1] else parts[1]
+    init = PACKAGE / parts[0] / "__init__.py"
+    if name is not None and init.is_file():
+        for node in ast.walk(ast.parse(init.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module \
+                    and any((alias.asname or alias.name) == name for alias in node.names):
+                return page_of(f"{parts[0]}.{node.module.split('.')[0]}")
+    return parts[0]
 
 
 def public_names(path: Path) -> list[str]:
@@ -675,7 +727,7 @@ def reexports() -> dict[str, str]:
     for node in ast.walk(ast.parse(init.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
             for alias in node.names:
-                found[alias.asname or alias.name] = node.module.split(".")[0]
+                found[alias.asname or alias.name] = page_of(node.module, alias.name)
     return found
 
 
@@ -691,7 +743,7 @@ def modules_used(source: str, exported: dict[str, str]) -> set[str]:
             if node.module == "refimpl":
                 used.update(exported.get(alias.name, alias.name) for alias in node.names)
             elif node.module.startswith("refimpl."):
-                used.add(node.module.split(".")[1])
+                used.update(page_of(node.module[len("refimpl."):], alias.name) for alias in node.names)
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "refimpl":
             used.add(exported.get(node.attr, node.attr))
     return used
@@ -708,7 +760,7 @@ class PropertyTest:
 
 def tests_of_module(module: str) -> list[Path]:
     """The test files of a module: `tests/test_<module>.py` and `tests/test_<module>_*.py`."""
-    slug = module.lstrip("_")
+    slug = TEST_STEMS.get(module, module).lstrip("_")
     return sorted({*TESTS.glob(f"test_{slug}.py"), *TESTS.glob(f"test_{slug}_*.py")})
 
 
@@ -1032,11 +1084,11 @@ def expand_markers(text: str, records: dict[str, Record], where: str, prefix: st
 
 
 def report_card_markdown() -> str:
-    """The MoE report card, computed by the package (`refimpl.report_card.report_card()`)."""
+    """The MoE report card, computed by the package (`refimpl.studies.report_card.report_card()`)."""
     try:
-        from refimpl.report_card import report_card
+        from refimpl.studies.report_card import report_card
     except Exception as exc:  # the package is mid-edit or not installed
-        log.warning("cannot import refimpl.report_card to build the report card: %r", exc)
+        log.warning("cannot import refimpl.studies.report_card to build the report card: %r", exc)
         return "*(The report card could not be computed for this build.)*\n"
     return report_card().strip() + "\n"
 
@@ -1242,6 +1294,13 @@ def module_page(module: Module, examples: list[tuple[Path, str]], tests: dict[Pa
         subrel = sub.relative_to(ROOT).as_posix()
         parts += [f"## `{subrel}`\n", f"**{part.title}.**\n" if part.title else "", part.intro + "\n",
                   re.sub(r"^(#{2,5}) ", r"#\1 ", part.body, flags=re.M)]
+    if module.name in SPLIT_PACKAGES and not module.package:
+        subs = sorted(p for p in (PACKAGE / module.name).glob("*.py")
+                      if p.stem not in ("__init__", ROOM_OPENERS.get(module.name)))
+        parts.append("## Its modules\n")
+        parts.append("\n".join(f"- [`{module.dotted}.{s.stem}`]({s.stem.lstrip('_')}.md): "
+                               f"{(ast.get_docstring(ast.parse(s.read_text(encoding='utf-8'))) or '').split(chr(10))[0]}"
+                               for s in subs) + "\n")
     parts += properties_and_examples(tests, examples)
     if text:
         parts.append(text)
@@ -1329,6 +1388,15 @@ def reference_page(module: Module, extra_names: Iterable[str]) -> str:
     summary = doc.strip().split("\n")[0] if doc else ""
     parts = [f"# `{module.dotted}`\n", f"{summary}\n" if summary else "",
              f"The narrative and the code side by side: [the literate page](../paper/{module.slug}.md).\n"]
+    if module.name in SPLIT_PACKAGES and not module.package:
+        opener = ROOM_OPENERS.get(module.name)
+        subs = sorted(p.stem for p in (PACKAGE / module.name).glob("*.py") if p.stem not in ("__init__", opener))
+        parts.append("Its modules, each with its own reference page:\n")
+        parts.append("\n".join(f"- [`{module.dotted}.{s}`]({s.lstrip('_')}.md)" for s in subs) + "\n")
+        if opener:
+            parts.append(f"## `{module.dotted}.{opener}`\n")
+            parts.append(f"::: {module.dotted}.{opener}\n")
+        return "\n".join(p for p in parts if p)
     if not names:
         parts.append(f"::: {module.dotted}\n")
     for name in names:
@@ -1348,8 +1416,9 @@ def reference_index(modules: list[Module], exported: dict[str, str]) -> str:
     for mod, names in by_module.items():
         if mod not in present:
             continue
-        parts.append(f"## [`refimpl.{mod}`]({present[mod].slug}.md)\n")
-        parts.append("\n".join(f"- [`{n}`][refimpl.{mod}.{n}]" for n in sorted(names, key=str.lower)) + "\n")
+        dotted = present[mod].dotted + (f".{ROOM_OPENERS[mod]}" if mod in ROOM_OPENERS else "")
+        parts.append(f"## [`{dotted}`]({present[mod].slug}.md)\n")
+        parts.append("\n".join(f"- [`{n}`][{dotted}.{n}]" for n in sorted(names, key=str.lower)) + "\n")
     parts.append("## All modules\n")
     parts.append("\n".join(f"- [`{m.dotted}`]({m.slug}.md)" for m in modules) + "\n")
     return "\n".join(parts)
@@ -1368,7 +1437,7 @@ def k3_numbers() -> str:
     """The K3 table of the landing page, computed by the package at build time."""
     try:
         import refimpl
-        from refimpl.accounting import combinatorial_sparsity, dispatch_payload, parameter_counts
+        from refimpl.layer.accounting import combinatorial_sparsity, dispatch_payload, parameter_counts
     except Exception as exc:  # the package is mid-edit or not installed
         log.warning("cannot import refimpl to compute the K3 numbers: %r", exc)
         return "*(The K3 numbers could not be computed for this build.)*\n"
@@ -1467,7 +1536,7 @@ START_HERE: list[tuple[str, str, list[tuple[str, str, str]]]] = [
         ("paper", "testing", "checks that take your own function and report where it disagrees"),
         ("example", "30_test_your_router", "run the kit on a router of your own"),
         ("example", "31_mistakes_the_kit_catches", "the mistakes it catches"),
-        ("paper", "checkpoint", "one layer of the released weights, read as they are stored"),
+        ("paper", "hf_checkpoint", "one layer of the released weights, read as they are stored"),
         ("paper", "mx", "the element formats of the deployed experts"),
         ("paper", "expert_parallel", "dispatch and combine between ranks, and their bytes"),
         ("site", "reference/index.md", "the API reference"),
@@ -1657,7 +1726,7 @@ def main() -> None:
     nav = ["* [Home](index.md)"] if landing is not None else []
     nav.append("* The paper, module by module")
     labels = dict(READING_PATH)
-    for module in ordered + [m for m in extras if m.name not in NOT_IN_NAV]:
+    for module in [m for m in ordered + extras if m.name not in NOT_IN_NAV]:
         if module.name == "testing":
             nav += puzzle_nav  # after the equations and the balancers, before the kit
         label = labels.get(module.name) or MODULE_LABELS.get(module.name) or literate_title(module).split(":")[0]

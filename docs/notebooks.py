@@ -58,7 +58,7 @@ if __name__ == "__main__":
   and every notebook editor read them. (An indented `# %%` is read as a
   `# Step` comment, below, rather than cutting a function apart.)
 * `main(argv)` parses its arguments, computes, prints and returns what the
-  tests check; `--out DIR` saves the figures (through `refimpl.figures.show_figure`,
+  tests check; `--out DIR` saves the figures (through `refimpl.studies.figures.show_figure`,
   which in a notebook shows them under their cell instead). The tests import
   the script and call `main([...])`.
 * In the notebook, `main` is *unrolled*: its body becomes top-level cells.
@@ -78,7 +78,7 @@ if __name__ == "__main__":
   `unroll_problem`.
 * The `if __name__ == "__main__":` guard is left out of the notebook, and
   nothing in a notebook may depend on where it is run: the recorded runs an
-  example replays ship with the package (`refimpl.recorded`), and a record
+  example replays ship with the package (`refimpl.studies.recorded`), and a record
   that holds a path of the machine that made it is refused.
 """
 
@@ -538,9 +538,9 @@ def _record_one(script: Path) -> str:
     text, seconds = record(script)
     target = record_path(script)
     old = target.read_text(encoding="utf-8") if target.is_file() else None
-    from refimpl.recorded import write_atomically
+    from refimpl._lib.files import write_atomically
 
-    write_atomically(target, text)
+    write_atomically(target, text, make_folder=True)
     state = "unchanged" if old == text else ("written" if old is None else "refreshed")
     return f"{target.relative_to(ROOT)}: {state} ({seconds:.0f} s)"
 

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl.activations import situ_glu
 from refimpl.config import MoEConfig
-from refimpl.figures import figures_wanted, show_figure
-from refimpl.latent_moe import init_params, stable_latent_moe, stable_latent_moe_reference
-from refimpl.routing import route, router_scores
+from refimpl.layer.activations import situ_glu
+from refimpl.layer.latent_moe import init_params, stable_latent_moe, stable_latent_moe_reference
+from refimpl.layer.routing import route, router_scores
+from refimpl.studies.figures import figures_wanted, show_figure
 
 #: The seed of the weights and tokens. With it the bias changes one token's choice
 #: and one expert receives no token, two cases worth seeing.

@@ -1,7 +1,7 @@
 r"""The K3 accounting table, computed from the configuration.
 
 Every number below comes from `MoEConfig.k3()` through
-`refimpl.accounting`; none is typed in. Only K3's published totals (2.78T
+`refimpl.layer.accounting`; none is typed in. Only K3's published totals (2.78T
 parameters, 104.2B activated) are constants here, as the yardstick the
 computed counts are compared with.
 
@@ -29,9 +29,14 @@ import argparse
 import math
 from pathlib import Path
 
-from refimpl.accounting import combinatorial_sparsity, dispatch_payload, log10_binomial, parameter_counts
 from refimpl.config import MoEConfig
-from refimpl.figures import figures_wanted, show_figure
+from refimpl.layer.accounting import (
+    combinatorial_sparsity,
+    dispatch_payload,
+    log10_binomial,
+    parameter_counts,
+)
+from refimpl.studies.figures import figures_wanted, show_figure
 
 #: K3's published totals, the yardstick for the computed counts.
 K3_TOTAL_PARAMETERS = 2.78e12

@@ -29,7 +29,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from refimpl.activations import (
+from refimpl.layer.activations import (
     hard_clamp,
     hard_clamp_grad,
     situ_glu,
@@ -39,7 +39,7 @@ from refimpl.activations import (
     swiglu,
     swiglu_grad,
 )
-from refimpl.figures import figures_wanted, show_figure
+from refimpl.studies.figures import figures_wanted, show_figure
 
 BETA1, BETA2 = 4.0, 25.0
 BOUND = BETA1 * BETA2

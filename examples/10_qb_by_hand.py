@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from refimpl.balancing import margins, quantile_balancing_update
-from refimpl.figures import figures_wanted, show_figure
-from refimpl.routing import expert_load, route, selection_cutoff
+from refimpl.layer.routing import expert_load, route, selection_cutoff
+from refimpl.studies.figures import figures_wanted, show_figure
 
 M, N, K, SEED = 12, 4, 2, 4
 OFFSETS = np.array([1.0, 0.3, 0.0, -0.6])  # expert 0 popular, expert 3 not

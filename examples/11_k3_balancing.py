@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from refimpl.balancing import QuantileBalancer, SignBalancer, load_ratio
-from refimpl.figures import figures_wanted, show_figure
-from refimpl.routing import expert_load, route
+from refimpl.layer.routing import expert_load, route
+from refimpl.studies.figures import figures_wanted, show_figure
 
 N, K, SEED = 896, 16, 11
 RATES = (1e-3, 1e-2, 1e-1)

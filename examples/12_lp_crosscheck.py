@@ -35,15 +35,15 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl.dual import (
+from refimpl.balancing.dual import (
     coordinate_descent,
     dual_objective,
     separating_dual,
     solve_assignment_lp,
     subgradient_check,
 )
-from refimpl.figures import figures_wanted, show_figure
-from refimpl.routing import expert_load, route
+from refimpl.layer.routing import expert_load, route
+from refimpl.studies.figures import figures_wanted, show_figure
 
 INSTANCES = [(256, 16, 2), (384, 32, 4), (512, 64, 8)]  # (m, n, k): q = 32, 48, 64
 SEED = 12

@@ -40,9 +40,15 @@ from pathlib import Path
 import numpy as np
 
 from refimpl.balancing import QuantileBalancer
-from refimpl.dual import alpha_step, coordinate_descent, dual_objective, separating_dual, solve_assignment_lp
-from refimpl.figures import figures_wanted, show_figure
-from refimpl.routing import expert_load, route
+from refimpl.balancing.dual import (
+    alpha_step,
+    coordinate_descent,
+    dual_objective,
+    separating_dual,
+    solve_assignment_lp,
+)
+from refimpl.layer.routing import expert_load, route
+from refimpl.studies.figures import figures_wanted, show_figure
 
 CONFIGS = [(64, 8, 2, 100), (256, 32, 4, 20)]  # (m, n, k, seeds)
 SEED = 13

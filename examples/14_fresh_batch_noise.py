@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from refimpl.balancing import QuantileBalancer, load_ratio, quantile_balancing_update
-from refimpl.figures import figures_wanted, show_figure
-from refimpl.routing import expert_load, route, selection_cutoff
+from refimpl.layer.routing import expert_load, route, selection_cutoff
+from refimpl.studies.figures import figures_wanted, show_figure
 
 N, K, SEED = 896, 16, 14
 

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl.figures import figures_wanted, show_figure
-from refimpl.histogram import BiasHistogram, required_bias
-from refimpl.routing import expert_load, route, router_scores
+from refimpl.balancing.histogram import BiasHistogram, required_bias
+from refimpl.layer.routing import expert_load, route, router_scores
+from refimpl.studies.figures import figures_wanted, show_figure
 
 M, N, K, BINS, SEED = 16_384, 64, 4, 1000, 20
 

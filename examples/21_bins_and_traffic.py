@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl.figures import figures_wanted, show_figure
-from refimpl.histogram import BiasHistogram, required_bias
-from refimpl.routing import router_scores, selection_cutoff
+from refimpl.balancing.histogram import BiasHistogram, required_bias
+from refimpl.layer.routing import router_scores, selection_cutoff
+from refimpl.studies.figures import figures_wanted, show_figure
 
 N, K, SEED = 128, 8, 21
 BINS = [10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000]

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl.histogram import BiasHistogram, histogram_balancing_update
-from refimpl.routing import router_scores
+from refimpl.balancing.histogram import BiasHistogram, histogram_balancing_update
+from refimpl.layer.routing import router_scores
 
 
 # %%

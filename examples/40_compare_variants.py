@@ -44,11 +44,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from refimpl.accounting import dispatch_payload
-from refimpl.activations import situ_glu, swiglu
 from refimpl.config import MoEConfig
-from refimpl.figures import figures_wanted, show_figure
-from refimpl.latent_moe import init_params, stable_latent_moe
+from refimpl.layer.accounting import dispatch_payload
+from refimpl.layer.activations import situ_glu, swiglu
+from refimpl.layer.latent_moe import init_params, stable_latent_moe
+from refimpl.studies.figures import figures_wanted, show_figure
 
 #: Largest finite float16 value: SwiGLU outputs beyond it become infinity.
 FLOAT16_MAX = float(np.finfo(np.float16).max)

@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from refimpl import MoEConfig, init_params, load_hf_layer, save_hf_layer, stable_latent_moe
-from refimpl.checkpoint import open_safetensors
-from refimpl.figures import figures_wanted, show_figure
-from refimpl.latent_moe import stable_latent_moe_reference
+from refimpl.checkpoints import open_safetensors
+from refimpl.layer.latent_moe import stable_latent_moe_reference
 from refimpl.mx import E2M1_VALUES, mxfp4_decode
+from refimpl.studies.figures import figures_wanted, show_figure
 
 # A layer small enough to print, with widths that are multiples of 32 (MXFP4 blocks).
 CONFIG = MoEConfig(hidden_size=64, latent_size=32, num_experts=4, top_k=2, intermediate_size=64,

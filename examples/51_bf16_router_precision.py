@@ -55,9 +55,9 @@ import ml_dtypes
 import numpy as np
 
 from refimpl import MoEConfig, init_params, route, stable_latent_moe
-from refimpl.activations import sigmoid
-from refimpl.figures import figures_wanted, show_figure
-from refimpl.recorded import load_record, recorded_path, write_record
+from refimpl.layer.activations import sigmoid
+from refimpl.studies.figures import figures_wanted, show_figure
+from refimpl.studies.recorded import load_record, recorded_path, write_record
 
 D, N, K = 7168, 896, 16
 SEED = 51

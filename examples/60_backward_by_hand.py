@@ -30,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl.backward import stable_latent_moe_vjp
 from refimpl.config import MoEConfig
-from refimpl.figures import figures_wanted, show_figure
-from refimpl.latent_moe import init_params, stable_latent_moe
-from refimpl.routing import route, router_scores
+from refimpl.layer.backward import stable_latent_moe_vjp
+from refimpl.layer.latent_moe import init_params, stable_latent_moe
+from refimpl.layer.routing import route, router_scores
+from refimpl.studies.figures import figures_wanted, show_figure
 
 #: The seed of the weights, the tokens and the upstream gradient.
 SEED = 8

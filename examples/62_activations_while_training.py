@@ -43,8 +43,8 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from refimpl.figures import figures_wanted, show_figure  # noqa: E402
-from refimpl.recorded import (  # noqa: E402
+from refimpl.studies.figures import figures_wanted, show_figure  # noqa: E402
+from refimpl.studies.recorded import (  # noqa: E402
     band,
     diverged_at,
     layer_field,

@@ -54,8 +54,8 @@ from refimpl import (
     sign_balancing_update,
     switch_balance_loss,
 )
-from refimpl.figures import figures_wanted, show_figure
-from refimpl.routing import score_function_values, softmax
+from refimpl.layer.routing import score_function_values, softmax
+from refimpl.studies.figures import figures_wanted, show_figure
 
 # %%
 M, SEQ, N, K, D, VOCAB, SEED = 1024, 64, 32, 4, 48, 5000, 0

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from refimpl.figures import figures_wanted, show_figure
-from refimpl.recorded import load_record, recorded_path, write_record
+from refimpl.studies.figures import figures_wanted, show_figure
+from refimpl.studies.recorded import load_record, recorded_path, write_record
 from refimpl.train import TrainConfig, train, train_many
 
 # %%

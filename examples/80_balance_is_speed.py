@@ -2,7 +2,7 @@ r"""Balance is speed: one padded batched product over all experts
 
 A batched expert kernel lays every expert's tokens out in a block of $C$ rows,
 $C$ the largest load, and runs all $n$ blocks through one `matmul` per weight
-(`refimpl.expert_parallel.padded_routed_experts`). It computes $nC$ rows for
+(`refimpl.parallel.expert_parallel.padded_routed_experts`). It computes $nC$ rows for
 the $mk$ that matter, so its wasted work is
 
 $$\frac{\max_e \text{load}_e}{\overline{\text{load}}} - 1 .$$
@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from refimpl import MoEConfig, expert_load, route, router_scores
-from refimpl.expert_parallel import padded_routed_experts, padding_waste
-from refimpl.figures import figures_wanted, show_figure
-from refimpl.latent_moe import routed_experts
-from refimpl.workloads import skewed_batch, skewed_router, trained_biases
+from refimpl.layer.latent_moe import routed_experts
+from refimpl.parallel import padded_routed_experts, padding_waste
+from refimpl.studies.figures import figures_wanted, show_figure
+from refimpl.studies.workloads import skewed_batch, skewed_router, trained_biases
 
 # %%
 

@@ -54,8 +54,8 @@ from refimpl import (
     sign_balancing_update,
     stable_latent_moe,
 )
-from refimpl.figures import in_notebook, show_figure
-from refimpl.workloads import skewed_batch, skewed_router
+from refimpl.studies.figures import in_notebook, show_figure
+from refimpl.studies.workloads import skewed_batch, skewed_router
 
 # %%
 

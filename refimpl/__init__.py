@@ -16,7 +16,7 @@ The public API re-exported here follows the paper section by section:
 * real checkpoints: `load_hf_layer`, `save_hf_layer`, `ExpertStack` (packed experts),
   and the microscaling formats `mxfp4_encode`, `mxfp4_decode`, `mxfp8_round` (`refimpl.mx`);
 * porting: `params_from_hf_state_dict` and `hf_state_dict_from_params`, one block's weights to and
-  from Hugging Face tensor names (`refimpl.state_dict`);
+  from Hugging Face tensor names (`refimpl.checkpoints.state_dict`);
 * expert parallelism: `ep_forward` and its backward `ep_vjp`, `ep_balance_update`, `shard_params`,
   `padded_routed_experts`;
 * the conformance kit: the subpackage `refimpl.testing` (imported on first use,
@@ -26,8 +26,45 @@ The public API re-exported here follows the paper section by section:
 from importlib import import_module
 from typing import Any
 
-from .accounting import combinatorial_sparsity, dispatch_payload, log10_binomial, parameter_counts
-from .activations import (
+from .balancing import (
+    AssignmentLP,
+    Balancer,
+    BalanceStep,
+    BiasHistogram,
+    DescentTrace,
+    QuantileBalancer,
+    SeparatingDual,
+    SignBalancer,
+    SubgradientCheck,
+    alpha_step,
+    beta_step,
+    beta_subgradient,
+    coordinate_descent,
+    cutoffs,
+    dual_objective,
+    histogram_balancing_update,
+    histogram_range,
+    interpolated_kth_largest,
+    load_ratio,
+    margins,
+    quantile_balancing_update,
+    required_bias,
+    separating_dual,
+    sign_balancing_update,
+    solve_assignment_lp,
+    subgradient_check,
+    target_load,
+)
+from .checkpoints import (
+    ExpertStack,
+    hf_state_dict_from_params,
+    load_hf_layer,
+    params_from_hf_state_dict,
+    save_hf_layer,
+)
+from .config import MoEConfig
+from .layer.accounting import combinatorial_sparsity, dispatch_payload, log10_binomial, parameter_counts
+from .layer.activations import (
     hard_clamp,
     hard_clamp_grad,
     rms_norm,
@@ -39,21 +76,8 @@ from .activations import (
     swiglu,
     swiglu_grad,
 )
-from .backward import stable_latent_moe_vjp
-from .balancing import (
-    Balancer,
-    BalanceStep,
-    QuantileBalancer,
-    SignBalancer,
-    cutoffs,
-    interpolated_kth_largest,
-    load_ratio,
-    margins,
-    quantile_balancing_update,
-    sign_balancing_update,
-    target_load,
-)
-from .baselines import (
+from .layer.backward import stable_latent_moe_vjp
+from .layer.baselines import (
     capacity_keep,
     expert_capacity,
     hash_route,
@@ -63,23 +87,28 @@ from .baselines import (
     switch_balance_loss,
     switch_balance_loss_grad,
 )
-from .checkpoint import ExpertStack, load_hf_layer, save_hf_layer
-from .config import MoEConfig
-from .dual import (
-    AssignmentLP,
-    DescentTrace,
-    SeparatingDual,
-    SubgradientCheck,
-    alpha_step,
-    beta_step,
-    beta_subgradient,
-    coordinate_descent,
-    dual_objective,
-    separating_dual,
-    solve_assignment_lp,
-    subgradient_check,
+from .layer.latent_moe import (
+    MoEOutput,
+    MoEParams,
+    check_params,
+    init_params,
+    parameter_shapes,
+    stable_latent_moe,
+    stable_latent_moe_reference,
 )
-from .expert_parallel import (
+from .layer.routing import (
+    biased_scores,
+    expert_load,
+    route,
+    router_scores,
+    score_function_values,
+    score_function_vjp,
+    selection_cutoff,
+    softplus,
+)
+from .layer.selection import select_experts
+from .mx import mxfp4_decode, mxfp4_encode, mxfp8_round
+from .parallel import (
     EPStats,
     ep_balance_update,
     ep_forward,
@@ -90,29 +119,6 @@ from .expert_parallel import (
     padding_waste,
     shard_params,
 )
-from .histogram import BiasHistogram, histogram_balancing_update, histogram_range, required_bias
-from .latent_moe import (
-    MoEOutput,
-    MoEParams,
-    check_params,
-    init_params,
-    parameter_shapes,
-    stable_latent_moe,
-    stable_latent_moe_reference,
-)
-from .mx import mxfp4_decode, mxfp4_encode, mxfp8_round
-from .routing import (
-    biased_scores,
-    expert_load,
-    route,
-    router_scores,
-    score_function_values,
-    score_function_vjp,
-    select_experts,
-    selection_cutoff,
-    softplus,
-)
-from .state_dict import hf_state_dict_from_params, params_from_hf_state_dict
 
 __version__ = "0.1.0"
 

@@ -71,11 +71,11 @@ __all__ = ["ACTIVATIONS", "FLOAT32_RANGE", "HF_ABSENT", "HF_KEYS", "HF_SYNONYMS"
 #: Activations the experts may use: K3's SiTU-GLU and the SwiGLU it replaces.
 ACTIVATIONS = ("situ", "swiglu")
 
-#: Router score functions (see `refimpl.routing.router_scores`): K3's sigmoid, the
+#: Router score functions (see `refimpl.layer.routing.router_scores`): K3's sigmoid, the
 #: softmax of Switch Transformer and DeepSeek-V2, DeepSeek-V4's square root of softplus.
 SCORE_FUNCTIONS = ("sigmoid", "softmax", "sqrtsoftplus")
 
-#: Top-k methods implemented by `refimpl.routing.route`: DeepSeek-V3's `noaux_tc`
+#: Top-k methods implemented by `refimpl.layer.routing.route`: DeepSeek-V3's `noaux_tc`
 #: (bias-corrected selection, optionally group-limited), which K3 uses. Other
 #: methods (`greedy`, `group_limited_greedy`) select without the bias, so
 #: accepting their names would silently compute something else.
@@ -233,6 +233,8 @@ class MoEConfig:
     num_hash_layers: int = 0
 
     # -- the paper's symbols -------------------------------------------------
+    # Read-only aliases, for code that reads like the paper (`config.n`); the fields above are the one name
+    # each quantity is stored and set under (the Hugging Face key), and the package itself uses only them.
     @property
     def d(self) -> int:
         """Model width $d$."""

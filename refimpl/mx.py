@@ -138,6 +138,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ._lib.xp import is_array
+
 __all__ = [
     "E2M1_VALUES",
     "MX_BLOCK",
@@ -170,7 +172,7 @@ FLOAT_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(t) for t in (np.float16, ml_
 
 def _check_blocks(name: str, x: Any, *, kind: str) -> np.ndarray:
     """`x` as a NumPy array with at least one axis; `kind` is 'float' or 'uint8'."""
-    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    if not is_array(x):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     x = np.asarray(x)
     if kind == "uint8" and x.dtype != np.uint8:

@@ -3,7 +3,7 @@
 `xp` is parametrized over NumPy, `array_api_strict` (which refuses anything
 outside the array-API standard, so a NumPy-only call cannot slip in) and CuPy
 when a working GPU is present. Tests convert their inputs with `xp.asarray`
-and their outputs back with `refimpl._xp.to_numpy`.
+and their outputs back with `refimpl._lib.xp.to_numpy`.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ BACKENDS = [
 
 def _refuse_implicit_conversion(self, *args, **kwargs):
     raise TypeError("array_api_strict arrays are not converted to NumPy implicitly in the tests (CuPy's rule); "
-                    "use refimpl._xp.to_numpy")
+                    "use refimpl._lib.xp.to_numpy")
 
 
 @pytest.fixture(params=BACKENDS)

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from refimpl import MoEConfig, init_params
-from refimpl.expert_parallel import ep_balance_update, ep_forward, ep_vjp, shard_params
+from refimpl.parallel import ep_balance_update, ep_forward, ep_vjp, shard_params
 
 
 def main(case: str) -> None:

@@ -16,8 +16,8 @@ import sys
 import numpy as np
 
 from refimpl import MoEConfig, init_params
-from refimpl.expert_parallel import ep_balance_update, ep_forward, shard_params
-from refimpl.routing import router_scores
+from refimpl.layer.routing import router_scores
+from refimpl.parallel import ep_balance_update, ep_forward, shard_params
 
 #: Tokens held by each rank, by number of ranks: uneven, one rank with none.
 SHARDS = {1: [61], 2: [0, 61], 4: [17, 0, 29, 15]}

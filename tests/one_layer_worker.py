@@ -89,7 +89,7 @@ def upstream(size: int, d: int) -> list[np.ndarray]:
 def main(out: str) -> None:
     from mpi4py import MPI
 
-    from refimpl.expert_parallel import ep_forward, ep_vjp, shard_params
+    from refimpl.parallel import ep_forward, ep_vjp, shard_params
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -14,9 +14,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refimpl.accounting import combinatorial_sparsity, dispatch_payload, log10_binomial, parameter_counts
 from refimpl.config import MoEConfig
-from refimpl.latent_moe import parameter_shapes
+from refimpl.layer.accounting import (
+    combinatorial_sparsity,
+    dispatch_payload,
+    log10_binomial,
+    parameter_counts,
+)
+from refimpl.layer.latent_moe import parameter_shapes
 
 D, ELL, N, K, F, NS, LAYERS = 7168, 3584, 896, 16, 3072, 2, 92
 

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refimpl._xp import to_numpy
-from refimpl.activations import (
+from refimpl._lib.xp import to_numpy
+from refimpl.layer.activations import (
     _sech2,
     hard_clamp,
     hard_clamp_grad,

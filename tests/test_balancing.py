@@ -1,7 +1,7 @@
 """Eq. (14): the exact Quantile Balancing update, the sign rule and the balancers.
 
 References are independent: full sorts instead of partitions, Python loops
-over experts, routing with `refimpl.routing.route` to count what a bias does.
+over experts, routing with `refimpl.layer.routing.route` to count what a bias does.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from conftest import load_example
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from refimpl._xp import to_numpy
+from refimpl._lib.xp import to_numpy
 from refimpl.balancing import (
     Balancer,
     QuantileBalancer,
@@ -30,7 +30,7 @@ from refimpl.balancing import (
     sign_balancing_update,
     target_load,
 )
-from refimpl.routing import expert_load, route, selection_cutoff
+from refimpl.layer.routing import expert_load, route, selection_cutoff
 
 # ---------------------------------------------------------------------------
 # Independent references
@@ -339,7 +339,7 @@ def test_cupy_branch_of_the_update_with_numpy_standing_in(monkeypatch):
     contract, stands in for CuPy's. A slip in that branch's ranks fails here, not first on a GPU."""
     import types
 
-    import refimpl.balancing as balancing
+    import refimpl.balancing.quantile as balancing
 
     monkeypatch.setattr(balancing, "is_numpy", lambda xp: False)
     monkeypatch.setattr(balancing, "is_cupy", lambda xp: True)

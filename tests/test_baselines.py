@@ -38,7 +38,7 @@ from refimpl import (
     switch_balance_loss,
     switch_balance_loss_grad,
 )
-from refimpl._xp import to_numpy
+from refimpl._lib.xp import to_numpy
 
 
 def _reference_hash(token_id: int, n: int, k: int, seed: int = 0) -> list[int]:
@@ -439,7 +439,7 @@ def test_dropped_assignments_contribute_nothing():
     plain = stable_latent_moe(x, params, config.replace(capacity_factor=None), return_intermediates=True)
     np.testing.assert_array_equal(out.index, plain.index)
     # Without the norm the routed output is linear in the weights: each slot's share, computed alone.
-    from refimpl.latent_moe import routed_experts
+    from refimpl.layer.latent_moe import routed_experts
     expected = sum(routed_experts(plain.z, plain.index[:, r:r + 1], plain.weights[:, r:r + 1] * out.kept[:, r:r + 1],
                                   params["experts.w1"], params["experts.w3"], params["experts.w2"], config)
                    for r in range(config.k))
@@ -544,7 +544,7 @@ def test_example_71_routes_nine_ways(tmp_path):
 @pytest.mark.parametrize("switches", [dict(capacity_factor=0.75), dict(hash_routing=True, capacity_factor=1.0)],
                          ids=["capacity", "hash+capacity"])
 def test_vjp_with_capacity_and_hash_matches_central_differences(switches):
-    from refimpl.backward import stable_latent_moe_vjp
+    from refimpl.layer.backward import stable_latent_moe_vjp
 
     config = MoEConfig.tiny(**switches)
     params = init_params(config, 13, dtype=np.float64)
@@ -629,7 +629,7 @@ def test_hash_routing_refuses_scores_it_cannot_weigh():
 
 def test_sqrt_softplus_gradient_is_zero_where_the_score_underflowed():
     """The derivative sigma(z) / (2 s) tends to s / 2 -> 0: where s is exactly 0 it is 0, not 0/0 = NaN."""
-    from refimpl.routing import score_function_grad
+    from refimpl.layer.routing import score_function_grad
 
     logits = np.array([[-800.0, -50.0, 0.0, 30.0]])
     s = np.sqrt(softplus(logits))

@@ -22,11 +22,12 @@ from pathlib import Path
 import pytest
 from conftest import load_script
 
-from refimpl.accounting import parameter_counts
 from refimpl.config import MoEConfig
+from refimpl.layer.accounting import parameter_counts
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
+ROOT = REPO
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
@@ -289,3 +290,123 @@ def test_gpu_script_records_a_broken_step_and_runs_the_others(tmp_path, monkeypa
     assert data["forward"]["ok"] and data["k3"]["ok"]  # the steps before and after still ran
     page = (tmp_path / "gpu.md").read_text()
     assert "out of device memory (simulated)" in page and "FAILED" in page
+
+
+# ---------------------------------------------------------------------------
+# Moved here from the test files of the modules they measure
+# ---------------------------------------------------------------------------
+
+
+def test_bench_train_smoke_writes_its_log(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/bench_train.py", "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    written = json.loads((tmp_path / "train.json").read_text())
+    assert all(run["tokens_per_second"] > 0 for run in written["runs"].values())
+    assert "tokens/s" in (tmp_path / "train.md").read_text()
+
+
+@pytest.mark.slow
+def test_bench_histogram_smoke_writes_its_table(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "benchmarks/bench_histogram.py", "--smoke", "--out", str(tmp_path)],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "histogram pass" in proc.stdout and "peak resident memory" in proc.stdout
+    assert {p.name for p in tmp_path.iterdir()} == {"histogram.json", "histogram.md"}
+
+
+def test_gpu_script_padded_step_on_the_cpu(tmp_path):
+    import json
+
+    args = ["--cpu", "--smoke", "--skip", "tests", "--skip", "forward", "--skip", "balancing", "--skip", "k3",
+            "--out", str(tmp_path)]
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), *args], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    padded = json.loads((tmp_path / "gpu.json").read_text())["padded"]
+    assert padded["ok"] and padded["dtype"] == "float32"
+    cases = padded["cases"]
+    assert set(cases) == {"zero bias", "Quantile Balancing"}
+    for case in cases.values():
+        assert case["waste"] == pytest.approx(case["max_over_mean"] - 1.0)
+        assert case["padded_vs_grouped"] <= padded["tolerance"]
+        assert case["padded"]["median_s"] > 0 and case["grouped"]["median_s"] > 0
+    # The skewed router is unbalanced at zero bias; a Quantile Balancing bias from an earlier batch helps.
+    assert cases["zero bias"]["max_over_mean"] > cases["Quantile Balancing"]["max_over_mean"]
+    assert "padded batched product" in (tmp_path / "gpu.md").read_text()
+
+
+def test_benchmark_smoke_writes_the_step_table(tmp_path):
+    import json
+
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_expert_parallel.py"), "--smoke",
+                             "--ranks", "2", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=200)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads((tmp_path / "expert_parallel.json").read_text())
+    run = data["runs"]["2"]
+    assert run["ranks"] == 2
+    assert [row["case"] for row in run["rows"]] == ["zero bias", "sign rule", "Quantile Balancing"]
+    for row in run["rows"]:
+        assert row["step_ms"] > 0 and len(row["expert_ms"]) == 2 and len(row["rank_loads"]) == 2
+        # The ranks' loads add up to every slot of the batch: 128 tokens per rank, k = 4.
+        assert sum(row["rank_loads"]) == 2 * 128 * 4
+        assert row["rank_max_over_mean"] == pytest.approx(max(row["rank_loads"]) / (sum(row["rank_loads"]) / 2))
+    assert "ep_forward step by number of ranks" in (tmp_path / "expert_parallel.md").read_text()
+
+
+def test_bench_checkpoint_smoke(tmp_path):
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "benchmarks/bench_checkpoint.py", "--smoke", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert results["smoke"] is True and results["target"] == "not judged (smoke sizes)"
+    assert set(results["precision"]) == {"routed experts in bfloat16", "routed experts in MXFP4",
+                                         "MXFP4 weights, MXFP8 expert inputs",
+                                         "MXFP8 inputs alone (against MXFP4 weights in float32)"}
+    # The bf16 experts are far closer to float32 than MXFP4 ones: 8 significant bits against 2.
+    assert results["precision"]["routed experts in bfloat16"]["u"] < results["precision"]["routed experts in MXFP4"]["u"]
+    assert "## Memory" in (tmp_path / "checkpoint.md").read_text()
+
+
+def test_bench_backward_smoke_checks_the_gradients(tmp_path):
+    """`bench_backward.py --smoke` runs, checks PyTorch's gradients against ours and writes its two files."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "benchmarks/bench_backward.py", "--smoke", "--out", str(tmp_path)],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "backward.json").read_text())
+    assert (tmp_path / "backward.md").read_text().startswith("# Forward + backward")
+    # float32 gradients of the two computations agree to float32 rounding.
+    assert results["careful_rel_error"] < 1e-4 and results["naive_rel_error"] < 1e-4
+    assert set(results["timings"]) == {"refimpl_forward", "refimpl_step", "refimpl_step_out", "torch_careful",
+                                       "torch_naive"}
+    assert all(t["median_s"] > 0 for t in results["timings"].values())
+    assert results["flops_step"] == 3 * results["flops_forward"]
+
+
+def test_profile_smoke():
+    """`profile_backward.py --smoke` runs every stage it times and names each in its report."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "benchmarks/profile_backward.py", "--smoke"], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for stage in ("whole: forward", "whole: backward", "readable loop", "fast path",
+                  "bwd 8: shared_experts_backward"):
+        assert stage in proc.stdout, stage

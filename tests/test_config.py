@@ -566,7 +566,7 @@ def test_mixtral_config_is_refused():
 
 def test_a_numpy_float32_factor_is_the_decimal_it_prints_as():
     """np.float32(1.1) is stored as 1.1, so the capacity is the one 1.1 gives (11 for kN/E = 10, not 12)."""
-    from refimpl.baselines import expert_capacity
+    from refimpl.layer.baselines import expert_capacity
 
     config = MoEConfig.tiny(num_experts=6, top_k=2, capacity_factor=np.float32(1.1))
     assert config.capacity_factor == 1.1 and type(config.capacity_factor) is float

@@ -15,9 +15,9 @@ from conftest import load_example
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refimpl._xp import to_numpy
+from refimpl._lib.xp import to_numpy
 from refimpl.balancing import quantile_balancing_update
-from refimpl.dual import (
+from refimpl.balancing.dual import (
     alpha_step,
     beta_step,
     beta_subgradient,
@@ -27,7 +27,7 @@ from refimpl.dual import (
     solve_assignment_lp,
     subgradient_check,
 )
-from refimpl.routing import expert_load, route
+from refimpl.layer.routing import expert_load, route
 
 
 def sigmoid_scores(rng, m, n):

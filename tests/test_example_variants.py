@@ -12,7 +12,7 @@ import pytest
 from conftest import load_script
 from scipy.special import expit
 
-from refimpl.latent_moe import stable_latent_moe
+from refimpl.layer.latent_moe import stable_latent_moe
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "40_compare_variants.py"
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import load_example
 
-from refimpl.latent_moe import stable_latent_moe_reference
+from refimpl.layer.latent_moe import stable_latent_moe_reference
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,6 +1,6 @@
-"""The fast paths of `refimpl._fast`, each held against the readable code it replaces.
+"""The fast paths of `refimpl._lib.fast`, each held against the readable code it replaces.
 
-Every function of `refimpl._fast` is a NumPy (or CuPy) arrangement of a
+Every function of `refimpl._lib.fast` is a NumPy (or CuPy) arrangement of a
 computation that a teaching module writes plainly. Each test here runs both
 on the same drawn input: the readable one either called directly (a
 function of the teaching module that does not dispatch) or with the fast
@@ -21,14 +21,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refimpl import _fast
-from refimpl._xp import to_numpy, topk
-from refimpl.activations import glu_and_grad, situ_glu, swiglu
-from refimpl.backward import routed_experts_backward
+from refimpl._lib.xp import to_numpy, topk
 from refimpl.balancing import cutoff_values, expert_major_margins, kth_largest
+from refimpl.balancing.histogram import BiasHistogram
 from refimpl.config import MoEConfig
-from refimpl.histogram import BiasHistogram
-from refimpl.latent_moe import combine, dispatch_by_expert, init_params, routed_experts
-from refimpl.routing import route, router_scores
+from refimpl.layer.activations import glu_and_grad, situ_glu, swiglu
+from refimpl.layer.backward import routed_experts_backward
+from refimpl.layer.latent_moe import combine, dispatch_by_expert, init_params, routed_experts
+from refimpl.layer.routing import route, router_scores
 
 #: The readable paths, forced: with the fast paths off every teaching module takes its portable code.
 readable = mock.patch.object(_fast, "ENABLED", False)

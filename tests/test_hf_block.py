@@ -33,7 +33,8 @@ import refimpl
 import refimpl.testing as kit
 from refimpl.testing import CATALOGUE, CheckFailure, check_hf_moe_block, hf_block_case, hf_block_cases
 from refimpl.testing.conventions import convention
-from refimpl.testing.hf_block import GROWTH, reference_output, tolerance
+from refimpl.testing.hf_block_check import reference_output
+from refimpl.testing.hf_cases import GROWTH, tolerance
 
 FEW = settings(kit.QUICK, max_examples=20)  # for properties whose failures show on most cases
 

@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refimpl._xp import to_numpy
+from refimpl._lib.xp import to_numpy
 from refimpl.config import MoEConfig
-from refimpl.latent_moe import (
+from refimpl.layer.latent_moe import (
     MoEOutput,
     MoEParams,
     check_params,
@@ -51,7 +51,7 @@ def rank_with_ties_to_lower_id(values: np.ndarray) -> np.ndarray:
     return np.sum(larger | equal_lower, axis=-1)
 
 
-def dense_forward(x, params, config: MoEConfig, *, return_u: bool = False):
+def dense_forward(x, params, config: MoEConfig, *, return_u: bool = False, return_parts: bool = False):
     """Eq. (11) with every expert on every token, in float64, without any sort."""
     x = to_numpy(x).astype(np.float64)
     p = {name: to_numpy(a).astype(np.float64) for name, a in params.items()}
@@ -93,6 +93,8 @@ def dense_forward(x, params, config: MoEConfig, *, return_u: bool = False):
         h = act(x @ p["shared_experts.gate_proj.weight"].T, x @ p["shared_experts.up_proj.weight"].T)
         y_shared = h @ p["shared_experts.down_proj.weight"].T
     y = y_shared + y_routed
+    if return_parts:
+        return {"y": y, "u": u, "v": v, "z": z, "y_routed": y_routed, "y_shared": y_shared}
     return (y, u, chosen) if return_u else y
 
 
@@ -177,7 +179,10 @@ def test_intermediates(xp, layer):
         assert tuple(getattr(out, name).shape) == shape, name
     _, u, chosen = dense_forward(x, params, config, return_u=True)
     assert_close(out.u, u)
-    assert_close(out.y, to_numpy(out.y_shared) + to_numpy(out.y_routed))
+    # Each stage of the forward against the dense computation, which shares no code with it.
+    parts = dense_forward(x, params, config, return_parts=True)
+    for name in ("z", "v", "y_routed", "y_shared"):
+        assert_close(getattr(out, name), parts[name])
     # The index holds the dense top-k mask's experts.
     index = to_numpy(out.index)
     assert all(set(index[i].tolist()) == set(np.flatnonzero(chosen[i]).tolist()) for i in range(m))

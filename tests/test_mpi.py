@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import load_script, run_under_mpiexec
 
-from refimpl.histogram import histogram_balancing_update
+from refimpl.balancing.histogram import histogram_balancing_update
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "22_mpi_allreduce.py"

@@ -27,8 +27,8 @@ import pytest
 from conftest import ROOT, load_script, run_under_mpiexec
 
 from refimpl import stable_latent_moe
-from refimpl.backward import stable_latent_moe_vjp
-from refimpl.expert_parallel import ep_forward, shard_params
+from refimpl.layer.backward import stable_latent_moe_vjp
+from refimpl.parallel import ep_forward, shard_params
 from refimpl.train import BALANCERS
 
 worker = load_script(ROOT / "tests" / "one_layer_worker.py", "one_layer_worker")

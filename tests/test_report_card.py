@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from refimpl.report_card import ITEMS, report_card, report_card_entries
+from refimpl.studies.report_card import ITEMS, report_card, report_card_entries
 
 
 def test_every_design_answers_every_item_or_says_why_not():

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refimpl._xp import to_numpy
-from refimpl.routing import biased_scores, expert_load, route, router_scores, selection_cutoff
+from refimpl._lib.xp import to_numpy
+from refimpl.layer.routing import biased_scores, expert_load, route, router_scores, selection_cutoff
 
 with_xp = settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 

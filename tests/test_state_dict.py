@@ -1,4 +1,4 @@
-"""Tests of `refimpl.state_dict`: one block's weights to and from Hugging Face tensor names.
+"""Tests of `refimpl.checkpoints.state_dict`: one block's weights to and from Hugging Face tensor names.
 
 The independent side is the reference block written as PyTorch modules
 (`tests/hf_reference_block.py`): its own `state_dict()` gives the names, its
@@ -21,8 +21,8 @@ from hf_reference_block import KimiSparseMoeBlock, decode_mxfp4_pairs, to_torch
 
 import refimpl
 from refimpl import MoEConfig, hf_state_dict_from_params, init_params, params_from_hf_state_dict
-from refimpl.checkpoint import ExpertStack
-from refimpl.state_dict import as_numpy, hf_tensor_shapes
+from refimpl.checkpoints import ExpertStack
+from refimpl.checkpoints.state_dict import as_numpy, hf_tensor_shapes
 
 # Text configs of the reference code: K3's switches, no latent, latent without norm, no shared experts.
 TEXTS = {

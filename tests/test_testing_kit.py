@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 import refimpl.testing as kit
 from refimpl.testing import strategies as rst
-from refimpl.testing.checks import PROFILES, QUICK, THOROUGH, profile
+from refimpl.testing.profiles import PROFILES, QUICK, THOROUGH, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,9 +66,9 @@ def _reference_balancer(initial_bias, top_k):
 def _reference(name):
     """The reference function with the signature its check expects (imported when the test runs)."""
     from refimpl.balancing import quantile_balancing_update
-    from refimpl.histogram import histogram_balancing_update
-    from refimpl.latent_moe import stable_latent_moe
-    from refimpl.routing import route
+    from refimpl.balancing.histogram import histogram_balancing_update
+    from refimpl.layer.latent_moe import stable_latent_moe
+    from refimpl.layer.routing import route
 
     return {"route": route, "update": quantile_balancing_update, "histogram": histogram_balancing_update,
             "balancer": _reference_balancer, "forward": stable_latent_moe}[name]
@@ -105,7 +105,7 @@ class TestCorrectCodePasses:
 
     def test_renormalize_false_and_scaling_factor(self):
         """A router without renormalization, scaled by 2.5, passes when the check is told so."""
-        from refimpl.routing import route
+        from refimpl.layer.routing import route
 
         def fn(scores, bias, top_k):
             return route(scores, bias, top_k, renormalize=False, scaling_factor=2.5)
@@ -117,7 +117,7 @@ class TestCorrectCodePasses:
 
     def test_forward_in_bfloat16_with_a_loose_tolerance(self):
         """Inputs in bfloat16: the reference at the same rounded inputs agrees within a bfloat16 tolerance."""
-        from refimpl.latent_moe import stable_latent_moe
+        from refimpl.layer.latent_moe import stable_latent_moe
 
         kit.check_forward(stable_latent_moe, dtype=ml_dtypes.bfloat16, rtol=2e-2, atol=2e-2)
 

@@ -25,7 +25,7 @@ import pytest
 
 from refimpl.balancing import quantile_balancing_update
 from refimpl.config import MoEConfig
-from refimpl.recorded import load_record
+from refimpl.studies.recorded import load_record
 from refimpl.train import (
     BALANCERS,
     HistogramBalancer,
@@ -210,7 +210,7 @@ def test_quantile_balancing_beats_the_sign_rule_and_no_balancing(corpus):
 
 def test_max_violation_is_the_load_of_the_batch_routed_with_the_bias_in_use(corpus):
     # Recompute step 2's violation independently: route its batch with the bias QB computed from step 1.
-    from refimpl.routing import route, router_scores
+    from refimpl.layer.routing import route, router_scores
 
     config = tiny(layers=1, steps=2, balancer="qb")
     params = init_model(config, np.random.default_rng(0))
@@ -441,7 +441,7 @@ def test_command_runs_as_a_module(tmp_path):
 ])
 def test_bad_flags_give_clear_errors_before_anything_runs(flags, message, capsys, monkeypatch):
     # Nothing may be trained or read: the corpus loader fails the test if it is reached.
-    monkeypatch.setattr("refimpl.train.load_corpus", lambda: pytest.fail("the corpus was read"))
+    monkeypatch.setattr("refimpl.train.cli.load_corpus", lambda: pytest.fail("the corpus was read"))
     with pytest.raises(SystemExit) as exc:
         main(flags)
     assert exc.value.code == 2
@@ -449,7 +449,7 @@ def test_bad_flags_give_clear_errors_before_anything_runs(flags, message, capsys
 
 
 def test_a_context_longer_than_the_held_out_text_is_refused(capsys, monkeypatch):
-    monkeypatch.setattr("refimpl.train.train", lambda *a, **k: pytest.fail("training started"))
+    monkeypatch.setattr("refimpl.train.cli.train", lambda *a, **k: pytest.fail("training started"))
     with pytest.raises(SystemExit) as exc:
         main(["--context", "60000", "--batch", "64", "--quiet"])
     assert exc.value.code == 2
@@ -472,7 +472,7 @@ def unwritable_folder(tmp_path: Path) -> Path | None:
 
 
 def test_out_is_checked_before_the_first_step(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("refimpl.train.load_corpus", lambda: pytest.fail("the corpus was read"))
+    monkeypatch.setattr("refimpl.train.cli.load_corpus", lambda: pytest.fail("the corpus was read"))
     (tmp_path / "file.txt").write_text("a file")
     (tmp_path / "old.json").write_text("the previous log")
     cases = [(tmp_path, "is a folder"), (tmp_path / "file.txt" / "run.json", "is a file, not a folder"),
@@ -508,7 +508,7 @@ def test_a_failed_write_leaves_the_previous_log(tmp_path, capsys, monkeypatch):
     """The write fails after 512 bytes (a full disk): the old file is intact and no temporary file remains."""
     out = tmp_path / "run.json"
     out.write_text("the previous log\n")
-    import refimpl._files as files
+    import refimpl._lib.files as files
 
     opened = files.tempfile.NamedTemporaryFile
 
@@ -542,13 +542,6 @@ def test_a_failed_write_leaves_the_previous_log(tmp_path, capsys, monkeypatch):
     assert len(strict_json(out.read_text())["steps"]) == 2
 
 
-def test_benchmark_smoke(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/bench_train.py", "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    written = json.loads((tmp_path / "train.json").read_text())
-    assert all(run["tokens_per_second"] > 0 for run in written["runs"].values())
-    assert "tokens/s" in (tmp_path / "train.md").read_text()
 
 
 # ---------------------------------------------------------------------------
@@ -659,7 +652,7 @@ def test_checkpoint_folder_is_checked_before_the_first_step(tmp_path, capsys, mo
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     main(["--balancer", "none", *RESUME_FLAGS, "--steps", "1", "--checkpoint", str(tmp_path / "ck")])
-    monkeypatch.setattr("refimpl.train.train", lambda *a, **k: pytest.fail("training started"))
+    monkeypatch.setattr("refimpl.train.cli.train", lambda *a, **k: pytest.fail("training started"))
     for folder, message in [(tmp_path / "file", "is a file, not a folder"),
                             (tmp_path / "file" / "ck", "is a file, not a folder"),
                             (tmp_path / "notes", "holds files that are not a training checkpoint (todo.txt)"),
@@ -681,7 +674,8 @@ def test_checkpoint_folder_is_checked_before_the_first_step(tmp_path, capsys, mo
 #: Run the command in a process that stops, at its second checkpoint, at the place named by argv[1], and says so.
 PAUSING = """
 import sys, time
-import refimpl.train as T
+import refimpl.train
+import refimpl.train.checkpoints as T
 
 where, argv = sys.argv[1], sys.argv[2:]
 calls = {"write": 0, "pointer": 0, "remove": 0}
@@ -714,7 +708,7 @@ def paused_remove(path, *args, **kwargs):
     rmtree(path, *args, **kwargs)
 
 T._write_file, T.write_atomically, T.shutil.rmtree = paused_write_file, paused_pointer, paused_remove
-T.main(argv)
+refimpl.train.main(argv)
 """
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from refimpl import capacity_keep, expert_capacity, hash_route, stable_latent_moe
+from refimpl.balancing.other_balancers import AuxLossBalancer
 from refimpl.train import (
     BALANCERS,
     TrainConfig,
@@ -18,7 +19,6 @@ from refimpl.train import (
     sample_batch,
     train,
 )
-from refimpl.train_baselines import AuxLossBalancer
 
 LAYER = default_layer(num_experts=16, top_k=2, hidden_size=32, latent_size=16, intermediate_size=16)
 SMALL = dict(steps=2, batch=128, moe=LAYER, eval_every=2, eval_batch=256)

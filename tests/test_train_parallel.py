@@ -1,4 +1,4 @@
-"""Tests of training over MPI (`refimpl.train_parallel`, `python -m refimpl.train --expert-parallel`).
+"""Tests of training over MPI (`refimpl.train.expert_parallel`, `python -m refimpl.train --expert-parallel`).
 
 The reference is the one-process run: the same command without
 `--expert-parallel`, with the same seed and batch. An expert-parallel run adds
@@ -21,13 +21,13 @@ import pytest
 from conftest import run_mpiexec, run_under_mpiexec
 
 import refimpl.train as train_module
-from refimpl.backward import stable_latent_moe_vjp
 from refimpl.balancing import Balancer, QuantileBalancer
 from refimpl.config import MoEConfig
-from refimpl.expert_parallel import ep_vjp, shard_params
-from refimpl.latent_moe import init_params
+from refimpl.layer.backward import stable_latent_moe_vjp
+from refimpl.layer.latent_moe import init_params
+from refimpl.parallel import ep_vjp, shard_params
 from refimpl.train import BALANCERS, BIAS, TrainConfig, default_layer, main, train
-from refimpl.train_parallel import (
+from refimpl.train.expert_parallel import (
     BALANCE_ACROSS_RANKS,
     STAGES,
     ExpertParallel,
@@ -224,8 +224,25 @@ def test_without_mpi4py_the_flag_says_what_is_missing(monkeypatch, capsys):
     assert "argument --expert-parallel: needs mpi4py" in capsys.readouterr().err
 
 
-def test_the_one_process_seam_is_the_default():
-    assert isinstance(train_module.ONE_PROCESS, train_module.Ranks) and train_module.ONE_PROCESS.size == 1
+def test_the_one_process_seam_answers_with_the_plain_computations():
+    """On one process every question of the step has the answer of a computation written out here."""
+    one = train_module.ONE_PROCESS
+    rng = np.random.default_rng(5)
+    logits, targets = rng.standard_normal((7, 256)), rng.integers(0, 256, size=7)
+    loss, dlogits = one.cross_entropy(logits, targets)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))  # log softmax, [7, 256]
+    assert loss == pytest.approx(-np.mean(log_p[np.arange(7), targets]), rel=1e-12)
+    expected = np.exp(log_p)
+    expected[np.arange(7), targets] -= 1.0
+    np.testing.assert_allclose(dlogits, expected / 7, rtol=1e-10, atol=1e-15)
+    grads = {"a": rng.standard_normal((3, 4)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float32)}
+    assert one.sum_of_squares(grads) == pytest.approx(sum(float(v.astype(np.float64) @ v.astype(np.float64))
+                                                          for g in grads.values() for v in g.reshape(1, -1)))
+    assert list(range(11))[one.rows(11)] == list(range(11)) and (one.rank, one.size) == (0, 1)
+    values = rng.standard_normal(9)
+    assert one.mean(values) == pytest.approx(sum(values.tolist()) / 9) and one.max(2.5) == 2.5
+    assert one.all(True) and not one.all(False)
 
 
 # ---------------------------------------------------------------------------

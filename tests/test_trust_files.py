@@ -4,7 +4,7 @@ Every test writes the bad input, runs what a user runs, and checks both the erro
 was lost or invented: the folder is compared byte for byte (names, contents, permissions) with a
 snapshot taken before, and a checkpoint that should have survived is loaded and compared with what
 was loaded from it before. Safetensors headers are cross-checked against the `safetensors` library,
-which implements the format independently of `refimpl.checkpoint`.
+which implements the format independently of `refimpl.checkpoints.hf_checkpoint`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from refimpl import MoEConfig, init_params, stable_latent_moe
-from refimpl.checkpoint import (
+from refimpl.checkpoints import (
     INCOMPLETE_SAVE_MARK,
     ExpertStack,
     load_hf_layer,

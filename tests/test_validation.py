@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from refimpl.validation import check_finite, check_float_array, check_int, check_positive, check_shape
+from refimpl._lib.validation import check_finite, check_float_array, check_int, check_positive, check_shape
 
 
 def test_check_float_array(xp):

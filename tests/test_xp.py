@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from refimpl import _fast
-from refimpl._xp import (
+from refimpl._lib.xp import (
     array_namespace,
     bincount,
     compute_dtype,

@@ -26,9 +26,9 @@ import numpy as np
 from mpi4py import MPI
 
 from refimpl import MoEConfig, init_params
-from refimpl import train_parallel as tp
-from refimpl.expert_parallel import EXPERT_STACKS, ep_vjp, shard_params
+from refimpl.parallel import EXPERT_STACKS, ep_vjp, shard_params
 from refimpl.train import BALANCERS, BIAS, TrainConfig, default_layer, main
+from refimpl.train import expert_parallel as tp
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()

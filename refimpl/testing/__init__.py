@@ -104,21 +104,17 @@ except ImportError as exc:
     ) from exc
 
 from . import strategies
-from .capacity import check_capacity
-from .checks import (
-    PROFILES,
-    QUICK,
-    THOROUGH,
-    check_balancer,
-    check_balancing_update,
-    check_forward,
-    check_histogram_update,
-    check_router,
-    profile,
-)
+from .balancer_check import check_balancer
+from .capacity_check import check_capacity
 from .conventions import CATALOGUE, Convention
-from .hf_block import HFBlockCase, check_hf_moe_block, hf_block_case, hf_block_cases, hf_text_configs
+from .forward_check import check_forward
+from .hf_block_check import check_hf_moe_block
+from .hf_cases import HFBlockCase, hf_block_case, hf_block_cases, hf_text_configs
+from .histogram_check import check_histogram_update
+from .profiles import PROFILES, QUICK, THOROUGH, profile
 from .report import CheckFailure, CheckResult
+from .router_check import check_router
+from .update_check import check_balancing_update
 
 __all__ = [
     "CATALOGUE",

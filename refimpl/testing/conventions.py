@@ -56,17 +56,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from ..latent_moe import MoEParams, stable_latent_moe
+from ..layer.latent_moe import MoEParams, stable_latent_moe
+from ..layer.routing import biased_scores, route, router_scores, score_function_values
 from ..mx import mxfp4_decode
-from ..routing import biased_scores, route, router_scores, score_function_values
-
-if TYPE_CHECKING:
-    from .hf_block import HFBlockCase
+from .hf_cases import HFBlockCase
 
 __all__ = ["CATALOGUE", "Convention", "convention"]
 
@@ -111,7 +109,7 @@ def _scores(case: HFBlockCase) -> np.ndarray:
 def _route(case: HFBlockCase, scores: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Eq. (13) with the case's top-k, renormalization, scale and groups, on the given scores and bias."""
     c = case.config
-    return route(scores, bias, c.k, renormalize=c.renormalize, scaling_factor=c.routed_scaling_factor,
+    return route(scores, bias, c.top_k, renormalize=c.renormalize, scaling_factor=c.routed_scaling_factor,
                  n_group=c.n_group, topk_group=c.topk_group)
 
 
@@ -180,7 +178,7 @@ def _groups_by_max(case: HFBlockCase) -> np.ndarray:
     keep = np.zeros((m, c.n_group), dtype=bool)
     np.put_along_axis(keep, best, True, axis=1)
     masked = np.where(keep[:, :, None], grouped, -np.inf).reshape(m, n)
-    index = np.argsort(-masked, axis=1, kind="stable")[:, : c.k]  # [m, k], ties to the lower id
+    index = np.argsort(-masked, axis=1, kind="stable")[:, : c.top_k]  # [m, k], ties to the lower id
     return _run(case, routing=(index, _weights(case, np.take_along_axis(s, index, axis=1))))
 
 
@@ -290,11 +288,11 @@ def _scaled(case: HFBlockCase) -> bool:
 
 def _grouped(case: HFBlockCase) -> bool:
     c = case.config
-    return c.n_group > 1 and c.topk_group < c.n_group and c.n // c.n_group >= 2
+    return c.n_group > 1 and c.topk_group < c.n_group and c.num_experts // c.n_group >= 2
 
 
 def _top1_with_renormalize_key(case: HFBlockCase) -> bool:
-    return case.config.k == 1 and case.text_config.get("moe_renormalize", True) is not False
+    return case.config.top_k == 1 and case.text_config.get("moe_renormalize", True) is not False
 
 
 #: Every catalogued convention difference, in the order a report lists them.
@@ -311,7 +309,7 @@ CATALOGUE: tuple[Convention, ...] = (
                "with top_k = 1 the single weight renormalized to 1 (the reference keeps the raw score)", None,
                _top1_with_renormalize_key, _top1_renormalized),
     Convention("renormalization_flipped", "moe_renormalize read the other way", None,
-               lambda c: c.config.k > 1, _renormalization_flipped),
+               lambda c: c.config.top_k > 1, _renormalization_flipped),
     Convention("groups_by_max", "a group scored by its best expert instead of the sum of its two best",
                "vLLM #13474, #46869", _grouped, _groups_by_max),
     Convention("bias_subtracted", "experts selected by s - b instead of s + b", None, _always, _bias_subtracted),

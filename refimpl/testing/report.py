@@ -21,7 +21,7 @@ from hypothesis import settings as Settings
 from hypothesis.errors import Flaky
 from hypothesis.strategies import SearchStrategy
 
-from .._xp import dtype_name
+from .._lib.xp import dtype_name
 
 __all__ = [
     "COMMON_SETTINGS",

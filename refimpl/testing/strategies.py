@@ -55,7 +55,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from ..config import MoEConfig
-from ..latent_moe import init_params
+from ..layer.latent_moe import init_params
 
 __all__ = [
     "BalancerCase",
@@ -364,7 +364,7 @@ def forward_cases(draw: st.DrawFn, *, config: MoEConfig | st.SearchStrategy[MoEC
     if isinstance(config, st.SearchStrategy):
         config = draw(config)
     m = draw(st.integers(1, max_tokens), label="m")
-    x = draw(token_batches(m, config.d, dtype=dtype))
+    x = draw(token_batches(m, config.hidden_size, dtype=dtype))
     seed = draw(st.integers(0, 2**16), label="param_seed")
     return ForwardCase(config, x, seed, bias_scale)
 

@@ -1,0 +1,477 @@
+r"""Fast paths: the readable code's arithmetic, arranged for NumPy (and one CuPy kernel).
+
+Every page of this package computes its equation the plain way first, with
+array-API calls that run on NumPy, CuPy and `array_api_strict` alike. A few
+of those computations are hot at the sizes people run (the benchmark layer,
+K3's 896 experts, a million margins), and on a CPU their cost is not the
+arithmetic but what surrounds it: fresh temporaries that the kernel must map
+and zero, passes over memory that does not fit in cache, full sorts where a
+selection would do. This module holds the versions that avoid those costs,
+**and nothing else**:
+
+| fast path | speeds up | by |
+|---|---|---|
+| `glu_in_place`, `glu_and_grad_by_chunks` | `refimpl.layer.activations.expert_glu`, `expert_glu_and_grad` | writing every step into the products' own buffers, fewer exponentials |
+| `routed_experts_in_buffers`, `routed_experts_backward_in_buffers`, `combine_in_buffers` | the routed expert loops of `refimpl.layer.latent_moe` and `refimpl.layer.backward`, `combine` | gathering into reused buffers, writing products with `out=` |
+| `topk_by_partition` | `refimpl._lib.xp.topk` | partitioning instead of sorting each row |
+| `kth_largest_by_sampling`, `kth_largest_cupy` | `refimpl.balancing.kth_largest` | a sample that discards most entries first (Floyd and Rivest), CuPy's selection kernel |
+| `cutoffs_by_blocks`, `expert_major_margins_by_blocks` | Eq. (14)'s cutoffs and margins | blocks of tokens that stay in cache |
+| `histogram_count_by_experts` | Appendix D's scatter-add | a few experts at a time, in reused buffers |
+
+Each function computes what the readable version computes, and
+`tests/test_fast.py` holds each one against the readable code it replaces
+(bit for bit where the operations are the same, to rounding where the order
+of a sum changes). The readable module decides, in one line, when the fast
+path applies (`fast_path_applies`); a reader can ignore this page entirely.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "enabled",
+    "CUTOFF_BLOCK",
+    "ENABLED",
+    "GLU_CHUNK",
+    "PASS_MARGINS",
+    "TRANSPOSE_BLOCK",
+    "combine_in_buffers",
+    "cutoffs_by_blocks",
+    "expert_major_margins_by_blocks",
+    "fast_path_applies",
+    "glu_and_grad_by_chunks",
+    "glu_and_grad_in_place",
+    "glu_in_place",
+    "histogram_count_by_experts",
+    "kth_largest_by_sampling",
+    "kth_largest_cupy",
+    "routed_experts_backward_in_buffers",
+    "routed_experts_in_buffers",
+    "topk_by_partition",
+]
+
+
+#: Switch the fast paths off (`False`) to run every teaching module's readable code, as the tests do.
+ENABLED = True
+
+
+def enabled() -> bool:
+    """Whether the fast paths are on (`ENABLED`): every dispatch to a fast path asks this, or `fast_path_applies`."""
+    return ENABLED
+
+
+def fast_path_applies(*arrays: Any) -> bool:
+    """True when every array is a NumPy float32 or float64 array, all of one dtype: where these paths run."""
+    if not ENABLED or not arrays or not all(isinstance(a, np.ndarray) for a in arrays):
+        return False
+    dtype = arrays[0].dtype
+    return dtype in (np.float32, np.float64) and all(a.dtype == dtype for a in arrays)
+
+
+# ---------------------------------------------------------------------------
+# The expert activation, in place
+# ---------------------------------------------------------------------------
+
+def glu_in_place(a: np.ndarray, b: np.ndarray, activation: str, beta: float,
+                 linear_beta: float | None) -> np.ndarray:
+    r"""The expert GLU of fresh products `a`, `b` (float32/float64 blocks), overwriting both; returns `a`.
+
+    The formula of `refimpl.layer.activations.situ_glu` (or `swiglu`), each step
+    written with `out=` so that an expert's `[m_e, f]` block is transformed
+    where it lies, in cache, with one temporary instead of a dozen. The
+    sigmoid is the branch-free accurate form of `refimpl.layer.activations.sigmoid`,
+    $\sigma(a) = e^{\min(a, 0)} / (1 + e^{-|a|})$.
+    """
+    sig = np.minimum(a, 0.0)  # [m_e, f], the only temporary besides the denominator
+    np.exp(sig, out=sig)
+    denominator = np.abs(a)
+    np.negative(denominator, out=denominator)
+    np.exp(denominator, out=denominator)
+    denominator += 1.0
+    sig /= denominator
+    if activation == "situ":
+        np.divide(a, beta, out=a)
+        np.tanh(a, out=a)
+        a *= beta  # softcap(a, beta1)
+        if linear_beta is not None:  # None: the up branch stays uncapped
+            np.divide(b, linear_beta, out=b)
+            np.tanh(b, out=b)
+            b *= linear_beta  # softcap(b, beta2)
+    a *= sig
+    a *= b
+    return a
+
+
+def glu_and_grad_in_place(a: np.ndarray, b: np.ndarray, activation: str, beta: float, linear_beta: float | None,
+                          da: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    r"""`refimpl.layer.activations.glu_and_grad` in place: $h$ over `a`, $\partial_b\phi$ over `b`, $\partial_a\phi$ into `da`.
+
+    Four temporaries instead of some twenty, and three `exp` and two `tanh`
+    per entry instead of six and two, which is what costs most on a CPU.
+    One identity saves them: with $t = e^{-|a|}$,
+    $\sigma'(a) = \sigma(a)\sigma(-a) = t/(1+t)^2$ and
+    $\sigma(a) = \max(t, [a \ge 0]) / (1 + t)$. The derivative of a cap is
+    $\operatorname{sech}^2(u) = 4e/(1+e)^2$ with $e = e^{-2|u|}$ (no
+    cancellation, unlike $1 - \tanh^2$). (Getting $\tanh$ from the same $e$,
+    as $(1-e)/(1+e)$, would save one more call but loses digits.)
+    """
+    situ = activation == "situ"
+    abs_a = np.abs(a)
+    gamma_prime = np.negative(abs_a, out=da)
+    np.exp(gamma_prime, out=gamma_prime)  # t
+    one_plus = gamma_prime + 1.0
+    sig = np.maximum(gamma_prime, a >= 0)
+    sig /= one_plus
+    gamma_prime /= one_plus
+    gamma_prime /= one_plus  # sigma'(a)
+    if situ:
+        gamma = np.divide(a, beta)
+        np.tanh(gamma, out=gamma)
+        gamma *= beta  # softcap(a, beta1)
+        e = abs_a
+        e *= -2.0 / beta
+        np.exp(e, out=e)
+        np.add(e, 1.0, out=one_plus)
+        np.reciprocal(one_plus, out=one_plus)  # 1 / (1 + e)
+        e *= one_plus
+        e *= one_plus
+        e *= 4.0  # sech^2(a / beta1)
+        gamma_prime *= gamma
+        e *= sig
+        gamma_prime += e  # gamma'(a) = sech^2(a/beta1) sigma(a) + softcap(a, beta1) sigma'(a)
+        gamma *= sig  # gamma(a) = softcap(a, beta1) sigma(a)
+    else:
+        gamma = np.multiply(a, sig, out=abs_a)  # a sigma(a)
+        gamma_prime *= a
+        gamma_prime += sig  # sigma(a) + a sigma'(a)
+    lam_prime = None
+    if situ and linear_beta is not None:
+        lam_prime = np.abs(b)
+        lam_prime *= -2.0 / linear_beta
+        np.exp(lam_prime, out=lam_prime)  # e
+        np.add(lam_prime, 1.0, out=one_plus)
+        np.reciprocal(one_plus, out=one_plus)
+        b /= linear_beta
+        np.tanh(b, out=b)
+        b *= linear_beta  # lambda(b) = softcap(b, beta2)
+        lam_prime *= one_plus
+        lam_prime *= one_plus
+        lam_prime *= 4.0  # lambda'(b) = sech^2(b / beta2)
+    h = np.multiply(gamma, b, out=a)  # h = gamma(a) lambda(b)
+    gamma_prime *= b  # d_a phi = gamma'(a) lambda(b)
+    if lam_prime is not None:
+        d_up = np.multiply(lam_prime, gamma, out=b)  # d_b phi = gamma(a) lambda'(b)
+    else:
+        np.copyto(b, gamma)  # uncapped: d_b phi = gamma(a)
+        d_up = b
+    return h, gamma_prime, d_up
+
+
+#: Entries of a block that the in-place GLU transforms at a time (some 16,000): its temporaries then stay
+#: in the core's own cache instead of streaming through memory once per operation.
+GLU_CHUNK = 1 << 14
+
+
+def glu_and_grad_by_chunks(a: np.ndarray, b: np.ndarray, activation: str, beta: float,
+                           linear_beta: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`glu_and_grad_in_place` on a 2-D C-contiguous block, a few rows at a time; returns `(a, da, b)`."""
+    if not (a.ndim == 2 and a.flags.c_contiguous and b.flags.c_contiguous):
+        a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    da = np.empty_like(a)  # [rows, f]
+    step = max(1, GLU_CHUNK // max(1, a.shape[-1]))
+    for start in range(0, a.shape[0], step):
+        rows = slice(start, start + step)
+        glu_and_grad_in_place(a[rows], b[rows], activation, beta, linear_beta, da[rows])
+    return a, da, b
+
+
+# ---------------------------------------------------------------------------
+# The routed experts, in reused buffers
+# ---------------------------------------------------------------------------
+
+def combine_in_buffers(sorted_rows: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """`refimpl.layer.latent_moe.combine` on NumPy: each slot's rows gathered into one reused buffer (same sums, same order)."""
+    m, k = position.shape
+    total = np.take(sorted_rows, position[:, 0], axis=0)  # [m, width]
+    rows = np.empty_like(total)  # [m, width]
+    for r in range(1, k):
+        total += np.take(sorted_rows, position[:, r], axis=0, out=rows)
+    return total
+
+
+def routed_experts_in_buffers(z: np.ndarray, dispatch: Any, w1: Any, w3: Any, w2: Any, activation: tuple[str, float, Any],
+                   *, save: bool = False) -> tuple[np.ndarray, dict[int, tuple] | None, np.ndarray]:
+    r"""The loop of `refimpl.layer.latent_moe.routed_experts` for NumPy float32/float64: returns `(u, hidden, out_sorted)`.
+
+    `dispatch` is the `refimpl.layer.latent_moe.Dispatch` of the route and
+    `activation` the triple `(activation, beta, linear_beta)`. Each expert's
+    latents are gathered into one buffer sized for the busiest expert, $p\,h$
+    is formed in another, and the down-projection is written straight into
+    its rows of the sorted output (`out=`). With `save=True` the activation's
+    partials are kept per expert (`hidden[e] = (h, da, db)`) for the backward;
+    the sorted output is returned so that the backward can reuse its memory.
+    """
+    dtype = z.dtype
+    out_sorted = np.empty((dispatch.token.shape[0], w2.shape[1]), dtype=dtype)  # [m*k, l]
+    experts = dispatch.experts()
+    busiest = int(np.max(np.diff(dispatch.start))) if experts else 0
+    z_buf = np.empty((busiest, z.shape[1]), dtype=dtype)  # [m_e, l]
+    ph_buf = np.empty((busiest, w1.shape[1]), dtype=dtype)  # [m_e, f]
+    hidden: dict[int, tuple] | None = {} if save else None
+    for e in experts:
+        rows = dispatch.rows(e)
+        m_e = rows.stop - rows.start
+        z_e, ph = z_buf[:m_e], ph_buf[:m_e]
+        np.take(z, dispatch.token[rows], axis=0, out=z_e, mode="clip")  # [m_e, l]
+        g_e, u_e, d_e = (np.asarray(w[e, ...], dtype=dtype) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
+        if save:
+            hidden[e] = glu_and_grad_by_chunks(z_e @ g_e.T, z_e @ u_e.T, *activation)  # [m_e, f] x3
+            h = hidden[e][0]
+        else:
+            h = glu_in_place(z_e @ g_e.T, z_e @ u_e.T, *activation)  # [m_e, f]
+        np.multiply(h, dispatch.weight[rows, :], out=ph)
+        np.matmul(ph, d_e.T, out=out_sorted[rows, :])  # [m_e, l]
+        del g_e, u_e, d_e, h  # drop this expert before the next one is decoded (packed stacks)
+    return combine_in_buffers(out_sorted, dispatch.position), hidden, out_sorted
+
+
+def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: Any, w2: Any, du: np.ndarray,
+                            out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`refimpl.layer.backward.routed_experts_backward` for NumPy float32/float64, in a handful of reused buffers.
+
+    The readable loop makes some fifteen fresh arrays per expert; at the
+    benchmark size that is close to a gigabyte of short-lived memory per
+    backward, which the allocator hands back to the system and faults in
+    again, so the products run at half the speed they reach alone. Here every
+    per-expert array is a slice of one of six buffers sized for the busiest
+    expert, and the three weight gradients are written by their product
+    straight into the stacks (`out=dw[e]`), zeroed only for experts without
+    tokens. A transposed operand (`a.T` of a C-contiguous block) costs no
+    copy: BLAS reads it with its transpose flag. With `out` (three stacks of
+    the gradients' shapes and dtype) the gradients are written there.
+    """
+    dispatch = saved.dispatch
+    (m, k), (n, ell, f) = dispatch.position.shape, w2.shape
+    dtype = z.dtype
+    workspace = saved.workspace
+    reuse = workspace is not None and workspace.dtype == dtype and workspace.shape == (m * k, ell)
+    dz_sorted = workspace if reuse else np.empty((m * k, ell), dtype=dtype)  # [m*k, l]
+    dp_sorted = np.empty((m * k,), dtype=dtype)  # [m*k]
+    dw1, dw3, dw2 = out if out is not None else (np.empty((n, f, ell), dtype=dtype),
+                                                 np.empty((n, f, ell), dtype=dtype),
+                                                 np.empty((n, ell, f), dtype=dtype))
+    experts = dispatch.experts()
+    idle = np.setdiff1d(np.arange(n), experts)
+    dw1[idle], dw3[idle], dw2[idle] = 0, 0, 0
+    busiest = int(np.max(np.diff(dispatch.start))) if experts else 0
+    z_buf, du_buf, lat_buf = (np.empty((busiest, ell), dtype=dtype) for _ in range(3))  # [m_e, l] each
+    o_buf, a_buf, b_buf = (np.empty((busiest, f), dtype=dtype) for _ in range(3))  # [m_e, f] each
+    for e in experts:
+        rows = dispatch.rows(e)
+        m_e = rows.stop - rows.start
+        z_e, du_e, lat, o_bar, a_bar, b_bar = (buf[:m_e] for buf in (z_buf, du_buf, lat_buf, o_buf, a_buf, b_buf))
+        np.take(z, dispatch.token[rows], axis=0, out=z_e, mode="clip")  # [m_e, l]
+        np.take(du, dispatch.token[rows], axis=0, out=du_e, mode="clip")  # [m_e, l]
+        p_e = dispatch.weight[rows, :]  # [m_e, 1]
+        h, dh_da, dh_db = saved.hidden[e]  # [m_e, f] each
+        g_e, u_e, d_e = (np.asarray(w[e, ...], dtype=dtype) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
+        np.matmul(du_e, d_e, out=o_bar)  # o_bar = du_e D_e
+        np.multiply(o_bar, h, out=a_bar)
+        np.sum(a_bar, axis=1, out=dp_sorted[rows])  # dp = o_bar . h
+        np.multiply(h, p_e, out=a_bar)
+        np.matmul(du_e.T, a_bar, out=dw2[e])  # dD_e = du_e^T (p h)
+        o_bar *= p_e  # h_bar
+        np.multiply(o_bar, dh_da, out=a_bar)
+        np.multiply(o_bar, dh_db, out=b_bar)
+        np.matmul(a_bar.T, z_e, out=dw1[e])  # dG_e = a_bar^T z_e
+        np.matmul(b_bar.T, z_e, out=dw3[e])  # dU_e = b_bar^T z_e
+        np.matmul(a_bar, g_e, out=dz_sorted[rows])  # a_bar G_e
+        dz_sorted[rows] += np.matmul(b_bar, u_e, out=lat)  # + b_bar U_e
+    dweights = np.take(dp_sorted, dispatch.position.reshape(m * k)).reshape(m, k)  # [m, k]
+    return combine_in_buffers(dz_sorted, dispatch.position), dweights, dw1, dw3, dw2
+
+
+# ---------------------------------------------------------------------------
+# Top-k and order statistics
+# ---------------------------------------------------------------------------
+
+def topk_by_partition(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """`refimpl._lib.xp.topk` on NumPy for `0 < k < n`: partition, then sort only the `k` survivors.
+
+    O(n) per row plus a sort of k. Rows where the k-th value is tied with an
+    unselected entry (where a partition may pick either) are redone with a
+    stable sort, so the tie rule (the lower index first) holds there too.
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])  # [rows, n]
+    index = np.argpartition(x2, -k, axis=-1)[:, -k:]  # [rows, k], the k largest in arbitrary order
+    values = np.take_along_axis(x2, index, axis=-1)
+    kth = values.min(axis=-1, keepdims=True)  # [rows, 1]
+    ambiguous = np.count_nonzero(x2 >= kth, axis=-1) > k  # [rows]
+    if ambiguous.any():
+        rows = np.flatnonzero(ambiguous)
+        index[rows] = np.argsort(-x2[rows], axis=-1, kind="stable")[:, :k]
+    # Order the survivors: by index first, then a stable sort by value descending.
+    index.sort(axis=-1)
+    values = np.take_along_axis(x2, index, axis=-1)
+    order = np.argsort(-values, axis=-1, kind="stable")
+    index = np.take_along_axis(index, order, axis=-1)
+    values = np.take_along_axis(values, order, axis=-1)
+    return values.reshape(*shape[:-1], k), index.reshape(*shape[:-1], k)
+
+
+def _partition_select(part: np.ndarray, r: int, previous: bool) -> Any:
+    """`np.partition` around position L - r (in place); the r - 1 entries right of it are the larger ones."""
+    pos = part.shape[-1] - r
+    part.partition(pos, axis=-1)
+    kth = part[:, pos].copy()  # [p]
+    return (kth, part[:, pos + 1:].min(axis=-1)) if previous else kth
+
+
+def kth_largest_by_sampling(part: np.ndarray, r: int, previous: bool = False) -> Any:
+    r"""`refimpl.balancing.kth_largest` on a C-contiguous NumPy scratch array `part` `[p, L]` (reordered in place).
+
+    Row-wise selection with a sample that discards most entries first
+    (Floyd and Rivest's idea). Partitioning costs several nanoseconds per
+    entry, comparing well under one. When the wanted rank is near the top of
+    long rows (Eq. 14 asks for about the $mk/n$-th largest of $m$ margins, the
+    top 2% at K3's sizes), a strided sample of each row gives a value `low`
+    that, with high probability, still has at least $r$ entries above it. One
+    comparison pass keeps only the entries $\ge$ `low`, and the small
+    candidate matrix is partitioned. A row where the sample was unlucky (fewer
+    than $r$ kept) is redone with a plain partition, so the answer never
+    depends on the sample.
+    """
+    p, length = part.shape
+    stride = 16
+    expected = r / stride  # sample entries expected among the r largest of a row
+    t = math.ceil(expected + 4.0 * math.sqrt(expected) + 4.0)  # rank in the sample, with a safety margin
+    if length < 64 * stride or t * stride > length // 4:
+        return _partition_select(part, r, previous)
+    sample = part[:, ::stride].copy()  # [p, L/16]
+    low = _partition_select(sample, t, previous=False)  # [p], a lower bound for the r-th largest
+    keep = part >= low[:, None]  # [p, L]
+    count = keep.sum(axis=1)  # [p]
+    # Each row's candidates packed to the left of a [p, width] matrix padded with -inf (at least r wide).
+    width = max(int(count.max()), r)
+    candidates = np.full((p, width), -np.inf, dtype=part.dtype)  # [p, width]
+    row_of = np.repeat(np.arange(p), count)
+    slot = np.arange(row_of.size) - np.repeat(np.cumsum(count) - count, count)
+    candidates[row_of, slot] = part[keep]
+    result = _partition_select(candidates, r, previous)
+    unlucky = np.flatnonzero(count < r)  # the sample overestimated the bound: select on the full row
+    if unlucky.size:
+        redo = _partition_select(part[unlucky], r, previous)
+        if previous:
+            result[0][unlucky], result[1][unlucky] = redo
+        else:
+            result[unlucky] = redo
+    return result
+
+
+def kth_largest_cupy(x: Any, r: int, previous: bool = False) -> Any:
+    """`refimpl.balancing.kth_largest` on CuPy, by its selection kernel.
+
+    CuPy's partition runs a selection kernel only when the position it is
+    asked for is small (it sorts whole rows otherwise), and the r-th largest
+    sits near the end of a row. So it selects the r-th *smallest* of -x: the r
+    smallest of -x come first, the r-th at position r - 1.
+    """
+    import cupy
+
+    part = cupy.partition(-x, r - 1, axis=-1)  # [p, L]
+    kth = -part[:, r - 1]
+    return (kth, -part[:, :r - 1].max(axis=-1)) if previous else kth
+
+
+# ---------------------------------------------------------------------------
+# Eq. (14) by blocks of tokens
+# ---------------------------------------------------------------------------
+
+#: Tokens per block: the cutoffs read 4096 tokens' biased scores at a time, so the whole [m, n] matrix of
+#: them is never allocated; the margins are transposed 256 tokens at a time, which keeps both the rows read
+#: and the columns written in the cache.
+CUTOFF_BLOCK = 4096
+TRANSPOSE_BLOCK = 256
+
+
+def cutoffs_by_blocks(scores: np.ndarray, bias: np.ndarray, top_k: int, *,
+                      with_kth: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    r"""`refimpl.balancing.cutoffs` (and the $k$-th largest, $\kappa$) by blocks of `CUTOFF_BLOCK` tokens.
+
+    NumPy pays for every fresh page of a half-gigabyte temporary; at K3's
+    sizes that costs more than the arithmetic. The values are the same as
+    the whole-array computation.
+    """
+    dtype = np.float64 if np.float64 in (scores.dtype, bias.dtype) else np.float32
+    alphas, kappas = [], []
+    for first in range(0, scores.shape[0], CUTOFF_BLOCK):
+        biased = scores[first:first + CUTOFF_BLOCK].astype(dtype) + bias.astype(dtype)[None, :]  # [block, n]
+        cut = kth_largest_by_sampling(biased, top_k + 1, previous=with_kth)
+        alphas.append(cut[0] if with_kth else cut)
+        kappas.append(cut[1] if with_kth else None)
+    alpha = np.concatenate(alphas) if alphas else np.empty(0, dtype=dtype)  # [m]
+    if not with_kth:
+        return alpha
+    return alpha, (np.concatenate(kappas) if kappas else np.empty(0, dtype=dtype))
+
+
+def expert_major_margins_by_blocks(scores: np.ndarray, alpha: np.ndarray, bias: np.ndarray | None = None,
+                                   kappa: np.ndarray | None = None) -> np.ndarray:
+    """`refimpl.balancing.expert_major_margins` by blocks of `TRANSPOSE_BLOCK` tokens (NumPy transposes element by element)."""
+    m, n = scores.shape
+    s = scores.astype(alpha.dtype, copy=False)  # [m, n]
+    out = np.empty((n, m), dtype=alpha.dtype)  # [n, m]
+    for first in range(0, m, TRANSPOSE_BLOCK):
+        rows = slice(first, min(m, first + TRANSPOSE_BLOCK))
+        s_t = s[rows, :].T  # [n, block]
+        margin_t = s_t - alpha[rows][None, :]  # [n, block]
+        if kappa is not None:
+            chosen_t = (s_t + bias.astype(alpha.dtype)[:, None]) > alpha[rows][None, :]  # [n, block]
+            margin_t = np.where(chosen_t, margin_t, s_t - kappa[rows][None, :])
+        out[:, rows] = margin_t
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Appendix D's scatter-add
+# ---------------------------------------------------------------------------
+
+#: Margins processed per pass of `histogram_count`: its work arrays (a few MB) then stay in cache.
+PASS_MARGINS = 1 << 18
+
+
+def histogram_count_by_experts(counts: np.ndarray, s: np.ndarray, alpha: np.ndarray, low: np.generic,
+                    scale: np.generic) -> None:
+    """The histogram's scatter-add of one chunk (`refimpl.balancing.histogram.BiasHistogram.add`) on NumPy, in place, by experts.
+
+    Each pass takes a group of expert columns small enough that its work
+    arrays stay in cache, and reuses the same buffers. The float operations
+    are those of the readable path (subtract the low end from the cutoff,
+    subtract the score, multiply, clip, then truncate, which is the floor for
+    the non-negative clipped values), so both give identical bins.
+    """
+    c = s.shape[0]
+    n, bins = counts.shape
+    group = max(1, min(n, PASS_MARGINS // max(c, 1)))  # experts per pass
+    # Ids fit in int32 unless the group holds 2^31 bins; int32 converts from float much faster than int64.
+    id_dtype = np.int32 if group * bins < 2**31 else np.intp
+    t_buffer = np.empty(c * group, dtype=alpha.dtype)
+    id_buffer = np.empty(c * group, dtype=id_dtype)
+    offset = np.arange(group, dtype=id_dtype) * bins  # [G], the first id of each expert in the group
+    a = (alpha - low)[:, None]  # [c, 1]
+    for j0 in range(0, n, group):
+        g = min(group, n - j0)
+        t = t_buffer[: c * g].reshape(c, g)  # [c, g]
+        ids = id_buffer[: c * g].reshape(c, g)  # [c, g]
+        np.subtract(a, s[:, j0:j0 + g], out=t)
+        np.multiply(t, scale, out=t)
+        np.clip(t, 0.0, float(bins - 1), out=t)
+        np.copyto(ids, t, casting="unsafe")  # truncation toward zero: the floor, as t >= 0
+        np.add(ids, offset[None, :g], out=ids)
+        counts[j0:j0 + g] += np.bincount(id_buffer[: c * g], minlength=g * bins).reshape(g, bins)

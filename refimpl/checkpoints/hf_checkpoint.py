@@ -1,0 +1,666 @@
+r"""Kimi K3 checkpoints as released: read one MoE layer, keep its experts packed, write the same layout.
+
+K3 is published as a Hugging Face directory: a nested `config.json`
+(its `text_config` holds the language model's keys, see the configuration
+page), a
+`model.safetensors.index.json` that maps every tensor name to its shard, and
+the `*.safetensors` shards. One MoE layer $L$ lives under
+
+    {prefix}model.layers.{L}.block_sparse_moe.
+
+with `prefix = "language_model."` in the released multimodal checkpoint and
+no prefix in text-only exports. The layer's tensors are the names of
+`MoEParams`, except that the routed experts are **one module per expert**,
+`experts.{e}.w1.weight` (gate, $[f, \ell]$), `experts.{e}.w3.weight` (up) and
+`experts.{e}.w2.weight` (down, $[\ell, f]$), and that in the release they are
+**MXFP4**: each `.weight` is replaced by `.weight_packed` and `.weight_scale`
+(see `refimpl.mx`). Everything else (router, latent projections, norm,
+shared experts) stays unquantized, in bfloat16; the selection bias is kept in
+float32 or wider here whatever the file holds (see the routing page).
+
+## Why the experts stay packed
+
+A K3 MoE layer holds $896 \times 3 \ell f \approx 29.6$ billion routed
+weights: 15.7 GB in MXFP4, 118 GB in float32. `load_hf_layer` therefore
+**memory-maps** the shards and keeps each routed-expert matrix as it is
+stored. `experts.w1`, `experts.w3` and `experts.w2` become `ExpertStack`
+objects: read-only array-likes with the shapes of `MoEParams`
+(`[n, f, \ell]`, `[n, \ell, f]`) whose indexing `w[e]` decodes one expert to
+float32. The forward pass (`stable_latent_moe`) already runs expert by
+expert, so it never holds more than one expert in float32, and only the
+pages of the experts a batch uses are ever read from disk.
+
+## Reading a layer, step by step
+
+1. `config.json` gives the `MoEConfig` (`MoEConfig.from_hf_config`, with the
+   reference code's meaning of absent keys, every value checked) and the
+   quantization: only
+   compressed-tensors' `mxfp4-pack-quantized` (4-bit floats, groups of 32) is
+   understood; any other format is an error, not a guess.
+2. The layer must exist and be an MoE layer (`first_k_dense_replace`,
+   `moe_layer_freq`); a dense layer is an error that says so.
+3. The tensor names are found through the index file (or the single
+   `model.safetensors`), with or without the `language_model.` prefix.
+4. Every tensor is checked for presence, dtype and shape before anything is
+   returned: an error names the tensor, the file and what was expected, and
+   nothing half-loaded escapes.
+
+The safetensors format is simple enough to read directly: an 8-byte
+little-endian header length, a JSON header mapping each name to its dtype,
+shape and byte range, then the raw bytes. `read_safetensors_header` and
+`open_safetensors` do that with `numpy.memmap`, so a tensor costs nothing
+until its bytes are used. Writing goes through the `safetensors` library,
+which the tests also use to read what this module writes.
+
+## Reading only what the checkpoint holds
+
+A checkpoint folder comes from somewhere else, so the loader trusts none of
+it until it has been checked:
+
+* **Only files inside the folder are read.** A `weight_map` entry that is an
+  absolute path or climbs out with `..`, and a file (shard, index or
+  `config.json`) that is a symbolic link resolving outside the folder, is a
+  `ValueError` naming the entry. A checkpoint downloaded from a hub cannot
+  make the loader read `/etc/passwd` or another user's files as weights.
+* **Every safetensors header is validated before a byte of data is used**:
+  the 8-byte length must lie within the file, the header must be JSON (an
+  object, no name twice) of at most 100 MB, every tensor needs a dtype this
+  reader knows, a shape of non-negative integers and a byte range
+  `data_offsets` whose length is the dtype's size times the product of the
+  shape; and the byte ranges, in order, must tile the data exactly:
+  starting at 0, each where the previous one ends, the last at the end of
+  the file. That is the format's own rule (the `safetensors` library
+  enforces it too); without it, overlapping or negative offsets would read
+  the header's own bytes, or another tensor's, as weights.
+* **Malformed JSON** in `config.json` or the index is a `ValueError` naming
+  the file and the place, not a traceback from the `json` module.
+* **`dtype` must be a floating type** (float32, float64, bfloat16 or float16);
+  an integer type would truncate every weight.
+* **Decoding refuses what it cannot represent.** An E8M0 scale byte of 255
+  (NaN) is a `ValueError` naming the tensor and the expert when that expert
+  is decoded, and so is a value the requested dtype cannot hold (scale byte
+  254 times 6 is $1.02 \times 10^{39}$, beyond float32; the message suggests
+  `dtype=np.float64`, which decodes it exactly). Casting a stored float64
+  tensor to float32 is checked the same way.
+
+## Writing without losing anything
+
+`save_hf_layer` writes into a folder that may hold other things, so it
+promises three things:
+
+* **It asks before it replaces.** A folder that already holds a checkpoint
+  (`config.json`, the index, `model.safetensors`, or the mark of an
+  interrupted save) is refused with `FileExistsError` naming it, unless
+  `overwrite=True`.
+* **It touches only what it writes.** Other files in the folder (a user's
+  `model-finetuned.safetensors`, notes, a README) are never opened,
+  replaced or deleted, with `overwrite=True` too. New shards get names no
+  file in the folder has (`model-00001-of-00003.safetensors`, or with a
+  `-2` suffix when those are taken), so the old index can never point to a
+  new shard. With `overwrite=True` the files the old checkpoint listed (its
+  index's shards, or its `model.safetensors`) are removed, and only after
+  the new checkpoint is complete.
+* **It is transactional.** Every file is first written in full under a
+  temporary name in the same folder and flushed to disk (`fsync`); a
+  failure then (a full disk, a bad tensor) removes the temporary files and
+  leaves the folder exactly as it was. Only then are they renamed into
+  place, the shards first, then `config.json`, the index last. The new
+  shards have fresh names, so until `config.json` is replaced the old
+  checkpoint is untouched, and a failure takes the new files back again.
+  Renaming within a folder is atomic, but two files (`config.json` and the
+  index) cannot change in one step, so while the renames run a mark,
+  `.save_hf_layer-incomplete.json`, says a save is under way; a failure or
+  a crash between the two leaves it behind, and `load_hf_layer` then
+  refuses the folder rather than pair the new weights with the old
+  configuration. Saving again with `overwrite=True` finishes the job and
+  removes what the interrupted save left. New files get the permissions of
+  the process's umask, as any file the user creates.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .._lib.files import flush_file, fsync_folder, new_file_mode
+from ..config import MoEConfig, is_moe_layer
+from ..layer.latent_moe import MoEParams, check_params, parameter_shapes
+from ..mx import MX_BLOCK, check_float_dtype, mxfp4_decode, mxfp4_encode
+from .safetensors import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    Shards,
+    inside_folder,
+    read_json,
+    to_dtype,
+)
+
+__all__ = [
+    "ExpertStack",
+    "INCOMPLETE_SAVE_MARK",
+    "K3_QUANTIZATION_CONFIG",
+    "layer_prefix",
+    "load_hf_layer",
+    "save_hf_layer",
+]
+
+#: The `quantization_config` of K3's `text_config`: compressed-tensors MXFP4 on the routed experts only.
+K3_QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "format": "mxfp4-pack-quantized",
+            "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
+                        "group_size": 32, "dynamic": False, "scale_dtype": "torch.uint8"},
+            "input_activations": None,
+            "output_activations": None,
+        },
+    },
+    # Everything but the routed experts stays in bfloat16.
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*routed_expert_(down|up)_proj$",
+               "re:.*block_sparse_moe\\.gate$", "re:.*mlp\\..*", "re:vision.*", "re:.*mm_projector.*"],
+}
+
+#: The file that marks a folder whose `save_hf_layer` stopped between its renames (see the page).
+INCOMPLETE_SAVE_MARK = ".save_hf_layer-incomplete.json"
+
+# The three matrices of a routed expert: HF module name -> MoEParams stack name.
+_EXPERT_MATRICES = {"w1": "experts.w1", "w3": "experts.w3", "w2": "experts.w2"}
+
+# ---------------------------------------------------------------------------
+# The packed expert stack
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class ExpertStack:
+    r"""A read-only stack of `n` expert matrices `[n, out, in]` that decodes one expert on `w[e]`.
+
+    Each expert is held as stored: MXFP4 (`packed [out, in/2]` and `scale
+    [out, in/32]` uint8, `format="mxfp4"`) or a floating matrix `[out, in]`
+    (`format="dense"`, e.g. bfloat16), usually memory-mapped views of the
+    checkpoint. `w[e]` (or `w[e, ...]`) returns expert `e` as a fresh
+    `[out, in]` array of `dtype`; nothing else is supported, so a stack can
+    never be materialized by accident. `nbytes` is the stored size. `names`
+    holds each expert's module name in the checkpoint, for error messages:
+    decoding an expert whose bytes have no value in `dtype` (an E8M0 NaN
+    scale, an overflow) is a `ValueError` naming the tensor and the expert.
+    """
+
+    format: str
+    parts: tuple[tuple[np.ndarray, ...], ...]
+    shape: tuple[int, int, int]
+    dtype: Any = np.float32
+    names: tuple[str, ...] = ()
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored (packed) matrices."""
+        return sum(a.nbytes for part in self.parts for a in part)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        if isinstance(key, tuple) and len(key) == 2 and key[1] is Ellipsis:
+            key = key[0]
+        if isinstance(key, bool) or not isinstance(key, int | np.integer):
+            raise TypeError(f"an ExpertStack decodes one expert at a time: index it with an integer e, got {key!r}")
+        e = int(key)
+        if not -len(self) <= e < len(self):
+            raise IndexError(f"expert {e} out of range for a stack of {len(self)} experts")
+        e %= len(self)
+        part = self.parts[e]
+        name = self.names[e] if self.names else f"expert {e}"
+        if self.format == "mxfp4":
+            try:
+                return mxfp4_decode(part[0], part[1], dtype=self.dtype)  # [out, in]
+            except ValueError as exc:
+                raise ValueError(f"tensor '{name}.weight_scale' (expert {e} of {len(self)}): {exc}") from None
+        return to_dtype(part[0], np.dtype(self.dtype), f"{name}.weight")  # [out, in], a fresh copy
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[e] for e in range(len(self)))
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise TypeError("an ExpertStack is never converted to one array (a K3 layer would take 118 GB in "
+                        "float32); index it, w[e], to decode one expert")
+
+    def __repr__(self) -> str:
+        return (f"ExpertStack({self.format}, shape={list(self.shape)}, dtype={np.dtype(self.dtype).name}, "
+                f"stored {self.nbytes / 1e6:.1f} MB)")
+
+
+# ---------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------
+
+def layer_prefix(layer: int, prefix: str = "language_model.") -> str:
+    """The name prefix of MoE layer `layer`'s tensors: `{prefix}model.layers.{layer}.block_sparse_moe.`."""
+    return f"{prefix}model.layers.{layer}.block_sparse_moe."
+
+
+def _check_quantization(text: Mapping[str, Any], hf: Mapping[str, Any]) -> bool:
+    """True when the config declares compressed-tensors MXFP4; raise for any other quantization."""
+    qc = text.get("quantization_config", hf.get("quantization_config"))
+    if qc is None:
+        return False
+    if not isinstance(qc, Mapping):
+        raise ValueError(f"config.json: quantization_config must be a mapping, got {type(qc).__name__}")
+    method, fmt = qc.get("quant_method"), qc.get("format")
+    if method != "compressed-tensors" or fmt != "mxfp4-pack-quantized":
+        raise ValueError(
+            "config.json: unknown quantization format: quant_method="
+            f"{method!r}, format={fmt!r} (only 'compressed-tensors' with 'mxfp4-pack-quantized' is understood)")
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, Mapping):
+        raise ValueError(f"config.json: quantization_config.config_groups must be a mapping, got "
+                         f"{type(groups).__name__}")
+    for group_name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, Mapping) else None
+        if not isinstance(weights, Mapping):
+            raise ValueError(f"config.json: quantization_config.config_groups.{group_name} must be a mapping "
+                             f"with a 'weights' mapping, got {group!r:.80}")
+        bits, size = weights.get("num_bits"), weights.get("group_size")
+        kind = weights.get("type", "float")
+        if (bits, size, kind) != (4, MX_BLOCK, "float") or isinstance(bits, bool) or isinstance(size, bool):
+            raise ValueError(
+                f"config.json: quantization_config.config_groups.{group_name}.weights must be 4-bit floats in "
+                f"groups of {MX_BLOCK} (MXFP4), got num_bits={bits!r}, group_size={size!r}, type={kind!r}")
+    return True
+
+
+def _find_prefix(shards: Shards, layer: int) -> str:
+    for prefix in ("language_model.", ""):
+        if f"{layer_prefix(layer, prefix)}gate.weight" in shards:
+            return prefix
+    raise ValueError(f"{shards.path} has no tensor {layer_prefix(layer)}gate.weight (nor without the "
+                     "'language_model.' prefix): the layer's router is missing")
+
+
+def _tensor(shards: Shards, name: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
+    """The stored tensor `name`, checked for presence, dtype kind ('float' or 'uint8') and shape."""
+    if name not in shards:
+        raise ValueError(f"checkpoint {shards.path} has no tensor {name!r}")
+    t = shards.get(name)
+    if kind == "uint8" and t.dtype != np.uint8:
+        raise ValueError(f"tensor {name!r} must be uint8 (MXFP4 bytes), got {t.dtype}")
+    if kind == "float" and not (np.issubdtype(t.dtype, np.floating) or t.dtype == ml_dtypes.bfloat16):
+        raise ValueError(f"tensor {name!r} must be floating point, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"tensor {name!r} must have shape {list(shape)}, got {list(t.shape)}")
+    return t
+
+
+def _expert_stack(shards: Shards, base: str, hf_name: str, n: int, shape: tuple[int, int],
+                  quantized: bool, dtype: np.dtype) -> ExpertStack:
+    out, inp = shape
+    first = f"{base}experts.0.{hf_name}.weight_packed"
+    packed_layout = first in shards
+    if packed_layout and not quantized:
+        raise ValueError(f"tensor {first!r} is MXFP4 but config.json declares no quantization_config")
+    parts, names = [], []
+    for e in range(n):
+        name = f"{base}experts.{e}.{hf_name}"
+        if packed_layout:
+            if inp % MX_BLOCK:
+                raise ValueError(f"{name} cannot be MXFP4: its input width {inp} is not a multiple of {MX_BLOCK}")
+            parts.append((_tensor(shards, f"{name}.weight_packed", (out, inp // 2), "uint8"),
+                          _tensor(shards, f"{name}.weight_scale", (out, inp // MX_BLOCK), "uint8")))
+        else:
+            parts.append((_tensor(shards, f"{name}.weight", (out, inp), "float"),))
+        names.append(name)
+    return ExpertStack("mxfp4" if packed_layout else "dense", tuple(parts), (n, out, inp), dtype, tuple(names))
+
+
+def load_hf_layer(path: str | os.PathLike, layer: int, *,
+                  dtype: Any = np.float32) -> tuple[MoEConfig, MoEParams]:
+    """Read MoE layer `layer` of the checkpoint directory `path`: `(config, params)`.
+
+    Only that layer's tensors are touched, through memory maps, and only
+    files inside `path`. The router, bias, projections, norm and shared
+    experts are returned as arrays of `dtype` (float32, float64, bfloat16 or
+    float16; the bias stays float32 or wider); the routed experts
+    `experts.w1/w3/w2` are `ExpertStack`s that keep the stored bytes (MXFP4
+    when the checkpoint is quantized) and decode one expert to `dtype` on
+    `w[e]`. Every function that takes parameters accepts the result.
+
+    Raises `ValueError` naming the file, key, entry or tensor for: a missing
+    or malformed config, index or shard (every safetensors header is
+    validated before its data is used), a `weight_map` entry or symbolic
+    link leading out of the folder, a layer out of range or dense, an
+    unknown quantization format, a configuration `MoEConfig` cannot
+    represent, a missing or misshapen tensor, a folder left by an
+    interrupted `save_hf_layer`, and (when the expert is decoded) a scale
+    byte 255 or a value `dtype` cannot hold. `TypeError` for a `layer` that
+    is not an integer or a `dtype` that is not floating. Nothing is
+    returned unless everything checks.
+    """
+    path = Path(path)
+    if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
+        raise TypeError(f"layer must be an integer, got {type(layer).__name__} {layer!r}")
+    layer = int(layer)
+    dtype = check_float_dtype(dtype)
+    if os.path.lexists(path / INCOMPLETE_SAVE_MARK):
+        raise ValueError(
+            f"{path} holds {INCOMPLETE_SAVE_MARK}: a save_hf_layer into this folder stopped while it replaced the "
+            "checkpoint, so config.json and the weights may come from different saves; save the layer again "
+            f"with overwrite=True (which also removes what the interrupted save left), or delete "
+            f"{INCOMPLETE_SAVE_MARK} if you know the files belong together")
+    if not os.path.lexists(path / CONFIG_FILE):
+        raise ValueError(f"{path} has no {CONFIG_FILE}")
+    config_file = inside_folder(path, CONFIG_FILE, "the configuration")
+    hf = read_json(config_file)
+    if not isinstance(hf, dict):
+        raise ValueError(f"{config_file} must hold a JSON object (the model's configuration), "
+                         f"got {type(hf).__name__}")
+    try:
+        config = MoEConfig.from_hf_config(hf)
+    except ValueError as exc:
+        raise ValueError(f"{config_file}: {exc}") from None
+    text = hf.get("text_config", hf)
+    total = text.get("num_hidden_layers")
+    if total is not None and not 0 <= layer < total:
+        raise ValueError(f"layer must be in [0, {total - 1}] (num_hidden_layers={total}), got {layer}")
+    first_dense, freq = text.get("first_k_dense_replace", 0), text.get("moe_layer_freq", 1)
+    if not is_moe_layer(layer, first_dense, freq):
+        raise ValueError(f"layer {layer} is a dense layer (first_k_dense_replace={first_dense}, "
+                         f"moe_layer_freq={freq}), not an MoE layer")
+    quantized = _check_quantization(text, hf)
+    shards = Shards(path)
+    base = layer_prefix(layer, _find_prefix(shards, layer))
+
+    params = MoEParams()
+    for name, shape in parameter_shapes(config).items():
+        if name in _EXPERT_MATRICES.values():
+            continue
+        if name.startswith("shared_experts.") and config.shared_size == 0:
+            params[name] = np.zeros(shape, dtype=dtype)  # no shared experts: empty matrices
+            continue
+        _tensor(shards, base + name, shape, "float")  # present, floating, the right shape
+        keep = np.dtype(np.float32) if name == "gate.e_score_correction_bias" and dtype.itemsize < 4 else dtype
+        params[name] = to_dtype(shards.read(base + name), keep, base + name)  # in memory, detached from the map
+    shapes = parameter_shapes(config)
+    for hf_name, stack in _EXPERT_MATRICES.items():
+        params[stack] = _expert_stack(shards, base, hf_name, config.num_experts, shapes[stack][1:], quantized, dtype)
+    # Order as parameter_shapes, the order every other function lists them in.
+    return config, MoEParams((name, params[name]) for name in shapes)
+
+
+# ---------------------------------------------------------------------------
+# Saving
+# ---------------------------------------------------------------------------
+
+def _expert_tensors(name: str, w: Any, e: int, mxfp4: bool, stack: str) -> dict[str, np.ndarray]:
+    """The stored tensors of expert `e` of stack `w` (`params[stack]`) under module name `name`."""
+    if isinstance(w, ExpertStack) and w.format == "mxfp4" and mxfp4:
+        packed, scale = w.parts[e]  # already packed: copy the bytes, no re-encoding
+        return {f"{name}.weight_packed": np.array(packed), f"{name}.weight_scale": np.array(scale)}
+    matrix = np.asarray(w[e])  # [out, in]
+    if mxfp4:
+        try:
+            packed, scale = mxfp4_encode(matrix)
+        except ValueError as exc:
+            raise ValueError(f"params[{stack!r}][{e}] (expert {e}) cannot be written as MXFP4: {exc}") from None
+        return {f"{name}.weight_packed": packed, f"{name}.weight_scale": scale}
+    return {f"{name}.weight": np.ascontiguousarray(matrix)}
+
+
+def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[str, Any], layer: int = 1, *,
+                  mxfp4: bool = True, prefix: str = "language_model.",
+                  shard_size: int | None = None, overwrite: bool = False) -> Path:
+    """Write one MoE layer as a checkpoint directory in the released layout; returns the path.
+
+    Writes `config.json` (nested, `config.to_hf_config(nested=True)`, with
+    K3's `quantization_config` when `mxfp4`), the tensors of layer `layer`
+    under `{prefix}model.layers.{layer}.block_sparse_moe.` with one module
+    per expert (MXFP4-encoded with `refimpl.mx.mxfp4_encode` when `mxfp4`,
+    otherwise as given), and either one `model.safetensors` or, with
+    `shard_size` (bytes), shards listed in `model.safetensors.index.json`.
+    Layer 0 is dense in this layout, so `layer` must be in
+    `[1, config.num_moe_layers]`.
+
+    A folder that already holds a checkpoint (`config.json`, the index,
+    `model.safetensors` or the mark of an interrupted save) is refused with
+    `FileExistsError` unless `overwrite=True`. Other files in the folder are
+    never touched; with `overwrite=True` the old checkpoint's files are
+    removed once the new one is complete. The write is transactional: every
+    file is written and flushed under a temporary name in the folder first,
+    so a failure there leaves the folder as it was; then the files are
+    renamed into place, the index last. New files get the permissions of
+    the process's umask. See the page for the details.
+    """
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be True or False, got {type(overwrite).__name__} {overwrite!r}")
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a string such as 'language_model.' or '', got {type(prefix).__name__}")
+    if shard_size is not None and (isinstance(shard_size, bool) or not isinstance(shard_size, int | np.integer)
+                                   or shard_size < 1):
+        raise ValueError(f"shard_size must be a positive number of bytes or None, got {shard_size!r}")
+    check_params(params, config)
+    if isinstance(layer, bool) or not isinstance(layer, int | np.integer) or not 1 <= layer <= config.num_moe_layers:
+        raise ValueError(f"layer must be an MoE layer in [1, {config.num_moe_layers}] (layer 0 is dense), "
+                         f"got {layer!r}")
+    if mxfp4 and (config.latent_size % MX_BLOCK or config.intermediate_size % MX_BLOCK):
+        raise ValueError(f"mxfp4=True needs latent_size and intermediate_size that are multiples of {MX_BLOCK}, "
+                         f"got {config.latent_size} and {config.intermediate_size}")
+    hf = config.to_hf_config(nested=True)  # raises for a config the reference code cannot express
+    path = Path(path)
+    found = _checkpoint_files_in(path)  # before any encoding: a refusal costs nothing
+    if found and not overwrite:
+        raise FileExistsError(f"{path} already holds a checkpoint ({', '.join(found)}): pass overwrite=True to "
+                              "replace it (files save_hf_layer did not write are kept)")
+    if mxfp4:
+        hf["text_config"]["quantization_config"] = json.loads(json.dumps(K3_QUANTIZATION_CONFIG))
+    base = layer_prefix(int(layer), prefix)
+
+    tensors: dict[str, np.ndarray] = {}
+    for name, value in params.items():
+        if name in _EXPERT_MATRICES.values() or (name.startswith("shared_experts.") and config.shared_size == 0):
+            continue
+        tensors[base + name] = np.ascontiguousarray(np.asarray(value))
+    for hf_name, stack in _EXPERT_MATRICES.items():
+        for e in range(config.num_experts):
+            tensors.update({base + key: value for key, value in
+                            _expert_tensors(f"experts.{e}.{hf_name}", params[stack], e, mxfp4, stack).items()})
+
+    groups = _shard_groups(tensors, int(shard_size) if shard_size is not None else None)
+    old = _old_checkpoint_files(path) if found else set()
+    shard_names = _fresh_shard_names(path, len(groups), taken=old)
+    files: dict[str, Callable[[str], None]] = {}  # final name -> how to write it; written in this order
+    for shard, names in zip(shard_names, groups, strict=True):
+        files[shard] = lambda tmp, names=names: _write_safetensors({k: tensors[k] for k in names}, tmp)
+    files[CONFIG_FILE] = lambda tmp: Path(tmp).write_text(json.dumps(hf, indent=2))
+    if len(groups) > 1:
+        weight_map = {k: shard for shard, names in zip(shard_names, groups, strict=True) for k in names}
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+        files[INDEX_FILE] = lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2))
+    _write_transaction(path, files, old)
+    return path
+
+
+def _write_safetensors(tensors: dict[str, np.ndarray], file: str) -> None:
+    """Write `tensors` to `file` with the safetensors library (PyTorch's metadata, as the release has)."""
+    from safetensors.numpy import save_file
+
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def _checkpoint_files_in(path: Path) -> list[str]:
+    """The files of a checkpoint that `path` already holds (those `save_hf_layer` would replace)."""
+    if os.path.lexists(path) and not path.is_dir():
+        raise FileExistsError(f"{path} exists and is not a folder: save_hf_layer writes a checkpoint folder")
+    if not path.is_dir():
+        return []
+    return [name for name in (CONFIG_FILE, INDEX_FILE, SINGLE_FILE, INCOMPLETE_SAVE_MARK)
+            if os.path.lexists(path / name)]
+
+
+def _is_plain_file_name(entry: Any) -> bool:
+    """A bare name of a shard in the folder itself: no directory part, no '..', ending in .safetensors."""
+    return (isinstance(entry, str) and entry.endswith(".safetensors") and "/" not in entry and "\\" not in entry
+            and "\x00" not in entry and entry not in (".", ".."))
+
+
+def _is_temporary_name(entry: Any) -> bool:
+    """A bare name of the kind `_stage` gives its temporary files: `.{final name}.{random}.tmp`."""
+    return (isinstance(entry, str) and entry.startswith(".") and entry.endswith(".tmp") and "/" not in entry
+            and "\\" not in entry and "\x00" not in entry)
+
+
+def _old_checkpoint_files(path: Path) -> set[str]:
+    """The files of the checkpoint in `path` that a complete new save may remove.
+
+    Those its index lists (plain names in the folder only: an entry pointing
+    elsewhere is never deleted), or its `model.safetensors` when it has no
+    index, and the files (shards, temporary files) an interrupted save
+    recorded in its mark.
+    """
+    old: set[str] = set()
+    if os.path.lexists(path / INDEX_FILE):
+        try:
+            weight_map = read_json(path / INDEX_FILE).get("weight_map", {})
+            old.update(file for file in weight_map.values() if _is_plain_file_name(file))
+        except (ValueError, AttributeError, OSError):
+            pass  # an unreadable index lists nothing; its shards are left alone
+    elif os.path.lexists(path / SINGLE_FILE):
+        old.add(SINGLE_FILE)
+    if os.path.lexists(path / INCOMPLETE_SAVE_MARK):
+        try:
+            mark = read_json(path / INCOMPLETE_SAVE_MARK)
+            old.update(file for file in mark.get("writing", []) if _is_plain_file_name(file))
+            old.update(file for file in mark.get("temporary", []) if _is_temporary_name(file))
+        except (ValueError, AttributeError, TypeError, OSError):
+            pass
+    return old
+
+
+def _fresh_shard_names(path: Path, count: int, taken: set[str]) -> list[str]:
+    """Shard file names that no file in `path` has and the old checkpoint does not list.
+
+    One shard is `model.safetensors` (the name the single-file layout
+    requires; it replaces the old one in one rename). Several are
+    `model-00001-of-0000N.safetensors`, or with the suffix `-2`, `-3`, ...
+    when those names are in use, so a new shard never overwrites a file.
+    """
+    if count == 1:
+        return [SINGLE_FILE]
+    for generation in itertools.count(1):
+        suffix = "" if generation == 1 else f"-{generation}"
+        names = [f"model-{i + 1:05d}-of-{count:05d}{suffix}.safetensors" for i in range(count)]
+        if not any(name in taken or os.path.lexists(path / name) for name in names):
+            return names
+    raise AssertionError("unreachable")
+
+
+def _write_transaction(path: Path, files: dict[str, Callable[[str], None]], old: set[str]) -> None:
+    """Write `files` (final name -> writer) into `path` all or nothing, then remove `old` files it does not use.
+
+    1. Each file is written under a temporary name in `path` and flushed;
+       any failure removes them all and leaves the folder as it was.
+    2. The mark `INCOMPLETE_SAVE_MARK` is put in place, the files are renamed
+       in the order given (shards, config.json, the index last), a stale
+       index is removed when the new layout is a single file, the folder is
+       flushed, and the mark is removed. A failure before a file of the old
+       checkpoint is replaced (while the new shards, under fresh names, go
+       in) still takes everything back; after that, the mark stays.
+    3. Only then are the old checkpoint's files that the new one does not
+       use removed.
+    """
+    created = [folder for folder in (path, *path.parents) if not folder.exists()]  # deepest first
+    path.mkdir(parents=True, exist_ok=True)
+    mode = new_file_mode()
+    staged: list[tuple[Path, Path]] = []  # (temporary, final)
+    placed: list[Path] = []  # new files renamed into place under names no file had
+    replaced = False  # whether a file the old checkpoint reads (config.json, the index, model.safetensors) changed
+    mark_placed = False
+    try:
+        for name, write in files.items():
+            staged.append((_stage(path, name, write, mode), path / name))
+        stale_index = INDEX_FILE not in files and os.path.lexists(path / INDEX_FILE)
+        if not os.path.lexists(path / INCOMPLETE_SAVE_MARK):  # an interrupted save's mark stays until we succeed
+            mark = {"writing": list(files), "temporary": [temporary.name for temporary, _ in staged],
+                    "replacing": sorted(old | ({INDEX_FILE} if stale_index else set()))}
+            staged.append((_stage(path, INCOMPLETE_SAVE_MARK, lambda tmp: Path(tmp).write_text(json.dumps(mark)),
+                                  mode), path / INCOMPLETE_SAVE_MARK))
+            os.replace(*staged[-1])
+            staged.pop()
+            mark_placed = True
+        for temporary, final in staged:
+            replacing = os.path.lexists(final)
+            replaced = replaced or replacing
+            os.replace(temporary, final)
+            if not replacing:
+                placed.append(final)
+        if stale_index:
+            os.unlink(path / INDEX_FILE)  # the single file is the checkpoint now; the old index would shadow it
+        fsync_folder(path)
+        os.unlink(path / INCOMPLETE_SAVE_MARK)
+        fsync_folder(path)
+    except BaseException:
+        for temporary, _ in staged:
+            if os.path.lexists(temporary):
+                os.unlink(temporary)
+        if not replaced:  # the old checkpoint is intact: take back the new files and the mark, as if never run
+            for final in placed:
+                os.unlink(final)
+            if mark_placed:
+                os.unlink(path / INCOMPLETE_SAVE_MARK)
+        for folder in created:  # the folders this save made, if nothing else is in them now
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        raise
+    for name in sorted(old - set(files)):  # the new checkpoint is complete: the old one's other files go
+        if os.path.lexists(path / name) and not (path / name).is_dir():
+            os.unlink(path / name)
+    fsync_folder(path)
+
+
+def _stage(path: Path, name: str, write: Callable[[str], None], mode: int) -> Path:
+    """A temporary file in `path` holding what `write(temporary_name)` writes, flushed, with the umask's mode."""
+    fd, temporary = tempfile.mkstemp(dir=path, prefix=f".{name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(temporary)
+        os.chmod(temporary, mode)  # mkstemp creates 0600; a new file gets what the umask allows
+        flush_file(temporary)
+    except BaseException:
+        if os.path.lexists(temporary):
+            os.unlink(temporary)
+        raise
+    return Path(temporary)
+
+
+def _shard_groups(tensors: Mapping[str, np.ndarray], shard_size: int | None) -> list[list[str]]:
+    """Tensor names split into consecutive shards of at most `shard_size` bytes (one tensor may exceed it)."""
+    names = list(tensors)
+    if shard_size is None:
+        return [names]
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name in names:
+        size = tensors[name].nbytes
+        if groups[-1] and used + size > shard_size:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += size
+    return groups

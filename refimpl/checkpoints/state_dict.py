@@ -1,0 +1,437 @@
+r"""Porting: one block's weights to and from Hugging Face tensor names.
+
+A port of the K3 block into another framework (an inference engine, a training
+stack, a fused kernel) holds its weights under the names of the reference
+modeling code: a PyTorch `state_dict()`, a safetensors shard, a dictionary of
+JAX arrays. This module turns such a mapping into the `MoEParams` that every
+function of this package takes, and back, so that a port and the reference can
+run on the very same weights:
+
+```python
+import refimpl
+
+config = refimpl.MoEConfig.from_hf_config(text_config)
+params = refimpl.params_from_hf_state_dict(my_block.state_dict(), config)
+y_reference = refimpl.stable_latent_moe(x, params, config)
+
+state_dict = refimpl.hf_state_dict_from_params(params, config)
+my_block.load_state_dict({k: torch.from_numpy(v) for k, v in state_dict.items()}, strict=True)
+```
+
+## The names
+
+The reference block (`KimiSparseMoeBlock`) registers one module per routed
+expert, so its `state_dict()` holds, for a layer with $n$ experts, a latent of
+width $\ell$, expert width $f$ and $N_s$ shared experts:
+
+| name | shape | `MoEParams` name |
+|---|---|---|
+| `gate.weight` | $[n, d]$ | the same |
+| `gate.e_score_correction_bias` | $[n]$ | the same |
+| `routed_expert_down_proj.weight` | $[\ell, d]$ | the same (only with a latent) |
+| `routed_expert_norm.weight` | $[\ell]$ | the same (only with the latent norm) |
+| `routed_expert_up_proj.weight` | $[d, \ell]$ | the same (only with a latent) |
+| `experts.{e}.w1.weight` | $[f, \ell]$ | `experts.w1[e]` (gate) |
+| `experts.{e}.w3.weight` | $[f, \ell]$ | `experts.w3[e]` (up) |
+| `experts.{e}.w2.weight` | $[\ell, f]$ | `experts.w2[e]` (down) |
+| `shared_experts.{gate,up,down}_proj.weight` | $[N_s f, d]$, $[d, N_s f]$ | the same (only with $N_s > 0$) |
+
+These are the **block-relative** names (`layer=None`). Inside a whole model
+the block of decoder layer $L$ sits under
+`{prefix}model.layers.{L}.block_sparse_moe.`, with `prefix="language_model."` in
+K3's multimodal checkpoint; pass `layer=L` (and `prefix`) to read or write
+those full names. Then every other tensor of the model is ignored, so a whole
+model's `state_dict()` can be passed as it is. With `layer=None`, `prefix` is
+simply put in front of the block-relative names (`prefix="mlp."` for a block
+held under another name).
+
+A routed expert may instead be stored as **MXFP4**, the way K3's checkpoint
+ships (compressed-tensors' `mxfp4-pack-quantized`): `.weight` is then replaced
+by the pair `.weight_packed` (uint8 $[\text{out}, \text{in}/2]$) and
+`.weight_scale` (uint8 $[\text{out}, \text{in}/32]$). Such experts **stay
+packed**: `params_from_hf_state_dict` returns them as an `ExpertStack` that
+decodes one expert on `w[e]`, and `hf_state_dict_from_params(..., mxfp4=True)`
+copies packed bytes through untouched (and encodes float experts with
+`refimpl.mx.mxfp4_encode`).
+
+## The values
+
+A value may be a NumPy array, a PyTorch tensor on any device and of any float
+dtype (bfloat16 included; one that requires grad is detached), or anything
+else that NumPy can read through `__array__` or DLPack (`__dlpack__`): JAX,
+CuPy, TensorFlow. PyTorch is never imported by this module: a tensor is
+recognized only when PyTorch is already loaded, which it is whenever a tensor
+exists. bfloat16 tensors are read bit for bit (as `ml_dtypes.bfloat16`) and
+then widened to float32, which is exact. By default every floating tensor
+comes out in float32, or float64 if it was float64, so nothing is rounded;
+`dtype=` chooses one dtype for all of them, except the selection bias, which
+never goes below float32 (a bias in bfloat16 merges nearby values and changes
+the routes; see the routing page).
+
+## What is checked
+
+Everything, before anything is returned: a name that is missing, a name the
+block does not have, a tensor of the wrong shape or dtype (a float expert
+where bytes were expected, an integer router), and an expert given both as
+`.weight` and packed. All the problems are listed in one `ValueError`, so a
+port with three misnamed modules learns about all three at once. Expert ids
+are printed as ranges (`experts.{0-895}.w1.weight`), so a layer whose experts
+are all misnamed gives a short message. A common case it catches: a latent
+norm sized by `hidden_size` instead of the latent width $\ell$ is a wrong shape,
+not a silently broadcast gain.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .._lib.xp import dtype_name
+from ..config import MoEConfig
+from ..layer.latent_moe import MoEParams, check_params, parameter_shapes
+from ..mx import MX_BLOCK, mxfp4_encode
+from .hf_checkpoint import ExpertStack, layer_prefix
+
+__all__ = [
+    "EXPERT_MATRICES",
+    "as_numpy",
+    "block_prefix",
+    "hf_state_dict_from_params",
+    "hf_tensor_shapes",
+    "params_from_hf_state_dict",
+]
+
+#: The three matrices of a routed expert: the reference block's module name and the `MoEParams` stack.
+EXPERT_MATRICES: dict[str, str] = {"w1": "experts.w1", "w3": "experts.w3", "w2": "experts.w2"}
+
+#: Floating dtypes a weight may have (by name: bfloat16 is not a NumPy floating type).
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+# ---------------------------------------------------------------------------
+# Names and shapes
+# ---------------------------------------------------------------------------
+
+def block_prefix(layer: int | None = None, prefix: str = "") -> str:
+    """What stands before the block-relative names: `prefix`, or the full `{prefix}model.layers.{layer}.block_sparse_moe.`."""
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a string, got {type(prefix).__name__} {prefix!r}")
+    if layer is None:
+        return prefix
+    if isinstance(layer, bool) or not isinstance(layer, int | np.integer) or layer < 0:
+        raise ValueError(f"layer must be None (block-relative names) or a decoder layer index >= 0, got {layer!r}")
+    return layer_prefix(int(layer), prefix)
+
+
+def hf_tensor_shapes(config: MoEConfig, *, mxfp4: bool = False) -> dict[str, tuple[int, ...]]:
+    """The reference block's `state_dict()` names (block-relative) and shapes for `config`.
+
+    One entry per routed expert matrix, `experts.{e}.w1.weight` etc.; with
+    `mxfp4=True` each is replaced by its `weight_packed` / `weight_scale`
+    pair. The latent projections, the norm gain and the shared experts appear
+    only when the block has them.
+    """
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in parameter_shapes(config).items():
+        if name in EXPERT_MATRICES.values():
+            continue
+        if name.startswith("shared_experts.") and config.shared_size == 0:
+            continue  # the reference block has no shared-expert module at all
+        shapes[name] = shape
+    all_shapes = parameter_shapes(config)
+    for e in range(config.num_experts):
+        for module, stack in EXPERT_MATRICES.items():
+            out, inp = all_shapes[stack][1:]
+            for key, shape in _expert_entries(out, inp, mxfp4).items():
+                shapes[f"experts.{e}.{module}.{key}"] = shape
+    return shapes
+
+
+def _expert_entries(out: int, inp: int, mxfp4: bool) -> dict[str, tuple[int, int]]:
+    """The stored tensors of one `[out, in]` expert matrix: `weight`, or the MXFP4 pair."""
+    if not mxfp4:
+        return {"weight": (out, inp)}
+    return {"weight_packed": (out, inp // 2), "weight_scale": (out, inp // MX_BLOCK)}
+
+
+# ---------------------------------------------------------------------------
+# Values from any framework
+# ---------------------------------------------------------------------------
+
+def as_numpy(value: Any, name: str = "value") -> np.ndarray:
+    """One tensor of any framework as a NumPy array on the host, its values untouched.
+
+    * a PyTorch tensor (recognized only if PyTorch is already imported): detached, moved to
+      the CPU; bfloat16 and the float8 types are read bit for bit as `ml_dtypes` arrays;
+    * anything with `__array__` (NumPy, JAX, TensorFlow, ...): `np.asarray`;
+    * anything with `__dlpack__`: `np.from_dlpack`, asking for a copy on the CPU if needed.
+
+    `name` (the tensor's name) goes into the error for a value that is none of these.
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return _torch_to_numpy(torch, value)
+    if hasattr(value, "__array__"):
+        return np.asarray(value)
+    if hasattr(value, "__dlpack__"):
+        try:
+            return np.from_dlpack(value)
+        except (BufferError, RuntimeError, TypeError, ValueError):
+            pass  # on another device, or a dtype NumPy's DLPack lacks (bfloat16)
+        try:
+            return np.from_dlpack(value, device="cpu", copy=True)
+        except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+            if torch is not None:  # PyTorch reads every DLPack dtype, bfloat16 included
+                return _torch_to_numpy(torch, torch.from_dlpack(value))
+            raise TypeError(f"tensor {name!r}: NumPy cannot read this DLPack tensor ({exc}); convert it to "
+                            "a NumPy array (float32 for bfloat16) before passing it") from None
+    raise TypeError(f"tensor {name!r} must be an array (NumPy, PyTorch, or anything with __array__ or "
+                    f"__dlpack__), got {type(value).__name__}")
+
+
+# PyTorch dtypes NumPy has no name for, read through an integer view of the same width.
+_TORCH_BITS = {"bfloat16": ("int16", ml_dtypes.bfloat16), "float8_e4m3fn": ("uint8", ml_dtypes.float8_e4m3fn),
+               "float8_e5m2": ("uint8", ml_dtypes.float8_e5m2), "float8_e8m0fnu": ("uint8", ml_dtypes.float8_e8m0fnu)}
+
+
+def _torch_to_numpy(torch: Any, tensor: Any) -> np.ndarray:
+    """A PyTorch tensor as a NumPy array: detached, on the CPU, contiguous, bit for bit."""
+    t = tensor.detach().to("cpu").contiguous()
+    kind = dtype_name(t.dtype)
+    if kind in _TORCH_BITS:
+        through, dtype = _TORCH_BITS[kind]
+        return t.view(getattr(torch, through)).numpy().view(dtype)
+    return t.resolve_conj().resolve_neg().numpy()
+
+
+def _float_dtype(stored: Any, dtype: Any, *, bias: bool = False) -> Any:
+    """The dtype a stored floating tensor is returned in: `dtype`, or float32/float64 when None."""
+    if dtype is None:
+        dtype = np.float64 if dtype_name(stored) == "float64" else np.float32
+    if bias and np.dtype(dtype).itemsize < 4:
+        return np.float32  # the selection bias stays float32 or wider
+    return dtype
+
+
+# ---------------------------------------------------------------------------
+# Reading: HF names -> MoEParams
+# ---------------------------------------------------------------------------
+
+class _Problems:
+    """The problems found in a state dict, gathered so that one error lists them all."""
+
+    def __init__(self) -> None:
+        self.missing: list[str] = []
+        self.extra: list[str] = []
+        self.wrong: list[str] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.extra or self.wrong)
+
+    def error(self, where: str) -> ValueError:
+        lines = [f"the state dict does not hold the block's tensors ({where}):"]
+        for label, names in (("missing", self.missing), ("not in the block", self.extra)):
+            if names:
+                grouped = _group_expert_names(names)
+                lines.append(f"  {label} ({len(names)}): " + ", ".join(grouped))
+        if self.wrong:
+            lines.append(f"  wrong shape or dtype ({len(self.wrong)}):")
+            lines += [f"    {line}" for line in self.wrong]
+        return ValueError("\n".join(lines))
+
+
+def _group_expert_names(names: list[str]) -> list[str]:
+    """Names with their expert ids folded into ranges: `experts.{0-3,7}.w1.weight`."""
+    pattern = re.compile(r"^(?P<head>.*experts\.)(?P<e>\d+)(?P<tail>\..*)$")
+    groups: dict[tuple[str, str], list[int]] = {}
+    plain: list[str] = []
+    for name in names:
+        match = pattern.match(name)
+        if match is None:
+            plain.append(name)
+        else:
+            groups.setdefault((match["head"], match["tail"]), []).append(int(match["e"]))
+    folded = []
+    for (head, tail), ids in groups.items():
+        folded.append(f"{head}{ids[0]}{tail}" if len(ids) == 1 else f"{head}{{{_ranges(sorted(ids))}}}{tail}")
+    return plain + folded
+
+
+def _ranges(ids: list[int]) -> str:
+    """Sorted integers as ranges: [0, 1, 2, 5] -> "0-2,5"."""
+    parts, start = [], ids[0]
+    for previous, current in zip(ids, [*ids[1:], None], strict=True):
+        if current != previous + 1:
+            parts.append(str(start) if start == previous else f"{start}-{previous}")
+            start = current
+    return ",".join(parts)
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, *, layer: int | None = None,
+                              prefix: str = "", dtype: Any = None) -> MoEParams:
+    """One block's weights from a mapping of Hugging Face tensor names: a `MoEParams`.
+
+    `state_dict` maps the reference block's names (block-relative with
+    `layer=None`, or `{prefix}model.layers.{layer}.block_sparse_moe.…`) to
+    tensors of any framework (see `as_numpy`). Routed experts become stacks
+    `[n, out, in]`: a NumPy array when stored as floats, an `ExpertStack` that
+    keeps the bytes and decodes one expert on `w[e]` when stored as MXFP4
+    pairs. Floating tensors come out in `dtype` (default: float32, or float64
+    when stored as float64); the bias never below float32.
+
+    Raises `ValueError` listing every missing, unexpected, misshapen or
+    mistyped tensor, and `TypeError` for a value that is not an array.
+    """
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping from tensor names to tensors, got {type(state_dict).__name__}")
+    base = block_prefix(layer, prefix)
+    where = "block-relative names" if not base else f"names under {base!r}"
+    # With a namespace, the rest of a model is not the block's business; without one, every name is.
+    ours = {key[len(base):]: key for key in state_dict if isinstance(key, str) and key.startswith(base)}
+    if not base:
+        ours.update({key: key for key in state_dict if not isinstance(key, str)})
+    problems = _Problems()
+    unused = set(ours)
+
+    def take(name: str, shape: tuple[int, ...], kind: str) -> np.ndarray | None:
+        """The tensor `name` (block-relative), checked; None (and a problem noted) if it is wrong."""
+        unused.discard(name)
+        full = base + name
+        value = as_numpy(state_dict[ours[name]], full)
+        ok_dtype = (dtype_name(value.dtype) in _FLOATS) if kind == "float" else value.dtype == np.uint8
+        if not ok_dtype or tuple(value.shape) != tuple(shape):
+            want = "floating" if kind == "float" else "uint8 (MXFP4 bytes)"
+            hint = ""
+            if name == "routed_expert_norm.weight" and tuple(value.shape) == (config.hidden_size,) != tuple(shape):
+                hint = " (sized by hidden_size instead of the latent width routed_expert_hidden_size?)"
+            problems.wrong.append(f"{full}: expected {want} {_shape_text(shape)}, "
+                                  f"got {value.dtype} {_shape_text(tuple(value.shape))}{hint}")
+            return None
+        return value
+
+    params = MoEParams()
+    for name, shape in hf_tensor_shapes(config).items():
+        if name.startswith("experts."):
+            continue
+        if name not in ours:
+            problems.missing.append(base + name)
+            continue
+        value = take(name, shape, "float")
+        if value is not None:
+            params[name] = np.array(value, dtype=_float_dtype(value.dtype, dtype,
+                                                              bias=name == "gate.e_score_correction_bias"))
+    shapes = parameter_shapes(config)
+    for module, stack in EXPERT_MATRICES.items():
+        out, inp = shapes[stack][1:]
+        params[stack] = _read_stack(module, out, inp, config.num_experts, ours, take, problems, base, dtype)
+    if unused:
+        problems.extra += sorted(base + name for name in unused if isinstance(name, str))
+        problems.extra += [repr(name) for name in unused if not isinstance(name, str)]
+    if problems:
+        raise problems.error(where)
+    if config.shared_size == 0:
+        d = config.hidden_size
+        for name, shape in (("gate_proj", (0, d)), ("up_proj", (0, d)), ("down_proj", (d, 0))):
+            params[f"shared_experts.{name}.weight"] = np.zeros(shape, dtype=_float_dtype(np.float32, dtype))
+    ordered = MoEParams((name, params[name]) for name in shapes)  # the order of parameter_shapes
+    check_params(ordered, config)
+    return ordered
+
+
+def _read_stack(module: str, out: int, inp: int, n: int, ours: Mapping[str, str], take: Any,
+                problems: _Problems, base: str, dtype: Any) -> np.ndarray | ExpertStack | None:
+    """The `n` experts' matrices `experts.{e}.{module}`: float `[n, out, in]`, or a packed `ExpertStack`."""
+    dense: list[np.ndarray | None] = []
+    packed: list[tuple[np.ndarray, np.ndarray] | None] = []
+    for e in range(n):
+        name = f"experts.{e}.{module}"
+        has_weight = f"{name}.weight" in ours
+        has_pair = f"{name}.weight_packed" in ours or f"{name}.weight_scale" in ours
+        if has_weight and has_pair:
+            problems.wrong.append(f"{base}{name}: given both as .weight and as MXFP4 .weight_packed/.weight_scale")
+            take(f"{name}.weight", (out, inp), "float")
+            continue
+        if has_weight:
+            dense.append(take(f"{name}.weight", (out, inp), "float"))
+        elif has_pair:
+            pair = []
+            for key, shape in _expert_entries(out, inp, mxfp4=True).items():
+                if f"{name}.{key}" in ours:
+                    pair.append(take(f"{name}.{key}", shape, "uint8"))
+                else:
+                    problems.missing.append(f"{base}{name}.{key}")
+                    pair.append(None)
+            if inp % MX_BLOCK:
+                problems.wrong.append(f"{base}{name}: cannot be MXFP4, its input width {inp} is not a multiple "
+                                      f"of {MX_BLOCK}")
+            packed.append(None if any(p is None for p in pair) else (pair[0], pair[1]))
+        else:
+            problems.missing.append(f"{base}{name}.weight")
+    if dense and packed:
+        problems.wrong.append(f"{base}experts.*.{module}: {len(dense)} experts stored as .weight and "
+                              f"{len(packed)} as MXFP4 pairs; a matrix's experts must all be stored one way")
+        return None
+    if problems or (not dense and not packed):
+        return None
+    if packed:
+        parts = tuple((np.array(p, dtype=np.uint8), np.array(s, dtype=np.uint8)) for p, s in packed)
+        return ExpertStack("mxfp4", parts, (n, out, inp), np.dtype(_float_dtype(np.float32, dtype)))
+    return np.stack([np.asarray(w, dtype=_float_dtype(w.dtype, dtype)) for w in dense])  # [n, out, in]
+
+
+# ---------------------------------------------------------------------------
+# Writing: MoEParams -> HF names
+# ---------------------------------------------------------------------------
+
+def hf_state_dict_from_params(params: Mapping[str, Any], config: MoEConfig, *, layer: int | None = None,
+                              prefix: str = "", mxfp4: bool = False) -> dict[str, np.ndarray]:
+    """The inverse of `params_from_hf_state_dict`: the block's tensors under Hugging Face names.
+
+    Returns fresh NumPy arrays, block-relative names when `layer` is None
+    (they load with `load_state_dict(strict=True)` into the reference block
+    once converted to tensors), full names under
+    `{prefix}model.layers.{layer}.block_sparse_moe.` otherwise. With
+    `mxfp4=True` every routed expert matrix is written as its
+    `weight_packed`/`weight_scale` pair (packed stacks are copied byte for
+    byte, float ones encoded with `mxfp4_encode`); the latent width and the
+    expert width must then be multiples of 32. Packed stacks written with
+    `mxfp4=False` are decoded.
+    """
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    check_params(params, config)
+    base = block_prefix(layer, prefix)
+    if mxfp4 and (config.latent_size % MX_BLOCK or config.intermediate_size % MX_BLOCK):
+        raise ValueError(f"mxfp4=True needs latent_size and intermediate_size that are multiples of {MX_BLOCK}, "
+                         f"got {config.latent_size} and {config.intermediate_size}")
+    out: dict[str, np.ndarray] = {}
+    for name in hf_tensor_shapes(config):
+        if not name.startswith("experts."):
+            out[base + name] = np.array(as_numpy(params[name], name))
+    for e in range(config.num_experts):
+        for module, stack in EXPERT_MATRICES.items():
+            w = params[stack]
+            key = f"{base}experts.{e}.{module}"
+            if mxfp4 and isinstance(w, ExpertStack) and w.format == "mxfp4":
+                packed, scale = w.parts[e]  # already packed: the stored bytes, not a re-encoding
+                out[f"{key}.weight_packed"], out[f"{key}.weight_scale"] = np.array(packed), np.array(scale)
+            elif mxfp4:
+                out[f"{key}.weight_packed"], out[f"{key}.weight_scale"] = mxfp4_encode(np.asarray(w[e]))
+            else:
+                out[f"{key}.weight"] = np.array(w[e])  # [out, in]; a packed stack decodes expert e
+    return out

@@ -1,0 +1,363 @@
+r"""Eq. (12) and Appendix B: SiTU-GLU, the bounded activation of every K3 expert.
+
+$$
+\operatorname{softcap}(z, \beta) = \beta \tanh(z / \beta),
+\qquad
+\operatorname{SiTU\text{-}GLU}(a, b) =
+\bigl[\operatorname{softcap}(a, \beta_1)\,\sigma(a)\bigr] \odot \operatorname{softcap}(b, \beta_2)
+$$
+
+with $\beta_1 = 4$ on the gate pre-activation $a$ and $\beta_2 = 25$ on the
+up (linear) pre-activation $b$. SwiGLU, the activation it replaces, is
+$[a\,\sigma(a)] \odot b$.
+
+**Why.** SwiGLU grows without bound: $a\,\sigma(a) \approx a$ for large $a$,
+and $b$ is linear, so one large pre-activation passes straight through, and in
+half precision it overflows. The paper reports activation blow-ups inside the
+routed branch at K3's sparsity and scale; SiTU-GLU caps both factors with a
+smooth $\tanh$ instead of a clamp.
+
+Appendix B argues three properties, each checked by the tests and drawn in the
+worked example:
+
+1. **First-order equivalence.** $\operatorname{softcap}(z,\beta) = z - z^3/(3\beta^2) + O(z^5/\beta^4)$,
+   so near zero, where training starts, SiTU-GLU *is* SwiGLU, and as
+   $\beta_1, \beta_2 \to \infty$ it converges to SwiGLU pointwise.
+2. **Bounded output, when both branches are capped.** $|\operatorname{softcap}(a,\beta_1)\,\sigma(a)| < \beta_1$ and
+   $|\operatorname{softcap}(b,\beta_2)| < \beta_2$, so every coordinate obeys
+   $|\operatorname{SiTU\text{-}GLU}| < \beta_1\beta_2 = 100$. (In floating point
+   $\tanh$ rounds to exactly 1 for large arguments, so the computed value can
+   reach the bound itself; it never exceeds it.) With the up branch uncapped
+   (`linear_beta=None`, below) only the gate factor is bounded, $|\cdot| < \beta_1 |b|$,
+   and the output grows linearly in $b$ like SwiGLU's.
+3. **Smooth saturation.** $\frac{d}{dz}\operatorname{softcap}(z,\beta) = 1 - \tanh^2(z/\beta) > 0$
+   everywhere, so a saturated unit still passes gradient, whereas a hard clamp
+   $\min(\max(z,-\beta),\beta)$ has derivative exactly zero past the bound.
+
+**The uncapped up branch.** The reference modeling code caps the up branch
+only when the configuration sets `activation_situ_linear_beta`; without it the
+activation is $\operatorname{softcap}(a,\beta_1)\,\sigma(a)\,b$ (and an absent
+`activation_situ_beta` means $\beta_1 = 1$). `situ_glu`, `situ_glu_grad` and the
+layer take `linear_beta=None` for that form, so configurations written that way
+(Kimi Linear's style) compute what they compute there. K3 sets both caps.
+
+**Precision.** As in the K3 code, the activation is computed in float32 (or
+float64 for float64 input) and cast back to the input dtype, so float16 and
+bfloat16 inputs work and stay bounded.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .._lib.fast import fast_path_applies, glu_and_grad_by_chunks, glu_in_place
+from .._lib.validation import check_float_array, check_positive
+from .._lib.xp import Array, array_namespace, compute_dtype
+
+if TYPE_CHECKING:
+    from ..config import MoEConfig
+
+__all__ = [
+    "expert_glu",
+    "expert_glu_and_grad",
+    "glu_and_grad",
+    "hard_clamp",
+    "hard_clamp_grad",
+    "rms_norm",
+    "rms_norm_backward",
+    "sigmoid",
+    "situ_glu",
+    "situ_glu_grad",
+    "softcap",
+    "softcap_grad",
+    "swiglu",
+    "swiglu_grad",
+]
+
+
+def _upcast(xp: Any, *arrays: Array) -> tuple[Any, list[Array]]:
+    """Cast every array to the compute dtype (float32, or float64 when an input is float64).
+
+    An array already in that dtype is returned as it is, not copied: the
+    callers only read these arrays, and on a GPU each needless copy is one
+    more kernel to launch.
+    """
+    dtype = compute_dtype(xp, *arrays)
+    return dtype, [xp.astype(a, dtype, copy=False) for a in arrays]
+
+
+def sigmoid(z: Array) -> Array:
+    r"""The logistic function $\sigma(z) = 1 / (1 + e^{-z})$, accurate on both sides and without overflow.
+
+    With $t = e^{-|z|} \in (0, 1]$,
+    $\sigma(z) = 1/(1 + t)$ for $z \ge 0$ and $\sigma(z) = t/(1 + t)$ for $z < 0$.
+    Neither branch overflows, and the negative side keeps full relative
+    precision down to the smallest positive float. (The tempting
+    $\tfrac12(1 + \tanh(z/2))$ is exact on paper but cancels for negative $z$:
+    it returns exactly 0 below $z \approx -38$ in float64 and $-20$ in float32,
+    where the true value is tiny but positive, and a router whose chosen scores
+    are all 0 would then divide 0 by 0.)
+    Computed in float32 or wider and returned in the dtype of `z`.
+    """
+    xp = array_namespace(z)
+    _, (z32,) = _upcast(xp, z)
+    # $$t = e^{-|z|} \in (0, 1]$$
+    t = xp.exp(-xp.abs(z32))
+    # $$\sigma(z) = \begin{cases} 1/(1+t) & z \ge 0 \\ t/(1+t) & z < 0 \end{cases}
+    #   = \frac{e^{\min(z, 0)}}{1 + t}$$
+    # (one expression for both branches: a `where` over a random sign mask is slow in NumPy)
+    return xp.astype(xp.exp(xp.minimum(z32, 0.0)) / (1.0 + t), z.dtype, copy=False)
+
+
+def _sech2(u: Array) -> Array:
+    r"""$\operatorname{sech}^2(u) = 1 - \tanh^2(u)$, without the cancellation of the second form.
+
+    `1 - tanh(u)**2` is exactly 0 as soon as $\tanh(u)$ rounds to 1 (from
+    $|u| \approx 10$ in float32, $19$ in float64), although the true value is
+    positive. With $e = e^{-2|u|}$ it equals $4e/(1+e)^2$, which stays
+    accurate until $e$ itself underflows.
+    """
+    xp = array_namespace(u)
+    e = xp.exp(-2.0 * xp.abs(u))
+    # $$\operatorname{sech}^2(u) = \frac{4 e^{-2|u|}}{(1 + e^{-2|u|})^2}$$
+    return 4.0 * e / ((1.0 + e) * (1.0 + e))
+
+
+def _capped_input(x: Array, beta: float) -> tuple[Any, Array]:
+    """Check a cap's input and its bound; return the namespace and `x` in the compute dtype."""
+    check_float_array("x", x)
+    check_positive("beta", beta)
+    xp = array_namespace(x)
+    _, (x32,) = _upcast(xp, x)
+    return xp, x32
+
+
+def softcap(x: Array, beta: float) -> Array:
+    r"""Smoothly cap `x` to $(-\beta, \beta)$: $\operatorname{softcap}(x, \beta) = \beta\tanh(x/\beta)$."""
+    xp, x32 = _capped_input(x, beta)
+    # $$\beta \tanh(x / \beta)$$
+    out = beta * xp.tanh(x32 / beta)
+    return xp.astype(out, x.dtype, copy=False)
+
+
+def softcap_grad(x: Array, beta: float) -> Array:
+    r"""Derivative of `softcap` in `x`: $1 - \tanh^2(x/\beta) = \operatorname{sech}^2(x/\beta)$, positive everywhere.
+
+    Evaluated as $\operatorname{sech}^2$ (see `_sech2`) so that it stays
+    non-zero, as it is mathematically, far past the cap, until the exponential
+    underflows.
+    """
+    xp, x32 = _capped_input(x, beta)
+    # $$\frac{d}{dx}\,\beta\tanh(x/\beta) = \operatorname{sech}^2(x/\beta)$$
+    return xp.astype(_sech2(x32 / beta), x.dtype, copy=False)
+
+
+def hard_clamp(x: Array, beta: float) -> Array:
+    r"""The hard cap $\min(\max(x, -\beta), \beta)$ that `softcap` replaces (for comparison).
+
+    Computed in float32 or wider and returned in the dtype of `x`, like the
+    other activations (NumPy's `clip` refuses bfloat16 directly).
+    """
+    xp, x32 = _capped_input(x, beta)
+    return xp.astype(xp.clip(x32, -beta, beta), x.dtype, copy=False)
+
+
+def hard_clamp_grad(x: Array, beta: float) -> Array:
+    r"""Derivative of `hard_clamp`: 1 inside $(-\beta, \beta)$, exactly 0 outside."""
+    xp, x32 = _capped_input(x, beta)
+    return xp.astype(xp.abs(x32) < beta, x.dtype, copy=False)
+
+
+def _check_pair(gate: Array, up: Array) -> None:
+    check_float_array("gate", gate)
+    check_float_array("up", up)
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have the same shape, got gate {gate.shape} and up {up.shape}")
+
+
+def _situ_inputs(gate: Array, up: Array, beta: float, linear_beta: float | None) -> tuple[Any, Array, Array]:
+    """Check SiTU-GLU's inputs and caps; return the namespace and the pre-activations in the compute dtype."""
+    _check_pair(gate, up)
+    check_positive("beta", beta)
+    if linear_beta is not None:
+        check_positive("linear_beta", linear_beta)
+    xp = array_namespace(gate, up)
+    _, (a, b) = _upcast(xp, gate, up)
+    return xp, a, b
+
+
+def situ_glu(gate: Array, up: Array, beta: float = 4.0, linear_beta: float | None = 25.0) -> Array:
+    r"""Eq. (12): $\operatorname{SiTU\text{-}GLU}(a, b) = [\operatorname{softcap}(a,\beta_1)\sigma(a)] \odot \operatorname{softcap}(b,\beta_2)$.
+
+    `gate` is the gate pre-activation $a$ (HF `w1`), `up` the up
+    pre-activation $b$ (HF `w3`); both have the same shape. Computed in float32
+    or wider and returned in the input dtype. `linear_beta=None` leaves the up
+    branch uncapped: $\operatorname{softcap}(a,\beta_1)\sigma(a)\,b$, which is not
+    bounded (the reference code's form when `activation_situ_linear_beta` is absent).
+    """
+    xp, a, b = _situ_inputs(gate, up, beta, linear_beta)
+    # The capped gate: $$\operatorname{softcap}(a, \beta_1)\,\sigma(a) \in (-\beta_1, \beta_1)$$
+    capped_gate = beta * xp.tanh(a / beta) * sigmoid(a)
+    if linear_beta is None:
+        # The uncapped linear branch: $$b$$
+        return xp.astype(capped_gate * b, gate.dtype, copy=False)
+    # The capped linear branch: $$\operatorname{softcap}(b, \beta_2) \in (-\beta_2, \beta_2)$$
+    capped_up = linear_beta * xp.tanh(b / linear_beta)
+    return xp.astype(capped_gate * capped_up, gate.dtype, copy=False)
+
+
+def glu_and_grad(a: Array, b: Array, activation: str = "situ", beta: float = 4.0,
+                 linear_beta: float | None = 25.0) -> tuple[Array, Array, Array]:
+    r"""The GLU $h = \phi(a, b)$ and its partials $\partial_a \phi$, $\partial_b \phi$, all three at once.
+
+    For SiTU-GLU, $\phi(a, b) = \gamma(a)\,\lambda(b)$ with the capped gate
+    $\gamma(a) = \operatorname{softcap}(a, \beta_1)\,\sigma(a)$ and the capped
+    up branch $\lambda(b) = \operatorname{softcap}(b, \beta_2)$; `linear_beta=None`
+    leaves the up branch uncapped, $\lambda(b) = b$. For SwiGLU
+    (`activation="swiglu"`), $\gamma(a) = a\,\sigma(a)$ and $\lambda(b) = b$. In every case
+
+    $$\partial_a \phi = \gamma'(a)\,\lambda(b), \qquad \partial_b \phi = \gamma(a)\,\lambda'(b),$$
+
+    with $\gamma'(a) = \operatorname{sech}^2(a/\beta_1)\,\sigma(a) + \operatorname{softcap}(a,\beta_1)\,\sigma'(a)$
+    for SiTU and $\sigma(a) + a\,\sigma'(a)$ for SwiGLU. The three share their
+    sigmoid and tanh, which is why they are computed together: this is the
+    one place the derivative of Eq. (12) is written, used by `situ_glu_grad`,
+    `swiglu_grad` and the backward pass. `a` and `b` are pre-activations of
+    the same shape in float32 or float64 (the caller's compute dtype).
+    """
+    xp = array_namespace(a, b)
+    sig = sigmoid(a)
+    # $$\sigma'(a) = \sigma(a)\,\sigma(-a)$$ (no cancellation, unlike $\sigma(1 - \sigma)$)
+    sig_prime = sig * sigmoid(-a)
+    if activation == "situ":
+        capped = beta * xp.tanh(a / beta)
+        # $$\gamma(a) = \beta_1 \tanh(a/\beta_1)\,\sigma(a)$$
+        gamma = capped * sig
+        # $$\gamma'(a) = \operatorname{sech}^2(a/\beta_1)\,\sigma(a) + \beta_1\tanh(a/\beta_1)\,\sigma'(a)$$
+        gamma_prime = _sech2(a / beta) * sig + capped * sig_prime
+    else:
+        # $$\gamma(a) = a\,\sigma(a), \qquad \gamma'(a) = \sigma(a) + a\,\sigma'(a)$$
+        gamma = a * sig
+        gamma_prime = sig + a * sig_prime
+    if activation == "situ" and linear_beta is not None:
+        # $$\lambda(b) = \beta_2 \tanh(b/\beta_2), \qquad \lambda'(b) = \operatorname{sech}^2(b/\beta_2)$$
+        lam = linear_beta * xp.tanh(b / linear_beta)
+        d_up = gamma * _sech2(b / linear_beta)
+    else:
+        # Uncapped up branch: $$\lambda(b) = b, \qquad \lambda'(b) = 1$$
+        lam = b
+        d_up = gamma
+    return gamma * lam, gamma_prime * lam, d_up
+
+
+def situ_glu_grad(gate: Array, up: Array, beta: float = 4.0,
+                  linear_beta: float | None = 25.0) -> tuple[Array, Array]:
+    r"""Partial derivatives of `situ_glu` in `gate` and in `up`, returned as a pair.
+
+    With $g(a) = \operatorname{softcap}(a,\beta_1)\sigma(a)$ and $h(b) = \operatorname{softcap}(b,\beta_2)$:
+    $\partial_a = g'(a)\,h(b)$ with
+    $g'(a) = \operatorname{sech}^2(a/\beta_1)\,\sigma(a) + \operatorname{softcap}(a,\beta_1)\,\sigma(a)\sigma(-a)$,
+    and $\partial_b = g(a)\,\operatorname{sech}^2(b/\beta_2)$ (see `glu_and_grad`, which computes them).
+    With `linear_beta=None` (uncapped up branch) $h(b) = b$ and $h'(b) = 1$.
+    Computed in float32 or wider and returned in the input dtype.
+    """
+    xp, a, b = _situ_inputs(gate, up, beta, linear_beta)
+    _, d_gate, d_up = glu_and_grad(a, b, "situ", beta, linear_beta)
+    return xp.astype(d_gate, gate.dtype, copy=False), xp.astype(d_up, gate.dtype, copy=False)
+
+
+def swiglu(gate: Array, up: Array) -> Array:
+    r"""SwiGLU: $[a\,\sigma(a)] \odot b$ (unbounded), computed like `situ_glu` for comparison."""
+    _check_pair(gate, up)
+    xp = array_namespace(gate, up)
+    _, (a, b) = _upcast(xp, gate, up)
+    # $$\operatorname{Swish}(a) \odot b = a\,\sigma(a)\, b$$
+    return xp.astype(a * sigmoid(a) * b, gate.dtype, copy=False)
+
+
+def swiglu_grad(gate: Array, up: Array) -> tuple[Array, Array]:
+    r"""Partial derivatives of `swiglu`: $(\sigma(a) + a\sigma(a)\sigma(-a))\,b$ and $a\sigma(a)$ (see `glu_and_grad`)."""
+    _check_pair(gate, up)
+    xp = array_namespace(gate, up)
+    _, (a, b) = _upcast(xp, gate, up)
+    _, d_gate, d_up = glu_and_grad(a, b, "swiglu")
+    return xp.astype(d_gate, gate.dtype, copy=False), xp.astype(d_up, gate.dtype, copy=False)
+
+
+def rms_norm(x: Array, weight: Array, eps: float = 1e-5) -> Array:
+    r"""RMSNorm over the last axis: $\operatorname{RMSNorm}(x) \odot g = \dfrac{x}{\sqrt{\operatorname{mean}(x^2) + \varepsilon}} \odot g$.
+
+    `x` is `[..., width]` and `weight` (the gain $g$) is `[width]`. Computed in
+    float32 or wider and returned in the dtype of `x`. Because it divides by
+    the root mean square, `rms_norm(c * x) == rms_norm(x)` for any $c > 0$ up to
+    the small $\varepsilon$: the reason the Stable LatentMoE branch does not
+    care how large the routed sum is.
+    """
+    check_float_array("x", x)
+    check_float_array("weight", weight)
+    check_positive("eps", eps)
+    if weight.ndim != 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(
+            f"weight must have shape [{x.shape[-1]}] to match the last axis of x {x.shape}, got {weight.shape}")
+    xp = array_namespace(x, weight)
+    _, (x32, g) = _upcast(xp, x, weight)
+    # $$\operatorname{rms}(x) = \sqrt{\tfrac{1}{\ell}\textstyle\sum_c x_c^2 + \varepsilon}$$
+    rms = xp.sqrt(xp.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # [..., 1]
+    return xp.astype(x32 / rms * g, x.dtype, copy=False)
+
+
+def rms_norm_backward(u: Array, weight: Array, dv: Array, eps: float) -> tuple[Array, Array]:
+    r"""Gradients of $v = \operatorname{RMSNorm}(u) \odot g$ in $u$ and in the gain $g$, from $\bar v$.
+
+    With $\rho_i = \sqrt{\operatorname{mean}_c(u_{i,c}^2) + \varepsilon}$ and
+    $\hat u_i = u_i / \rho_i$, $v_i = \hat u_i \odot g$, so
+    $\bar g = \sum_i \bar v_i \odot \hat u_i$ and, writing $\bar{\hat u} = \bar v \odot g$,
+
+    $$\bar u_i = \frac{1}{\rho_i}\Bigl(\bar{\hat u}_i - \hat u_i\,
+    \operatorname{mean}_c\bigl(\bar{\hat u}_{i,c}\,\hat u_{i,c}\bigr)\Bigr).$$
+
+    The second term is the norm's own Jacobian: the component of the
+    gradient along $u_i$ is removed (up to $\varepsilon$), because scaling
+    $u_i$ does not change $v_i$. `u`, `dv` are `[..., width]` and `weight`
+    `[width]`, in the caller's compute dtype; returns `(du, dweight)`. The
+    latent norm of the layer and the training model's pre-norms both use it.
+    """
+    xp = array_namespace(u, weight, dv)
+    # $$\rho_i = \sqrt{\tfrac{1}{\ell}\textstyle\sum_c u_{i,c}^2 + \varepsilon}$$
+    rho = xp.sqrt(xp.mean(u * u, axis=-1, keepdims=True) + eps)  # [m, 1]
+    u_hat = u / rho  # [m, l]
+    # $$\bar g = \textstyle\sum_i \bar v_i \odot \hat u_i$$
+    dweight = xp.sum(xp.reshape(dv * u_hat, (-1, u.shape[-1])), axis=0)  # [l]
+    du_hat = dv * weight  # [m, l]
+    # $$\bar u_i = \bigl(\bar{\hat u}_i - \hat u_i \operatorname{mean}(\bar{\hat u}_i \odot \hat u_i)\bigr) / \rho_i$$
+    du = (du_hat - u_hat * xp.mean(du_hat * u_hat, axis=-1, keepdims=True)) / rho  # [m, l]
+    return du, dweight
+
+
+# ---------------------------------------------------------------------------
+# The layer's activation, as its configuration chooses it
+# ---------------------------------------------------------------------------
+
+def expert_glu(a: Array, b: Array, config: MoEConfig) -> Array:
+    r"""The experts' activation $\phi(a, b)$ of a layer: SiTU-GLU with the config's caps (K3), or SwiGLU.
+
+    `a`, `b` are fresh products (gate and up pre-activations) in the compute
+    dtype. On NumPy the fast path (`refimpl._lib.fast.glu_in_place`) overwrites
+    them instead of allocating; the values are those of `situ_glu` / `swiglu`.
+    """
+    if fast_path_applies(a, b):
+        return glu_in_place(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
+    if config.activation == "situ":
+        return situ_glu(a, b, config.situ_beta, config.situ_linear_beta)
+    return swiglu(a, b)
+
+
+def expert_glu_and_grad(a: Array, b: Array, config: MoEConfig) -> tuple[Array, Array, Array]:
+    r"""`glu_and_grad` with the layer's activation and caps: $(h, \partial_a\phi, \partial_b\phi)$ of fresh products.
+
+    On NumPy the fast path (`refimpl._lib.fast.glu_and_grad_by_chunks`) writes the
+    three into the products' buffers, a few rows at a time.
+    """
+    if fast_path_applies(a, b):
+        return glu_and_grad_by_chunks(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
+    return glu_and_grad(a, b, config.activation, config.situ_beta, config.situ_linear_beta)

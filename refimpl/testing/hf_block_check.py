@@ -1,0 +1,344 @@
+r"""Check a whole MoE block from another framework against the reference: `check_hf_moe_block`.
+
+A port of K3's block (into an inference engine, a training stack, a fused
+kernel) is usually an `nn.Module` that loads the checkpoint's tensors by name.
+`check_hf_moe_block` holds such a block, whole, against this package:
+
+```python
+import numpy as np
+import torch
+from refimpl.testing import check_hf_moe_block
+
+def build(text_config, state_dict):            # the reference's config keys, NumPy tensors by HF name
+    block = MyK3Block(text_config)
+    block.load_state_dict({k: torch.from_numpy(v) for k, v in state_dict.items()}, strict=True)
+    return lambda x: block(torch.from_numpy(x)).detach().numpy()   # [m, d] -> [m, d]
+
+check_hf_moe_block(build)                       # raises CheckFailure with a report if it disagrees
+```
+
+Hypothesis draws configurations the reference modeling code accepts, written
+as its `text_config` keys with its meaning of absent keys: the latent on
+(`routed_expert_hidden_size`) and off, the latent norm on and off, SiTU with
+several $\beta_1$ and a capped or uncapped up branch, SwiGLU (`silu`), sigmoid
+and softmax scores, top-1 and top-$k$, grouped routing, a routed scaling
+factor other than 1, zero, one or two shared experts, and always a nonzero
+selection bias. For each it draws weights and tokens from a seed, hands the
+block the tensors under the names of the reference block's `state_dict()`
+(`hf_tensor_shapes`) in `dtype` (the selection bias in float32, as the
+reference keeps it), calls `build(text_config, state_dict)` and then
+`forward(x)`, and compares `y` with `stable_latent_moe` evaluated in float64
+on the very same (rounded) values. A third property hands the routed experts
+as MXFP4 pairs, `weight_packed` and `weight_scale`, the way K3's checkpoint
+ships them (pass `mxfp4=False` if your block does not read that format).
+
+## The tolerance, and the float32 ceiling
+
+A token passes when its largest error is within
+
+$$
+|y_{i,j} - y^{\text{ref}}_{i,j}| \le G \cdot u \cdot \max_j \bigl(|y^{\text{shared}}_{i,j}| + |y^{\text{routed}}_{i,j}|\bigr),
+\qquad G = 2^{7},
+$$
+
+where $u$ is the unit roundoff of `dtype` ($2^{-24}$ for float32, $2^{-11}$
+for float16, $2^{-8}$ for bfloat16) and the token's size is taken before its
+shared and routed parts are added, since that sum may cancel. $G$ is the
+error growth of the block: about eight rounded stages (router,
+down-projection, two expert products, the activation, the weighted sum, the
+norm, the up-projection), each adding errors that grow with the square root of
+the width summed over, plus room. The tests run the reference PyTorch block on
+the cases the default settings draw and require it to stay within half of
+this bound, in float32 and in bfloat16 (it stays within a quarter).
+
+In bfloat16 the bound is half of a token's size: only differences as large
+as the output itself show. Conventions are the same in every dtype, so check
+them in float32, where the tolerance is $2^{16}$ times finer, and use
+bfloat16 for what only a bfloat16 path does.
+
+**The float32 ceiling.** `dtype=np.float64` is held to float32's $u$, not
+float64's: the reference code computes its router in float32 (it casts the
+input and the gate weight up, whatever the block's dtype) and accumulates
+the routed experts in float32. A port that follows it exactly is therefore a
+float32 computation, even when handed float64 tensors, and agrees with a
+float64 evaluation only to float32 rounding. Asking for more would fail the
+reference itself.
+
+**Tokens that are not compared.** Two correct float32 blocks may route a token
+differently when two of its biased scores (or two group scores) are closer
+than float32 can tell apart, and the RMSNorm magnifies rounding when the $k$
+expert outputs nearly cancel in the latent sum. A token is left out when its
+$k$-th and $(k+1)$-th selection scores, or its last kept and first dropped
+group scores, are closer than $2^{-14}$, or when this package's own float32
+evaluation of the token is off its float64 evaluation by more than an eighth
+of the float32 tolerance ($2^4 u$ of the token's size). Weights and tokens come from a seed, so such tokens
+are rare; the report says how many were left out.
+
+## When the block disagrees
+
+The report (a `CheckFailure`, like every check of the kit) gives, for the
+simplest case Hypothesis found:
+
+* the tokens that differ, expected against actual, and the error against the
+  tolerance;
+* **which catalogued convention differences reproduce the block's output**:
+  every entry of `refimpl.testing.conventions.CATALOGUE` that applies to the
+  case is run on it, and those whose output matches the block's to the same
+  tolerance (while differing from the reference's) are named, with the public
+  issue where that mistake shipped; when none matches, the closest is named
+  with its distance;
+* a **pasteable case**: the `text_config` as JSON, the random seed and the call to
+  `hf_block_case` that rebuilds the exact weights and tokens, and the shapes.
+
+```python
+import json, numpy as np, refimpl.testing
+text_config = json.loads('{"hidden_size": 4, "num_experts": 2, ...}')   # from the report
+case = refimpl.testing.hf_block_case(text_config, seed=0, tokens=1)
+y = build(text_config, case.state_dict)(case.x)
+print(y - case.expected())
+```
+
+Each failed property's violation also carries the names it matched, as
+`violation.conventions`, for a test that wants to assert on them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from hypothesis import settings as Settings
+
+from .._lib.xp import dtype_name
+from ..layer.latent_moe import stable_latent_moe
+from ..layer.routing import biased_scores
+from .conventions import CATALOGUE, Convention
+from .hf_cases import (
+    CONDITIONING,
+    ROUTING_RESOLUTION,
+    UNIT_ROUNDOFF,
+    HFBlockCase,
+    hf_block_cases,
+    tolerance,
+)
+from .outputs import float_output, fmt
+from .profiles import kit_settings
+from .report import CheckFailure, CheckResult, Code, Invariant, Violation, call_user, run_check
+
+__all__ = ["ReferenceOutput", "check_hf_moe_block", "reference_output"]
+
+
+# ---------------------------------------------------------------------------
+# Comparing
+# ---------------------------------------------------------------------------
+
+def _routing_margin(case: HFBlockCase, scores: np.ndarray) -> np.ndarray:
+    """Each token's smallest gap between a kept and a dropped selection score (or group score), `[m]`."""
+    config = case.config
+    biased = np.asarray(biased_scores(scores, case.params64["gate.e_score_correction_bias"]))  # [m, n]
+    m, n = biased.shape
+    margin = np.full(m, np.inf)
+    if config.n_group > 1 and config.topk_group < config.n_group:
+        grouped = biased.reshape(m, config.n_group, n // config.n_group)  # [m, G, n/G]
+        top_two = -np.sort(-grouped, axis=2)[:, :, :2].sum(axis=2)  # [m, G], sum of the two best
+        ordered = -np.sort(-top_two, axis=1)
+        margin = ordered[:, config.topk_group - 1] - ordered[:, config.topk_group]
+        kept = np.argsort(-top_two, axis=1, kind="stable")[:, : config.topk_group]
+        allowed = np.zeros((m, config.n_group), dtype=bool)
+        np.put_along_axis(allowed, kept, True, axis=1)
+        biased = np.where(allowed[:, :, None], grouped, -np.inf).reshape(m, n)
+    if config.top_k < n:
+        ordered = -np.sort(-biased, axis=1)
+        margin = np.minimum(margin, ordered[:, config.top_k - 1] - ordered[:, config.top_k])
+    return margin
+
+
+@dataclass(frozen=True)
+class ReferenceOutput:
+    """What a block is compared with on a case: the float64 `y`, the tolerance per token, the tokens compared."""
+
+    y: np.ndarray  # [m, d]
+    tol: np.ndarray  # [m, 1], absolute tolerance per token
+    compared: np.ndarray  # [m] bool
+    relative: float  # the relative tolerance G u
+
+
+def reference_output(case: HFBlockCase) -> ReferenceOutput:
+    """The reference's answer on `case` and how closely a block must match it (see the page)."""
+    out = stable_latent_moe(case.x64, case.params64, case.config, return_intermediates=True)
+    y = np.asarray(out.y)
+    # A token's size: its largest output before the shared and routed parts are added (which may cancel).
+    size = np.max(np.abs(np.asarray(out.y_shared)) + np.abs(np.asarray(out.y_routed)), axis=1, keepdims=True)
+    size = np.where(size > 0, size, 1.0)  # [m, 1]
+    tol = tolerance(case.dtype) * size
+    compared = _routing_margin(case, np.asarray(out.scores)) >= ROUTING_RESOLUTION
+    # This package's own float32 evaluation: a token it cannot get right in float32 is ill-conditioned there.
+    params32 = {name: value.astype(np.float32) for name, value in case.params64.items()}
+    y32 = np.asarray(stable_latent_moe(case.x64.astype(np.float32), params32, case.config), dtype=np.float64)
+    compared &= np.max(np.abs(y32 - y), axis=1) <= CONDITIONING * UNIT_ROUNDOFF["float32"] * size[:, 0]
+    return ReferenceOutput(y, tol, compared, tolerance(case.dtype))
+
+
+def _distance(actual: np.ndarray, expected: np.ndarray, ref: ReferenceOutput) -> float:
+    """The largest error over the compared tokens, in units of their tolerance (non-finite equal to itself).
+
+    The tolerance is the reference's, or the same relative tolerance of `expected`'s own size when that is
+    larger (a variant whose output is a hundred times the reference's is matched to its own scale).
+    """
+    same = (actual == expected) | (np.isnan(actual) & np.isnan(expected))
+    error = np.where(same, 0.0, np.abs(actual - expected))
+    error = np.where(np.isnan(error), np.inf, error)
+    finite = np.where(np.isfinite(expected), np.abs(expected), 0.0)
+    tol = np.maximum(ref.tol[:, 0], ref.relative * np.max(finite, axis=1))  # [m]
+    ratio = np.max(error, axis=1) / tol  # [m]
+    return float(np.max(ratio[ref.compared], initial=0.0))
+
+
+class _Mismatch(Violation):
+    """The block's `y` differs from the reference: carries the case so the report can diagnose it."""
+
+    def __init__(self, summary: str, details: list[str], inputs: dict[str, Any], case: HFBlockCase,
+                 y: np.ndarray, ref: ReferenceOutput):
+        super().__init__(summary, details, inputs)
+        self.case, self.y, self.ref = case, y, ref
+        self.conventions: list[str] = []
+
+
+def _diagnose(v: _Mismatch) -> None:
+    """Run every catalogued variant that applies; add to the report those that reproduce the block's output."""
+    matches: list[Convention] = []
+    closest: tuple[float, Convention] | None = None
+    tried = 0
+    for entry in CATALOGUE:
+        if not entry.applies(v.case):
+            continue
+        try:
+            variant = np.asarray(entry.output(v.case), dtype=np.float64)
+        except Exception:  # a variant that cannot run on this case explains nothing
+            continue
+        if _distance(variant, v.ref.y, v.ref) <= 1.0:
+            continue  # on this case the variant is indistinguishable from the reference
+        tried += 1
+        off = _distance(v.y, variant, v.ref)
+        if off <= 1.0:
+            matches.append(entry)
+        elif closest is None or off < closest[0]:
+            closest = (off, entry)
+    v.conventions = [entry.name for entry in matches]
+    if matches:
+        v.details.append("known convention differences that reproduce this output (to the same tolerance):")
+        v.details += [f"  - {entry.describe()}" for entry in matches]
+    else:
+        line = (f"none of the {tried} catalogued convention differences that change this case's output "
+                "reproduces it")
+        if closest is not None:
+            line += f"; the closest, {closest[1].name}, is off by {closest[0]:.3g} x the tolerance"
+        v.details.append(line)
+
+
+# ---------------------------------------------------------------------------
+# The check
+# ---------------------------------------------------------------------------
+
+def _shapes(case: HFBlockCase) -> str:
+    c = case.config
+    latent = f"l = {c.latent_size}" if c.use_latent_projection else "no latent (l = d)"
+    experts = ("MXFP4 pairs weight_packed/weight_scale" if case.mxfp4 else "weight")
+    return (f"shapes: x [{case.tokens}, {c.hidden_size}]; d = {c.hidden_size}, {latent}, n = {c.num_experts}, k = {c.top_k}, f = {c.intermediate_size}, "
+            f"shared width N_s f = {c.shared_size}; experts.{{e}}.w1/w3/w2 as {experts}")
+
+
+def _inputs(case: HFBlockCase) -> dict[str, Any]:
+    return {"text_config": Code(f"json.loads({json.dumps(case.text_config)!r})"),
+            "case": Code(case.code()),
+            "y": Code("build(text_config, case.state_dict)(case.x)  # compare with case.expected()")}
+
+
+def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], Callable[[np.ndarray], Any]], *,
+                       dtype: Any = np.float32, settings: str | Settings | None = None, mxfp4: bool = True,
+                       max_tokens: int = 6, max_experts: int = 8) -> CheckResult:
+    r"""Check a whole MoE block, built from Hugging Face config keys and tensor names, against the reference.
+
+    `build(text_config, state_dict)` gets the reference's `text_config` keys
+    (a `dict`, absent keys meaning what the reference code makes of them) and
+    the block's tensors (`dict` of NumPy arrays of `dtype` under the names of
+    the reference block's `state_dict()`, see `refimpl.checkpoints.state_dict`), and
+    returns `forward`, with `forward(x)` taking `x` `[m, d]` (NumPy, `dtype`)
+    and returning `y` `[m, d]`. The tolerance follows from `dtype` (see the
+    page: float64 is held to float32's, the reference's own precision).
+
+    Invariants:
+
+    1. **builds and runs**: `build` accepts the tensors and `forward` returns
+       a finite real `[m, d]` array;
+    2. **matches the reference block** on every compared token;
+    3. **matches the reference block with MXFP4 experts** (unless
+       `mxfp4=False`): the routed experts arrive as `weight_packed` /
+       `weight_scale` uint8 pairs (compressed-tensors' layout) instead of
+       `weight`.
+
+    A failure names the catalogued convention differences that reproduce the
+    block's output (`refimpl.testing.conventions`) and prints a case to paste
+    into `hf_block_case`. `settings` is a profile name or a
+    `hypothesis.settings` (default: 50 examples per invariant, the same every run).
+    """
+    tolerance(dtype)  # an unsupported dtype is an error before anything runs
+    dense = hf_block_cases(dtype=dtype, max_tokens=max_tokens, max_experts=max_experts)
+    packed = hf_block_cases(mxfp4=True, dtype=dtype, max_tokens=max_tokens, max_experts=max_experts)
+
+    def run(case: HFBlockCase) -> np.ndarray:
+        forward = call_user(build, dict(case.text_config), case.state_dict)
+        if not callable(forward):
+            raise Violation(f"build(text_config, state_dict) must return a function forward(x), got "
+                            f"{type(forward).__name__}")
+        return float_output("y", call_user(forward, case.x), case.x.shape, "[m, d]", finite=False)
+
+    def output_form(case: HFBlockCase) -> None:
+        y = run(case)
+        if not np.all(np.isfinite(y)):
+            raise Violation(f"y must be finite, got {int(np.sum(~np.isfinite(y)))} NaN or inf entries",
+                            [_shapes(case)])
+
+    def matches(case: HFBlockCase) -> None:
+        y = run(case)
+        ref = reference_output(case)
+        error = np.where(np.isfinite(y), np.abs(y - ref.y), np.inf)  # [m, d]
+        bad = np.flatnonzero(ref.compared & np.any(error > ref.tol, axis=1))
+        if not bad.size:
+            return
+        details = [f"token {i}: expected y {fmt(ref.y[i], 5, longest=12)}, got {fmt(y[i], 5, longest=12)}" for i in bad[:3]]
+        if bad.size > 3:
+            details.append(f"... and {bad.size - 3} more tokens")
+        worst = float(np.max(np.max(error, axis=1)[ref.compared] / ref.tol[ref.compared, 0]))
+        details.append(f"largest error {worst:.3g} x the tolerance (per token: {tolerance(case.dtype):.3g} x its "
+                       f"largest |y|, for {dtype_name(np.dtype(case.dtype))})")
+        if (~ref.compared).any():
+            details.append(f"{int((~ref.compared).sum())} tokens with near-tied routing or an ill-conditioned "
+                           "latent sum were not compared")
+        details.append(_shapes(case))
+        raise _Mismatch(f"{bad.size} of {case.tokens} tokens differ from the reference block", details,
+                        _inputs(case), case, y, ref)
+
+    why = ("the reference KimiSparseMoeBlock: float32 gate, top-k of s + b (groups by their two best), weights "
+           "from the raw s, renormalized when top_k > 1 and moe_renormalize, times routed_scaling_factor; "
+           "SiTU-GLU experts on the latent, summed in float32, RMSNorm, up-projection, plus the shared experts")
+    invariants = [
+        Invariant("builds and runs", "build(text_config, state_dict) returns forward, and forward(x) is a finite "
+                  "[m, d] array", dense, output_form, basic=True, describe=_inputs),
+        Invariant("matches the reference block", why, dense, matches, describe=_inputs),
+    ]
+    if mxfp4:
+        invariants.append(Invariant(
+            "matches the reference block with MXFP4 experts",
+            "the checkpoint's experts are MXFP4: low nibble = even column, E8M0 scale 2^(s - 127) per 32 columns",
+            packed, matches, describe=_inputs))
+    try:
+        return run_check("check_hf_moe_block", invariants, kit_settings(settings))
+    except CheckFailure as failure:
+        for v in failure.violations:
+            if isinstance(v, _Mismatch):
+                _diagnose(v)
+        raise CheckFailure(failure.check, failure.violations, failure.passed, failure.skipped) from None

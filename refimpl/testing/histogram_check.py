@@ -1,0 +1,140 @@
+r"""Appendix D, checked: the histogram update within one bin of Eq. (14), whatever the split of the batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from hypothesis import settings as Settings
+from hypothesis import strategies as st
+
+from . import strategies as rst
+from .outputs import bias_output, count, error_sizes, fmt
+from .profiles import kit_settings
+from .report import (
+    CheckResult,
+    Invariant,
+    Violation,
+    call_user,
+    run_check,
+)
+from .update_check import bias_invariants
+
+__all__ = ["check_histogram_update"]
+
+
+# ---------------------------------------------------------------------------
+# Appendix D: the histogram update
+# ---------------------------------------------------------------------------
+
+def check_histogram_update(fn: Callable[[list[np.ndarray], np.ndarray, int], Any], *, bins: int = 1000,
+                           dtype: Any = np.float32, rtol: float = 1e-5, atol: float = 1e-6,
+                           max_tokens: int = 12, max_experts: int = 8, max_ranks: int = 4,
+                           max_micro_batches: int = 3, settings: str | Settings | None = None) -> CheckResult:
+    r"""Check a histogram update `fn(blocks, bias, top_k) -> new_bias` against Appendix D.
+
+    `blocks` is a list of `[m_i, n]` NumPy score arrays of `dtype` (one per
+    rank and micro-batch, some possibly empty) whose rows together are the
+    batch; `bins` is the number of bins $B$ the function uses (bind it with
+    `functools.partial` if the function takes it as an argument).
+
+    Invariants:
+
+    * **output shape and dtype**, **centred**;
+    * **within one bin of Eq. (14)**: up to a common shift (which changes no
+      route), every expert's bias is within one bin width
+      $w = (\max b - \min b + 2)/B$ of the exact update, i.e. the spread
+      $\max_j d_j - \min_j d_j$ of the differences $d$ is at most $2w$;
+    * **partition invariance**: the same tokens split differently over ranks
+      and micro-batches give the same bias (counts add, so the result is the
+      quantile of the global batch, not an average of per-rank quantiles);
+    * bias-shift, token-permutation and expert-permutation behaviour as for
+      the exact update (the first two within one bin width: a shift moves the
+      bin edges with it, but rounding may move a value across an edge).
+    """
+    from ..balancing import quantile_balancing_update  # imported here: the kit loads without it
+
+    sizes = dict(max_tokens=max_tokens, max_experts=max_experts, for_update=True)
+    cases = st.one_of(rst.routing_cases(distinct=True, **sizes), rst.routing_cases(ties=True, **sizes))
+
+    def width(bias: np.ndarray) -> float:
+        b = bias.astype(np.float64)
+        return float(b.max() - b.min() + 2.0) / bins
+
+    def new_bias(case: rst.RoutingCase, bias: np.ndarray | None, blocks: list[np.ndarray] | None = None
+                 ) -> np.ndarray:
+        b = case.bias.astype(dtype) if bias is None else bias
+        blocks = [case.scores.astype(dtype)] if blocks is None else blocks
+        return bias_output(call_user(fn, blocks, b, case.top_k), case.n)
+
+    def reference(case: rst.RoutingCase) -> np.ndarray:
+        return np.asarray(quantile_balancing_update(case.scores.astype(dtype).astype(np.float64),
+                                                    case.bias.astype(dtype).astype(np.float64), case.top_k))
+
+    def float_tol(case: rst.RoutingCase, other_bias: np.ndarray | None = None) -> float:
+        scale = 1.0 + float(np.max(np.abs(case.bias)))
+        if other_bias is not None:
+            scale = max(scale, 1.0 + float(np.max(np.abs(other_bias))))
+        return atol + rtol * scale
+
+    def close(actual: np.ndarray, expected: np.ndarray, case: rst.RoutingCase,
+              other_bias: np.ndarray | None = None) -> np.ndarray:
+        # Two histogram readings of the same batch may differ by a bin (a value crossing an edge).
+        return np.abs(actual - expected) <= width(case.bias) + float_tol(case, other_bias)
+
+    def close_exact(actual: np.ndarray, expected: np.ndarray, case: rst.RoutingCase,
+                    other_bias: np.ndarray | None = None) -> np.ndarray:
+        return np.abs(actual - expected) <= float_tol(case, other_bias)
+
+    def within_bin(case: rst.RoutingCase) -> None:
+        new = new_bias(case, None)
+        exact = reference(case)
+        # Each threshold within w of the exact one, up to a common shift: $$\max_j d_j - \min_j d_j \le 2w$$
+        d = new - exact
+        w = width(case.bias.astype(dtype))
+        spread = float(d.max() - d.min())
+        if spread > 2.0 * w + 2.0 * float_tol(case):
+            raise Violation(
+                f"no common shift brings every expert within one bin width (w = {w:.4g}) of Eq. (14)",
+                [f"exact (Eq. 14) {fmt(exact)}", f"histogram      {fmt(new)}",
+                 f"differences    {fmt(d)}: spread {spread:.4g} > 2w = {2 * w:.4g}",
+                 "read each threshold in the bin holding the (q+1)-th smallest required bias r = alpha - s; "
+                 "the q-th can lie many bins away, behind the atom of the old bias"],
+                {"scores": case.scores.astype(dtype), "bias": case.bias.astype(dtype), "top_k": case.top_k,
+                 "bins": bins})
+
+    def partition(drawn: tuple[rst.RoutingCase, rst.Partition]) -> None:
+        case, part = drawn
+        s = case.scores.astype(dtype)
+        whole = new_bias(case, None)
+        split = new_bias(case, None, part.split(s))
+        if not close_exact(split, whole, case).all():
+            raise Violation(
+                f"splitting the batch over {count(part.ranks, 'rank')} x "
+                f"{count(part.micro_batches, 'micro-batch', 'micro-batches')} changed the new bias",
+                [f"one block      {fmt(whole)}", f"split blocks   {fmt(split)}",
+                 f"the split, rank by rank (micro-batches separated by |): {part}",
+                 error_sizes(split, whole),
+                 "sum the integer counts of all blocks, then read the quantile once: an average of per-rank "
+                 "quantiles is not the quantile of the global batch"],
+                {"scores": s, "bias": case.bias.astype(dtype), "top_k": case.top_k, "blocks": part.split(s)})
+
+    def partition_inputs(drawn: tuple[rst.RoutingCase, rst.Partition]) -> dict[str, Any]:
+        case, part = drawn
+        s = case.scores.astype(dtype)
+        return {"scores": s, "bias": case.bias.astype(dtype), "top_k": case.top_k, "blocks": part.split(s)}
+
+    def with_partition(case: rst.RoutingCase) -> st.SearchStrategy:
+        return st.tuples(st.just(case), rst.partitions(case.m, max_ranks=max_ranks,
+                                                       max_micro_batches=max_micro_batches))
+
+    invariants = bias_invariants(
+        new_bias, reference, close, cases, dtype, "within one bin of Eq. (14)",
+        "Appendix D: each threshold is read inside the bin holding the exact one; centring adds a common shift",
+        reference_body=within_bin)
+    invariants.insert(3, Invariant(
+        "partition invariance",
+        "Appendix D: counts add, so any split over ranks and micro-batches gives the same bias",
+        cases.flatmap(with_partition), partition, describe=partition_inputs))
+    return run_check("check_histogram_update", invariants, kit_settings(settings))
