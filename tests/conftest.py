@@ -19,6 +19,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+#: The environment this test process started with. OpenBLAS reads its settings once, when NumPy is first
+#: imported; a test that later sets one (an example's `os.environ.setdefault`) changes nothing it reports.
+STARTING_ENVIRONMENT = dict(os.environ)
+
 # Hypothesis profiles. "ci" is what `make test` and .ci/run use (no environment variable set): the draws
 # are a function of each test alone (derandomize), so a failure reproduces on every machine, and the
 # per-machine example database is neither read nor written. "dev" hunts for new counterexamples: ten

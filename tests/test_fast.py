@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refimpl import _fast
+from refimpl._lib import fast as _fast
 from refimpl._lib.xp import to_numpy, topk
 from refimpl.balancing import cutoff_values, expert_major_margins, kth_largest
 from refimpl.balancing.histogram import BiasHistogram

@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import STARTING_ENVIRONMENT
 from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
 from threadpoolctl import threadpool_info
 
@@ -31,24 +32,24 @@ def openblas() -> dict:
 def test_the_settings_asked_for_took_effect():
     np.ones((64, 64)) @ np.ones((64, 64))  # OpenBLAS reads its settings when it first runs
     checked = []
-    if threads := os.environ.get("OPENBLAS_NUM_THREADS"):
+    if threads := STARTING_ENVIRONMENT.get("OPENBLAS_NUM_THREADS"):
         assert openblas()["num_threads"] == int(threads)
         checked.append("OPENBLAS_NUM_THREADS")
-    if os.environ.get("OPENBLAS_CORETYPE"):
+    if STARTING_ENVIRONMENT.get("OPENBLAS_CORETYPE"):
         # OpenBLAS reports its kernel under its own name (Prescott's is "Katmai" in some builds): the check is
         # that it is not the kernel the same process picks by itself.
-        env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+        env = {k: v for k, v in STARTING_ENVIRONMENT.items() if k != "OPENBLAS_CORETYPE"}
         probe = "import numpy as np, threadpoolctl as t; np.ones((8, 8)) @ np.ones((8, 8)); " \
                 "print([i['architecture'] for i in t.threadpool_info() if i.get('internal_api') == 'openblas'][0])"
         default = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
         assert openblas()["architecture"] != default.stdout.strip(), default.stdout
         checked.append("OPENBLAS_CORETYPE")
-    if disabled := os.environ.get("NPY_DISABLE_CPU_FEATURES"):
+    if disabled := STARTING_ENVIRONMENT.get("NPY_DISABLE_CPU_FEATURES"):
         names = disabled.replace(",", " ").split()
         assert names and all(name in __cpu_dispatch__ for name in names), (names, __cpu_dispatch__)
         assert not any(__cpu_features__[name] for name in names), {n: __cpu_features__[n] for n in names}
         checked.append("NPY_DISABLE_CPU_FEATURES")
-    if cores := os.environ.get("REFIMPL_EXPECT_CPUS"):
+    if cores := STARTING_ENVIRONMENT.get("REFIMPL_EXPECT_CPUS"):
         assert len(os.sched_getaffinity(0)) == int(cores)
         checked.append("CPU affinity")
     if not checked:

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from refimpl import _fast
+from refimpl._lib import fast as _fast
 from refimpl._lib.xp import (
     array_namespace,
     bincount,
