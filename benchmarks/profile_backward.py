@@ -20,9 +20,9 @@ from unittest import mock
 import numpy as np
 from common import base_parser, set_blas_threads
 
-from refimpl import backward as bw
 from refimpl._lib import fast as _fast
 from refimpl.config import MoEConfig
+from refimpl.layer import backward as bw
 from refimpl.layer.activations import expert_glu_and_grad, rms_norm_backward
 from refimpl.layer.latent_moe import combine, init_params, routed_experts, shared_experts
 from refimpl.layer.routing import route, router_scores
