@@ -1,10 +1,10 @@
 r"""The training run: steps, the optimizer, logging, evaluation, checkpoints on a schedule.
 
-`train(config)` draws the weights and the balancers from the seed, then
+`train(config)` draws the weights and the balancers from the run's random seed (`config.seed`), then
 repeats the step of `refimpl.train.step` with Adam, logging every step's
 loss and max violation and, on a schedule, the statistics and the held-out
 loss; `train_many` runs several configurations and `noise_floor` measures
-how much the loss moves between seeds. `check_resources` refuses a run that
+how much the loss moves between random seeds. `check_resources` refuses a run that
 could not fit in this machine's memory before anything is allocated, and
 `write_log` writes the log as strict JSON, atomically.
 """
