@@ -202,7 +202,7 @@ def _load_puzzles():
 def puzzle_pages() -> tuple[dict[str, str], list[str]]:
     """The puzzles: their pages by site path and their navigation lines; empty when the puzzles are
     not there (a warning, which fails a strict build, when they are there but cannot be imported)."""
-    if not (DOCS / "puzzles.py").is_file() or not (PACKAGE / "testing" / "puzzles.py").is_file():
+    if not (DOCS / "puzzles.py").is_file() or not (PACKAGE / "testing" / "puzzles" / "__init__.py").is_file():
         return {}, []
     try:
         puzzles = _load_puzzles()
@@ -1707,7 +1707,7 @@ def main() -> None:
 
     puzzle_texts, puzzle_nav = puzzle_pages()
     for site_path, text in puzzle_texts.items():
-        write(site_path, text, edit="refimpl/testing/puzzles.py")
+        write(site_path, text, edit="refimpl/testing/puzzles/__init__.py")
     for notebook in sorted((EXAMPLES / "puzzles").glob("[0-9][0-9]_*.ipynb")) if puzzle_texts else []:
         with mkdocs_gen_files.open(f"puzzles/{notebook.name}", "w") as handle:
             handle.write(notebook.read_text(encoding="utf-8"))

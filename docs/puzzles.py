@@ -48,6 +48,11 @@ RULES = """## The rules
 * A hint and the answer are at the end, collapsed: open them only when you need them."""
 
 
+def source_of(puzzle: Any) -> str:
+    """The file that defines the puzzle, relative to the repository: `refimpl/testing/puzzles/<part>.py`."""
+    return puzzle.solution.__module__.replace(".", "/") + ".py"
+
+
 def _puzzles() -> dict[str, Any]:
     from refimpl.testing.puzzles import PUZZLES
 
@@ -78,7 +83,7 @@ def notebook(puzzle: Any):
     nb.metadata.update({
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
         "language_info": {"name": "python"},
-        "refimpl": {"puzzle": puzzle.name, "source": "refimpl/testing/puzzles.py", "refresh": REFRESH},
+        "refimpl": {"puzzle": puzzle.name, "source": source_of(puzzle), "refresh": REFRESH},
     })
     after = _next(puzzle)
     closing = (f"Next: puzzle {after.number}, *{after.title}* (`{after.slug}.ipynb`)." if after is not None else

@@ -1,0 +1,160 @@
+"""Puzzle 10: capacity with the drop priority of the textbook sketch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+from refimpl import (
+    capacity_keep,
+)
+from refimpl.testing import check_capacity
+from refimpl.testing.puzzles.core import (
+    Case,
+    Mistake,
+    Puzzle,
+    Trial,
+    _array_output,
+    _eps_close,
+    _Malformed,
+    _run_kit,
+    _settings,
+    _show_array,
+)
+
+# ---------------------------------------------------------------------------
+# 10. Capacity with the drop priority of the textbook sketch
+# ---------------------------------------------------------------------------
+
+def serve_with_capacity(index: np.ndarray, weights: np.ndarray, num_experts: int,
+                        capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keep at most `capacity` assignments per expert: first choices first, then token order.
+
+    index [m, k] int (best first), weights [m, k], num_experts n, capacity C
+    ->  (kept [m, k] bool, new_weights [m, k])
+    """
+    m, k = index.shape
+    served = np.zeros(num_experts, dtype=np.int64)
+    kept = np.zeros((m, k), dtype=bool)
+    # Rank by rank: every token's first choice, then every second choice, ...
+    for r in range(k):
+        # Within a rank, in token order
+        for i in range(m):
+            e = index[i, r]
+            if served[e] < capacity:
+                kept[i, r] = True
+                served[e] += 1
+    # A dropped assignment's weight becomes 0; the others stay as they were (no renormalization)
+    return kept, weights * kept
+
+
+def _capacity_reference(index: np.ndarray, weights: np.ndarray, num_experts: int,
+                        capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    kept = np.asarray(capacity_keep(index, num_experts, capacity))
+    return kept, weights * kept
+
+
+@st.composite
+def _capacity_cases(draw: st.DrawFn) -> Case:
+    n = draw(st.integers(1, 6), label="num_experts")
+    k = draw(st.integers(1, n), label="top_k")
+    m = draw(st.integers(1, 8), label="m")
+    rows = draw(st.lists(st.lists(st.integers(0, n - 1), min_size=k, max_size=k, unique=True),
+                         min_size=m, max_size=m), label="routes")
+    raw = draw(st.lists(st.lists(st.integers(1, 16), min_size=k, max_size=k), min_size=m, max_size=m),
+               label="weights")
+    w = np.array(raw, dtype=np.float64)
+    capacity = draw(st.integers(0, m + 1), label="capacity")
+    return Case((np.array(rows, dtype=np.int64).reshape(m, k), w / w.sum(axis=1, keepdims=True), n, capacity))
+
+
+def _capacity_output(value: Any, case: Case) -> tuple[np.ndarray, np.ndarray]:
+    if not (isinstance(value, tuple | list) and len(value) == 2):
+        raise _Malformed(f"it returned {type(value).__name__}; return the pair (kept, new_weights)")
+    shape = case.args[0].shape
+    kept = _array_output("kept", lambda c: shape, "bool")(value[0], case)
+    weights = _array_output("new_weights", lambda c: shape, "float")(value[1], case)
+    return kept, weights
+
+
+def _capacity_variant(*, token_major: bool = False, renormalize: bool = False, slack: int = 0
+                      ) -> Callable[..., tuple[np.ndarray, np.ndarray]]:
+    def answer(index: np.ndarray, weights: np.ndarray, num_experts: int,
+               capacity: int) -> tuple[np.ndarray, np.ndarray]:
+        m, k = index.shape
+        served = np.zeros(num_experts, dtype=np.int64)
+        kept = np.zeros((m, k), dtype=bool)
+        order = [(i, r) for i in range(m) for r in range(k)] if token_major else \
+            [(i, r) for r in range(k) for i in range(m)]
+        for i, r in order:
+            if served[index[i, r]] < capacity + slack:
+                kept[i, r] = True
+                served[index[i, r]] += 1
+        new = weights * kept
+        if renormalize:
+            total = new.sum(axis=1, keepdims=True)
+            new = np.where(total > 0, new / np.where(total > 0, total, 1.0), 0.0)
+        return kept, new
+    return answer
+
+
+def _kit_capacity(fn: Callable[..., Any]) -> str:
+    return _run_kit("check_capacity", lambda: check_capacity(fn, settings=_settings(30)))
+
+
+CAPACITY = Puzzle(
+    number=10, name="capacity", title="Capacity with the drop priority of the textbook sketch",
+    spec=r"""K3 serves every assignment its router makes. The systems it is compared with (Switch Transformer
+and the textbook MoE sketch) give each expert a **capacity** $C = \lceil c\,mk/n \rceil$ and drop what does not
+fit. Which assignments are dropped is fixed by a priority:
+
+* assignments are served **rank by rank**: every token's first choice before any token's second choice;
+* within a rank, **in token order**;
+* an assignment is kept while its expert has served fewer than $C$; a dropped assignment's weight becomes 0,
+  and the token's other weights are **not renormalized**.
+
+With $\text{position}_{i,r}$ the number of assignments to expert `index[i, r]` served before $(i, r)$:
+
+$$
+\text{kept}_{i,r} = \bigl[\,\text{position}_{i,r} < C\,\bigr],
+$$
+
+$$
+p'_{i,r} = p_{i,r}\,\text{kept}_{i,r}.
+$$
+
+Serving each token's $k$ choices together, token after token, would let the first tokens of a batch take all
+the room: late tokens would lose even their first choice while early ones keep their $k$-th.
+
+Write `serve_with_capacity(index, weights, num_experts, capacity)`: `index` `[m, k]` integers (each row a
+token's distinct experts, best first), `weights` `[m, k]`, `num_experts` $n$, `capacity` $C \ge 0$. Return the
+pair `(kept, new_weights)`: `kept` `[m, k]` booleans, `new_weights` `[m, k]`.""",
+    hint=r"""Two loops in serving order, ranks outside and tokens inside, with a counter per expert: keep
+`(i, r)` while `served[index[i, r]] < capacity`. Then `weights * kept`.""",
+    solution=serve_with_capacity,
+    reference=_capacity_reference,
+    reference_name="refimpl.capacity_keep(index, num_experts, capacity), and weights * kept",
+    trials=(Trial("routes of a few tokens over a few experts, capacities from 0 to m + 1", _capacity_cases()),),
+    output=_capacity_output,
+    agree=lambda got, expected, case: bool(np.array_equal(got[0], expected[0]))
+    and _eps_close(got[1], expected[1], scale=1.0),
+    show=lambda value: (_show_array(value[0], prefix="kept        = ") + "\n"
+                        + _show_array(value[1], 4, prefix="new_weights = ")),
+    mistakes=(
+        Mistake("token_major", "capacity served token by token instead of rank by rank",
+                "Serving each token's k choices together lets the first tokens of the batch fill the experts: "
+                "later tokens lose even their first choice while early ones keep their k-th. The sketch serves "
+                "every first choice before any second choice.", _capacity_variant(token_major=True)),
+        Mistake("renormalized_after_drop", "the kept weights renormalized after a drop",
+                "The sketch sets a dropped weight to 0 and leaves the others as they were, so a token that lost "
+                "an expert gets a smaller routed output; renormalizing changes its scale exactly when its experts "
+                "were busy.", _capacity_variant(renormalize=True)),
+        Mistake("capacity_plus_one", "one assignment more than the capacity kept",
+                "An expert of capacity C serves C assignments: keep while fewer than C were served (< C, not "
+                "<= C).", _capacity_variant(slack=1)),
+    ),
+    kit=_kit_capacity,
+)
