@@ -542,7 +542,9 @@ def test_a_malformed_header_is_refused_before_any_byte_is_used(tmp_path, case):
 @pytest.mark.parametrize("raw,pattern", [
     (b"\x05\x00\x00", r"fewer than the 8 of its header length"),
     ((10**6).to_bytes(8, "little") + b"{}", r"its header length 1000000 exceeds the 2 bytes that follow it"),
-    ((4).to_bytes(8, "little") + b"\xff\xfe\xfd\xfc", r"its header is not valid JSON"),
+    ((4).to_bytes(8, "little") + b"\xff\xfe\xfd\xfc", r"its header is not UTF-8 text"),
+    ((4).to_bytes(8, "little") + b"{x:1", r"its header is not valid JSON"),
+    ((5).to_bytes(8, "little") + b'{"a":', r"its header is not valid JSON"),
     ((7).to_bytes(8, "little") + b"[1,2,3]", r"a safetensors header must be a JSON object, got list"),
     (len(b'{"a": {"dtype": "F32"}, "a": 1}').to_bytes(8, "little") + b'{"a": {"dtype": "F32"}, "a": 1}',
      r"the name 'a' appears twice"),

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .._lib.files import write_atomically
+from .._lib.files import check_regular_file, parse_json, write_atomically
 from .._lib.validation import check_float_array, check_int, check_shape
 from .._lib.xp import Array, array_namespace, to_numpy
 from ..config import MoEConfig
@@ -277,7 +277,7 @@ class Balancer:
         read from the file.
         """
         try:
-            with np.load(path, allow_pickle=False) as data:
+            with np.load(check_regular_file(path, "the balancer state"), allow_pickle=False) as data:
                 fields = {name: data[name] for name in data.files}
         except (OSError, ValueError, zipfile.BadZipFile) as exc:
             if isinstance(exc, FileNotFoundError):
@@ -296,7 +296,7 @@ class Balancer:
         if kind not in Balancer.kinds:
             raise ValueError(f"{path} holds an unknown balancer kind {kind!r} (defined in {module!r}); known kinds: "
                              f"{sorted(Balancer.kinds)}")
-        options = json.loads(str(fields["options"]))
+        options = parse_json(str(fields["options"]), f"{path}: the balancer's options")
         balancer = Balancer.kinds[kind](int(fields["num_experts"]), int(fields["top_k"]), bias=fields["bias"],
                                         dtype=fields["bias"].dtype, **options)
         balancer.step_count = int(fields["step_count"])

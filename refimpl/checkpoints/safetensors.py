@@ -2,7 +2,6 @@ r"""safetensors files read safely: headers checked, tensors memory-mapped, nothi
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -10,6 +9,9 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from .._lib.files import check_regular_file, parse_json
+from .._lib.files import read_json as _read_json_file
 
 # The files of a checkpoint folder.
 CONFIG_FILE = "config.json"
@@ -57,25 +59,14 @@ def inside_folder(folder: Path, entry: Any, what: str) -> Path:
 
 
 def read_json(file: Path) -> Any:
-    """The JSON document in `file`; a `ValueError` naming the file when it is not UTF-8 JSON."""
+    """The JSON document in `file`; a `ValueError` naming the file when it is not a regular file holding UTF-8
+    JSON within the limits of `refimpl._lib.files.parse_json` (no name twice, no huge integer, no deep nesting)."""
     try:
-        return json.loads(file.read_bytes().decode("utf-8"))
+        return _read_json_file(file)
+    except FileNotFoundError:
+        raise ValueError(f"{file} cannot be read: it does not exist") from None
     except OSError as exc:
         raise ValueError(f"{file} cannot be read: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{file} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{file} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
-
-
-def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object's pairs as a dict; a name given twice is an error (which one would be meant?)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"the name {key!r} appears twice")
-        out[key] = value
-    return out
 
 
 # ---------------------------------------------------------------------------
@@ -93,7 +84,7 @@ def read_safetensors_header(file: str | os.PathLike) -> tuple[dict[str, Any], in
     the tensors' byte ranges tile the data exactly (in order, from 0, each
     where the previous ends, the last at the end of the file).
     """
-    file = Path(file)
+    file = check_regular_file(file, "the safetensors file")
     size = os.path.getsize(file)
     with open(file, "rb") as f:
         prefix = f.read(8)
@@ -109,9 +100,9 @@ def read_safetensors_header(file: str | os.PathLike) -> tuple[dict[str, Any], in
                              "safetensors header may have")
         raw = f.read(length)
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_object_without_duplicates)
-    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError, as is a name given twice
-        raise ValueError(f"{file} is not a safetensors file: its header is not valid JSON ({exc})") from None
+        header = parse_json(raw, "its header")
+    except ValueError as exc:  # not UTF-8 or JSON, a name given twice, a huge integer, deep nesting
+        raise ValueError(f"{file} is not a safetensors file: {exc}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{file}: a safetensors header must be a JSON object, got {type(header).__name__}")
     metadata = header.get("__metadata__", {})
@@ -169,7 +160,7 @@ def open_safetensors(file: str | os.PathLike) -> dict[str, np.ndarray]:
     lies within the file and no two overlap.
     """
     file = Path(file)
-    header, start = read_safetensors_header(file)
+    header, start = read_safetensors_header(file)  # a regular file: mapping a FIFO would block
     whole = np.memmap(file, dtype=np.uint8, mode="r")
     tensors: dict[str, np.ndarray] = {}
     for name, entry in header.items():
@@ -214,8 +205,9 @@ class Shards:
         file = self.file_of[name]
         if file not in self._open:
             target = inside_folder(self.path, file, f"weight_map entry {name!r} ->")  # follows links, now
-            if not target.is_file():
+            if not target.exists():
                 raise ValueError(f"tensor {name!r} is mapped to {file}, which is not in {self.path}")
+            check_regular_file(target, f"tensor {name!r} is mapped to")
             self._headers[file] = read_safetensors_header(target)
             self._open[file] = open_safetensors(target)
         tensors = self._open[file]

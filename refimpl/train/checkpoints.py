@@ -9,7 +9,7 @@ same machine with the same number of BLAS threads. The folder holds:
 
 | file | holds |
 |---|---|
-| `latest.json` | `{"format": "refimpl.train checkpoint", "version": 1, "checkpoint": "step-00000005-…", "step": 5}`: which folder is the checkpoint |
+| `latest.json` | `{"format": "refimpl.train checkpoint", "version": 2, "checkpoint": "step-00000005-…", "step": 5, "manifest": {"size": …, "sha256": …}}`: which folder is the checkpoint, and its manifest's digest |
 | `step-00000005-…/manifest.json` | the configuration, the step, the corpus digest, the random generator's state (the data position), Adam's step, the counters of the log, and each file's size and SHA-256 |
 | `…/params.npz` | every parameter of the model, float32, by name |
 | `…/adam.npz` | Adam's moments, `m.<name>` and `v.<name>` |
@@ -24,13 +24,30 @@ its final name, and only then is `latest.json` replaced (atomically) to
 name it; the previous checkpoint's folder is removed after that. A run
 killed at any moment therefore leaves `latest.json` naming a complete
 checkpoint (or no `latest.json` at all, if it died before its first one),
-and resuming checks every file against its digest. A checkpoint is resumed
-only by the configuration that wrote it: any other field (the steps
-apart) is refused, naming it.
+and resuming checks every file against its digest. `latest.json` holds the
+manifest's own size and SHA-256, so an edit anywhere (a digit of the random
+generator's state in the manifest included) is refused by name. A checkpoint
+is resumed only by the configuration that wrote it: any other field (the
+steps apart) is refused, naming it.
+
+**One writer at a time, and nothing of anyone else's replaced.** A run that
+writes checkpoints holds an exclusive lock on its folder (`flock` on the
+folder itself, released by the operating system when the process ends, so a
+killed run leaves no stale lock): a second run on the same folder is refused
+at once, before it writes anything. `check_checkpoint_folder` is what both
+the command and `train(checkpoint=...)` ask first: a folder that already
+holds a checkpoint is continued only when it is also the run being resumed,
+or replaced only with `overwrite=True`; a folder holding other files is
+refused. Only the names a checkpoint uses are ever written or removed.
+Every file is read only if it is a regular file (never a FIFO or a device,
+which could block the reader), and its JSON within the limits of
+`refimpl._lib.files.read_json`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -41,14 +58,22 @@ import re
 import secrets
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .._lib.files import fsync_folder, new_folder_mode, write_atomically, write_new_file
+from .._lib.files import (
+    check_regular_file,
+    fsync_folder,
+    new_folder_mode,
+    read_bytes,
+    read_json,
+    write_atomically,
+    write_new_file,
+)
 from ..balancing import Balancer
 from .config import TrainConfig, new_balancers
 from .data import Corpus
@@ -61,7 +86,7 @@ from .step import ONE_PROCESS, Ranks
 
 #: What `latest.json` says a checkpoint folder is, and the layout's version.
 CHECKPOINT_FORMAT = "refimpl.train checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
 POINTER_FILE = "latest.json"
 #: The names a checkpoint folder holds: the pointer, the checkpoints, the ones being written.
 CHECKPOINT_NAME = re.compile(r"step-\d{8}-[0-9a-f]{8}")
@@ -151,7 +176,7 @@ def _write_file(path: Path, data: bytes) -> None:
 
 
 def _digest(path: Path) -> dict[str, Any]:
-    data = path.read_bytes()
+    data = read_bytes(path, "the checkpoint file")
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
@@ -192,8 +217,10 @@ def write_checkpoint(folder: str | Path, run: RunState, config: TrainConfig, cor
         shutil.rmtree(staging, ignore_errors=True)
         raise
     fsync_folder(folder)
+    # The pointer holds the manifest's digest: an edit of the manifest (its random state, a step count) is
+    # refused as an edit of any other file is refused through the digests the manifest holds.
     pointer = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "checkpoint": final.name,
-               "step": run.step}
+               "step": run.step, "manifest": _digest(final / "manifest.json")}
     write_atomically(folder / POINTER_FILE, json.dumps(pointer, indent=1))
     # The new checkpoint is current: the earlier ones, and any left half-written by a killed run, go.
     for entry in folder.iterdir():
@@ -207,12 +234,13 @@ def write_checkpoint(folder: str | Path, run: RunState, config: TrainConfig, cor
 
 
 def _read_json(path: Path, what: str) -> Any:
+    """The JSON in `path`, a regular file, within `read_json`'s limits; every problem a `ValueError` naming it."""
     try:
-        return json.loads(path.read_text())
+        return read_json(path, what)
     except FileNotFoundError:
         raise ValueError(f"{what}: {path} is missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{what}: {path} cannot be read as JSON: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"{what}: {path} cannot be read: {exc.strerror or exc}") from None
 
 
 def read_checkpoint(folder: str | Path) -> Checkpoint:
@@ -224,7 +252,7 @@ def read_checkpoint(folder: str | Path) -> Checkpoint:
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"{folder} is not a folder holding a training checkpoint")
-    if not (folder / POINTER_FILE).is_file():
+    if not (folder / POINTER_FILE).exists():  # present but not a regular file: refused by name below
         raise ValueError(f"{folder} holds no complete training checkpoint (no {POINTER_FILE}: a run that wrote "
                          "none yet, or another folder)")
     pointer = _read_json(folder / POINTER_FILE, "the checkpoint pointer")
@@ -232,11 +260,17 @@ def read_checkpoint(folder: str | Path) -> Checkpoint:
         raise ValueError(f"{folder / POINTER_FILE} is not a {CHECKPOINT_FORMAT!r} pointer")
     if pointer.get("version") != CHECKPOINT_VERSION:
         raise ValueError(f"{folder / POINTER_FILE} is version {pointer.get('version')!r} of the checkpoint format; "
-                         f"this code reads version {CHECKPOINT_VERSION}")
+                         f"this code reads version {CHECKPOINT_VERSION} (version 1 pointers hold no digest of the "
+                         "manifest: resume it with the release that wrote it, or start a new run)")
     name = pointer.get("checkpoint")
     if not isinstance(name, str) or not CHECKPOINT_NAME.fullmatch(name):
         raise ValueError(f"{folder / POINTER_FILE} names no checkpoint folder of this format, got {name!r}")
-    manifest = _read_json(folder / name / "manifest.json", "the checkpoint manifest")
+    manifest_file = folder / name / "manifest.json"
+    manifest_digest = None if not manifest_file.exists() else _digest(manifest_file)
+    if manifest_digest != pointer.get("manifest"):
+        raise ValueError(f"{manifest_file} is not the manifest the checkpoint wrote (missing, or its size or "
+                         f"SHA-256 differs from what {folder / POINTER_FILE} records): the checkpoint is damaged")
+    manifest = _read_json(manifest_file, "the checkpoint manifest")
     try:
         config = TrainConfig.from_record(manifest["config"])
         step = int(manifest["step"])
@@ -252,6 +286,22 @@ def _differences(saved: Any, wanted: Any, where: str = "") -> list[str]:
         return [line for key in sorted(set(saved) | set(wanted))
                 for line in _differences(saved.get(key), wanted.get(key), f"{where}{key}.")]
     return [] if saved == wanted else [f"{where[:-1]}={saved!r} in the checkpoint, {wanted!r} here"]
+
+
+def _count(manifest: Mapping[str, Any], key: str, where: Path) -> int:
+    """The manifest's non-negative integer `key`; a `ValueError` naming the manifest otherwise."""
+    value = manifest.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where / 'manifest.json'}: {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _restore_rng(rng: np.random.Generator, state: Any, manifest: Path) -> None:
+    """Set `rng` to the saved `state`; a state NumPy cannot take is a `ValueError` naming the manifest."""
+    try:
+        rng.bit_generator.state = state
+    except (TypeError, ValueError, KeyError, OverflowError) as exc:
+        raise ValueError(f"{manifest}: the random generator's state cannot be restored ({exc})") from None
 
 
 def load_run(folder: str | Path, config: TrainConfig, corpus: Corpus) -> RunState:
@@ -281,17 +331,17 @@ def load_run(folder: str | Path, config: TrainConfig, corpus: Corpus) -> RunStat
         raise ValueError(f"{where / 'manifest.json'} lists the files {sorted(manifest.get('files', {}))}, not "
                          f"{sorted(expected_files)}")
     run = RunState.start(config)  # the structure to fill (the weights drawn here are all replaced)
-    with np.load(where / "params.npz", allow_pickle=False) as data:
+    with np.load(check_regular_file(where / "params.npz"), allow_pickle=False) as data:
         params = {name: data[name] for name in data.files}
     shapes = trained_params(model_shapes(config))
     if set(params) != set(shapes) or any(params[name].shape != shapes[name] or params[name].dtype != np.float32
                                          for name in shapes):
         raise ValueError(f"{where / 'params.npz'} does not hold the parameters of this model")
     run.params = params
-    with np.load(where / "adam.npz", allow_pickle=False) as data:
+    with np.load(check_regular_file(where / "adam.npz"), allow_pickle=False) as data:
         for name in run.adam.names:
             run.adam.m[name], run.adam.v[name] = data[f"m.{name}"], data[f"v.{name}"]
-    run.adam.t = int(manifest["adam_step"])
+    run.adam.t = _count(manifest, "adam_step", where)
     for number, fresh in enumerate(run.balancers):
         restored = Balancer.restore(where / f"balancer-{number}.npz")
         if (type(restored), restored.options(), restored.num_experts, restored.top_k) != \
@@ -299,16 +349,77 @@ def load_run(folder: str | Path, config: TrainConfig, corpus: Corpus) -> RunStat
             raise ValueError(f"{where / f'balancer-{number}.npz'} holds a {restored.kind} balancer with "
                              f"{restored.options()}, not the {fresh.kind} balancer {fresh.options()} of this run")
         run.balancers[number] = restored
-    run.rng.bit_generator.state = manifest["rng"]
+    _restore_rng(run.rng, manifest.get("rng"), where / "manifest.json")
     log = _numbers_back(_read_json(where / "log.json", "the checkpoint log"))
     run.records, run.sessions = log["steps"], log["sessions"]
     if [record["step"] for record in run.records] != list(range(1, found.step + 1)):
         raise ValueError(f"{where / 'log.json'} does not hold the records of steps 1 to {found.step}")
     run.step = found.step
-    run.overflow_steps, run.skipped = int(manifest["overflow_steps"]), int(manifest["skipped_steps"])
+    run.overflow_steps, run.skipped = _count(manifest, "overflow_steps", where), _count(manifest, "skipped_steps", where)
     # The run that wrote it may have stopped at its own last step, which it evaluated; this one evaluates
     # only on its schedule.
     for record in run.records:
         if record["step"] % config.eval_every and record["step"] != config.steps:
             record.pop("eval_loss", None)
     return run
+
+
+# ---------------------------------------------------------------------------
+# Who may write a checkpoint folder
+# ---------------------------------------------------------------------------
+
+def _is_checkpoint_name(name: str) -> bool:
+    """A name a checkpoint folder holds: the pointer, a checkpoint, one being written."""
+    return name == POINTER_FILE or any(pattern.fullmatch(name) for pattern in
+                                       (CHECKPOINT_NAME, PARTIAL_NAME, POINTER_PARTIAL))
+
+
+def check_checkpoint_folder(folder: str | Path, *, resume: str | Path | None = None,
+                            overwrite: bool = False) -> None:
+    """Refuse, with a `ValueError` naming `folder`, a checkpoint folder this run must not write into.
+
+    `folder` must be a new or empty folder, or one of training checkpoints: one that holds a checkpoint
+    already is continued only when it is also `resume`, and replaced (once this run writes its first
+    checkpoint) only with `overwrite=True`. A folder without a checkpoint that holds other files is refused
+    whatever the flags: they are someone else's. Nothing is written or created here.
+    """
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"checkpoint: {folder} is a file, not a folder")
+    if not folder.is_dir():
+        return
+    names = sorted(entry.name for entry in folder.iterdir())
+    resuming_here = resume is not None and folder.resolve() == Path(resume).resolve()
+    if POINTER_FILE in names:
+        # A checkpoint folder: only its own names are ever written or removed; files the user added stay.
+        if not (resuming_here or overwrite):
+            raise ValueError(f"checkpoint: {folder} already holds a training checkpoint; pass --resume {folder} "
+                             "(resume= in Python) to continue it, or --overwrite (overwrite=True) to replace it "
+                             "once this run writes its first checkpoint")
+        return
+    others = [name for name in names if not _is_checkpoint_name(name)]
+    if others:
+        raise ValueError(f"checkpoint: {folder} holds files that are not a training checkpoint "
+                         f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); name a new or empty "
+                         "folder")
+
+
+@contextlib.contextmanager
+def checkpoint_lock(folder: str | Path) -> Iterator[Path]:
+    """Hold the exclusive lock on the checkpoint folder `folder` (created if missing) while the block runs.
+
+    A second holder, in this process or another, is refused at once with a `ValueError` naming the folder.
+    The lock is the operating system's (`flock` on the folder), so a process that dies releases it.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"checkpoint: another run is writing checkpoints into {folder} (it holds the "
+                             "folder's lock); wait for it to end, or name another folder") from None
+        yield folder
+    finally:
+        os.close(descriptor)  # closing the descriptor releases the lock

@@ -41,14 +41,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..config import MoEConfig
-from .checkpoints import (
-    CHECKPOINT_NAME,
-    PARTIAL_NAME,
-    POINTER_FILE,
-    POINTER_PARTIAL,
-    Checkpoint,
-    read_checkpoint,
-)
+from .checkpoints import Checkpoint, check_checkpoint_folder, read_checkpoint
 from .config import BALANCERS, DEFAULT_LAYER, PRECISIONS, TrainConfig, TrainConfigError
 from .data import Corpus, load_corpus
 from .expert_parallel import check_expert_parallel, train_expert_parallel, world
@@ -285,25 +278,18 @@ def _check_out(parser: argparse.ArgumentParser, out: Path, overwrite: bool) -> N
 def _check_checkpoint_folder(parser: argparse.ArgumentParser, folder: Path, *, resume: Path | None,
                              overwrite: bool) -> None:
     """`--checkpoint` must be a new or empty folder, or one of checkpoints this run may replace."""
-    if folder.exists() and not folder.is_dir():
-        parser.error(f"argument --checkpoint: {folder} is a file, not a folder")
-    if folder.is_dir():
-        names = sorted(entry.name for entry in folder.iterdir())
-        resuming_here = resume is not None and folder.resolve() == resume.resolve()
-        if POINTER_FILE in names:
-            # A checkpoint folder: only its own names are ever written or removed, the user's files stay.
-            if not (resuming_here or overwrite):
-                parser.error(f"argument --checkpoint: {folder} already holds a training checkpoint; pass --resume "
-                             f"{folder} to continue it, or --overwrite to replace it once this run writes its "
-                             "first checkpoint")
-        else:
-            others = [name for name in names if not (CHECKPOINT_NAME.fullmatch(name) or PARTIAL_NAME.fullmatch(name)
-                                                     or POINTER_PARTIAL.fullmatch(name))]
-            if others:
-                parser.error(f"argument --checkpoint: {folder} holds files that are not a training checkpoint "
-                             f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); name a new or empty "
-                             "folder")
+    try:
+        check_checkpoint_folder(folder, resume=resume, overwrite=overwrite)
+    except ValueError as exc:
+        parser.error(f"argument --checkpoint: {str(exc).removeprefix('checkpoint: ')}")
     _check_folder_writable(parser, "--checkpoint", folder)
+
+
+def _check_out_outside(parser: argparse.ArgumentParser, out: Path, checkpoint: Path) -> None:
+    """`--out` must not lie inside the checkpoint folder: the log there would be a file no checkpoint owns."""
+    if out.resolve().is_relative_to(checkpoint.resolve()):
+        parser.error(f"argument --out: {out} lies inside the checkpoint folder {checkpoint}; write the log "
+                     "elsewhere (a checkpoint folder holds only the checkpoint's own files)")
 
 
 def _checked_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
@@ -361,11 +347,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _check_out(parser, args.out, args.overwrite)
     if checkpoint is not None:
         _check_checkpoint_folder(parser, checkpoint, resume=args.resume, overwrite=args.overwrite)
+        if args.out is not None:
+            _check_out_outside(parser, args.out, checkpoint)
     corpus = _checked_corpus(parser, config)
     say = (lambda text: None) if args.quiet else print
     say(corpus.describe())
     result = train(config, corpus=corpus, progress=not args.quiet and config.steps >= 50, log=say,
-                   checkpoint=checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume)
+                   checkpoint=checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume,
+                   overwrite=args.overwrite)
     result["command"] = "python -m refimpl.train " + " ".join(argv)
     if args.out is not None:
         _write_out(parser, args.out, result, checkpoint, say)

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from .._lib.files import read_bytes
+
 #: Bytes are the tokens: a vocabulary of 256.
 VOCAB = 256
 
@@ -81,7 +83,7 @@ def load_corpus(root: str | Path | None = None, names: Sequence[str] = CORPUS_FI
         if not path.is_file():
             missing.append(name)
             continue
-        text = path.read_bytes()
+        text = read_bytes(path, "the corpus file")  # a regular file only, even if swapped since the check
         chunks.append(text)
         files.append((name, len(text), hashlib.sha256(text).hexdigest()))
     joined = b"".join(chunks)

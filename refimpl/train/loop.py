@@ -27,7 +27,14 @@ import numpy as np
 from .._lib.files import write_atomically
 from ..balancing import Balancer
 from ..layer.routing import route
-from .checkpoints import RunState, json_safe, load_run, write_checkpoint
+from .checkpoints import (
+    RunState,
+    check_checkpoint_folder,
+    checkpoint_lock,
+    json_safe,
+    load_run,
+    write_checkpoint,
+)
 from .config import PRECISIONS, TrainConfig, TrainConfigError
 from .data import VOCAB, Corpus, load_corpus, sample_batch
 from .model import BIAS, model_shapes, moe_prefix
@@ -107,7 +114,7 @@ def routing_biases(balancers: Sequence[Balancer]) -> list[np.ndarray]:
 def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool = False,
           log: Callable[[str], None] | None = None, final_params: dict[str, np.ndarray] | None = None,
           checkpoint: str | Path | None = None, checkpoint_every: int = 0,
-          resume: str | Path | None = None, ranks: Ranks = ONE_PROCESS) -> dict[str, Any]:
+          resume: str | Path | None = None, ranks: Ranks = ONE_PROCESS, overwrite: bool = False) -> dict[str, Any]:
     """Train the model of `config` and return the log `{"config", "corpus", "steps", "summary"}`.
 
     `steps` holds one record per step: `step` (from 1), `loss`,
@@ -131,7 +138,11 @@ def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool =
     `checkpoint_every` steps (0: only at the end) and at the end; `resume`
     a checkpoint folder to continue from, written by the same configuration
     (its `steps` may differ). A resumed run's log equals that of the run
-    never interrupted, every number but the timings.
+    never interrupted, every number but the timings. The checkpoint folder
+    is guarded as the command guards it (`check_checkpoint_folder`): one
+    holding another run's checkpoint is refused unless it is the one being
+    resumed or `overwrite=True`; one holding other files is refused; and the
+    run holds the folder's lock, so a second run on it is refused.
 
     `ranks` is where the steps run (`forward_backward`): one process by
     default; `refimpl.train.expert_parallel.train_expert_parallel` passes its
@@ -147,16 +158,20 @@ def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool =
             or checkpoint_every < 0:
         raise ValueError(f"checkpoint_every must be a non-negative integer (0: only at the end), "
                          f"got {checkpoint_every!r}")
+    if checkpoint is None:
+        return _train(config, corpus, progress, log, final_params, None, checkpoint_every, resume, ranks)
+    check_checkpoint_folder(checkpoint, resume=resume, overwrite=overwrite)
+    with checkpoint_lock(checkpoint):
+        return _train(config, corpus, progress, log, final_params, Path(checkpoint), checkpoint_every, resume,
+                      ranks)
+
+
+def _train(config: TrainConfig, corpus: Corpus, progress: bool, log: Callable[[str], None] | None,
+           final_params: dict[str, np.ndarray] | None, checkpoint: Path | None, checkpoint_every: int,
+           resume: str | Path | None, ranks: Ranks) -> dict[str, Any]:
+    """`train`, its arguments checked (and the checkpoint folder's lock held): the steps, then the summary."""
     run = RunState.start(config, ranks) if resume is None else load_run(resume, config, corpus)
-    train_data = corpus.data[:corpus.split]
-    eval_rng = np.random.default_rng([config.seed, 1])
-    eval_tokens, eval_targets = sample_batch(corpus.data[corpus.split:], eval_rng, config.eval_batch, config.context)
-    # Every process draws the whole batch from the same generator and keeps its rows.
-    mine = ranks.rows(config.eval_batch)
-    eval_tokens, eval_targets = eval_tokens[mine], eval_targets[mine]
-    mine = ranks.rows(config.batch)
-    peak_limit = float(ml_dtypes.finfo(PRECISIONS[config.precision]).max)
-    eval_layers = [balancer.layer_config(config.moe) for balancer in run.balancers]
+    evaluation = _Evaluation(config, corpus, run, ranks)
     steps: Iterable[int] = range(run.step + 1, config.steps + 1)
     if progress:
         from tqdm import tqdm
@@ -167,47 +182,74 @@ def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool =
     if run.step < config.steps:
         run.sessions.append(session)
     start = time.perf_counter()
+    train_data, mine = corpus.data[:corpus.split], ranks.rows(config.batch)
     for t in steps:
         tokens, targets = sample_batch(train_data, run.rng, config.batch, config.context)
-        tokens, targets = tokens[mine], targets[mine]
-        # A low-precision run needs the peak every step: it decides whether the step overflowed.
-        with_stats = t % config.stats_every == 0 or t == 1 or config.precision != "float32"
-        result = forward_backward(run.params, tokens, targets, run.balancers, config, with_stats=with_stats,
-                                  ranks=ranks)
-        record: dict[str, Any] = {"step": t, "loss": result.loss, "max_violation": max(result.violations),
-                                  "max_violation_layers": result.violations, **result.balancing}
-        overflow = bool(result.stats.get("activation_peak")) and max(result.stats["activation_peak"]) > peak_limit
-        run.overflow_steps += overflow
-        finite = bool(result.grads) and ranks.all(all(np.all(np.isfinite(g))
-                                                         for g in result.grads.values()))
-        if overflow:
-            record["overflow"] = True
-        if finite and not overflow:
-            record["grad_norm"] = _clip(result.grads, config.grad_clip, ranks)
-            run.adam.step(run.params, result.grads)
-        else:
-            record["skipped"] = True
-            run.skipped += 1
-        if with_stats:
-            record.update(result.stats)
-        if t % config.eval_every == 0 or t == config.steps:
-            record["eval_loss"] = evaluate(run.params, eval_tokens, eval_targets, config, eval_layers,
-                                           biases=routing_biases(run.balancers), ranks=ranks)
-        record.update(ranks.step_record())
+        record = _step(run, tokens[mine], targets[mine], t, config, evaluation, ranks)
         run.records.append(record)
         run.step = session["last_step"] = t
         session["seconds"] = time.perf_counter() - start
         if checkpoint is not None and ((checkpoint_every and t % checkpoint_every == 0) or t == config.steps):
             write_checkpoint(checkpoint, run, config, corpus)
         if progress:
-            steps.set_postfix(loss=f"{result.loss:.3f}", viol=f"{record['max_violation']:.2f}")
+            steps.set_postfix(loss=f"{record['loss']:.3f}", viol=f"{record['max_violation']:.2f}")
     session["seconds"] = time.perf_counter() - start
     if "eval_loss" not in run.records[-1]:  # resumed at its last step from a checkpoint between evaluations
-        run.records[-1]["eval_loss"] = evaluate(run.params, eval_tokens, eval_targets, config, eval_layers,
-                                                biases=routing_biases(run.balancers), ranks=ranks)
+        run.records[-1]["eval_loss"] = evaluation(run)
     if final_params is not None:
         final_params.update(run.params)
         final_params.update({moe_prefix(number) + BIAS: bias for number, bias in enumerate(routing_biases(run.balancers))})
+    return _result(config, corpus, run, log)
+
+
+class _Evaluation:
+    """The held-out loss of a run: the same held-out batch at every evaluation, each process its rows."""
+
+    def __init__(self, config: TrainConfig, corpus: Corpus, run: RunState, ranks: Ranks):
+        eval_rng = np.random.default_rng([config.seed, 1])
+        tokens, targets = sample_batch(corpus.data[corpus.split:], eval_rng, config.eval_batch, config.context)
+        # Every process draws the whole batch from the same generator and keeps its rows.
+        mine = ranks.rows(config.eval_batch)
+        self.tokens, self.targets = tokens[mine], targets[mine]
+        self.layers = [balancer.layer_config(config.moe) for balancer in run.balancers]
+        self.config, self.ranks = config, ranks
+
+    def __call__(self, run: RunState) -> float:
+        return evaluate(run.params, self.tokens, self.targets, self.config, self.layers,
+                        biases=routing_biases(run.balancers), ranks=self.ranks)
+
+
+def _step(run: RunState, tokens: np.ndarray, targets: np.ndarray, t: int, config: TrainConfig,
+          evaluation: _Evaluation, ranks: Ranks) -> dict[str, Any]:
+    """Step `t` of the run: forward, backward, the update unless it must be skipped; its record."""
+    # A low-precision run needs the peak every step: it decides whether the step overflowed.
+    with_stats = t % config.stats_every == 0 or t == 1 or config.precision != "float32"
+    result = forward_backward(run.params, tokens, targets, run.balancers, config, with_stats=with_stats,
+                              ranks=ranks)
+    record: dict[str, Any] = {"step": t, "loss": result.loss, "max_violation": max(result.violations),
+                              "max_violation_layers": result.violations, **result.balancing}
+    peak_limit = float(ml_dtypes.finfo(PRECISIONS[config.precision]).max)
+    overflow = bool(result.stats.get("activation_peak")) and max(result.stats["activation_peak"]) > peak_limit
+    run.overflow_steps += overflow
+    finite = bool(result.grads) and ranks.all(all(np.all(np.isfinite(g)) for g in result.grads.values()))
+    if overflow:
+        record["overflow"] = True
+    if finite and not overflow:
+        record["grad_norm"] = _clip(result.grads, config.grad_clip, ranks)
+        run.adam.step(run.params, result.grads)
+    else:
+        record["skipped"] = True
+        run.skipped += 1
+    if with_stats:
+        record.update(result.stats)
+    if t % config.eval_every == 0 or t == config.steps:
+        record["eval_loss"] = evaluation(run)
+    record.update(ranks.step_record())
+    return record
+
+
+def _result(config: TrainConfig, corpus: Corpus, run: RunState, log: Callable[[str], None] | None) -> dict[str, Any]:
+    """The run's log: the configuration, the corpus, every step's record and the summary (said to `log`)."""
     seconds = sum(part["seconds"] for part in run.sessions)
     records = run.records
     summary = {"seconds": seconds, "tokens_per_second": config.batch * config.steps / seconds if seconds else 0.0,
