@@ -78,7 +78,7 @@ import scipy.sparse
 from .._lib.validation import check_finite, check_float_array, check_int, check_shape
 from .._lib.xp import Array, array_namespace, compute_dtype, to_numpy
 from ..layer.routing import expert_load, route
-from .quantile import kth_largest, quantile_rank, quantile_thresholds, sign_balancing_update
+from .quantile import _kth_largest, quantile_rank, quantile_thresholds, sign_balancing_update
 
 __all__ = [
     "AssignmentLP",
@@ -148,7 +148,7 @@ def alpha_step(scores: Array, beta: Array, top_k: int) -> Array:
     dtype = compute_dtype(xp, scores, beta)
     # $$\alpha_i = (s_i - \beta)_{(k+1)}$$
     shifted = xp.astype(scores, dtype) - xp.astype(beta, dtype)[None, :]  # [m, n]
-    return kth_largest(shifted, top_k + 1, overwrite=True)
+    return _kth_largest(shifted, top_k + 1, overwrite=True)
 
 
 def beta_step(scores: Array, alpha: Array, top_k: int) -> Array:
@@ -369,7 +369,12 @@ def solve_assignment_lp(scores: Array, top_k: int, *, options: dict[str, Any] | 
         carries HiGHS's own words).
     """
     m, n = _check_scores(scores)
+    if m == 0:
+        raise ValueError("scores must hold at least one token (got m=0): the assignment LP of no tokens is empty")
     top_k = check_int("top_k", top_k, low=1)
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"options must be a dict of HiGHS settings for scipy.optimize.linprog, got "
+                        f"{type(options).__name__}")
     if top_k > n:
         raise ValueError(
             f"the assignment LP is infeasible: top_k={top_k} > n={n} asks each token for more distinct "

@@ -172,7 +172,14 @@ def histogram_range(bias: Array) -> tuple[float, float]:
     check_bias(bias)
     xp = array_namespace(bias)
     # $$r_{i,j} \in [\min_j b_j - 1,\ \max_j b_j + 1]$$
-    return float(xp.min(bias)) - 1.0, float(xp.max(bias)) + 1.0
+    low, high = float(xp.min(bias)) - 1.0, float(xp.max(bias)) + 1.0
+    # Its width is at least 2 on paper. A bias so large that float64 loses the margins of 1 (beyond 2**52),
+    # or whose spread overflows, leaves no interval to divide into bins: refused, not divided by zero.
+    if not (math.isfinite(high - low) and high - low >= 1.0):
+        raise ValueError(f"bias must span an interval the histogram's bins can divide: [min b - 1, max b + 1] is "
+                         f"[{low:.6g}, {high:.6g}], of width {high - low:.6g} in float64 (a bias of order "
+                         f"{max(abs(low), abs(high)):.3g}, where the scores lie in (0, 1))")
+    return low, high
 
 
 def _cutoff(scores: Array, bias: Array, top_k: int) -> Array:
@@ -431,7 +438,11 @@ class BiasHistogram:
         if self.top_k == self.n:
             b_tilde = xp.astype(self.bias, xp.float64)
         # $$b^{(t+1)} = \tilde b - \tfrac{1}{n}\textstyle\sum_j \tilde b_j$$
-        return xp.astype(b_tilde - xp.mean(b_tilde), self.bias.dtype)
+        new = xp.astype(b_tilde - xp.mean(b_tilde), self.bias.dtype)  # [n]
+        if not bool(xp.all(xp.isfinite(xp.astype(new, xp.float64)))):
+            raise ValueError(f"the new bias does not fit in {dtype_name(self.bias.dtype)} (the current bias spans "
+                             f"[{self.low + 1:.6g}, {self.high - 1:.6g}]): pass the bias in float64")
+        return new
 
 
 def histogram_balancing_update(blocks: Iterable[Array] | Array, bias: Array, top_k: int, bins: int = 1000, *,

@@ -148,7 +148,7 @@ from .._lib.validation import (
     check_positive,
     check_shape,
 )
-from .._lib.xp import Array, array_namespace, compute_dtype, is_cupy, is_numpy
+from .._lib.xp import Array, array_namespace, compute_dtype, dtype_name, is_cupy, is_numpy
 from ..layer.routing import expert_load, selection_cutoff
 from .balancer import Balancer
 
@@ -185,7 +185,30 @@ def kth_largest(x: Array, r: int, *, previous: bool = False, overwrite: bool = F
     The readable definition sorts each row. On NumPy and CuPy a selection does
     the same in $O(L)$ per row (`refimpl._lib.fast.kth_largest_by_sampling`, a sample that
     discards most entries first, and CuPy's selection kernel).
+
+    `x` must be a 2-D real floating array without NaN (NaN has no place in an order: a sort puts it last,
+    a selection anywhere) and $r$ an integer in $[1, L]$ ($[2, L]$ with `previous`); anything else is a
+    `TypeError` or `ValueError` naming it. Infinities are ordered as usual.
     """
+    check_float_array("x", x, ndim=2)
+    r = check_int("r", r, low=2 if previous else 1, high=x.shape[-1])
+    _check_no_nan("x", x)
+    return _kth_largest(x, r, previous=previous, overwrite=overwrite)
+
+
+def _check_no_nan(name: str, x: Array) -> None:
+    """A `ValueError` naming `x` when it holds NaN; one sum, and the count only when the sum is NaN."""
+    xp = array_namespace(x)
+    with np.errstate(invalid="ignore"):  # +inf and -inf sum to NaN: then the count decides
+        total = float(xp.sum(xp.astype(x, compute_dtype(xp, x), copy=False))) if x.size else 0.0
+    if math.isnan(total):
+        count = int(xp.sum(xp.astype(xp.isnan(x), xp.int64)))
+        if count:  # a sum of +inf and -inf is NaN too, without a NaN in x
+            raise ValueError(f"{name} must hold no NaN (it has no place in an order), got {count} NaN entries")
+
+
+def _kth_largest(x: Array, r: int, *, previous: bool = False, overwrite: bool = False) -> Array | tuple:
+    """`kth_largest` for inputs the caller has checked (finite scores and margins, a rank in range)."""
     xp = array_namespace(x)
     length = x.shape[-1]
     if enabled() and is_numpy(xp):
@@ -203,9 +226,9 @@ def kth_largest(x: Array, r: int, *, previous: bool = False, overwrite: bool = F
 def _interpolated_rows(x: Array, whole: int, frac: float, *, overwrite: bool = False) -> Array:
     r"""Row-wise $x_{(\rho)}$ for the rank $\rho = $ `whole + frac` ($0 \le$ `frac` $< 1$)."""
     if frac == 0.0:
-        return kth_largest(x, whole, overwrite=overwrite)
+        return _kth_largest(x, whole, overwrite=overwrite)
     # The (whole+1)-th largest and, from the same partition, the whole-th largest.
-    lower, upper = kth_largest(x, whole + 1, previous=True, overwrite=overwrite)  # [p], [p]
+    lower, upper = _kth_largest(x, whole + 1, previous=True, overwrite=overwrite)  # [p], [p]
     # $$x_{(\rho)} = x_{(\lfloor\rho\rfloor)} + (\rho - \lfloor\rho\rfloor)\,(x_{(\lfloor\rho\rfloor+1)} - x_{(\lfloor\rho\rfloor)})$$
     return upper + frac * (lower - upper)
 
@@ -255,6 +278,7 @@ def interpolated_kth_largest(values: Array, rank: float, *, axis: int = 0) -> Ar
         raise ValueError(
             f"rank must lie in [1, {length}] (and its ceiling must too) for {length} values along the axis, "
             f"got rank={rank}")
+    _check_no_nan("values", values)
     result = _interpolated_rows(rows, whole, frac)  # [p]
     return result[0] if values.ndim == 1 else result
 
@@ -315,7 +339,7 @@ def cutoff_values(scores: Array, bias: Array, top_k: int, *, with_kth: bool = Fa
     if enabled() and is_numpy(array_namespace(scores, bias)):
         return cutoffs_by_blocks(np.asarray(scores), np.asarray(bias), top_k, with_kth=with_kth)
     # $$\alpha_i = (s_i + b)_{(k+1)}, \qquad \kappa_i = (s_i + b)_{(k)}$$
-    return kth_largest(_biased(scores, bias), top_k + 1, previous=with_kth, overwrite=True)
+    return _kth_largest(_biased(scores, bias), top_k + 1, previous=with_kth, overwrite=True)
 
 
 def expert_major_margins(scores: Array, alpha: Array, *, bias: Array | None = None,
@@ -478,10 +502,17 @@ def sign_balancing_update(load: Array, bias: Array, rate: float) -> Array:
     check_shape("load", load, tuple(bias.shape))
     n = load.shape[0]
     counts = xp.astype(load, xp.int64)  # [n]
+    if n and int(xp.min(counts)) < 0:
+        raise ValueError(f"load must hold token counts, which are never negative, got {int(xp.min(counts))}")
     # $$\operatorname{sign}(q - \text{load}_j) = \operatorname{sign}\bigl(\textstyle\sum_r \text{load}_r - n\,\text{load}_j\bigr)$$
     direction = xp.sign(xp.sum(counts) - n * counts)  # [n] in {-1, 0, 1}
     # $$b_j \leftarrow b_j + \gamma\,\operatorname{sign}(q - \text{load}_j)$$
-    return bias + rate * xp.astype(direction, bias.dtype)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below, by name
+        new = bias + xp.astype(rate * xp.astype(direction, xp.float64), bias.dtype)  # [n]
+    if not bool(xp.all(xp.isfinite(new))):
+        raise ValueError(f"rate={rate:g} moves the bias beyond what {dtype_name(bias.dtype)} holds (the new bias "
+                         "is not finite); the step is meant to be small (Megatron-Core's default is 1e-3)")
+    return new
 
 
 # ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@ r"""safetensors files read safely: headers checked, tensors memory-mapped, nothi
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -230,9 +231,17 @@ class Shards:
 
 
 def to_dtype(array: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
-    """`array` as a fresh array of `dtype`; a `ValueError` naming tensor `name` if a finite value overflows."""
+    """`array` as a fresh array of `dtype`; a `ValueError` naming tensor `name` if it holds NaN or an
+    infinity (a weight never does: the forward would spread it to every token that reaches it silently), or
+    if a finite value overflows `dtype`."""
     with np.errstate(over="ignore"):
         out = np.array(array, dtype=dtype)
+    if out.size and not math.isfinite(float(np.sum(out, dtype=np.float64))):  # one sum; the count if it fails
+        bad = ~np.isfinite(np.asarray(array).astype(np.float64))
+        if np.any(bad):
+            raise ValueError(f"tensor {name!r} holds {int(np.sum(bad))} non-finite value(s) (NaN or infinity), "
+                             f"the first at index {tuple(int(i) for i in np.argwhere(bad)[0])}: the checkpoint "
+                             "is damaged")
     if ml_dtypes.finfo(dtype).max < ml_dtypes.finfo(array.dtype).max:  # a narrowing cast: look for overflow
         overflow = np.isinf(out) & np.isfinite(array)
         if np.any(overflow):

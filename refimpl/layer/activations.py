@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._lib.fast import fast_path_applies, glu_and_grad_by_chunks, glu_in_place
 from .._lib.validation import check_float_array, check_positive
-from .._lib.xp import Array, array_namespace, compute_dtype
+from .._lib.xp import Array, array_namespace, compute_dtype, is_real_floating
 
 if TYPE_CHECKING:
     from ..config import MoEConfig
@@ -86,6 +86,12 @@ def _upcast(xp: Any, *arrays: Array) -> tuple[Any, list[Array]]:
     return dtype, [xp.astype(a, dtype, copy=False) for a in arrays]
 
 
+def _result_dtype(x: Array) -> Any:
+    """The dtype a function of `x` returns: that of `x` when it is floating; the compute dtype (float32)
+    when `x` holds integers or booleans, which are promoted, never truncated back (sigmoid(3) is 0.95, not 0)."""
+    return x.dtype if is_real_floating(x) else compute_dtype(array_namespace(x), x)
+
+
 def sigmoid(z: Array) -> Array:
     r"""The logistic function $\sigma(z) = 1 / (1 + e^{-z})$, accurate on both sides and without overflow.
 
@@ -97,7 +103,7 @@ def sigmoid(z: Array) -> Array:
     it returns exactly 0 below $z \approx -38$ in float64 and $-20$ in float32,
     where the true value is tiny but positive, and a router whose chosen scores
     are all 0 would then divide 0 by 0.)
-    Computed in float32 or wider and returned in the dtype of `z`.
+    Computed in float32 or wider and returned in the dtype of `z` (integers and booleans in float32).
     """
     xp = array_namespace(z)
     _, (z32,) = _upcast(xp, z)
@@ -106,7 +112,7 @@ def sigmoid(z: Array) -> Array:
     # $$\sigma(z) = \begin{cases} 1/(1+t) & z \ge 0 \\ t/(1+t) & z < 0 \end{cases}
     #   = \frac{e^{\min(z, 0)}}{1 + t}$$
     # (one expression for both branches: a `where` over a random sign mask is slow in NumPy)
-    return xp.astype(xp.exp(xp.minimum(z32, 0.0)) / (1.0 + t), z.dtype, copy=False)
+    return xp.astype(xp.exp(xp.minimum(z32, 0.0)) / (1.0 + t), _result_dtype(z), copy=False)
 
 
 def _sech2(u: Array) -> Array:
@@ -137,7 +143,7 @@ def softcap(x: Array, beta: float) -> Array:
     xp, x32 = _capped_input(x, beta)
     # $$\beta \tanh(x / \beta)$$
     out = beta * xp.tanh(x32 / beta)
-    return xp.astype(out, x.dtype, copy=False)
+    return xp.astype(out, _result_dtype(x), copy=False)
 
 
 def softcap_grad(x: Array, beta: float) -> Array:
@@ -149,7 +155,7 @@ def softcap_grad(x: Array, beta: float) -> Array:
     """
     xp, x32 = _capped_input(x, beta)
     # $$\frac{d}{dx}\,\beta\tanh(x/\beta) = \operatorname{sech}^2(x/\beta)$$
-    return xp.astype(_sech2(x32 / beta), x.dtype, copy=False)
+    return xp.astype(_sech2(x32 / beta), _result_dtype(x), copy=False)
 
 
 def hard_clamp(x: Array, beta: float) -> Array:
@@ -159,13 +165,13 @@ def hard_clamp(x: Array, beta: float) -> Array:
     other activations (NumPy's `clip` refuses bfloat16 directly).
     """
     xp, x32 = _capped_input(x, beta)
-    return xp.astype(xp.clip(x32, -beta, beta), x.dtype, copy=False)
+    return xp.astype(xp.clip(x32, -beta, beta), _result_dtype(x), copy=False)
 
 
 def hard_clamp_grad(x: Array, beta: float) -> Array:
     r"""Derivative of `hard_clamp`: 1 inside $(-\beta, \beta)$, exactly 0 outside."""
     xp, x32 = _capped_input(x, beta)
-    return xp.astype(xp.abs(x32) < beta, x.dtype, copy=False)
+    return xp.astype(xp.abs(x32) < beta, _result_dtype(x), copy=False)
 
 
 def _check_pair(gate: Array, up: Array) -> None:
@@ -200,10 +206,10 @@ def situ_glu(gate: Array, up: Array, beta: float = 4.0, linear_beta: float | Non
     capped_gate = beta * xp.tanh(a / beta) * sigmoid(a)
     if linear_beta is None:
         # The uncapped linear branch: $$b$$
-        return xp.astype(capped_gate * b, gate.dtype, copy=False)
+        return xp.astype(capped_gate * b, _result_dtype(gate), copy=False)
     # The capped linear branch: $$\operatorname{softcap}(b, \beta_2) \in (-\beta_2, \beta_2)$$
     capped_up = linear_beta * xp.tanh(b / linear_beta)
-    return xp.astype(capped_gate * capped_up, gate.dtype, copy=False)
+    return xp.astype(capped_gate * capped_up, _result_dtype(gate), copy=False)
 
 
 def glu_and_grad(a: Array, b: Array, activation: str = "situ", beta: float = 4.0,
@@ -263,7 +269,7 @@ def situ_glu_grad(gate: Array, up: Array, beta: float = 4.0,
     """
     xp, a, b = _situ_inputs(gate, up, beta, linear_beta)
     _, d_gate, d_up = glu_and_grad(a, b, "situ", beta, linear_beta)
-    return xp.astype(d_gate, gate.dtype, copy=False), xp.astype(d_up, gate.dtype, copy=False)
+    return xp.astype(d_gate, _result_dtype(gate), copy=False), xp.astype(d_up, _result_dtype(gate), copy=False)
 
 
 def swiglu(gate: Array, up: Array) -> Array:
@@ -272,7 +278,7 @@ def swiglu(gate: Array, up: Array) -> Array:
     xp = array_namespace(gate, up)
     _, (a, b) = _upcast(xp, gate, up)
     # $$\operatorname{Swish}(a) \odot b = a\,\sigma(a)\, b$$
-    return xp.astype(a * sigmoid(a) * b, gate.dtype, copy=False)
+    return xp.astype(a * sigmoid(a) * b, _result_dtype(gate), copy=False)
 
 
 def swiglu_grad(gate: Array, up: Array) -> tuple[Array, Array]:
@@ -281,7 +287,7 @@ def swiglu_grad(gate: Array, up: Array) -> tuple[Array, Array]:
     xp = array_namespace(gate, up)
     _, (a, b) = _upcast(xp, gate, up)
     _, d_gate, d_up = glu_and_grad(a, b, "swiglu")
-    return xp.astype(d_gate, gate.dtype, copy=False), xp.astype(d_up, gate.dtype, copy=False)
+    return xp.astype(d_gate, _result_dtype(gate), copy=False), xp.astype(d_up, _result_dtype(gate), copy=False)
 
 
 def rms_norm(x: Array, weight: Array, eps: float = 1e-5) -> Array:
@@ -303,7 +309,7 @@ def rms_norm(x: Array, weight: Array, eps: float = 1e-5) -> Array:
     _, (x32, g) = _upcast(xp, x, weight)
     # $$\operatorname{rms}(x) = \sqrt{\tfrac{1}{\ell}\textstyle\sum_c x_c^2 + \varepsilon}$$
     rms = xp.sqrt(xp.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # [..., 1]
-    return xp.astype(x32 / rms * g, x.dtype, copy=False)
+    return xp.astype(x32 / rms * g, _result_dtype(x), copy=False)
 
 
 def rms_norm_backward(u: Array, weight: Array, dv: Array, eps: float) -> tuple[Array, Array]:

@@ -382,6 +382,10 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConf
     xp = array_namespace(x)
     dtype = compute_dtype(xp, x)
     m, d = x.shape
+    # The backward must differentiate the forward that ran: the input is kept as it was (a copy, `m d`
+    # numbers; the caller may reuse its array), and the weights, too large to copy, are fingerprinted.
+    x_kept = xp.astype(x, dtype, copy=True)  # [m, d]
+    prints = weight_fingerprints(params)
 
     def weight(name: str) -> Array:
         return xp.astype(params[name], dtype, copy=False)
@@ -389,9 +393,10 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConf
     def backward(dy: Array, *, out: Mapping[str, Array] | None = None,
                  dscores: Array | None = None) -> tuple[Array, Mapping[str, Array]]:
         check_upstream(dy, (m, d), dscores, tuple(fwd.scores.shape))
+        check_weights_unchanged(params, prints)
         if out is not None:
             _check_out(out, params, lambda name: _grad_dtype(xp, params[name], dtype), inputs={"x": x, "dy": dy})
-        h = xp.astype(x, dtype, copy=False)  # [m, d]
+        h = x_kept  # [m, d]
         y_bar = xp.astype(dy, dtype, copy=False)  # [m, d]
         # 9-6. $$y = y_s + y_r \;\Rightarrow\; \bar y_s = \bar y_r = \bar y$$, then the up-projection and the norm.
         u_bar, grads = latent_output_backward(y_bar, fwd.u, fwd.v, weight, config)  # [m, l]
@@ -413,6 +418,32 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConf
         return x_bar, out
 
     return (fwd if return_intermediates else fwd.y), backward
+
+
+def weight_fingerprints(params: Mapping[str, Array]) -> dict[str, float]:
+    """One number per weight array, its sum: what `check_weights_unchanged` compares after the forward.
+
+    One pass over each weight, a few percent of a backward that reads every weight three times. It is a
+    fingerprint, not a copy: an update of the weights (an optimizer step, zeroing, a rescale, a new load) moves
+    a sum, while an exact permutation of a tensor's entries would not.
+    """
+    prints = {}
+    for name, value in params.items():
+        if hasattr(value, "shape") and hasattr(value, "dtype") and value.size:
+            xp = array_namespace(value)
+            prints[name] = float(xp.sum(value, dtype=compute_dtype(xp, value)))
+    return prints
+
+
+def check_weights_unchanged(params: Mapping[str, Array], prints: Mapping[str, float]) -> None:
+    """A `ValueError` naming the first weight whose fingerprint moved since the forward pass."""
+    now = weight_fingerprints(params)
+    for name, before in prints.items():
+        after = now.get(name)
+        if after != before and not (after != after and before != before):  # NaN equals NaN here
+            raise ValueError(f"params[{name!r}] changed between the forward pass and backward(): the gradients "
+                             "would be those of other weights; call stable_latent_moe_vjp again after changing "
+                             "the weights (update them after backward, as a training step does)")
 
 
 def check_upstream(dy: Array, y_shape: tuple[int, int], dscores: Array | None, scores_shape: tuple[int, int],

@@ -55,7 +55,7 @@ Pitfalls this module guards against, each a bug seen in real routers:
 from __future__ import annotations
 
 from .._lib.validation import check_bias, check_finite, check_float_array, check_int, check_positive
-from .._lib.xp import Array, array_namespace, bincount, compute_dtype, is_array, topk
+from .._lib.xp import Array, array_namespace, bincount, compute_dtype, is_array, is_real_floating, topk
 from ..config import SCORE_FUNCTIONS
 from .activations import sigmoid
 
@@ -75,6 +75,12 @@ __all__ = [
 ]
 
 
+def _floating(z: Array) -> Array:
+    """`z` itself when floating; integers and booleans promoted to float32 (never computed in their own type,
+    where a negation is an error for booleans and `exp` of int8 is only float16)."""
+    return z if is_real_floating(z) else array_namespace(z).astype(z, compute_dtype(array_namespace(z), z))
+
+
 def softplus(z: Array) -> Array:
     r"""$\operatorname{softplus}(z) = \log(1 + e^z)$, exact and finite for any finite $z$.
 
@@ -82,6 +88,7 @@ def softplus(z: Array) -> Array:
     positive, so nothing overflows at large $z$, and for very negative $z$ the
     result is $e^{z}$ to full relative precision rather than a rounded zero.
     """
+    z = _floating(z)
     xp = array_namespace(z)
     # $$\operatorname{softplus}(z) = \max(z, 0) + \log\bigl(1 + e^{-|z|}\bigr)$$
     return xp.maximum(z, 0.0) + xp.log1p(xp.exp(-xp.abs(z)))
@@ -89,6 +96,7 @@ def softplus(z: Array) -> Array:
 
 def softmax(z: Array) -> Array:
     r"""Softmax over the last axis, $e^{z_j - \max z} / \sum_r e^{z_r - \max z}$ (the shift avoids overflow)."""
+    z = _floating(z)
     xp = array_namespace(z)
     # $$p_j = \frac{e^{z_j - \max_r z_r}}{\sum_r e^{z_r - \max_r z_r}}$$
     e = xp.exp(z - xp.max(z, axis=-1, keepdims=True))  # [m, n]
