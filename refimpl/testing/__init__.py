@@ -86,6 +86,23 @@ The environment variable `REFIMPL_TESTING_PROFILE=thorough` switches the
 default for a whole test session. The profiles never write an example
 database into your directory and never time out a slow first call.
 
+A slow first call is never timed out, but a call that hangs can be:
+`with call_deadline(5.0): check_router(my_router)` gives every call of
+your code at most five seconds, and one that takes longer is reported as
+a broken invariant (the call itself is left running in a background
+thread, since Python cannot stop it).
+
+## What the kit refuses to be fooled by
+
+Your function receives copies of the inputs, so the reference never sees
+what it did to them; and if it writes into them, that is reported,
+naming the argument ("the function wrote into its inputs scores, bias"):
+a router's caller weighs the experts with the same scores that feed the
+next bias. What your function returns is converted with `np.asarray`; a
+value NumPy cannot convert (a GPU array, a tensor that requires grad) is
+a failed invariant that names the conversion, not an error from inside
+the check.
+
 ## Your own properties
 
 The strategies are public: `strategies.routing_cases()`, `scores()`,
@@ -112,7 +129,7 @@ from .hf_block_check import check_hf_moe_block
 from .hf_cases import HFBlockCase, hf_block_case, hf_block_cases, hf_text_configs
 from .histogram_check import check_histogram_update
 from .profiles import PROFILES, QUICK, THOROUGH, profile
-from .report import CheckFailure, CheckResult
+from .report import CheckFailure, CheckResult, call_deadline
 from .router_check import check_router
 from .update_check import check_balancing_update
 
@@ -125,6 +142,7 @@ __all__ = [
     "CheckFailure",
     "CheckResult",
     "Convention",
+    "call_deadline",
     "check_balancer",
     "check_balancing_update",
     "check_capacity",

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ..layer.routing import route
 from . import strategies as rst
-from .outputs import fmt, token_lines
+from .outputs import fmt, token_lines, user_array
 from .profiles import kit_settings
 from .report import (
     CheckResult,
@@ -68,7 +68,7 @@ def check_balancer(make_balancer: Callable[[np.ndarray, int], Callable[[np.ndarr
         for batch in case.batches[:history]:
             call_user(step, batch.astype(dtype))
         out = call_user(step, last.astype(dtype))
-        index = np.asarray(out[0] if isinstance(out, tuple | list) else out)
+        index = user_array("the ids step(scores) returned", out[0] if isinstance(out, tuple | list) else out)
         if index.shape != (last.shape[0], case.top_k) or not np.issubdtype(index.dtype, np.integer):
             raise Violation(f"step(scores) must return integer ids [m, k] = [{last.shape[0]}, {case.top_k}] "
                             f"(or a pair whose first item they are), got {index.dtype} {list(index.shape)}")
@@ -100,7 +100,8 @@ def check_balancer(make_balancer: Callable[[np.ndarray, int], Callable[[np.ndarr
         got = feed(case, history, probe)
         bias = case.initial_bias.astype(dtype).astype(np.float64)
         for batch in case.batches[:history]:
-            bias = np.asarray(update(batch.astype(dtype).astype(np.float64), bias, case.top_k), dtype=np.float64)
+            bias = user_array("the bias of the rule `follows`", call_user(
+                update, batch.astype(dtype).astype(np.float64), bias, case.top_k), dtype=np.float64)
         s = probe.astype(dtype).astype(np.float64)
         expected = np.sort(np.asarray(route(s, bias, case.top_k)[0]), axis=1)
         ordered = np.sort(s + bias, axis=1)[:, ::-1]

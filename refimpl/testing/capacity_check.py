@@ -39,6 +39,7 @@ from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
 from ..layer.baselines import capacity_keep
+from .outputs import user_array
 from .profiles import kit_settings
 from .report import CheckResult, Invariant, Violation, call_user, errors, run_check
 
@@ -96,7 +97,7 @@ def _output(out: Any, case: CapacityCase) -> tuple[np.ndarray, np.ndarray]:
     """Validate `(kept, new_weights)` and return them as bool and float64 arrays."""
     if not (isinstance(out, tuple | list) and len(out) == 2):
         raise Violation(f"the function must return a pair (kept, new_weights), got {type(out).__name__}")
-    kept, weights = np.asarray(out[0]), np.asarray(out[1])
+    kept, weights = user_array("kept", out[0]), user_array("new_weights", out[1])
     shape = (case.m, case.k)
     if kept.shape != shape or weights.shape != shape:
         raise Violation(f"kept and new_weights must both have shape [m, k] = {list(shape)}, "

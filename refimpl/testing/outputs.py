@@ -13,12 +13,30 @@ from .report import (
     errors,
 )
 
-__all__ = ["bias_output", "count", "error_line", "error_sizes", "float_output", "fmt", "is_float", "route_output", "sorted_route", "token_lines", "within"]
+__all__ = ["bias_output", "count", "error_line", "error_sizes", "float_output", "fmt", "is_float", "route_output",
+           "sorted_route", "token_lines", "user_array", "within"]
 
 
 # ---------------------------------------------------------------------------
 # Small helpers shared by the checks
 # ---------------------------------------------------------------------------
+
+def user_array(name: str, value: Any, dtype: Any = None) -> np.ndarray:
+    """`np.asarray(value)`, for what the user's code returned; a conversion that fails is a `Violation` naming it.
+
+    A GPU array, a tensor that requires grad, a ragged list: NumPy refuses each with its own error, which the
+    report shows with the conversion that was tried, instead of letting it escape from inside the check.
+    """
+    try:
+        with np.errstate(all="ignore"):
+            return np.asarray(value, dtype=dtype)
+    except Exception as exc:  # anything NumPy or the object's __array__ raises
+        raise Violation(f"{name} could not be converted with np.asarray(..."
+                        f"{', dtype=' + np.dtype(dtype).name if dtype is not None else ''}): "
+                        f"{type(exc).__name__}: {exc}",
+                        [f"it is a {type(value).__module__}.{type(value).__qualname__}; return a NumPy array "
+                         "(from PyTorch: tensor.detach().cpu().numpy())"]) from None
+
 
 def is_float(a: np.ndarray) -> bool:
     return dtype_name(a.dtype) in ("float16", "bfloat16", "float32", "float64")
@@ -58,9 +76,9 @@ def float_output(name: str, out: Any, shape: tuple[int, ...], shape_text: str, *
     `shape_text` names the expected shape in symbols, e.g. `"[m, d]"`, for the report. With `finite=False`
     non-finite entries are kept, for a check that reports them as disagreements of their own.
     """
-    if not is_array(out) and not isinstance(out, list | tuple):
+    if not is_array(out) and not isinstance(out, list | tuple) and not hasattr(out, "__array__"):
         raise Violation(f"{name} must be an array {shape_text}, got {type(out).__name__}")
-    out = np.asarray(out)
+    out = user_array(name, out)
     if out.shape != shape:
         raise Violation(f"{name} must have the shape {shape_text} = {list(shape)}, got {list(out.shape)}")
     if not is_float(out):
@@ -75,7 +93,7 @@ def route_output(out: Any, m: int, n: int, k: int) -> tuple[np.ndarray, np.ndarr
     """Validate a router's `(index, weights)` and return them as int64 and float64 arrays."""
     if not (isinstance(out, tuple | list) and len(out) == 2):
         raise Violation(f"the router must return a pair (index, weights), got {type(out).__name__}")
-    index, weights = np.asarray(out[0]), np.asarray(out[1])
+    index, weights = user_array("index", out[0]), user_array("weights", out[1])
     if index.shape != (m, k) or weights.shape != (m, k):
         raise Violation(f"index and weights must both have shape [m, k] = [{m}, {k}], "
                         f"got {list(index.shape)} and {list(weights.shape)}")

@@ -10,8 +10,14 @@ gathers every failed invariant into one `CheckFailure`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import inspect
+import math
+import numbers
 import textwrap
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +36,7 @@ __all__ = [
     "CheckResult",
     "Invariant",
     "Violation",
+    "call_deadline",
     "call_user",
     "describe_inputs",
     "errors",
@@ -214,17 +221,102 @@ def errors(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
 # Calling the user's code
 # ---------------------------------------------------------------------------
 
+#: The per-call deadline in seconds (None: none), set by `call_deadline`.
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("refimpl_kit_deadline", default=None)
+
+
+@contextlib.contextmanager
+def call_deadline(seconds: float | None) -> Iterator[None]:
+    """Give every call of the user's code, inside the block, at most `seconds` to return.
+
+    ```python
+    with call_deadline(5.0):
+        check_router(my_router)
+    ```
+
+    A call that has not returned by then is a broken invariant ("did not return within 5 s"), and the check
+    goes on; the call itself is left running in a background thread (Python cannot stop it), so a function
+    that never returns costs a thread, not the test session. `None` removes the deadline.
+    """
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, numbers.Real)
+                                or not 0 < seconds < math.inf):
+        raise ValueError(f"seconds must be a positive finite number of seconds or None, got {seconds!r}")
+    token = _DEADLINE.set(None if seconds is None else float(seconds))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def _argument_names(fn: Callable[..., Any], count: int) -> list[str]:
+    """The names of `fn`'s first `count` positional parameters, as far as its signature tells."""
+    try:
+        names = [p.name for p in inspect.signature(fn).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        names = []
+    return [names[i] if i < len(names) else f"argument {i + 1}" for i in range(count)]
+
+
+def _changed(before: Any, after: Any) -> bool:
+    """Whether the user's call wrote into an argument (arrays compared bit for bit, NaN equal to NaN)."""
+    if isinstance(before, np.ndarray):
+        return (not isinstance(after, np.ndarray) or before.shape != after.shape
+                or not np.array_equal(before, after, equal_nan=before.dtype.kind in "fc"))
+    if isinstance(before, list | tuple):
+        return len(before) != len(after) or any(_changed(b, a) for b, a in zip(before, after, strict=True))
+    if isinstance(before, dict):
+        return before.keys() != after.keys() or any(_changed(before[k], after[k]) for k in before)
+    return False
+
+
+def _call_within_deadline(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """`fn(*args, **kwargs)`, in a daemon thread when a deadline is set; a late call is a `Violation`."""
+    deadline = _DEADLINE.get()
+    if deadline is None:
+        return fn(*args, **kwargs)
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - carried back to the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True, name="refimpl-kit-call")
+    thread.start()
+    thread.join(deadline)
+    if thread.is_alive():
+        raise Violation(f"the function did not return within the deadline of {deadline:g} s "
+                        "(refimpl.testing.call_deadline); it is left running in the background")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def call_user(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call the user's function; an exception it raises becomes a `Violation` naming it.
 
-    The arguments are copied first, so a function that writes into its inputs
-    cannot corrupt the reference computed from them afterwards.
+    The function gets copies of the arguments, so one that writes into its inputs cannot corrupt the
+    reference computed from them afterwards; and such a write is itself reported, naming the argument: the
+    caller of a router or an update reads its inputs again (the layer weighs the experts with the same scores
+    the balancer reads next). Within `call_deadline`, a call that does not return in time is reported too.
     """
-    args = tuple(_copy(a) for a in args)
+    given = tuple(_copy(a) for a in args)
+    kept = tuple(_copy(a) for a in given)
     try:
-        return fn(*args, **kwargs)
+        out = _call_within_deadline(fn, given, kwargs)
+    except Violation:
+        raise
     except Exception as exc:  # the user's code failed: report it as a broken invariant
         raise Violation(f"the function raised {type(exc).__name__}: {exc}") from exc
+    written = [name for name, before, after in zip(_argument_names(fn, len(args)), kept, given, strict=True)
+               if _changed(before, after)]
+    if written:
+        raise Violation(f"the function wrote into its input{'s' if len(written) > 1 else ''} "
+                        f"{', '.join(written)}: it must leave its arguments as they were, since its caller "
+                        "reads them again (the same scores weigh the experts and feed the next bias)")
+    return out
 
 
 def _copy(value: Any) -> Any:

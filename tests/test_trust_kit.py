@@ -1,0 +1,151 @@
+"""The kit holds: a function that writes into its inputs, an output NumPy cannot convert, a call that hangs.
+
+Before this release a router that overwrote its caller's scores and bias passed `check_router` (the kit hands
+it copies, so the reference never saw the damage), and an output whose conversion failed escaped as a raw
+`TypeError` from inside the check. Each case below is now a failed invariant that names what happened.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from refimpl.balancing import quantile_balancing_update
+from refimpl.layer.baselines import capacity_keep
+from refimpl.layer.routing import route
+from refimpl.testing import (
+    CheckFailure,
+    call_deadline,
+    check_balancing_update,
+    check_capacity,
+    check_router,
+)
+
+
+class Unconvertible:
+    """What a CUDA tensor looks like to NumPy."""
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy")
+
+
+def failure(check, fn, **kwargs) -> CheckFailure:
+    with pytest.raises(CheckFailure) as exc:
+        check(fn, **kwargs)
+    return exc.value
+
+
+# ---------------------------------------------------------------------------
+# Writing into the inputs is reported, naming them
+# ---------------------------------------------------------------------------
+
+def router_writing_into(*names):
+    def router(scores, bias, top_k):
+        index, weights = route(scores, bias, top_k)
+        for name in names:
+            {"scores": scores, "bias": bias}[name][...] = 0.5
+        return index, weights
+    return router
+
+
+@pytest.mark.parametrize("names", [("scores",), ("bias",), ("scores", "bias")])
+def test_a_router_that_writes_into_its_inputs_fails(names):
+    report = str(failure(check_router, router_writing_into(*names)))
+    assert f"the function wrote into its input{'s' if len(names) > 1 else ''} {', '.join(names)}" in report
+
+
+def test_an_update_that_writes_into_its_scores_fails():
+    def update(scores, bias, top_k):
+        new = quantile_balancing_update(scores, bias, top_k)
+        scores.sort(axis=0)  # sorting in place: the caller's scores are reordered
+        return new
+
+    assert "wrote into its input scores" in str(failure(check_balancing_update, update))
+
+
+def test_writing_the_same_values_back_is_not_a_change():
+    def router(scores, bias, top_k):
+        scores[...] = scores.copy()
+        return route(scores, bias, top_k)
+
+    check_router(router)
+
+
+# ---------------------------------------------------------------------------
+# An output NumPy cannot convert is a failure that names the conversion
+# ---------------------------------------------------------------------------
+
+def test_an_unconvertible_router_output_names_the_conversion():
+    def router(scores, bias, top_k):
+        index, _ = route(scores, bias, top_k)
+        return index, Unconvertible()
+
+    report = str(failure(check_router, router))
+    assert "weights could not be converted with np.asarray(...): TypeError: can't convert cuda:0" in report
+    assert "Unconvertible; return a NumPy array" in report
+
+
+def test_an_unconvertible_update_or_capacity_output_names_the_conversion():
+    report = str(failure(check_balancing_update, lambda scores, bias, top_k: Unconvertible()))
+    assert "could not be converted with np.asarray" in report
+
+    def keep(index, weights, num_experts, capacity):
+        return Unconvertible(), weights
+
+    assert "kept could not be converted with np.asarray" in str(failure(check_capacity, keep))
+
+
+def test_a_ragged_list_is_named_not_raised():
+    def router(scores, bias, top_k):
+        index, weights = route(scores, bias, top_k)
+        return [[0], [1, 2]], weights
+
+    assert "index could not be converted with np.asarray" in str(failure(check_router, router))
+
+
+# ---------------------------------------------------------------------------
+# A per-call deadline
+# ---------------------------------------------------------------------------
+
+def test_a_call_that_hangs_is_reported_within_the_deadline():
+    release = threading.Event()
+
+    def hanging(scores, bias, top_k):
+        release.wait(600)
+        return route(scores, bias, top_k)
+
+    start = time.monotonic()
+    try:
+        with call_deadline(0.2):
+            report = str(failure(check_router, hanging))
+    finally:
+        release.set()  # let the abandoned threads end
+    assert "did not return within the deadline of 0.2 s" in report
+    assert time.monotonic() - start < 60
+
+
+def test_a_deadline_lets_a_correct_function_pass_and_is_removed_after_the_block():
+    def slow_once(scores, bias, top_k, calls=[0]):  # noqa: B006 - a counter kept between calls
+        calls[0] += 1
+        return route(scores, bias, top_k)
+
+    with call_deadline(30):
+        check_router(slow_once)
+        check_capacity(lambda index, weights, n, c: (capacity_keep(index, n, c),
+                                                     np.where(capacity_keep(index, n, c), weights, 0.0)))
+
+    def slower(scores, bias, top_k):
+        time.sleep(0.01)
+        return route(scores, bias, top_k)
+
+    check_router(slower, settings="quick")  # no deadline outside the block
+
+
+@pytest.mark.parametrize("seconds", [0, -1, float("inf"), float("nan"), True, "5"])
+def test_a_deadline_must_be_a_positive_number_of_seconds(seconds):
+    with pytest.raises(ValueError, match=r"seconds must be a positive finite number of seconds or None"):
+        with call_deadline(seconds):
+            pass
