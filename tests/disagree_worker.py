@@ -2,7 +2,8 @@
 
 Rank 1 departs from rank 0 in the way CASE names (the bias, `top_k`, the
 number of experts, the dtype, the width of its tokens, the bias of the
-balancer update); both ranks call the function and print the error they get,
+balancer update, one replicated weight); or fails in the check before the first exchange with
+an error of another class (`memory`, `zero`, `own`: a class of the user's own); both ranks call the function and print the error they get,
 one line each, `rank R: TYPE: MESSAGE` (gathered to rank 0, which prints them,
 so that the lines of two processes cannot interleave). The case `crash` makes rank 1 raise
 in its own code before the exchange: the job must end (nonzero exit) instead
@@ -41,8 +42,23 @@ def main(case: str) -> None:
             x = x[:, :5]
         elif case == "crash":
             raise RuntimeError("rank 1 fails in its own code")
+        elif case == "weights":
+            params["gate.weight"] = params["gate.weight"].copy()
+            params["gate.weight"][0, 0] += 1e-12
+        elif case in ("memory", "zero", "own"):
+            import refimpl.parallel.expert_parallel as ep
+
+            error = {"memory": MemoryError("no room for the histogram"),
+                     "zero": ZeroDivisionError("float division by zero"),
+                     "own": type("PortError", (Exception,), {})("a class of the user's own")}[case]
+
+            def failing(*args, **kwargs):
+                raise error
+
+            ep.BiasHistogram = failing if case == "memory" else ep.BiasHistogram
+            ep.check_ep_inputs = failing if case != "memory" else ep.check_ep_inputs
     try:
-        if case == "balance":
+        if case in ("balance", "memory"):
             bias = np.zeros(8) if rank == 0 else np.full(8, 0.5)
             ep_balance_update(np.random.default_rng(rank).random((20, 8)), bias, 2, comm, bins=50)
         elif case == "vjp":
@@ -51,7 +67,7 @@ def main(case: str) -> None:
         else:
             ep_forward(x, shard_params(params, config, rank, size), config, comm)
         line = f"rank {rank}: no error"
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - every class of error is reported the same way on every rank
         line = f"rank {rank}: {type(exc).__name__}: {exc}"
     lines = comm.gather(line, root=0)
     if rank == 0:

@@ -451,6 +451,10 @@ def test_example_81_relaunches_itself_under_mpiexec(tmp_path):
     ("width", r"ValueError: ep_forward: rank 1 of 2: x must have shape \[m, 8\]"),
     ("balance", r"ValueError: ep_balance_update: the 2 ranks must agree on bias"),
     ("vjp", r"ValueError: ep_vjp: rank 1 of 2: x must have shape \[m, 8\]"),
+    ("weights", r"ValueError: ep_forward: the 2 ranks must agree on weight gate.weight"),
+    ("memory", r"MemoryError: ep_balance_update: rank 1 of 2: no room for the histogram"),
+    ("zero", r"ZeroDivisionError: ep_forward: rank 1 of 2: float division by zero"),
+    ("own", r"RuntimeError: ep_forward: rank 1 of 2: PortError: a class of the user's own"),
 ])
 def test_ranks_that_disagree_get_the_same_error(case, expected):
     import re

@@ -2,6 +2,7 @@ r"""The exchange between ranks: who holds which expert, the dispatch plan, the a
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import math
 from collections.abc import Mapping
@@ -142,6 +143,13 @@ def digest(a: Array | None) -> str | None:
     return hashlib.sha256(head + values.tobytes()).hexdigest()[:16]
 
 
+def _error_class(kind: str) -> type[Exception]:
+    """The built-in exception class named `kind` (`MemoryError`, `ZeroDivisionError`, ...), or `RuntimeError`
+    for a class of the user's own, which another rank may not be able to import."""
+    found = getattr(builtins, kind, None)
+    return found if isinstance(found, type) and issubclass(found, Exception) else RuntimeError
+
+
 def check_ranks_agree(comm: Any, what: str, fingerprint: Mapping[str, Any],
                       error: BaseException | None = None) -> None:
     r"""Before any exchange: one `allgather` of what must agree, and the same error on every rank if it does not.
@@ -162,8 +170,9 @@ def check_ranks_agree(comm: Any, what: str, fingerprint: Mapping[str, Any],
     if failed:
         rank, (kind, text) = failed[0]
         others = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
-        cls = TypeError if kind == "TypeError" else ValueError
-        raise cls(f"{what}: rank {rank} of {size}{others}: {text}")
+        cls = _error_class(kind)
+        named = "" if cls.__name__ == kind else f"{kind}: "  # a class of the user's own, raised as RuntimeError
+        raise cls(f"{what}: rank {rank} of {size}{others}: {named}{text}") from error
     for key in fingerprint:
         values = [entry[0].get(key) for entry in entries]
         if any(v != values[0] for v in values[1:]):

@@ -107,11 +107,19 @@ whole batch. The exchanges of the backward carry $\ell$-wide vectors too.
 
 **Ranks that disagree.** Before its first exchange, every function here
 gathers from every rank what must be the same everywhere (the
-configuration, the dtype, the shard layout, a digest of the bias) together
-with any error a rank met while checking its own inputs, in one small
-`allgather`. If a rank failed or two ranks disagree, every rank raises the
-same error, naming the rank and the values, instead of some ranks waiting
-in an exchange for ever.
+configuration, the dtype, the shard layout, a digest of the bias and of
+every replicated weight) together with any error a rank met while checking
+its own inputs, in one small `allgather`. If a rank failed or two ranks
+disagree, every rank raises the same error, naming the rank and the values,
+instead of some ranks waiting in an exchange for ever. An error of any
+class counts: a `MemoryError` or a `ZeroDivisionError` on one rank is
+raised as such on every rank, with its message, and a class of the user's
+own (which another rank may not know) as a `RuntimeError` that names it. A
+replicated weight that differs by one bit on one rank (another checkpoint,
+an update applied twice) is named ("the 2 ranks must agree on weight
+gate.weight"). An error after the agreement, in the middle of the
+exchanges, cannot be shared this way: the command ends the whole job with
+`Abort`, as `python -m mpi4py script.py` does for a script.
 
 **What is and is not here.** The exchange is MPI (mpi4py), on host buffers:
 arrays from any array-API library are copied to NumPy for the two
@@ -307,13 +315,17 @@ def _ep_layer(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: An
         per_rank = check_ep_inputs(x, params, config, size)
         if mxfp8_inputs and padded:
             raise ValueError("mxfp8_inputs=True runs the grouped expert loop: pass padded=False")
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the first exchange
         error = exc
     fingerprint = {} if error is not None else {
         **{f"config.{key}": value for key, value in asdict(config).items()}, "dtype": dtype_name(x.dtype),
         "ranks": size,
         "expert block shape": [list(params[name].shape) for name in EXPERT_STACKS],
         "bias": digest(params["gate.e_score_correction_bias"]),
+        # The replicated weights must be the same on every rank, byte for byte: a rank that loaded another
+        # checkpoint (or updated its copy differently) would give its tokens another layer, silently.
+        **{f"weight {name}": digest(params[name]) for name in sorted(params)
+           if name not in EXPERT_STACKS and name != "gate.e_score_correction_bias"},
         "token_ids given": token_ids is not None, "reduce_before_norm": bool(reduce_before_norm),
         "mxfp8_inputs": bool(mxfp8_inputs)}
     check_ranks_agree(comm, what, fingerprint, error)
@@ -467,7 +479,7 @@ def ep_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, 
         error: Exception | None = None
         try:
             check_upstream(dy, (m, d), dscores, tuple(saved.scores.shape), whose="this rank's ")
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the first exchange
             error = exc
         check_ranks_agree(comm, "ep_vjp's backward", {"dtype": dtype_name(dtype),
                                                        "dscores given": dscores is not None}, error)
@@ -543,7 +555,7 @@ def ep_balance_update(scores: Array, bias: Array, top_k: int, comm: Any, *, bins
     try:
         histogram = BiasHistogram(bias, top_k, bins)
         histogram.add(scores)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the first exchange
         error = exc
     fingerprint = {} if error is not None else {
         "experts": int(bias.shape[0]), "top_k": int(top_k), "bins": int(bins),
