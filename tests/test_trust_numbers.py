@@ -180,3 +180,20 @@ def test_a_non_finite_dense_weight_is_refused_naming_the_tensor(tmp_path, value,
             stack[0]  # a finite expert decodes
             stack[2]
         stable_latent_moe(x, loaded, config)
+
+
+def test_the_expert_parallel_backward_keeps_its_input_and_refuses_changed_weights():
+    from mpi4py import MPI
+
+    from refimpl.parallel import ep_vjp
+
+    params, x, dy = _vjp_case()
+    _, _, backward = ep_vjp(x.copy(), params, CONFIG, MPI.COMM_SELF)
+    dx_want, _ = backward(dy)
+    mine = x.copy()
+    _, _, backward = ep_vjp(mine, params, CONFIG, MPI.COMM_SELF)
+    mine *= 3
+    np.testing.assert_array_equal(backward(dy)[0], dx_want)
+    params["gate.weight"].flat[0] += 1e-3
+    with pytest.raises(ValueError, match=r"ep_vjp's backward: rank 0 of 1: params\['gate.weight'\] changed"):
+        backward(dy)

@@ -142,9 +142,11 @@ from ..config import MoEConfig
 from ..layer.activations import rms_norm
 from ..layer.backward import (
     check_upstream,
+    check_weights_unchanged,
     latent_output_backward,
     routed_experts_backward,
     router_and_input_backward,
+    weight_fingerprints,
 )
 from ..layer.latent_moe import (
     MoEOutput,
@@ -336,7 +338,7 @@ def _ep_layer(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: An
     def weight(name: str) -> Array:
         return xp.astype(params[name], dtype, copy=False)
 
-    h = xp.astype(x, dtype, copy=False)  # [m, d]
+    h = xp.astype(x, dtype, copy=save)  # [m, d]; a copy when kept for the backward (the caller may reuse x)
     # 1. Route locally, with the replicated router and bias: the layer's own selection (Eq. 13).
     # $$s = \sigma(x W_r^\top), \qquad \mathcal{T}_i = \operatorname{argtopk}_k(s_i + b)$$
     scores = router_scores(h, weight("gate.weight"), config.score_function)  # [m, n]
@@ -471,6 +473,7 @@ def ep_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, 
     xp = array_namespace(x, *params.values())
     dtype = compute_dtype(xp, x)
     m, d = x.shape
+    prints = weight_fingerprints(params)  # as in stable_latent_moe_vjp: weights changed since are refused
 
     def weight(name: str) -> Array:
         return xp.astype(params[name], dtype, copy=False)
@@ -479,6 +482,7 @@ def ep_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, 
         error: Exception | None = None
         try:
             check_upstream(dy, (m, d), dscores, tuple(saved.scores.shape), whose="this rank's ")
+            check_weights_unchanged(params, prints)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the first exchange
             error = exc
         check_ranks_agree(comm, "ep_vjp's backward", {"dtype": dtype_name(dtype),
