@@ -177,8 +177,9 @@ class KimiSparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(KimiExpert(width, f, act, "gate_up_swapped" in mistakes) for _ in range(n))
         shared = text.get("num_shared_experts", 0) or 0
         self.has_shared = shared > 0
-        if self.has_shared:
-            self.shared_experts = KimiMLP(d, shared * f, act)
+        # The reference code builds the shared MLP whatever its width: with num_shared_experts absent or 0 it
+        # is a width-0 MLP, whose state_dict() holds zero-element tensors ([0, d], [0, d], [d, 0]).
+        self.shared_experts = KimiMLP(d, shared * f, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weight = self.gate(x)  # [m, k] each, float32 weights

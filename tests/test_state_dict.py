@@ -366,3 +366,27 @@ def test_bfloat16_numpy_arrays_are_widened_exactly():
     back = params_from_hf_state_dict(state_dict, config)
     np.testing.assert_array_equal(back["experts.w1"][1], state_dict["experts.1.w1.weight"].astype(np.float32))
     assert back["gate.e_score_correction_bias"].dtype == np.float32
+
+
+@pytest.mark.parametrize("shared", [None, 0])
+def test_a_width_zero_shared_mlp_is_written_and_read_either_way(shared):
+    """With no shared experts the reference module still holds its width-0 MLP: zero-element tensors, which the
+    converters write (so a strict load succeeds) and read, present or left out."""
+    text = {"hidden_size": 16, "num_experts": 4, "num_experts_per_token": 2, "moe_intermediate_size": 8,
+            **({} if shared is None else {"num_shared_experts": shared})}
+    config = MoEConfig.from_hf_config(text)
+    params = init_params(config, 0)
+    written = hf_state_dict_from_params(params, config)
+    assert {name: written[name].shape for name in written if name.startswith("shared_experts.")} == {
+        "shared_experts.gate_proj.weight": (0, 16), "shared_experts.up_proj.weight": (0, 16),
+        "shared_experts.down_proj.weight": (16, 0)}
+    _reference_module(text, written)  # strict=True
+    without = {name: value for name, value in written.items() if not name.startswith("shared_experts.")}
+    for state_dict in (written, without, {k: to_torch(v) for k, v in written.items()}):
+        read = params_from_hf_state_dict(state_dict, config)
+        assert read.keys() == params.keys()
+        assert read["shared_experts.down_proj.weight"].shape == (16, 0)
+    # A shared tensor that is not zero-element, when the configuration has none, is still refused.
+    wrong = dict(written, **{"shared_experts.gate_proj.weight": np.zeros((8, 16), np.float32)})
+    with pytest.raises(ValueError, match=r"shared_experts.gate_proj.weight: expected floating \[0, 16\]"):
+        params_from_hf_state_dict(wrong, config)

@@ -34,7 +34,7 @@ width $\ell$, expert width $f$ and $N_s$ shared experts:
 | `experts.{e}.w1.weight` | $[f, \ell]$ | `experts.w1[e]` (gate) |
 | `experts.{e}.w3.weight` | $[f, \ell]$ | `experts.w3[e]` (up) |
 | `experts.{e}.w2.weight` | $[\ell, f]$ | `experts.w2[e]` (down) |
-| `shared_experts.{gate,up,down}_proj.weight` | $[N_s f, d]$, $[d, N_s f]$ | the same (only with $N_s > 0$) |
+| `shared_experts.{gate,up,down}_proj.weight` | $[N_s f, d]$, $[d, N_s f]$ | the same; zero-element with $N_s = 0$ (the reference module's width-0 MLP), and then optional when read |
 
 These are the **block-relative** names (`layer=None`). Inside a whole model
 the block of decoder layer $L$ sits under
@@ -83,6 +83,7 @@ not a silently broadcast gain.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from collections.abc import Mapping
@@ -133,8 +134,10 @@ def hf_tensor_shapes(config: MoEConfig, *, mxfp4: bool = False) -> dict[str, tup
 
     One entry per routed expert matrix, `experts.{e}.w1.weight` etc.; with
     `mxfp4=True` each is replaced by its `weight_packed` / `weight_scale`
-    pair. The latent projections, the norm gain and the shared experts appear
-    only when the block has them.
+    pair. The latent projections and the norm gain appear only when the block
+    has them; the shared experts always do, as zero-element matrices `[0, d]`,
+    `[0, d]`, `[d, 0]` when $N_s = 0$ (the reference module builds its shared
+    MLP with width $N_s f$, zero included).
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
@@ -142,9 +145,7 @@ def hf_tensor_shapes(config: MoEConfig, *, mxfp4: bool = False) -> dict[str, tup
     for name, shape in parameter_shapes(config).items():
         if name in EXPERT_MATRICES.values():
             continue
-        if name.startswith("shared_experts.") and config.shared_size == 0:
-            continue  # the reference block has no shared-expert module at all
-        shapes[name] = shape
+        shapes[name] = shape  # with no shared experts, the reference block's width-0 MLP: zero-element tensors
     all_shapes = parameter_shapes(config)
     for e in range(config.num_experts):
         for module, stack in EXPERT_MATRICES.items():
@@ -329,6 +330,8 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, 
         if name.startswith("experts."):
             continue
         if name not in ours:
+            if not math.prod(shape):
+                continue  # a zero-element tensor (the width-0 shared MLP) may be left out: it holds nothing
             problems.missing.append(base + name)
             continue
         value = take(name, shape, "float")
