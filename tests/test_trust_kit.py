@@ -149,3 +149,24 @@ def test_a_deadline_must_be_a_positive_number_of_seconds(seconds):
     with pytest.raises(ValueError, match=r"seconds must be a positive finite number of seconds or None"):
         with call_deadline(seconds):
             pass
+
+
+# ---------------------------------------------------------------------------
+# Nothing left in the user's folder
+# ---------------------------------------------------------------------------
+
+def test_a_check_leaves_no_hypothesis_folder_in_the_working_directory(tmp_path):
+    import subprocess
+    import sys
+
+    script = ("from refimpl.layer.routing import route\n"
+              "from refimpl.testing import CheckFailure, check_router\n"
+              "check_router(lambda s, b, k: route(s, b, k))\n"
+              "try:\n    check_router(lambda s, b, k: route(s, -b, k))\nexcept CheckFailure:\n    pass\n"
+              "import hypothesis.configuration as c\n"
+              "assert vars(c)['__hypothesis_home_directory'] is None, 'the setting was not restored'\n")
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600, env={k: v for k, v in __import__("os").environ.items()
+                                           if k != "HYPOTHESIS_STORAGE_DIRECTORY"})
+    assert run.returncode == 0, run.stderr
+    assert list(tmp_path.iterdir()) == []

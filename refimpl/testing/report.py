@@ -10,11 +10,14 @@ gathers every failed invariant into one `CheckFailure`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import inspect
 import math
 import numbers
+import shutil
+import tempfile
 import textwrap
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -370,6 +373,31 @@ def _run_one(invariant: Invariant, settings: Settings) -> Violation | None:
     return None
 
 
+_STORAGE: list[str] = []  # this process's private Hypothesis folder, made on first use
+
+
+@contextlib.contextmanager
+def _storage_outside_the_users_folder() -> Iterator[None]:
+    """Point Hypothesis's storage at a private temporary folder while a check runs, then back.
+
+    With `database=None` Hypothesis keeps no examples, but it still caches the constants it reads from local
+    modules under `.hypothesis/` in the working directory: a check run from the user's project would leave
+    that folder behind. The folder used instead is removed when the process ends.
+    """
+    import hypothesis.configuration as configuration
+
+    if not _STORAGE:
+        _STORAGE.append(tempfile.mkdtemp(prefix="refimpl-kit-hypothesis-"))
+        atexit.register(shutil.rmtree, _STORAGE[0], ignore_errors=True)
+    key = "__hypothesis_home_directory"  # the setting set_hypothesis_home_dir writes (None until resolved)
+    previous = vars(configuration).get(key)
+    configuration.set_hypothesis_home_dir(_STORAGE[0])
+    try:
+        yield
+    finally:
+        configuration.set_hypothesis_home_dir(previous)
+
+
 def run_check(check: str, invariants: Sequence[Invariant], settings: Settings) -> CheckResult:
     """Run every invariant; raise `CheckFailure` listing all that broke, else return a `CheckResult`.
 
@@ -377,6 +405,11 @@ def run_check(check: str, invariants: Sequence[Invariant], settings: Settings) -
     the output; once one fails, the rest are reported as not run, since they
     would only repeat that the output is malformed.
     """
+    with _storage_outside_the_users_folder():
+        return _run_invariants(check, invariants, settings)
+
+
+def _run_invariants(check: str, invariants: Sequence[Invariant], settings: Settings) -> CheckResult:
     violations: list[Violation] = []
     passed: list[str] = []
     skipped: list[str] = []
