@@ -170,3 +170,45 @@ def test_a_check_leaves_no_hypothesis_folder_in_the_working_directory(tmp_path):
                                            if k != "HYPOTHESIS_STORAGE_DIRECTORY"})
     assert run.returncode == 0, run.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------
+# Unsupported: a port declines the cases it does not cover
+# ---------------------------------------------------------------------------
+
+def test_a_router_may_decline_some_cases_and_still_pass():
+    from refimpl.testing import Unsupported
+
+    seen = {"declined": 0}
+
+    def top1_only(scores, bias, top_k):
+        if top_k != 1:
+            seen["declined"] += 1
+            raise Unsupported("this port routes to one expert only")
+        return route(scores, bias, top_k)
+
+    check_router(top1_only)
+    assert seen["declined"] > 0
+
+
+def test_declining_everything_is_a_failure_that_says_so():
+    from refimpl.testing import Unsupported
+
+    def nothing(scores, bias, top_k):
+        raise Unsupported("not written yet")
+
+    failure_ = failure(check_router, nothing)
+    report = str(failure_)
+    assert "too few cases were covered to check anything: 0 covered" in report
+    assert "declined because: not written yet" in report
+
+
+def test_a_wrong_port_that_declines_some_cases_still_fails_on_the_others():
+    from refimpl.testing import Unsupported
+
+    def wrong(scores, bias, top_k):
+        if scores.shape[0] > 3:
+            raise Unsupported("small batches only")
+        return route(scores, -bias, top_k)
+
+    assert "selection is the top-k of s + b" in failure(check_router, wrong).failed

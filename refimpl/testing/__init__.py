@@ -92,6 +92,16 @@ your code at most five seconds, and one that takes longer is reported as
 a broken invariant (the call itself is left running in a background
 thread, since Python cannot stop it).
 
+## Cases your port does not cover
+
+A port need not cover everything the kit draws: a DeepSeek-style block
+has no latent path, a port may route to one expert only. Raise
+`refimpl.testing.Unsupported("why")` from your function (or your `build`)
+for such a case, and the check draws another instead. A declined case is
+neither a pass nor a failure; an invariant that covered fewer than
+`MIN_COVERED` (10) cases fails, saying how many were declined and why, so a
+check that saw almost nothing never passes for one that saw enough.
+
 ## What the kit refuses to be fooled by
 
 Your function receives copies of the inputs, so the reference never sees
@@ -129,7 +139,7 @@ from .hf_block_check import check_hf_moe_block
 from .hf_cases import HFBlockCase, hf_block_case, hf_block_cases, hf_text_configs
 from .histogram_check import check_histogram_update
 from .profiles import PROFILES, QUICK, THOROUGH, profile
-from .report import CheckFailure, CheckResult, call_deadline
+from .report import CheckFailure, CheckResult, Unsupported, call_deadline
 from .router_check import check_router
 from .update_check import check_balancing_update
 
@@ -139,6 +149,7 @@ __all__ = [
     "PROFILES",
     "QUICK",
     "THOROUGH",
+    "Unsupported",
     "CheckFailure",
     "CheckResult",
     "Convention",

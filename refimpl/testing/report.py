@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from hypothesis import HealthCheck, Phase, Verbosity, given
+from hypothesis import HealthCheck, Phase, Verbosity, given, reject
 from hypothesis import settings as Settings
-from hypothesis.errors import Flaky
+from hypothesis.errors import Flaky, Unsatisfiable
 from hypothesis.strategies import SearchStrategy
 
 from .._lib.xp import dtype_name
@@ -39,6 +39,8 @@ __all__ = [
     "CheckResult",
     "Invariant",
     "Violation",
+    "MIN_COVERED",
+    "Unsupported",
     "call_deadline",
     "call_user",
     "describe_inputs",
@@ -297,6 +299,26 @@ def _call_within_deadline(fn: Callable[..., Any], args: tuple, kwargs: dict) -> 
     return outcome["value"]
 
 
+class Unsupported(Exception):  # noqa: N818 - named for what the user says, as NotImplementedError is
+    """Raise it from your code for a drawn case your port does not cover: the check draws another.
+
+    ```python
+    def build(text_config, state_dict):
+        if text_config.get("n_group", 1) > 1:
+            raise refimpl.testing.Unsupported("no group-limited routing in this port")
+        ...
+    ```
+
+    A declined case is neither a pass nor a failure. When fewer than `MIN_COVERED` cases of an invariant
+    were covered (or none at all), the invariant fails, saying how many were declined and why: a check that
+    saw almost nothing proves almost nothing.
+    """
+
+
+#: The fewest cases an invariant must cover (not declined with `Unsupported`) to count as checked.
+MIN_COVERED = 10
+
+
 def call_user(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call the user's function; an exception it raises becomes a `Violation` naming it.
 
@@ -309,7 +331,7 @@ def call_user(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     kept = tuple(_copy(a) for a in given)
     try:
         out = _call_within_deadline(fn, given, kwargs)
-    except Violation:
+    except (Violation, Unsupported):
         raise
     except Exception as exc:  # the user's code failed: report it as a broken invariant
         raise Violation(f"the function raised {type(exc).__name__}: {exc}") from exc
@@ -345,21 +367,29 @@ def resolved_settings(user: Settings | None, default: Settings) -> Settings:
 def _run_one(invariant: Invariant, settings: Settings) -> Violation | None:
     """Run one invariant as a Hypothesis property; the shrunk violation, or None if it held."""
 
+    covered, declined = [0], []
+
     @settings
     @given(invariant.strategy)
     def prop(case: Any) -> None:
         try:
             invariant.body(case)
+        except Unsupported as exc:
+            declined.append(str(exc) or "Unsupported")
+            reject()  # not this case: Hypothesis draws another
         except Violation as v:
             if not v.inputs and invariant.describe is not None:
                 v.inputs = invariant.describe(case)
             raise
+        covered[0] += 1
 
     try:
         prop()
     except Violation as v:
         v.invariant = invariant
         return v
+    except Unsatisfiable:
+        covered[0] = 0  # Hypothesis gave up: every case it drew was declined
     except Flaky as exc:
         # Hypothesis saw a failure it could not reproduce; the failure itself is inside the group.
         inner = next((e for e in getattr(exc, "exceptions", ()) if isinstance(e, Violation)), None)
@@ -368,6 +398,14 @@ def _run_one(invariant: Invariant, settings: Settings) -> Violation | None:
         v = Violation("the result changed between two calls with the same input (the function is not "
                       "deterministic, or keeps state between calls)", details,
                       inner.inputs if inner is not None else None)
+        v.invariant = invariant
+        return v
+    if declined and covered[0] < min(MIN_COVERED, settings.max_examples):
+        reasons = sorted(set(declined))
+        v = Violation(f"too few cases were covered to check anything: {covered[0]} covered, {len(declined)} "
+                      f"declined with refimpl.testing.Unsupported (at least {MIN_COVERED} must be covered)",
+                      [f"declined because: {reason}" for reason in reasons[:3]]
+                      + ([f"(and {len(reasons) - 3} other reasons)"] if len(reasons) > 3 else []))
         v.invariant = invariant
         return v
     return None
