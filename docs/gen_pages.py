@@ -1031,12 +1031,15 @@ def hand_written(path: Path, prefix: str = "../") -> str:
 def output_block(text: str, words: str) -> str | None:
     """The block of printed `text` that starts at the line beginning with `words` and ends before the next
     rule of `=` (or at the end); None when no line begins so. A starting line that is a title (a rule of `=`
-    under it) is left out, with its rule."""
+    under it) is left out, with its rule. A title wins over an earlier line that merely starts with the same
+    words (a row of a summary table printed first), so each entry's block is its own report."""
     lines = text.split("\n")
-    start = next((i for i, line in enumerate(lines) if line.startswith(words)), None)
+    rule = re.compile(r"={10,}")
+    starts = [i for i, line in enumerate(lines) if line.startswith(words)]
+    titles = [i for i in starts if i + 1 < len(lines) and rule.fullmatch(lines[i + 1].strip())]
+    start = (titles or starts or [None])[0]
     if start is None:
         return None
-    rule = re.compile(r"={10,}")
     if start + 1 < len(lines) and rule.fullmatch(lines[start + 1].strip()):
         start += 2
     end = start

@@ -7,7 +7,10 @@ most of the time, and this file counts them.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import re
 import time
 
 log = logging.getLogger("mkdocs.hooks.progress")
@@ -29,7 +32,31 @@ def on_files(files, config, **kwargs):
     return files
 
 
+#: A fenced Python block whose printed output replaces it on the page (a table generated from the code).
+_EXEC_BLOCK = re.compile(r'^```python exec="on"\n(.*?)^```[ \t]*$', re.M | re.S)
+
+
+def render_exec_blocks(markdown: str, where: str) -> str:
+    """Replace each ```` ```python exec="on" ```` block by what its code prints (Markdown, e.g. a table).
+
+    The tables of the conventions catalogue and of the configuration synonyms are printed by a few lines
+    that read the repository's own objects, so the page and the code cannot drift apart. A block that
+    raises stops the build with the page's name, rather than leaving source text on the page.
+    """
+    def run(match: re.Match) -> str:
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out):
+                exec(compile(match.group(1), f"<{where}: generated table>", "exec"), {})
+        except Exception as error:
+            raise RuntimeError(f"{where}: the generated-table block raised {error!r}") from error
+        return out.getvalue()
+
+    return _EXEC_BLOCK.sub(run, markdown)
+
+
 def on_page_markdown(markdown, page, config, files, **kwargs):
+    markdown = render_exec_blocks(markdown, page.file.src_uri)
     _state["done"] += 1
     done, total = _state["done"], _state["total"]
     if done == 1 or done % EVERY == 0 or done == total:
