@@ -212,3 +212,17 @@ def test_a_wrong_port_that_declines_some_cases_still_fails_on_the_others():
         return route(scores, -bias, top_k)
 
     assert "selection is the top-k of s + b" in failure(check_router, wrong).failed
+
+
+def test_a_build_that_reads_only_weight_is_told_about_mxfp4_false():
+    from refimpl.testing import check_hf_moe_block
+
+    def float_only(text_config, state_dict):
+        experts = [state_dict[f"experts.{e}.w1.weight"] for e in range(text_config["num_experts"])]
+        return lambda x: x * 0 + len(experts)
+
+    failure_ = failure(check_hf_moe_block, float_only, settings="quick")
+    mxfp4 = next(v for v in failure_.violations if v.invariant.name == "matches the reference block with MXFP4 "
+                                                                       "experts")
+    assert "the function raised KeyError" in mxfp4.summary
+    assert any("checked with mxfp4=False" in line for line in mxfp4.details)

@@ -290,7 +290,14 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
     packed = hf_block_cases(mxfp4=True, dtype=dtype, max_tokens=max_tokens, max_experts=max_experts)
 
     def run(case: HFBlockCase) -> np.ndarray:
-        forward = call_user(build, dict(case.text_config), case.state_dict)
+        try:
+            forward = call_user(build, dict(case.text_config), case.state_dict)
+        except Violation as v:
+            if case.mxfp4 and isinstance(v.__cause__, KeyError) and ".weight" in str(v.__cause__):
+                v.details.append("in this case the routed experts arrive as MXFP4 pairs, weight_packed and "
+                                 "weight_scale, not weight: a build that reads float experts only is checked "
+                                 "with mxfp4=False")
+            raise
         if not callable(forward):
             raise Violation(f"build(text_config, state_dict) must return a function forward(x), got "
                             f"{type(forward).__name__}")
