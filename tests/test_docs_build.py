@@ -621,3 +621,19 @@ def test_the_kit_pages_complete_test_file_passes_under_pytest(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "2 passed" in proc.stdout
+
+
+def test_generated_tables_are_tables_on_the_page(site):
+    """The blocks that print a table from the code (the catalogue, the configuration synonyms) are replaced by
+    the table they print: no page shows the block's source."""
+    from refimpl.config import HF_SYNONYMS
+    from refimpl.testing.conventions import CATALOGUE
+
+    pages = [p for p in site.rglob("index.html") if "tests" not in p.relative_to(site).parts[:1]]
+    assert not [p for p in pages if 'exec="on"' in p.read_text(encoding="utf-8")]  # (test pages quote it)
+    conventions = next(p for p in pages if p.parent.name == "conventions").read_text(encoding="utf-8")
+    assert "<table>" in conventions
+    assert all(f"<code>{entry.name}</code>" in conventions for entry in CATALOGUE)
+    config_pages = [p.read_text(encoding="utf-8") for p in pages if "HF_SYNONYMS" in p.read_text(encoding="utf-8")]
+    found = next(iter(HF_SYNONYMS))
+    assert any(f"<td><code>{found}</code></td>" in page for page in config_pages)
