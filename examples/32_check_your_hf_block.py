@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -77,8 +78,12 @@ class MyK3Block(Module):
                 self.routed_expert_norm = nn.RMSNorm(latent, eps=cfg.get("rms_norm_eps", 1e-6))
             self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
         self.experts = nn.ModuleList(Expert(width, f) for _ in range(n))
+        # The shared MLP exists whatever its width, as in the reference code: with no shared experts it has
+        # width 0, and the checkpoint's state dict holds its zero-element tensors.
+        # (PyTorch warns that initializing a zero-element tensor does nothing: true, and harmless here.)
         shared = cfg.get("num_shared_experts") or 0
-        if shared:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op")
             self.shared_experts = nn.ModuleDict({
                 "gate_proj": nn.Linear(d, shared * f, bias=False), "up_proj": nn.Linear(d, shared * f, bias=False),
                 "down_proj": nn.Linear(shared * f, d, bias=False)})
