@@ -78,7 +78,7 @@ import scipy.sparse
 from .._lib.validation import check_finite, check_float_array, check_int, check_shape
 from .._lib.xp import Array, array_namespace, compute_dtype, to_numpy
 from ..layer.routing import expert_load, route
-from .quantile import _kth_largest, quantile_rank, quantile_thresholds, sign_balancing_update
+from .quantile import kth_largest, quantile_rank, quantile_thresholds, sign_balancing_update
 
 __all__ = [
     "AssignmentLP",
@@ -148,7 +148,7 @@ def alpha_step(scores: Array, beta: Array, top_k: int) -> Array:
     dtype = compute_dtype(xp, scores, beta)
     # $$\alpha_i = (s_i - \beta)_{(k+1)}$$
     shifted = xp.astype(scores, dtype) - xp.astype(beta, dtype)[None, :]  # [m, n]
-    return _kth_largest(shifted, top_k + 1, overwrite=True)
+    return kth_largest(shifted, top_k + 1, overwrite=True)
 
 
 def beta_step(scores: Array, alpha: Array, top_k: int) -> Array:
