@@ -1488,14 +1488,35 @@ def reading_path(modules: dict[str, Module], compare: bool, puzzles: bool = Fals
             lines.append("1. [Puzzles](puzzles/index.md): write each piece yourself, from Eq. (13) to Appendix D, "
                          "with the kit trying to break every answer.")
         if name in modules:
-            title = literate_title(modules[name])
-            lines.append(f"1. [{label}](paper/{modules[name].slug}.md): {title}.")
+            title = without_repeated_head(label, literate_title(modules[name]))
+            link = f"[{label}](paper/{modules[name].slug}.md)"
+            if title.lower().startswith(label.lower()):  # "The backward pass of Eqs. (11)-(13)": the link is its start
+                lines.append(f"1. {link}{title[len(label):]}.")
+            else:
+                lines.append(f"1. {link}: {title}.")
     if compare:
         lines.append(f"1. [Compare the variants](examples/{COMPARE_EXAMPLE}.md): plain MoE, LatentMoE and "
                      "Stable LatentMoE on the same inputs.")
     lines.append("1. [Worked examples](examples/index.md), [benchmark results](benchmark-results/index.md) and the "
                  "[API reference](reference/index.md).")
     return "\n".join(lines) + "\n"
+
+
+def _plain(words: str) -> str:
+    """Words as a reader compares them: "Appendix" and "App.", "and" and "&" are the same."""
+    words = re.sub(r"\bAppendix\b", "App.", words)
+    return re.sub(r"\s+", " ", words.replace(" and ", " & ")).strip().lower()
+
+
+def without_repeated_head(label: str, title: str) -> str:
+    """The title after its head ("Eq. (13): ...", "Configuration: ...") when the link's label already says it.
+
+    Without this, a line of the reading path reads "Configuration: Configuration: the numbers ...".
+    """
+    head, colon, rest = title.partition(": ")
+    if colon and rest and _plain(head) in _plain(label):
+        return rest
+    return title
 
 
 def literate_title(module: Module) -> str:

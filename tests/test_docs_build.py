@@ -156,6 +156,21 @@ def test_literate_title_and_intro_come_from_the_module_docstring(gen):
     assert "Prose of the module, with $x^2$." in page.intro
 
 
+def test_the_reading_path_says_each_reference_once(gen):
+    """A line of the landing page's reading path does not repeat its label ("Configuration: Configuration: ...")."""
+    assert gen.without_repeated_head("Configuration", "Configuration: the numbers") == "the numbers"
+    assert gen.without_repeated_head("Eq. (13): routing", "Eq. (13): sigmoid scores") == "sigmoid scores"
+    assert gen.without_repeated_head("Eq. (12) & App. B: SiTU-GLU", "Eq. (12) and Appendix B: SiTU-GLU, bounded") \
+        == "SiTU-GLU, bounded"
+    assert gen.without_repeated_head("Accounting", "The other routers and balancers") == \
+        "The other routers and balancers"
+    assert gen.without_repeated_head("The layer", "Eq. (11): the forward pass") == "Eq. (11): the forward pass"
+    text = gen.reading_path(gen.discover_modules(), compare=False)
+    repeats = [line for line in text.splitlines()
+               if (m := re.match(r"1\. \[([^\]]+)\]\([^)]*\): (.*)", line)) and m[2].lower().startswith(m[1].lower())]
+    assert "[Configuration]" in text and repeats == []
+
+
 def test_literate_standalone_comments_become_prose_and_display_math(gen):
     body = gen.literate(SAMPLE).body
     assert "The factor:\n\n$$\ny = 2x\n$$" in body
