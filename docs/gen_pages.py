@@ -1546,13 +1546,13 @@ def study_pages() -> dict[str, tuple[str, Path]]:
 #: or "site" (a fixed page of the site); steps whose page does not exist in a build are left out.
 START_HERE: list[tuple[str, str, list[tuple[str, str, str]]]] = [
     ("Learning the layer", "You want to understand what the block computes, and why.", [
-        ("page", "why-stable", "why the plain design needed the stable additions"),
+        ("paper", "latent_moe", "Eq. (11): the whole block, stage by stage"),
+        ("paper", "activations", "Eq. (12): the smoothly capped SwiGLU of every expert"),
+        ("paper", "routing", "Eq. (13): sigmoid scores, the bias that only selects"),
         ("paper", "config", "the sizes and switches, K3's numbers"),
-        ("paper", "activations", "the smoothly capped SwiGLU of every expert"),
-        ("paper", "routing", "sigmoid scores, the bias that only selects"),
-        ("paper", "latent_moe", "the whole block, stage by stage"),
         ("example", "01_forward_by_hand", "the whole forward pass printed on a tiny layer"),
         ("example", "40_compare_variants", "plain MoE, LatentMoE and Stable LatentMoE side by side"),
+        ("page", "why-stable", "what the stable additions change, measured on the equations above"),
         ("paper", "backward", "the gradients, section by section beside the forward pass"),
         ("paper", "train", "a small model trained end to end"),
     ]),

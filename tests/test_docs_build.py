@@ -171,6 +171,14 @@ def test_the_reading_path_says_each_reference_once(gen):
     assert "[Configuration]" in text and repeats == []
 
 
+def test_learning_the_layer_starts_at_eq_11_and_measures_after_the_equations(gen):
+    """The first reading path opens with Eq. (11); "Why Stable" comes after Eqs. (11)-(13), which it measures."""
+    heading, _, steps = gen.START_HERE[0]
+    names = [name for _, name, _ in steps]
+    assert heading == "Learning the layer" and names[0] == "latent_moe"
+    assert all(names.index(eq) < names.index("why-stable") for eq in ("latent_moe", "activations", "routing"))
+
+
 def test_literate_standalone_comments_become_prose_and_display_math(gen):
     body = gen.literate(SAMPLE).body
     assert "The factor:\n\n$$\ny = 2x\n$$" in body
