@@ -1509,14 +1509,15 @@ def _plain(words: str) -> str:
 
 
 def without_repeated_head(label: str, title: str) -> str:
-    """The title after its head ("Eq. (13): ...", "Configuration: ...") when the link's label already says it.
+    """The title without its leading clauses ("Eq. (13): ...", "Configuration: ...") that the link's label says.
 
     Without this, a line of the reading path reads "Configuration: Configuration: the numbers ...".
     """
-    head, colon, rest = title.partition(": ")
-    if colon and rest and _plain(head) in _plain(label):
-        return rest
-    return title
+    while True:
+        clause = re.match(r"(.+?)(?::|,) (.+)", title)  # the first clause, up to ": " or ", "
+        if not clause or _plain(clause[1]) not in _plain(label):
+            return title
+        title = clause[2]
 
 
 def literate_title(module: Module) -> str:
@@ -1546,9 +1547,9 @@ def study_pages() -> dict[str, tuple[str, Path]]:
 #: or "site" (a fixed page of the site); steps whose page does not exist in a build are left out.
 START_HERE: list[tuple[str, str, list[tuple[str, str, str]]]] = [
     ("Learning the layer", "You want to understand what the block computes, and why.", [
-        ("paper", "latent_moe", "Eq. (11): the whole block, stage by stage"),
-        ("paper", "activations", "Eq. (12): the smoothly capped SwiGLU of every expert"),
-        ("paper", "routing", "Eq. (13): sigmoid scores, the bias that only selects"),
+        ("paper", "latent_moe", "the whole block, stage by stage"),
+        ("paper", "activations", "the smoothly capped SwiGLU of every expert"),
+        ("paper", "routing", "sigmoid scores, the bias that only selects"),
         ("paper", "config", "the sizes and switches, K3's numbers"),
         ("example", "01_forward_by_hand", "the whole forward pass printed on a tiny layer"),
         ("example", "40_compare_variants", "plain MoE, LatentMoE and Stable LatentMoE side by side"),
