@@ -55,8 +55,6 @@ Python numbers.
 
 from __future__ import annotations
 
-import math
-import numbers
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
@@ -64,7 +62,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["ACTIVATIONS", "FLOAT32_RANGE", "HF_ABSENT", "HF_KEYS", "HF_SYNONYMS",
+from ._lib.values import FLOAT32_RANGE, factor_value, integer_value, is_integer, is_real, shown
+from .families import FAMILIES, K3_ONLY_KEYS, HFFamily, family_of, read_family_fields
+
+__all__ = ["ACTIVATIONS", "FLOAT32_RANGE", "HF_ABSENT", "HF_CODES", "HF_KEYS", "HF_SYNONYMS",
            "SCORE_FUNCTIONS", "TOPK_METHODS", "HFSynonym", "MoEConfig", "count_moe_layers",
            "is_moe_layer"]
 
@@ -153,49 +154,6 @@ HF_SYNONYMS: dict[str, HFSynonym] = {
 }
 
 
-#: The positive numbers float32, the layer's compute dtype, holds: its smallest subnormal and its largest value.
-FLOAT32_RANGE: tuple[float, float] = (float(np.finfo(np.float32).smallest_subnormal), float(np.finfo(np.float32).max))
-
-
-def _is_integer(value: Any) -> bool:
-    """An integer of any integral type (int, np.int64, ...), but not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
-
-
-def _integer(value: Any, label: str, *, low: int) -> int:
-    """`value` as a Python int if it is an integer >= `low`; else a `ValueError` naming `label`."""
-    if not _is_integer(value) or value < low:
-        what = "a positive integer" if low == 1 else "a non-negative integer" if low == 0 else f"an integer >= {low}"
-        raise ValueError(f"{label} must be {what}, got {value!r}")
-    return int(value)
-
-
-def _factor(value: Any, label: str, *, allowed: str = "") -> float:
-    """`value` as a Python float if it is a positive real that float32 holds; else a `ValueError` naming `label`.
-
-    The layer computes in float32, so a factor float32 rounds to zero or to
-    infinity (1e308 as `routed_scaling_factor`) would make every output
-    non-finite; it is refused with the bound. `allowed` names the other values
-    the field takes (" or None").
-    """
-    is_real = isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
-    try:
-        # A NumPy float32 or float16 is read as the decimal it prints as (np.float32(1.1) is 1.1, not
-        # 1.100000023841858), which is what the user typed and what a capacity factor is computed from.
-        number = (float(str(value)) if isinstance(value, np.floating) else float(value)) if is_real else math.nan
-    except OverflowError:  # an int beyond float64
-        number = math.inf
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"{label} must be a positive finite number{allowed}, got {value!r}")
-    with np.errstate(over="ignore"):
-        in_float32 = np.float32(number)
-    if not 0 < in_float32 < np.inf:
-        low, high = FLOAT32_RANGE
-        raise ValueError(f"{label} must be a number float32 (the layer's compute dtype) holds: between {low:.4g} "
-                         f"and {high:.8g}, got {value!r}")
-    return number
-
-
 @dataclass(frozen=True)
 class MoEConfig:
     """Sizes and switches of one Stable LatentMoE layer (defaults: Kimi K3).
@@ -275,15 +233,15 @@ class MoEConfig:
         # Sizes: any integral type (int, np.int64, ...; not bool), stored as a Python int.
         for name in ("hidden_size", "latent_size", "num_experts", "top_k", "intermediate_size",
                      "n_group", "topk_group", "num_moe_layers"):
-            self._store(name, _integer(getattr(self, name), f"MoEConfig.{name}", low=1))
-        self._store("num_shared_experts", _integer(self.num_shared_experts, "MoEConfig.num_shared_experts", low=0))
+            self._store(name, integer_value(getattr(self, name), f"MoEConfig.{name}", low=1))
+        self._store("num_shared_experts", integer_value(self.num_shared_experts, "MoEConfig.num_shared_experts", low=0))
         # Factors: any real type (float, np.float32, Fraction, ...), stored as a Python float.
         for name in ("situ_beta", "situ_linear_beta", "rms_norm_eps", "routed_scaling_factor", "capacity_factor"):
             value = getattr(self, name)
             if value is None and name in ("situ_linear_beta", "capacity_factor"):
                 continue  # None: the up branch is not capped / every assignment is served
             allowed = {"situ_linear_beta": " or None", "capacity_factor": " or None (no dropping)"}.get(name, "")
-            self._store(name, _factor(value, f"MoEConfig.{name}", allowed=allowed))
+            self._store(name, factor_value(value, f"MoEConfig.{name}", allowed=allowed))
         # Switches must be real booleans: a JSON string "false" is truthy and would turn the norm on.
         for name in ("renormalize", "use_latent_norm", "use_latent_projection", "hash_routing"):
             value = getattr(self, name)
@@ -320,7 +278,7 @@ class MoEConfig:
                 f"{self.num_experts // self.n_group} experts that group-limited routing can reach")
         # The hash-routed layers of the other systems (the page "The other routers and balancers").
         hashed = self.num_hash_layers
-        if not _is_integer(hashed) or not 0 <= hashed <= self.num_moe_layers:
+        if not is_integer(hashed) or not 0 <= hashed <= self.num_moe_layers:
             raise ValueError(f"MoEConfig.num_hash_layers must be an integer in [0, num_moe_layers="
                              f"{self.num_moe_layers}], got {hashed!r}")
         self._store("num_hash_layers", int(hashed))
@@ -413,8 +371,25 @@ class MoEConfig:
 
     # -- Hugging Face keys ---------------------------------------------------
     @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any]) -> MoEConfig:
-        """Build a config from a Hugging Face `config.json` mapping, with the reference code's semantics.
+    def from_hf_config(cls, hf: Mapping[str, Any], *, code: str | None = None) -> MoEConfig:
+        """Build a config from a Hugging Face `config.json` mapping, with the semantics of the code that reads it.
+
+        **Which code.** A file is read as the modeling code it was written for
+        would read it (`code=None`): K3's own code for a top-level
+        `"model_type": "kimi_k3"`, for a mapping with no `model_type`, and for
+        a `"kimi_linear"` mapping that names remote code in `auto_map` or holds
+        a key only K3's code reads (`K3_ONLY_KEYS`: `routed_expert_hidden_size`,
+        `activation_situ_beta`, ...); transformers' class of that `model_type`
+        for every other family in `refimpl.families.FAMILIES` (`deepseek_v3`,
+        `glm4_moe`, `kimi_linear`, `qwen3_moe`, `mixtral`), with that class's
+        keys, defaults and MoE-layer rule. `code="k3"` or
+        `code="transformers"` overrides the choice: the same `kimi_linear` file
+        means a different layer to each (transformers' `KimiLinearConfig`
+        scales the routed weights by 2.446 and builds one shared expert when
+        the keys are absent; K3's code by 1.0 and none). Another `model_type`
+        is a `ValueError` naming it and the known ones.
+
+        **K3's keys** are read as follows.
 
         `hf` is the whole file: when it has a `text_config` (K3's multimodal
         checkpoint nests the language model's keys there) that mapping is
@@ -446,9 +421,18 @@ class MoEConfig:
             text, where = hf["text_config"], "hf['text_config']"
             if not isinstance(text, Mapping):
                 raise ValueError(f"hf['text_config'] must be a mapping of the language model's keys, got "
-                                 f"{type(text).__name__} {_shown(text)}")
+                                 f"{type(text).__name__} {shown(text)}")
         else:
             text, where = hf, "hf"
+        family = _reading_code(hf, text, where, code)
+        if family is not None:
+            fields = read_family_fields(text, where, family)
+            try:
+                return cls(**fields)
+            except (TypeError, ValueError) as exc:  # a combination of keys no layer has (top_k > num_experts, ...)
+                spelled = {field: spec.key for field, spec in family.keys.items()}
+                raise ValueError(f"{where} describes no layer this package computes: {exc}"
+                                 f"{_keys_of_fields_in(str(exc), spelled)}") from None
         _refuse_synonyms(text, where)
         for key in _HF_REQUIRED:
             if text.get(key) is None:
@@ -472,7 +456,7 @@ class MoEConfig:
             return cls(**fields)
         except (TypeError, ValueError) as exc:  # a combination of keys no layer has (top_k > num_experts, ...)
             raise ValueError(f"{where} describes no layer this package computes: {exc}"
-                             f"{_keys_of_fields_in(str(exc))}") from None
+                             f"{_keys_of_fields_in(str(exc), HF_KEYS)}") from None
 
     def to_hf_config(self, *, nested: bool = False) -> dict[str, Any]:
         """The Hugging Face keys for this config, the inverse of `from_hf_config`.
@@ -570,12 +554,6 @@ _HF_KINDS: dict[str, tuple[str, Any]] = {
 }
 
 
-def _shown(value: Any, width: int = 60) -> str:
-    """`repr(value)`, cut to `width` characters for an error message."""
-    text = repr(value)
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
 def _read_hf_key(text: Mapping[str, Any], key: str, where: str, absent: Any = None) -> Any:
     """The value of `key` in `text`, checked by its kind, with the meaning of an absent or null key.
 
@@ -593,31 +571,51 @@ def _read_hf_key(text: Mapping[str, Any], key: str, where: str, absent: Any = No
         raise ValueError(f"{label} must not be null: write its value, or leave the key out (meaning {default!r})")
     kind, option = _HF_KINDS[key]
     if kind == "integer":
-        return _integer(value, label, low=option)
+        return integer_value(value, label, low=option)
     if kind == "factor":
-        if key == "activation_situ_beta" and _is_real(value) and value == 0:
+        if key == "activation_situ_beta" and is_real(value) and value == 0:
             return 1.0  # the reference's `beta or 1.0`: 0 means 1.0, as null does
-        return _factor(value, label, allowed=" or null" if key in _HF_NULL else "")
+        return factor_value(value, label, allowed=" or null" if key in _HF_NULL else "")
     if kind == "switch":
         if not isinstance(value, bool):
-            raise ValueError(f"{label} must be true or false, got {type(value).__name__} {_shown(value)}")
+            raise ValueError(f"{label} must be true or false, got {type(value).__name__} {shown(value)}")
         return value
     if not isinstance(value, str) or value not in option:
-        raise ValueError(f"{label} must be one of {sorted(option)}, got {_shown(value)}")
+        raise ValueError(f"{label} must be one of {sorted(option)}, got {shown(value)}")
     return value
 
 
-def _is_real(value: Any) -> bool:
-    """A real number of any type (int, float, np.float32, Fraction, ...), but not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
-
-
-def _keys_of_fields_in(message: str) -> str:
+def _keys_of_fields_in(message: str, keys: Mapping[str, str]) -> str:
     """' (in config.json: top_k is 'num_experts_per_token', ...)' for the fields a message names."""
-    named = [field for field in HF_KEYS if re.search(rf"\b{field}\b", message)]
+    named = [field for field in keys if re.search(rf"\b{field}\b", message)]
     if not named:
         return ""
-    return " (in config.json: " + ", ".join(f"{field} is {HF_KEYS[field]!r}" for field in named) + ")"
+    return " (in config.json: " + ", ".join(f"{field} is {keys[field]!r}" for field in named) + ")"
+
+
+#: The codes `MoEConfig.from_hf_config` can read a file as (its `code=` keyword).
+HF_CODES = ("k3", "transformers")
+
+
+def _reading_code(hf: Mapping[str, Any], text: Mapping[str, Any], where: str, code: str | None) -> HFFamily | None:
+    """The transformers family that reads `text`, or None for K3's own code (see `MoEConfig.from_hf_config`)."""
+    if code is not None and code not in HF_CODES:
+        raise ValueError(f"code must be None (the code the file names), 'k3' (K3's own modeling code) or "
+                         f"'transformers' (transformers' class of its model_type), got {shown(code)}")
+    if code == "k3":
+        return None
+    model_type = text.get("model_type")
+    if code == "transformers":
+        if model_type not in FAMILIES:
+            raise ValueError(f"code='transformers' reads {where}['model_type'] with that model's class: it must "
+                             f"be one of {sorted(FAMILIES)}, got {shown(model_type)}")
+        return FAMILIES[model_type]
+    if hf.get("model_type") == "kimi_k3" or model_type is None or model_type == "kimi_k3":
+        return None
+    if model_type == "kimi_linear" and ("auto_map" in text or "auto_map" in hf
+                                        or any(key in text for key in K3_ONLY_KEYS)):
+        return None  # written for Kimi's own modeling code, not for transformers' class
+    return family_of(model_type)
 
 
 def _refuse_synonyms(text: Mapping[str, Any], where: str) -> None:
@@ -627,15 +625,15 @@ def _refuse_synonyms(text: Mapping[str, Any], where: str) -> None:
         if found not in text:
             continue
         expected, value = synonym.expected, text[found]
-        spelled = f"{where}[{found!r}] = {_shown(value)} (the spelling of {synonym.used_by})"
+        spelled = f"{where}[{found!r}] = {shown(value)} (the spelling of {synonym.used_by})"
         if expected not in text:
             problems.append(f"{spelled}, but no {expected!r}, the key this package reads: rename the key, "
                             f"or add {expected!r} with the value meant")
         elif synonym.refused_when == _ABSENT_OR_DIFFERENT and not _same(value, text[expected]):
-            problems.append(f"{spelled} disagrees with {where}[{expected!r}] = {_shown(text[expected])}")
+            problems.append(f"{spelled} disagrees with {where}[{expected!r}] = {shown(text[expected])}")
         elif synonym.refused_when == _SHARED_WIDTH:
             shared, width = text[expected], text.get("moe_intermediate_size")
-            if _is_integer(shared) and _is_integer(width) and not _same(value, shared * width):
+            if is_integer(shared) and is_integer(width) and not _same(value, shared * width):
                 problems.append(f"{spelled} is not num_shared_experts x moe_intermediate_size = "
                                 f"{shared} x {width} = {shared * width}")
     if problems:

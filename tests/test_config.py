@@ -535,14 +535,18 @@ DEEPSEEK_V3_JSON = {
 }
 
 
-def test_deepseek_v3_config_is_refused_key_by_key():
+def test_deepseek_v3_config_read_as_k3s_keys_is_refused_key_by_key():
     with pytest.raises(ValueError) as info:
-        MoEConfig.from_hf_config(DEEPSEEK_V3_JSON)
+        MoEConfig.from_hf_config(DEEPSEEK_V3_JSON, code="k3")
     message = str(info.value)
     for found in ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "scoring_func",
                   "norm_topk_prob"):
         assert f"hf['{found}']" in message and f"'{HF_SYNONYMS[found].expected}'" in message, found
     assert "intermediate_size'" not in message.replace("moe_intermediate_size", "")  # its dense width is fine
+
+
+def test_deepseek_v3_config_is_read_as_deepseek_v3_and_is_the_preset():
+    assert MoEConfig.from_hf_config(DEEPSEEK_V3_JSON) == MoEConfig.deepseek_v3(rms_norm_eps=1e-6, situ_linear_beta=None)
 
 
 def test_deepseek_v3_renamed_is_the_preset():

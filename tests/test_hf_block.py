@@ -41,7 +41,8 @@ FEW = settings(kit.QUICK, max_examples=20)  # for properties whose failures show
 
 def refimpl_block(text_config, state_dict):
     """A port that is refimpl itself: the config from the keys, the weights from the tensor names."""
-    config = refimpl.MoEConfig.from_hf_config(text_config)
+    # The kit draws K3's keys; with every K3-only key absent they would read as transformers' Kimi Linear.
+    config = refimpl.MoEConfig.from_hf_config(text_config, code="k3")
     params = refimpl.params_from_hf_state_dict(state_dict, config)
     return lambda x: refimpl.stable_latent_moe(x, params, config)
 

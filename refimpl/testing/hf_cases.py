@@ -68,7 +68,7 @@ class HFBlockCase:
     @cached_property
     def config(self) -> MoEConfig:
         """The `MoEConfig` the reference code builds from `text_config`."""
-        return MoEConfig.from_hf_config(self.text_config)
+        return MoEConfig.from_hf_config(self.text_config, code="k3")
 
     @cached_property
     def _drawn(self) -> tuple[MoEParams, MoEParams, np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:

@@ -1,0 +1,250 @@
+r"""The MoE families of transformers, as their configuration classes read a `config.json`.
+
+K3's block descends from a line of MoE blocks that transformers now ships as
+code: DeepSeek-V3 (also the language model of Kimi K2 and K2.5), GLM-4 MoE,
+Kimi Linear, Qwen3-MoE and Mixtral. Each spells the same quantities with its
+own keys and fills an absent key with its own default, which is rarely K3's:
+transformers' `KimiLinearConfig` scales the routed weights by 2.446 and builds
+one shared expert when the keys are absent, where K3's own code scales by 1.0
+and builds none. A porter who reads a DeepSeek-V3 file with K3's defaults
+builds another layer than the one the checkpoint was trained as.
+
+This module holds, for each `model_type`, what its configuration class and
+its MoE block make of the keys (read from transformers 5.24 and tested
+against it): the key of each quantity and its default, what the family fixes
+(its score function, whether it renormalizes, whether it has a selection bias
+or shared experts), and which decoder layers hold the MoE block.
+`MoEConfig.from_hf_config` reads a file with these tables; the converters of
+`refimpl.checkpoints` use the tensor layout named here.
+
+| `model_type` | block | scores | shared experts | selection bias | MoE layers |
+|---|---|---|---|---|---|
+| `deepseek_v3` | `DeepseekV3MoE` | sigmoid, groups | `n_shared_experts` | yes | $L \ge$ `first_k_dense_replace` |
+| `glm4_moe` | `Glm4MoeMoE` | sigmoid, groups | `n_shared_experts` | yes | $L \ge$ `first_k_dense_replace` |
+| `kimi_linear` | `KimiLinearMoE` | sigmoid, groups | `num_shared_experts` | yes | `mlp_layer_types[L] == "sparse"` |
+| `qwen3_moe` | `Qwen3MoeSparseMoeBlock` | softmax | none | none | $L \notin$ `mlp_only_layers`, `decoder_sparse_step` divides $L + 1$ |
+| `mixtral` | `MixtralSparseMoeBlock` | softmax, always renormalized | none | none | every layer |
+
+The sigmoid families renormalize a single chosen weight too (DeepSeek-V3 with
+`num_experts_per_tok = 1` gives every token weight `routed_scaling_factor`);
+K3's code keeps the raw score of a single expert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from ._lib.values import factor_value, integer_value, is_integer, shown
+
+__all__ = ["FAMILIES", "HFFamily", "HFFamilyKey", "K3_ONLY_KEYS", "count_family_moe_layers", "family_of",
+           "read_family_fields"]
+
+
+class HFFamilyKey(NamedTuple):
+    """One `MoEConfig` field as a family's configuration class reads it."""
+
+    key: str  #: the key in `config.json` (what the class's `to_dict()` writes)
+    default: Any  #: what the class makes of an absent key
+    kind: str  #: "integer", "factor", "switch" or "activation"
+    aliases: tuple[str, ...] = ()  #: other spellings the class accepts (its `attribute_map`)
+
+
+class HFFamily(NamedTuple):
+    """What one transformers `model_type` reads from a configuration, and the layout of its block."""
+
+    model_type: str
+    config_class: str  #: the transformers configuration class
+    block_class: str  #: the transformers MoE block
+    keys: dict[str, HFFamilyKey]  #: `MoEConfig` field -> how the class reads it
+    fixed: dict[str, Any]  #: `MoEConfig` fields the family does not configure
+    has_bias: bool  #: whether the router holds `gate.e_score_correction_bias`
+    has_shared: bool  #: whether the block holds `shared_experts`
+    layers: str  #: how the MoE layers are chosen: "first_k_dense", "sparse_step", "every" or "mlp_layer_types"
+    num_hidden_layers: int  #: the class's default layer count
+    layer_defaults: dict[str, Any]  #: the class's defaults for the layer-choosing keys
+
+
+# Every family here is a plain MoE: the experts see the full width (no latent, no norm) and are SwiGLU.
+_PLAIN = {"use_latent_projection": False, "use_latent_norm": False, "situ_linear_beta": None}
+
+
+def _sigmoid_keys(experts: str, per_token: str, shared: str, group: str, renormalize: str, *, hidden: int,
+                  n: int, k: int, f: int, shared_count: int, scale: float, groups: int, chosen_groups: int,
+                  eps: float, aliases: Mapping[str, tuple[str, ...]]) -> dict[str, HFFamilyKey]:
+    """The keys of a sigmoid family (DeepSeek-V3's router), with its spellings and its class's defaults."""
+    def key(name: str, default: Any, kind: str) -> HFFamilyKey:
+        return HFFamilyKey(name, default, kind, aliases.get(name, ()))
+    return {
+        "hidden_size": key("hidden_size", hidden, "integer"),
+        "num_experts": key(experts, n, "integer"),
+        "top_k": key(per_token, k, "integer"),
+        "intermediate_size": key("moe_intermediate_size", f, "integer"),
+        "num_shared_experts": key(shared, shared_count, "count"),
+        "routed_scaling_factor": key("routed_scaling_factor", scale, "factor"),
+        "n_group": key(group, groups, "integer"),
+        "topk_group": key("topk_group", chosen_groups, "integer"),
+        "renormalize": key(renormalize, True, "switch"),
+        "rms_norm_eps": key("rms_norm_eps", eps, "factor"),
+        "activation": key("hidden_act", "silu", "activation"),
+    }
+
+
+_DEEPSEEK_ALIASES = {"n_routed_experts": ("num_local_experts",)}
+
+#: The families `MoEConfig.from_hf_config` reads, by `model_type` (transformers 5.24).
+FAMILIES: dict[str, HFFamily] = {
+    "deepseek_v3": HFFamily(
+        "deepseek_v3", "DeepseekV3Config", "DeepseekV3MoE",
+        _sigmoid_keys("n_routed_experts", "num_experts_per_tok", "n_shared_experts", "n_group", "norm_topk_prob",
+                      hidden=7168, n=256, k=8, f=2048, shared_count=1, scale=2.5, groups=8, chosen_groups=4,
+                      eps=1e-6, aliases=_DEEPSEEK_ALIASES),
+        {**_PLAIN, "score_function": "sigmoid"}, True, True, "first_k_dense", 61, {"first_k_dense_replace": 3}),
+    "glm4_moe": HFFamily(
+        "glm4_moe", "Glm4MoeConfig", "Glm4MoeMoE",
+        _sigmoid_keys("n_routed_experts", "num_experts_per_tok", "n_shared_experts", "n_group", "norm_topk_prob",
+                      hidden=4096, n=128, k=8, f=1408, shared_count=1, scale=1.0, groups=1, chosen_groups=1,
+                      eps=1e-5, aliases=_DEEPSEEK_ALIASES),
+        {**_PLAIN, "score_function": "sigmoid"}, True, True, "first_k_dense", 46, {"first_k_dense_replace": 1}),
+    "kimi_linear": HFFamily(
+        "kimi_linear", "KimiLinearConfig", "KimiLinearMoE",
+        _sigmoid_keys("num_experts", "num_experts_per_token", "num_shared_experts", "num_expert_group",
+                      "moe_renormalize", hidden=2304, n=256, k=8, f=1024, shared_count=1, scale=2.446, groups=1,
+                      chosen_groups=1, eps=1e-5,
+                      aliases={"num_experts": ("num_local_experts",), "num_experts_per_token": ("num_experts_per_tok",),
+                               "num_shared_experts": ("n_shared_experts",), "num_expert_group": ("n_group",),
+                               "moe_renormalize": ("norm_topk_prob",)}),
+        {**_PLAIN, "score_function": "sigmoid"}, True, True, "mlp_layer_types", 27, {"first_k_dense_replace": 1}),
+    "qwen3_moe": HFFamily(
+        "qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock",
+        {"hidden_size": HFFamilyKey("hidden_size", 2048, "integer"),
+         "num_experts": HFFamilyKey("num_local_experts", 128, "integer", ("num_experts",)),
+         "top_k": HFFamilyKey("num_experts_per_tok", 8, "integer"),
+         "intermediate_size": HFFamilyKey("moe_intermediate_size", 768, "integer"),
+         "renormalize": HFFamilyKey("norm_topk_prob", False, "switch"),
+         "rms_norm_eps": HFFamilyKey("rms_norm_eps", 1e-6, "factor"),
+         "activation": HFFamilyKey("hidden_act", "silu", "activation")},
+        {**_PLAIN, "score_function": "softmax", "num_shared_experts": 0}, False, False, "sparse_step", 24,
+        {"decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "mixtral": HFFamily(
+        "mixtral", "MixtralConfig", "MixtralSparseMoeBlock",
+        {"hidden_size": HFFamilyKey("hidden_size", 4096, "integer"),
+         "num_experts": HFFamilyKey("num_local_experts", 8, "integer", ("num_experts",)),
+         "top_k": HFFamilyKey("num_experts_per_tok", 2, "integer"),
+         "intermediate_size": HFFamilyKey("intermediate_size", 14336, "integer"),
+         "rms_norm_eps": HFFamilyKey("rms_norm_eps", 1e-5, "factor"),
+         "activation": HFFamilyKey("hidden_act", "silu", "activation")},
+        {**_PLAIN, "score_function": "softmax", "num_shared_experts": 0, "renormalize": True}, False, False,
+        "every", 32, {}),
+}
+
+#: Keys that only K3's own modeling code reads (transformers' `KimiLinearConfig` ignores them): a `kimi_linear`
+#: file that holds one was written for that code.
+K3_ONLY_KEYS = ("routed_expert_hidden_size", "latent_moe_use_norm", "activation_situ_beta",
+                "activation_situ_linear_beta", "moe_router_activation_func")
+
+
+def family_of(model_type: Any) -> HFFamily:
+    """The family of a transformers `model_type`; a `ValueError` naming it and the known ones otherwise."""
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise ValueError(f"model_type must be one of {sorted(FAMILIES)} (the MoE families of transformers this "
+                         f"package reads), got {model_type!r}")
+    return FAMILIES[model_type]
+
+
+def count_family_moe_layers(family: HFFamily, num_hidden_layers: int, layer_keys: Mapping[str, Any]) -> int:
+    """How many of the `num_hidden_layers` decoder layers hold the family's MoE block (its code's rule).
+
+    `layer_keys` holds the already checked layer-choosing keys: `first_k_dense_replace`; `decoder_sparse_step`
+    and `mlp_only_layers` (a set of ints); or `mlp_layer_types` (a list of "dense" and "sparse").
+    """
+    N = num_hidden_layers
+    if family.layers == "every":
+        return N
+    if family.layers == "first_k_dense":
+        # $$\#\{L < N : L \ge f\}$$
+        return max(0, N - layer_keys["first_k_dense_replace"])
+    if family.layers == "mlp_layer_types":
+        return sum(kind == "sparse" for kind in layer_keys["mlp_layer_types"])
+    # Qwen3-MoE: layer L is MoE when it is not listed and the step divides L + 1, counted in closed form.
+    step, listed = layer_keys["decoder_sparse_step"], layer_keys["mlp_only_layers"]
+    # $$\#\{L < N : s \mid L + 1\} - \#\{L \in \text{listed} : L < N,\ s \mid L + 1\}$$
+    return N // step - sum(1 for L in listed if 0 <= L < N and (L + 1) % step == 0)
+
+
+def _value(text: Mapping[str, Any], where: str, spec: HFFamilyKey) -> Any:
+    """The checked value of one key (or of one of its aliases), its class's default when absent."""
+    present = [name for name in (spec.key, *spec.aliases) if name in text]
+    if not present:
+        return "swiglu" if spec.kind == "activation" else spec.default  # the classes' default "silu" is SwiGLU
+    values = {name: text[name] for name in present}
+    first = present[0]
+    if any(not _same(values[name], values[first]) for name in present[1:]):
+        raise ValueError(f"{where} gives one quantity two values: " +
+                         ", ".join(f"{where}[{name!r}] = {shown(values[name])}" for name in present))
+    label, value = f"{where}[{first!r}]", values[first]
+    if value is None:
+        raise ValueError(f"{label} must not be null: write its value, or leave the key out (meaning {spec.default!r})")
+    if spec.kind in ("integer", "count"):
+        return integer_value(value, label, low=1 if spec.kind == "integer" else 0)
+    if spec.kind == "factor":
+        return factor_value(value, label)
+    if spec.kind == "switch":
+        if not isinstance(value, bool):
+            raise ValueError(f"{label} must be true or false, got {type(value).__name__} {shown(value)}")
+        return value
+    if value != "silu":  # "activation": the one expert activation these blocks share, SwiGLU
+        raise ValueError(f"{label} must be 'silu' (SwiGLU experts, the only activation of this family this package "
+                         f"computes), got {shown(value)}")
+    return "swiglu"
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values of the same JSON kind (true is not 1)."""
+    return isinstance(a, bool) == isinstance(b, bool) and a == b
+
+
+def _layer_keys(text: Mapping[str, Any], where: str, family: HFFamily, total: int) -> dict[str, Any]:
+    """The family's layer-choosing keys, checked, with its class's defaults."""
+    keys: dict[str, Any] = {}
+    if family.layers in ("first_k_dense", "mlp_layer_types"):
+        first = text.get("first_k_dense_replace", family.layer_defaults["first_k_dense_replace"])
+        keys["first_k_dense_replace"] = integer_value(first, f"{where}['first_k_dense_replace']", low=0)
+    if family.layers == "mlp_layer_types":
+        kinds = text.get("mlp_layer_types")
+        if kinds is None:  # the class's rule: the first `first_k_dense_replace` layers are dense
+            kinds = ["dense" if i < keys["first_k_dense_replace"] else "sparse" for i in range(total)]
+        if (not isinstance(kinds, list) or len(kinds) != total
+                or any(kind not in ("dense", "sparse") for kind in kinds)):
+            raise ValueError(f"{where}['mlp_layer_types'] must list 'dense' or 'sparse' for each of the "
+                             f"num_hidden_layers = {total} layers, got {shown(kinds)}")
+        keys["mlp_layer_types"] = kinds
+    if family.layers == "sparse_step":
+        step = text.get("decoder_sparse_step", family.layer_defaults["decoder_sparse_step"])
+        keys["decoder_sparse_step"] = integer_value(step, f"{where}['decoder_sparse_step']", low=1)
+        listed = text.get("mlp_only_layers")
+        listed = [] if listed is None else listed
+        if not isinstance(listed, list) or not all(is_integer(L) and L >= 0 for L in listed):
+            raise ValueError(f"{where}['mlp_only_layers'] must be a list of layer indices >= 0, got {shown(listed)}")
+        keys["mlp_only_layers"] = {int(L) for L in listed}
+    return keys
+
+
+def read_family_fields(text: Mapping[str, Any], where: str, family: HFFamily) -> dict[str, Any]:
+    """The `MoEConfig` fields `family`'s code builds from the keys in `text`, every value checked.
+
+    Absent keys take the family's configuration-class defaults; the number of
+    MoE layers follows the family's own rule. A `ValueError` names the key and
+    its value for anything the class would not build, or that builds no MoE layer.
+    """
+    fields = {field: _value(text, where, spec) for field, spec in family.keys.items()}
+    fields.update(family.fixed)
+    fields["latent_size"] = fields["hidden_size"]
+    total = text.get("num_hidden_layers", family.num_hidden_layers)
+    total = integer_value(total, f"{where}['num_hidden_layers']", low=1)
+    count = count_family_moe_layers(family, total, _layer_keys(text, where, family, total))
+    if count == 0:
+        raise ValueError(f"{where} has no MoE layer: of its num_hidden_layers = {total} layers, none holds "
+                         f"{family.block_class} by {family.config_class}'s layer keys")
+    fields["num_moe_layers"] = count
+    return fields
