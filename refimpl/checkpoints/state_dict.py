@@ -94,14 +94,18 @@ import numpy as np
 
 from .._lib.xp import dtype_name
 from ..config import MoEConfig
+from ..families import HFFamily, family_of
 from ..layer.latent_moe import MoEParams, check_params, parameter_shapes
 from ..mx import MX_BLOCK, mxfp4_encode
 from .hf_checkpoint import ExpertStack, layer_prefix
 
 __all__ = [
+    "EXPERT_LAYOUTS",
     "EXPERT_MATRICES",
+    "FAMILY_EXPERT_MATRICES",
     "as_numpy",
     "block_prefix",
+    "family_tensor_shapes",
     "hf_state_dict_from_params",
     "hf_tensor_shapes",
     "params_from_hf_state_dict",
@@ -109,6 +113,14 @@ __all__ = [
 
 #: The three matrices of a routed expert: the reference block's module name and the `MoEParams` stack.
 EXPERT_MATRICES: dict[str, str] = {"w1": "experts.w1", "w3": "experts.w3", "w2": "experts.w2"}
+
+#: How the transformers families store their routed experts: "fused", one `[n, 2f, d]` gate-and-up tensor and
+#: one `[n, d, f]` down tensor, as transformers 5 holds them; "per_expert", one module per expert
+#: (`experts.{e}.gate_proj.weight`, ...), as released checkpoints store them.
+EXPERT_LAYOUTS = ("fused", "per_expert")
+
+#: A per-expert module of the transformers families, and the K3 module it is (gate, up, down).
+FAMILY_EXPERT_MATRICES: dict[str, str] = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 #: Floating dtypes a weight may have (by name: bfloat16 is not a NumPy floating type).
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
@@ -118,19 +130,31 @@ _FLOATS = ("float16", "bfloat16", "float32", "float64")
 # Names and shapes
 # ---------------------------------------------------------------------------
 
-def block_prefix(layer: int | None = None, prefix: str = "") -> str:
-    """What stands before the block-relative names: `prefix`, or the full `{prefix}model.layers.{layer}.block_sparse_moe.`."""
+def block_prefix(layer: int | None = None, prefix: str = "", model_type: str | None = None) -> str:
+    """What stands before the block-relative names: `prefix`, or the full name of decoder layer `layer`'s block.
+
+    K3's block is `{prefix}model.layers.{layer}.block_sparse_moe.`; every transformers family holds its block
+    as `{prefix}model.layers.{layer}.mlp.`.
+    """
     if not isinstance(prefix, str):
         raise TypeError(f"prefix must be a string, got {type(prefix).__name__} {prefix!r}")
+    if model_type is not None:
+        family_of(model_type)
     if layer is None:
         return prefix
     if isinstance(layer, bool) or not isinstance(layer, int | np.integer) or layer < 0:
         raise ValueError(f"layer must be None (block-relative names) or a decoder layer index >= 0, got {layer!r}")
+    if model_type is not None:
+        return f"{prefix}model.layers.{int(layer)}.mlp."
     return layer_prefix(int(layer), prefix)
 
 
-def hf_tensor_shapes(config: MoEConfig, *, mxfp4: bool = False) -> dict[str, tuple[int, ...]]:
+def hf_tensor_shapes(config: MoEConfig, *, mxfp4: bool = False, model_type: str | None = None,
+                     expert_layout: str = "fused") -> dict[str, tuple[int, ...]]:
     """The reference block's `state_dict()` names (block-relative) and shapes for `config`.
+
+    With a transformers `model_type` (see `refimpl.families`), the names of that family's block instead
+    (`family_tensor_shapes`); otherwise K3's:
 
     One entry per routed expert matrix, `experts.{e}.w1.weight` etc.; with
     `mxfp4=True` each is replaced by its `weight_packed` / `weight_scale`
@@ -141,6 +165,10 @@ def hf_tensor_shapes(config: MoEConfig, *, mxfp4: bool = False) -> dict[str, tup
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    if model_type is not None:
+        if mxfp4:
+            raise ValueError(f"mxfp4=True is K3's packed layout; model_type={model_type!r} stores float experts")
+        return family_tensor_shapes(config, model_type, expert_layout)
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in parameter_shapes(config).items():
         if name in EXPERT_MATRICES.values():
@@ -282,7 +310,7 @@ def _shape_text(shape: tuple[int, ...]) -> str:
 
 
 def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, *, layer: int | None = None,
-                              prefix: str = "", dtype: Any = None) -> MoEParams:
+                              prefix: str = "", dtype: Any = None, model_type: str | None = None) -> MoEParams:
     """One block's weights from a mapping of Hugging Face tensor names: a `MoEParams`.
 
     `state_dict` maps the reference block's names (block-relative with
@@ -293,6 +321,13 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, 
     pairs. Floating tensors come out in `dtype` (default: float32, or float64
     when stored as float64); the bias never below float32.
 
+    With a transformers `model_type` (`"deepseek_v3"`, `"glm4_moe"`,
+    `"kimi_linear"`, `"qwen3_moe"`, `"mixtral"`) the names are that family's
+    block (`family_tensor_shapes`; `{prefix}model.layers.{layer}.mlp.…` with
+    `layer`), its experts fused as transformers 5 holds them or one module per
+    expert as released checkpoints store them (told apart by the names). A
+    router without a selection bias (Qwen3-MoE, Mixtral) reads as a zero bias.
+
     Raises `ValueError` listing every missing, unexpected, misshapen or
     mistyped tensor, and `TypeError` for a value that is not an array.
     """
@@ -300,7 +335,9 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, 
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping from tensor names to tensors, got {type(state_dict).__name__}")
-    base = block_prefix(layer, prefix)
+    base = block_prefix(layer, prefix, model_type)
+    if model_type is not None:
+        return _params_from_family_state_dict(state_dict, config, model_type, base, dtype)
     where = "block-relative names" if not base else f"names under {base!r}"
     # With a namespace, the rest of a model is not the block's business; without one, every name is.
     ours = {key[len(base):]: key for key in state_dict if isinstance(key, str) and key.startswith(base)}
@@ -402,7 +439,8 @@ def _read_stack(module: str, out: int, inp: int, n: int, ours: Mapping[str, str]
 # ---------------------------------------------------------------------------
 
 def hf_state_dict_from_params(params: Mapping[str, Any], config: MoEConfig, *, layer: int | None = None,
-                              prefix: str = "", mxfp4: bool = False) -> dict[str, np.ndarray]:
+                              prefix: str = "", mxfp4: bool = False, model_type: str | None = None,
+                              expert_layout: str = "fused") -> dict[str, np.ndarray]:
     """The inverse of `params_from_hf_state_dict`: the block's tensors under Hugging Face names.
 
     Returns fresh NumPy arrays, block-relative names when `layer` is None
@@ -414,11 +452,23 @@ def hf_state_dict_from_params(params: Mapping[str, Any], config: MoEConfig, *, l
     byte, float ones encoded with `mxfp4_encode`); the latent width and the
     expert width must then be multiples of 32. Packed stacks written with
     `mxfp4=False` are decoded.
+
+    With a transformers `model_type`, the names of that family's block
+    (`family_tensor_shapes`), the experts `expert_layout="fused"` (they load
+    into transformers' block with `strict=True`) or `"per_expert"`; a nonzero
+    selection bias for a family whose router has none is a `ValueError`, and
+    so is `mxfp4=True`.
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     check_params(params, config)
-    base = block_prefix(layer, prefix)
+    base = block_prefix(layer, prefix, model_type)
+    if model_type is not None:
+        if mxfp4:
+            raise ValueError(f"mxfp4=True writes K3's packed experts; model_type={model_type!r} stores float experts")
+        family_tensor_shapes(config, model_type, expert_layout)  # the layout and the config checked first
+        k3 = hf_state_dict_from_params(params, config)
+        return _family_state_dict_from_params(k3, config, model_type, base, expert_layout)
     if mxfp4 and (config.latent_size % MX_BLOCK or config.intermediate_size % MX_BLOCK):
         raise ValueError(f"mxfp4=True needs latent_size and intermediate_size that are multiples of {MX_BLOCK}, "
                          f"got {config.latent_size} and {config.intermediate_size}")
@@ -437,4 +487,136 @@ def hf_state_dict_from_params(params: Mapping[str, Any], config: MoEConfig, *, l
                 out[f"{key}.weight_packed"], out[f"{key}.weight_scale"] = mxfp4_encode(np.asarray(w[e]))
             else:
                 out[f"{key}.weight"] = np.array(w[e])  # [out, in]; a packed stack decodes expert e
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The transformers families: their block's names, translated to and from K3's
+# ---------------------------------------------------------------------------
+
+def family_tensor_shapes(config: MoEConfig, model_type: str, expert_layout: str = "fused") -> dict[str, tuple[int, ...]]:
+    """The `state_dict()` names (block-relative) and shapes of transformers' `model_type` block for `config`.
+
+    | name | shape | when |
+    |---|---|---|
+    | `gate.weight` | $[n, d]$ | always |
+    | `gate.e_score_correction_bias` | $[n]$ | the sigmoid families (DeepSeek-V3, GLM-4 MoE, Kimi Linear) |
+    | `experts.gate_up_proj` | $[n, 2f, d]$, the gate's $f$ rows first | `expert_layout="fused"` |
+    | `experts.down_proj` | $[n, d, f]$ | `expert_layout="fused"` |
+    | `experts.{e}.{gate,up,down}_proj.weight` | $[f, d]$, $[f, d]$, $[d, f]$ | `expert_layout="per_expert"` |
+    | `shared_experts.{gate,up,down}_proj.weight` | $[N_s f, d]$, $[N_s f, d]$, $[d, N_s f]$ | the families with shared experts |
+    """
+    family = family_of(model_type)
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
+    _check_family_config(config, family)
+    n, d, f, shared = config.num_experts, config.hidden_size, config.intermediate_size, config.shared_size
+    shapes: dict[str, tuple[int, ...]] = {"gate.weight": (n, d)}
+    if family.has_bias:
+        shapes["gate.e_score_correction_bias"] = (n,)
+    if expert_layout == "fused":
+        shapes["experts.gate_up_proj"] = (n, 2 * f, d)
+        shapes["experts.down_proj"] = (n, d, f)
+    else:
+        for e in range(n):
+            for module, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
+                shapes[f"experts.{e}.{module}.weight"] = shape
+    if family.has_shared:
+        shapes.update({"shared_experts.gate_proj.weight": (shared, d), "shared_experts.up_proj.weight": (shared, d),
+                       "shared_experts.down_proj.weight": (d, shared)})
+    return shapes
+
+
+def _check_family_config(config: MoEConfig, family: HFFamily) -> None:
+    """A `ValueError` when `config` is a layer `family`'s block cannot hold (a latent, shared experts, ...)."""
+    wrong = [f"{field}={getattr(config, field)!r} (the block has {value!r})" for field, value in family.fixed.items()
+             if field != "situ_linear_beta" and getattr(config, field) != value]
+    if config.latent_size != config.hidden_size:
+        wrong.append(f"latent_size={config.latent_size} (the block has none: latent_size = hidden_size)")
+    if config.activation != "swiglu":
+        wrong.append(f"activation={config.activation!r} (the block's experts are 'swiglu')")
+    if wrong:
+        raise ValueError(f"config is not a layer transformers' {family.block_class} holds: " + ", ".join(wrong))
+
+
+def _expert_layout_of(names: set[str]) -> str:
+    """'per_expert' when the block-relative names hold one module per expert, else 'fused'."""
+    modules = "|".join(FAMILY_EXPERT_MATRICES)
+    return "per_expert" if any(re.match(rf"experts\.\d+\.({modules})\.", name) for name in names) else "fused"
+
+
+def _k3_names_from_family(values: Mapping[str, np.ndarray], config: MoEConfig, family: HFFamily,
+                          layout: str) -> dict[str, np.ndarray]:
+    """The K3 block's names for a family block's checked tensors: the fused experts split, a zero bias added."""
+    n, d, f = config.num_experts, config.hidden_size, config.intermediate_size
+    out = {name: value for name, value in values.items() if not name.startswith("experts.")}
+    for e in range(n):
+        if layout == "fused":
+            gate_up = values["experts.gate_up_proj"][e]  # [2f, d]: the gate's rows, then the up's
+            out[f"experts.{e}.w1.weight"], out[f"experts.{e}.w3.weight"] = gate_up[:f], gate_up[f:]
+            out[f"experts.{e}.w2.weight"] = values["experts.down_proj"][e]  # [d, f]
+        else:
+            for module, ours in FAMILY_EXPERT_MATRICES.items():
+                out[f"experts.{e}.{ours}.weight"] = values[f"experts.{e}.{module}.weight"]
+    if not family.has_bias:  # a router without a selection bias selects by the scores alone: b = 0
+        out["gate.e_score_correction_bias"] = np.zeros(n, dtype=np.float32)
+    if not family.has_shared:
+        out.update({"shared_experts.gate_proj.weight": np.zeros((0, d), np.float32),
+                    "shared_experts.up_proj.weight": np.zeros((0, d), np.float32),
+                    "shared_experts.down_proj.weight": np.zeros((d, 0), np.float32)})
+    return out
+
+
+def _params_from_family_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, model_type: str,
+                                   base: str, dtype: Any) -> MoEParams:
+    """`params_from_hf_state_dict` for a transformers family's block (`model_type`)."""
+    family = family_of(model_type)
+    ours = {key[len(base):]: key for key in state_dict if isinstance(key, str) and key.startswith(base)}
+    if not base:
+        ours.update({key: key for key in state_dict if not isinstance(key, str)})
+    layout = _expert_layout_of({name for name in ours if isinstance(name, str)})
+    shapes = family_tensor_shapes(config, model_type, layout)
+    problems, values = _Problems(), {}
+    for name, shape in shapes.items():
+        if name not in ours:
+            if math.prod(shape):
+                problems.missing.append(base + name)
+            continue
+        value = as_numpy(state_dict[ours[name]], base + name)
+        if dtype_name(value.dtype) not in _FLOATS or tuple(value.shape) != shape:
+            problems.wrong.append(f"{base}{name}: expected floating {_shape_text(shape)}, "
+                                  f"got {value.dtype} {_shape_text(tuple(value.shape))}")
+        values[name] = value
+    extra = [name for name in ours if name not in shapes]
+    problems.extra += sorted(base + name for name in extra if isinstance(name, str))
+    problems.extra += [repr(name) for name in extra if not isinstance(name, str)]
+    if problems:
+        where = f"{family.block_class}'s names" + (f" under {base!r}" if base else "")
+        raise problems.error(where)
+    return params_from_hf_state_dict(_k3_names_from_family(values, config, family, layout), config, dtype=dtype)
+
+
+def _family_state_dict_from_params(k3: Mapping[str, np.ndarray], config: MoEConfig, model_type: str, base: str,
+                                   expert_layout: str) -> dict[str, np.ndarray]:
+    """`hf_state_dict_from_params` for a transformers family's block, from K3's block-relative names."""
+    family = family_of(model_type)
+    names = family_tensor_shapes(config, model_type, expert_layout)
+    bias = k3["gate.e_score_correction_bias"]
+    if not family.has_bias and np.any(bias != 0):
+        raise ValueError(f"params['gate.e_score_correction_bias'] holds nonzero values, and {family.block_class} "
+                         f"has no selection bias to hold them (model_type={model_type!r}): writing would change "
+                         "the routes")
+    n = config.num_experts
+    out: dict[str, np.ndarray] = {}
+    for name in names:
+        if name == "experts.gate_up_proj":  # [n, 2f, d]: the gate's rows, then the up's
+            out[base + name] = np.stack([np.concatenate([k3[f"experts.{e}.w1.weight"], k3[f"experts.{e}.w3.weight"]])
+                                         for e in range(n)])
+        elif name == "experts.down_proj":  # [n, d, f]
+            out[base + name] = np.stack([k3[f"experts.{e}.w2.weight"] for e in range(n)])
+        elif name.startswith("experts."):
+            e, module = name.split(".")[1:3]
+            out[base + name] = k3[f"experts.{e}.{FAMILY_EXPERT_MATRICES[module]}.weight"]
+        else:
+            out[base + name] = k3[name]
     return out

@@ -1,0 +1,437 @@
+"""The MoE families of transformers, held against transformers itself (the pinned version of the `test` extra).
+
+For DeepSeek-V3, GLM-4 MoE, Kimi Linear, Qwen3-MoE and Mixtral, on drawn configurations in each model's own keys:
+
+* `MoEConfig.from_hf_config(ConfigClass(**keys).to_dict())` is the layer the block computes: every field equals
+  what the constructed block holds (its router's top-k, groups, scaling, renormalization; its experts' count and
+  widths; its shared MLP's width), and the number of MoE layers equals the count of blocks in the real model;
+* `params_from_hf_state_dict(block.state_dict(), config, model_type=...)` followed by `stable_latent_moe` equals
+  the block's forward in float64, within a tolerance derived from the block's float32 router;
+* both converters round-trip, and what `hf_state_dict_from_params` writes loads with `strict=True`;
+* the defaults the reader assumes for absent keys are the configuration classes' own.
+
+Nothing is skipped: transformers is a test dependency.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+import refimpl
+from refimpl import MoEConfig
+from refimpl.checkpoints import family_tensor_shapes, hf_state_dict_from_params, params_from_hf_state_dict
+from refimpl.families import FAMILIES, K3_ONLY_KEYS
+
+BLOCKS = {
+    "deepseek_v3": (transformers.DeepseekV3Config, DeepseekV3MoE),
+    "glm4_moe": (transformers.Glm4MoeConfig, Glm4MoeMoE),
+    "kimi_linear": (transformers.KimiLinearConfig, KimiLinearMoE),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, Qwen3MoeSparseMoeBlock),
+    "mixtral": (transformers.MixtralConfig, MixtralSparseMoeBlock),
+}
+# A block without shared experts builds zero-width linears; PyTorch's initializer says so, harmlessly.
+pytestmark = pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op:UserWarning")
+
+SIGMOID = ("deepseek_v3", "glm4_moe", "kimi_linear")
+U32 = float(np.finfo(np.float32).eps) / 2  # float32's unit roundoff
+
+# Attention sizes the configuration classes need to construct; the MoE block does not read them.
+ATTENTION = dict(num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
+
+
+def test_the_families_are_the_blocks_of_the_pinned_transformers():
+    assert transformers.__version__ == "5.24.0"
+    assert set(FAMILIES) == set(BLOCKS)
+    for model_type, (config_class, block_class) in BLOCKS.items():
+        family = FAMILIES[model_type]
+        assert (family.config_class, family.block_class) == (config_class.__name__, block_class.__name__)
+        assert config_class.model_type == model_type
+
+
+# ---------------------------------------------------------------------------
+# Defaults: what an absent key means is what the configuration class makes of it
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_type", sorted(BLOCKS))
+def test_each_absent_key_takes_its_configuration_class_default(model_type):
+    config_class, _ = BLOCKS[model_type]
+    family = FAMILIES[model_type]
+    written = config_class().to_dict()
+    for field, spec in family.keys.items():
+        assert written[spec.key] == spec.default, (field, spec.key)
+        for alias in spec.aliases:  # the class accepts the other spelling, and writes its own
+            other = 3 if spec.kind in ("integer", "count") else 0.5 if spec.kind == "factor" else not spec.default
+            if spec.kind == "activation":
+                continue
+            assert config_class(**{alias: other}).to_dict()[spec.key] == other, alias
+    assert written["num_hidden_layers"] == family.num_hidden_layers
+    if "first_k_dense_replace" in family.layer_defaults and model_type != "kimi_linear":
+        assert written["first_k_dense_replace"] == family.layer_defaults["first_k_dense_replace"]
+    if model_type == "kimi_linear":  # the class derives its layer types from first_k_dense_replace, default 1
+        first = family.layer_defaults["first_k_dense_replace"]
+        assert written["mlp_layer_types"] == ["dense"] * first + ["sparse"] * (family.num_hidden_layers - first)
+    if model_type == "qwen3_moe":
+        assert written["decoder_sparse_step"] == family.layer_defaults["decoder_sparse_step"]
+        assert written["mlp_only_layers"] == family.layer_defaults["mlp_only_layers"]
+
+
+@pytest.mark.parametrize("model_type", sorted(BLOCKS))
+def test_a_default_configuration_reads_as_its_class_builds_it(model_type):
+    config_class, block_class = BLOCKS[model_type]
+    hf = config_class(**ATTENTION).to_dict()
+    for key in ("hidden_size", "moe_intermediate_size", "intermediate_size"):  # small, so the block is cheap
+        hf[key] = 16
+    for key in ("n_routed_experts", "num_experts", "num_local_experts"):
+        if key in hf:
+            hf[key] = 16
+    hf.update({key: 2 for key in ("n_group", "num_expert_group") if key in hf})
+    hf.update({key: 1 for key in ("topk_group",) if key in hf})
+    keys = {k: v for k, v in hf.items() if k not in ("model_type", "transformers_version")}
+    block = _block(model_type, keys)
+    assert MoEConfig.from_hf_config(hf) == expected_config(block, model_type, hf)
+
+
+# ---------------------------------------------------------------------------
+# Drawn configurations, in each model's own keys
+# ---------------------------------------------------------------------------
+
+@st.composite
+def family_keys(draw, model_type: str) -> dict:
+    """Keys of `model_type`'s configuration for a small block; some left out, to take the class's defaults."""
+    family = FAMILIES[model_type]
+    spelled = {field: spec.key for field, spec in family.keys.items()}
+    n = draw(st.sampled_from([4, 6, 8]))
+    if model_type in SIGMOID:
+        n_group = draw(st.sampled_from([g for g in (1, 2, 3, 4) if n % g == 0 and n // g >= 2]))
+        topk_group = draw(st.integers(1, n_group))
+        reachable = topk_group * (n // n_group)
+    else:
+        reachable = n
+    keys = {spelled["hidden_size"]: draw(st.sampled_from([8, 12, 16])), spelled["num_experts"]: n,
+            spelled["top_k"]: draw(st.integers(1, min(4, reachable))),
+            spelled["intermediate_size"]: draw(st.integers(2, 8)), "num_hidden_layers": draw(st.integers(1, 5))}
+    if model_type in SIGMOID:
+        keys[spelled["n_group"]], keys["topk_group"] = n_group, topk_group
+        keys[spelled["num_shared_experts"]] = draw(st.integers(0, 2))
+    optional = {}
+    if "routed_scaling_factor" in spelled:
+        optional[spelled["routed_scaling_factor"]] = draw(st.sampled_from([1.0, 2.5, 0.75]))
+    if "renormalize" in spelled:
+        optional[spelled["renormalize"]] = draw(st.booleans())
+    optional["rms_norm_eps"] = 1e-6
+    leave_out = draw(st.sets(st.sampled_from(sorted(optional))))
+    keys.update({k: v for k, v in optional.items() if k not in leave_out})
+    total = keys["num_hidden_layers"]
+    if family.layers in ("first_k_dense", "mlp_layer_types") and draw(st.booleans()):
+        keys["first_k_dense_replace"] = draw(st.integers(0, total - 1))
+    if family.layers == "mlp_layer_types" and draw(st.booleans()):
+        kinds = draw(st.lists(st.sampled_from(["dense", "sparse"]), min_size=total, max_size=total))
+        assume("sparse" in kinds)
+        keys["mlp_layer_types"] = kinds
+    if family.layers == "sparse_step":
+        keys["decoder_sparse_step"] = draw(st.integers(1, 2))
+        keys["mlp_only_layers"] = draw(st.lists(st.integers(0, total + 1), max_size=2, unique=True))
+    assume(_moe_layers_of(model_type, keys, None) > 0)  # a configuration with no MoE layer is refused, tested below
+    return keys
+
+
+def _hf_config(model_type: str, keys: dict):
+    """transformers' configuration object of `model_type` for `keys` (with the attention sizes it needs)."""
+    return BLOCKS[model_type][0](**{**ATTENTION, **keys})
+
+
+def _block(model_type: str, keys: dict) -> torch.nn.Module:
+    """transformers' MoE block of `model_type` for `keys`, in float64, in inference mode."""
+    return BLOCKS[model_type][1](_hf_config(model_type, keys)).double().eval()
+
+
+def expected_config(block: torch.nn.Module, model_type: str, hf: dict) -> MoEConfig:
+    """The layer a constructed transformers block computes, read from the block's own attributes."""
+    router = block.gate
+    d = router.weight.shape[1]
+    n, f = block.experts.gate_up_proj.shape[0], block.experts.gate_up_proj.shape[1] // 2
+    sigmoid = model_type in SIGMOID
+    shared = block.shared_experts.gate_proj.weight.shape[0] if sigmoid else 0
+    model_config = block.config if hasattr(block, "config") else None
+    return MoEConfig(
+        hidden_size=d, latent_size=d, use_latent_projection=False, use_latent_norm=False, num_experts=n,
+        top_k=router.top_k, intermediate_size=f, num_shared_experts=shared // f, activation="swiglu",
+        situ_linear_beta=None, score_function="sigmoid" if sigmoid else "softmax",
+        renormalize=router.norm_topk_prob if hasattr(router, "norm_topk_prob") else model_type == "mixtral",
+        routed_scaling_factor=router.routed_scaling_factor if sigmoid else 1.0,
+        n_group=router.num_group if sigmoid else 1, topk_group=router.topk_group if sigmoid else 1,
+        rms_norm_eps=hf.get("rms_norm_eps", FAMILIES[model_type].keys["rms_norm_eps"].default),
+        num_moe_layers=_moe_layers_of(model_type, hf, model_config))
+
+
+def _moe_layers_of(model_type: str, hf: dict, model_config) -> int:
+    """The decoder layers that hold the MoE block, by the modeling code's own test on the configuration object."""
+    c = _hf_config(model_type, {k: v for k, v in hf.items() if k not in ("model_type", "transformers_version")})
+    rules = {
+        "deepseek_v3": lambda L: L >= c.first_k_dense_replace,
+        "glm4_moe": lambda L: L >= c.first_k_dense_replace,
+        "kimi_linear": lambda L: c.mlp_layer_types[L] == "sparse",
+        "qwen3_moe": lambda L: L not in c.mlp_only_layers and c.num_experts > 0
+        and (L + 1) % c.decoder_sparse_step == 0,
+        "mixtral": lambda L: True,
+    }
+    return sum(rules[model_type](L) for L in range(c.num_hidden_layers))
+
+
+@pytest.mark.parametrize("model_type", sorted(BLOCKS))
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.filter_too_much])
+@given(data=st.data())
+def test_from_hf_config_of_a_drawn_configuration_is_the_layer_its_block_computes(model_type, data):
+    keys = data.draw(family_keys(model_type))
+    hf = _hf_config(model_type, keys).to_dict()
+    assert MoEConfig.from_hf_config(hf) == expected_config(_block(model_type, keys), model_type, hf)
+
+
+@pytest.mark.parametrize(("model_type", "keys"), [
+    ("deepseek_v3", dict(num_hidden_layers=4, first_k_dense_replace=1)),
+    ("glm4_moe", dict(num_hidden_layers=3)),
+    ("kimi_linear", dict(num_hidden_layers=4, mlp_layer_types=["sparse", "dense", "sparse", "dense"])),
+    ("qwen3_moe", dict(num_hidden_layers=5, decoder_sparse_step=2, mlp_only_layers=[3])),
+    ("mixtral", dict(num_hidden_layers=2)),
+])
+def test_the_moe_layer_count_is_the_real_models_count_of_blocks(model_type, keys):
+    """Built as a whole model, the configuration holds as many MoE blocks as `num_moe_layers` says."""
+    config_class, block_class = BLOCKS[model_type]
+    small = dict(ATTENTION, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_experts_per_tok=2,
+                 pad_token_id=None)
+    small.update({"deepseek_v3": dict(n_routed_experts=4, n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=None,
+                                      qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4),
+                  "glm4_moe": dict(n_routed_experts=4, head_dim=8),
+                  "kimi_linear": dict(num_experts=4, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                                      v_head_dim=4, linear_attn_config={"head_dim": 4, "num_heads": 2}),
+                  "qwen3_moe": dict(num_local_experts=4, head_dim=8),
+                  "mixtral": dict(num_local_experts=4, head_dim=8)}[model_type])
+    config = config_class(**small, **keys)
+    model = transformers.AutoModel.from_config(config)
+    blocks = sum(isinstance(module, block_class) for module in model.modules())
+    assert MoEConfig.from_hf_config(config.to_dict()).num_moe_layers == blocks > 0
+
+
+# ---------------------------------------------------------------------------
+# The block's forward against refimpl's, in float64
+# ---------------------------------------------------------------------------
+
+def _fill(block: torch.nn.Module, rng: np.random.Generator, bias_offset: float) -> None:
+    """Random weights; a selection bias far from zero, as trained checkpoints hold it."""
+    with torch.no_grad():
+        for name, tensor in list(block.named_parameters()) + list(block.named_buffers()):
+            if name == "gate.e_score_correction_bias":
+                value = bias_offset + rng.uniform(-0.5, 0.5, tensor.shape)
+            else:
+                value = rng.standard_normal(tensor.shape) * (1.0 if name == "gate.weight" else 0.4)
+            tensor.copy_(torch.from_numpy(value))
+
+
+def _selection_margin(x: np.ndarray, params, config: MoEConfig) -> float:
+    """The smallest gap, over tokens, between a chosen and an unchosen expert's selection score (groups too)."""
+    scores = refimpl.router_scores(x, params["gate.weight"], config.score_function)  # [m, n] float64
+    biased = scores + params["gate.e_score_correction_bias"][None, :]
+    m, n = biased.shape
+    gaps = []
+    if 1 < config.n_group and config.topk_group < config.n_group:
+        grouped = np.sort(biased.reshape(m, config.n_group, -1), axis=-1)[:, :, ::-1]
+        group_score = np.sort(grouped[:, :, :2].sum(-1), axis=-1)[:, ::-1]  # [m, G]
+        gaps.append(group_score[:, config.topk_group - 1] - group_score[:, config.topk_group])
+        biased = np.where(_kept(grouped, biased, config), biased, -np.inf)
+    ordered = np.sort(biased, axis=-1)[:, ::-1]
+    if config.top_k < ordered.shape[1] and np.isfinite(ordered[:, config.top_k]).all():
+        gaps.append(ordered[:, config.top_k - 1] - ordered[:, config.top_k])
+    return float(min((g.min() for g in gaps), default=np.inf))
+
+
+def _kept(grouped_sorted: np.ndarray, biased: np.ndarray, config: MoEConfig) -> np.ndarray:
+    """[m, n] True for the experts of each token's chosen groups."""
+    m, n = biased.shape
+    chosen = np.argsort(-grouped_sorted[:, :, :2].sum(-1), axis=-1, kind="stable")[:, :config.topk_group]  # [m, tg]
+    group_of = np.arange(n) // (n // config.n_group)
+    return (group_of[None, :, None] == chosen[:, None, :]).any(-1)
+
+
+def _tolerance(x: np.ndarray, params, config: MoEConfig, y: np.ndarray) -> np.ndarray:
+    """|y_transformers - y_refimpl| allowed per element: the router's float32 rounding, carried through the weights.
+
+    transformers forms the router's logits and scores in float32. A float32 dot product of length d is off by at
+    most (d + 2) u sum_j |x_j w_j| (inputs rounded, then d sums), which moves each score by at most that relative
+    amount plus 4u; a renormalized or softmax weight moves by at most three times its score's relative error. The
+    output moves by that times each chosen expert's output, summed. float64's own rounding is far below.
+    """
+    d = x.shape[1]
+    dz = (d + 2) * U32 * (np.abs(x) @ np.abs(params["gate.weight"]).T)  # [m, n]
+    relative = 3 * 2 * (dz.max(axis=1) + 4 * U32)  # [m]
+    index, weights = refimpl.route(refimpl.router_scores(x, params["gate.weight"], config.score_function),
+                                   params["gate.e_score_correction_bias"], config.top_k,
+                                   renormalize=config.renormalize, scaling_factor=config.routed_scaling_factor,
+                                   n_group=config.n_group, topk_group=config.topk_group)
+    bound = np.zeros_like(y)
+    for i in range(x.shape[0]):
+        for r, e in enumerate(index[i]):
+            w1, w3, w2 = (params[f"experts.{w}"][e] for w in ("w1", "w3", "w2"))
+            gate, up = w1 @ x[i], w3 @ x[i]
+            expert = w2 @ (gate / (1 + np.exp(-gate)) * up)  # [d]
+            bound[i] += abs(weights[i, r]) * relative[i] * np.abs(expert)
+    return bound + 1e-12 * (1 + np.abs(y))
+
+
+@pytest.mark.parametrize("model_type", sorted(BLOCKS))
+@settings(max_examples=20, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.filter_too_much])
+@given(data=st.data())
+def test_the_blocks_forward_equals_refimpls(model_type, data):
+    keys = data.draw(family_keys(model_type))
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    m = data.draw(st.integers(1, 8))
+    bias_offset = data.draw(st.sampled_from([0.0, -3.0, 40.0])) if model_type in SIGMOID else 0.0
+    rng = np.random.default_rng(seed)
+    block = _block(model_type, keys)
+    _fill(block, rng, bias_offset)
+    config = MoEConfig.from_hf_config(_hf_config(model_type, keys).to_dict())
+    params = params_from_hf_state_dict(block.state_dict(), config, model_type=model_type)
+    x = rng.standard_normal((m, config.hidden_size))
+    # Only cases whose routes float32 cannot flip: every chosen expert ahead of every other by more than the
+    # router's float32 error (scores, and the bias added to them in float32).
+    d = config.hidden_size
+    dz = (d + 2) * U32 * float((np.abs(x) @ np.abs(params["gate.weight"]).T).max())
+    error = 2 * (dz + 4 * U32 + 2 * U32 * (1 + abs(bias_offset) + 0.5))
+    assume(_selection_margin(x, params, config) > 2 * error)
+    with torch.no_grad():
+        y_block = block(torch.from_numpy(x)[None]).numpy()[0]
+    y = refimpl.stable_latent_moe(x, params, config)
+    assert y.dtype == np.float64
+    tolerance = _tolerance(x, params, config, y_block)
+    assert (np.abs(y - y_block) <= tolerance).all(), (np.abs(y - y_block).max(), tolerance.min())
+
+
+# ---------------------------------------------------------------------------
+# The converters: round trips, and a strict load into the real block
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_type", sorted(BLOCKS))
+@settings(max_examples=10, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.filter_too_much])
+@given(data=st.data())
+def test_both_converters_round_trip_and_load_strictly(model_type, data):
+    keys = data.draw(family_keys(model_type))
+    block = _block(model_type, keys)
+    _fill(block, np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))), 0.25)
+    state = {name: tensor.numpy() for name, tensor in block.state_dict().items()}
+    config = MoEConfig.from_hf_config(_hf_config(model_type, keys).to_dict())
+    params = params_from_hf_state_dict(state, config, model_type=model_type)
+    written = hf_state_dict_from_params(params, config, model_type=model_type)
+    assert set(written) == set(state) == set(family_tensor_shapes(config, model_type))
+    for name in state:
+        np.testing.assert_array_equal(written[name], state[name], err_msg=name)
+    fresh = _block(model_type, keys)
+    fresh.load_state_dict({k: torch.from_numpy(v) for k, v in written.items()}, strict=True)
+    # The per-expert layout of released checkpoints reads back to the same weights, under a whole model's names.
+    per_expert = hf_state_dict_from_params(params, config, model_type=model_type, expert_layout="per_expert",
+                                           layer=3, prefix="language_model.")
+    assert all(name.startswith("language_model.model.layers.3.mlp.") for name in per_expert)
+    again = params_from_hf_state_dict(per_expert, config, model_type=model_type, layer=3, prefix="language_model.")
+    assert list(again) == list(params)
+    for name in params:
+        np.testing.assert_array_equal(np.asarray(again[name]), np.asarray(params[name]), err_msg=name)
+
+
+def test_the_fused_gate_rows_come_first_as_the_block_splits_them():
+    """`experts.gate_up_proj[e]`'s first f rows are the gate (SiLU'd), the last f the up: checked on one expert."""
+    block = _block("qwen3_moe", dict(hidden_size=8, num_local_experts=4, num_experts_per_tok=1,
+                                     moe_intermediate_size=3, num_hidden_layers=1))
+    _fill(block, np.random.default_rng(5), 0.0)
+    config = MoEConfig.from_hf_config(BLOCKS["qwen3_moe"][0](**ATTENTION, hidden_size=8, num_local_experts=4,
+                                                             num_experts_per_tok=1, moe_intermediate_size=3,
+                                                             num_hidden_layers=1).to_dict())
+    params = params_from_hf_state_dict(block.state_dict(), config, model_type="qwen3_moe")
+    gate_up = block.experts.gate_up_proj.detach().numpy()
+    np.testing.assert_array_equal(params["experts.w1"][2], gate_up[2, :3])
+    np.testing.assert_array_equal(params["experts.w3"][2], gate_up[2, 3:])
+
+
+def test_a_bias_the_block_cannot_hold_is_refused_by_name():
+    config = MoEConfig.from_hf_config({"model_type": "mixtral", "hidden_size": 8, "intermediate_size": 4,
+                                       "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 1})
+    params = refimpl.init_params(config, 0, dtype=np.float64)
+    params["gate.e_score_correction_bias"] = np.full(4, 0.5, dtype=np.float32)
+    with pytest.raises(ValueError, match=r"gate\.e_score_correction_bias.*nonzero.*MixtralSparseMoeBlock"):
+        hf_state_dict_from_params(params, config, model_type="mixtral")
+
+
+def test_a_wrong_tensor_is_named_in_the_familys_own_names():
+    config = MoEConfig.from_hf_config({"model_type": "deepseek_v3", "hidden_size": 8, "moe_intermediate_size": 4,
+                                       "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+                                       "topk_group": 1, "num_hidden_layers": 4})
+    state = hf_state_dict_from_params(refimpl.init_params(config, 0), config, model_type="deepseek_v3")
+    state["experts.gate_up_proj"] = state["experts.gate_up_proj"][:, :4]
+    del state["gate.e_score_correction_bias"]
+    state["experts.0.w1.weight"] = np.zeros((4, 8), np.float32)
+    with pytest.raises(ValueError) as info:
+        params_from_hf_state_dict(state, config, model_type="deepseek_v3")
+    message = str(info.value)
+    assert "DeepseekV3MoE" in message and "gate.e_score_correction_bias" in message
+    assert "experts.gate_up_proj: expected floating [4, 8, 8], got float32 [4, 4, 8]" in message
+    assert "not in the block (1): experts.0.w1.weight" in message
+
+
+def test_a_k3_layer_is_not_written_as_a_family_block():
+    with pytest.raises(ValueError, match=r"DeepseekV3MoE.*latent_size=4"):
+        family_tensor_shapes(MoEConfig.tiny(), "deepseek_v3")
+
+
+# ---------------------------------------------------------------------------
+# Which code reads a file
+# ---------------------------------------------------------------------------
+
+def test_an_unknown_model_type_is_named_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"model_type must be one of \['deepseek_v3', 'glm4_moe', 'kimi_linear', "
+                                         r"'mixtral', 'qwen3_moe'\].*got 'llama4_text'"):
+        MoEConfig.from_hf_config({"model_type": "llama4_text", "hidden_size": 8})
+
+
+def test_kimi_linear_is_k3s_code_when_the_file_says_so_and_transformers_otherwise():
+    keys = dict(model_type="kimi_linear", hidden_size=8, num_experts=4, num_experts_per_token=2,
+                moe_intermediate_size=4, num_hidden_layers=2)
+    as_transformers = MoEConfig.from_hf_config(keys)
+    assert (as_transformers.routed_scaling_factor, as_transformers.num_shared_experts) == (2.446, 1)
+    assert as_transformers.num_moe_layers == 1  # the class makes the first layer dense
+    as_k3 = MoEConfig.from_hf_config(keys, code="k3")
+    assert (as_k3.routed_scaling_factor, as_k3.num_shared_experts, as_k3.activation) == (1.0, 0, "swiglu")
+    assert MoEConfig.from_hf_config(dict(keys, auto_map={"AutoConfig": "remote.Config"})) == as_k3
+    assert MoEConfig.from_hf_config({"model_type": "kimi_k3", "text_config": keys}) == as_k3
+    for key in K3_ONLY_KEYS:
+        value = {"routed_expert_hidden_size": 8, "latent_moe_use_norm": False,
+                 "moe_router_activation_func": "sigmoid"}.get(key, 1.0)
+        assert MoEConfig.from_hf_config(dict(keys, **{key: value})).routed_scaling_factor == 1.0, key
+    assert MoEConfig.from_hf_config(dict(keys, auto_map={}), code="transformers") == as_transformers
+    with pytest.raises(ValueError, match=r"code must be None.*got 'remote'"):
+        MoEConfig.from_hf_config(keys, code="remote")
+
+
+def test_a_family_key_given_twice_with_two_values_is_refused():
+    with pytest.raises(ValueError, match=r"two values.*'num_local_experts'\] = 8.*'num_experts'\] = 4"):
+        MoEConfig.from_hf_config({"model_type": "qwen3_moe", "num_local_experts": 8, "num_experts": 4})
+
+
+def test_a_family_value_is_checked_by_name():
+    with pytest.raises(ValueError, match=r"hf\['n_routed_experts'\] must be a positive integer, got 2.5"):
+        MoEConfig.from_hf_config({"model_type": "deepseek_v3", "n_routed_experts": 2.5})
+    with pytest.raises(ValueError, match=r"hf\['hidden_act'\] must be 'silu'.*got 'gelu'"):
+        MoEConfig.from_hf_config({"model_type": "mixtral", "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match=r"no MoE layer"):
+        MoEConfig.from_hf_config({"model_type": "deepseek_v3", "num_hidden_layers": 3})
+    with pytest.raises(ValueError, match=r"top_k.*num_experts_per_tok"):
+        MoEConfig.from_hf_config({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 3})
