@@ -106,6 +106,7 @@ READING_PATH: list[tuple[str, str]] = [
     ("hf_checkpoint", "Loading the released checkpoint"),
     ("safetensors", "Reading safetensors safely"),
     ("state_dict", "Porting: HF tensor names"),
+    ("families", "The other MoE families in transformers"),
     ("balancing", "Eq. (14): Quantile Balancing"),
     ("balancer", "The balancer interface"),
     ("dual", "App. C: the LP and its dual"),
@@ -133,7 +134,8 @@ INTERNALS = {"_lib": "the private helpers, together", "studies": "what the worke
              "recorded": "the recorded long runs the examples replay", "figures": "how the examples save and "
              "show their figures", "workloads": "the skewed router of the balance-is-speed examples",
              "fast": "the fast paths, each beside the readable code it replaces",
-             "files": "atomic writes: a temporary name, flushed, then renamed"}
+             "files": "atomic writes: a temporary name, flushed, then renamed",
+             "values": "checked sizes and factors, shared by the configuration readers"}
 
 #: Modules whose page is reached from another page rather than from the navigation: the report card from its
 #: study page, the smaller modules of a room from the room's page (the sidebar holds at most 60 links).

@@ -1,4 +1,4 @@
-r"""The MoE families of transformers, as their configuration classes read a `config.json`.
+r"""The MoE families of transformers: their configurations, as their own classes read them, and their tensors.
 
 K3's block descends from a line of MoE blocks that transformers now ships as
 code: DeepSeek-V3 (also the language model of Kimi K2 and K2.5), GLM-4 MoE,
@@ -24,6 +24,30 @@ or shared experts), and which decoder layers hold the MoE block.
 | `kimi_linear` | `KimiLinearMoE` | sigmoid, groups | `num_shared_experts` | yes | `mlp_layer_types[L] == "sparse"` |
 | `qwen3_moe` | `Qwen3MoeSparseMoeBlock` | softmax | none | none | $L \notin$ `mlp_only_layers`, `decoder_sparse_step` divides $L + 1$ |
 | `mixtral` | `MixtralSparseMoeBlock` | softmax, always renormalized | none | none | every layer |
+
+A porter of any of them starts from the model's own configuration and block:
+
+```python
+import refimpl, torch
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+hf = DeepseekV3Config(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, n_group=4, topk_group=2)
+block = DeepseekV3MoE(hf).double().eval()
+for weight in block.parameters():                                # trained weights would be loaded here
+    torch.nn.init.normal_(weight, std=0.1)
+config = refimpl.MoEConfig.from_hf_config(hf.to_dict())          # read as DeepSeek-V3's class reads it
+params = refimpl.params_from_hf_state_dict(block.state_dict(), config, model_type="deepseek_v3")
+x = torch.randn(5, 64, dtype=torch.float64)
+y = refimpl.stable_latent_moe(x.numpy(), params, config)          # equals block(x[None])[0]
+```
+
+The two agree to the rounding of the router, which transformers computes in
+float32 even in a float64 block: `tests/test_families.py` holds every family's
+forward to a bound derived from that rounding, on drawn configurations with
+selection biases far from zero, and checks that the reader's defaults are the
+classes' own and that its MoE-layer count is the number of blocks in the
+real model.
 
 The sigmoid families renormalize a single chosen weight too (DeepSeek-V3 with
 `num_experts_per_tok = 1` gives every token weight `routed_scaling_factor`);

@@ -435,3 +435,20 @@ def test_a_family_value_is_checked_by_name():
         MoEConfig.from_hf_config({"model_type": "deepseek_v3", "num_hidden_layers": 3})
     with pytest.raises(ValueError, match=r"top_k.*num_experts_per_tok"):
         MoEConfig.from_hf_config({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 3})
+
+
+def test_the_pages_porting_example_runs_and_agrees_with_the_block():
+    """The example at the top of the families page, run as written, then held against the block it builds."""
+    import re
+
+    import refimpl.families
+
+    code = re.search(r"```python\n(.*?)```", refimpl.families.__doc__, re.S).group(1)
+    scope: dict = {}
+    torch.manual_seed(0)
+    exec(code, scope)
+    with torch.no_grad():
+        y_block = scope["block"](scope["x"][None])[0].numpy()
+    assert scope["config"].n_group == 4 and scope["config"].num_experts == 16
+    x = scope["x"].numpy()
+    assert (np.abs(scope["y"] - y_block) <= _tolerance(x, scope["params"], scope["config"], y_block)).all()

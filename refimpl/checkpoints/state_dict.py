@@ -54,6 +54,27 @@ decodes one expert on `w[e]`, and `hf_state_dict_from_params(..., mxfp4=True)`
 copies packed bytes through untouched (and encodes float experts with
 `refimpl.mx.mxfp4_encode`).
 
+## The other families
+
+DeepSeek-V3, GLM-4 MoE, Kimi Linear, Qwen3-MoE and Mixtral hold their blocks
+under other names, and transformers 5 fuses each block's experts into two
+tensors. Pass `model_type=` to read and write them (the table of names is
+`family_tensor_shapes`, the page "The other MoE families in transformers"):
+
+```python
+config = refimpl.MoEConfig.from_hf_config(hf_block.config.to_dict())        # model_type "deepseek_v3"
+params = refimpl.params_from_hf_state_dict(hf_block.state_dict(), config, model_type="deepseek_v3")
+state_dict = refimpl.hf_state_dict_from_params(params, config, model_type="deepseek_v3")
+hf_block.load_state_dict({k: torch.from_numpy(v) for k, v in state_dict.items()}, strict=True)
+```
+
+`experts.gate_up_proj` $[n, 2f, d]$ holds each expert's gate rows, then its
+up rows, and is split into `experts.w1` and `experts.w3`; `experts.down_proj`
+$[n, d, f]$ is `experts.w2`. The per-expert modules of released checkpoints
+(`experts.{e}.gate_proj.weight`, ...) are read too, and written with
+`expert_layout="per_expert"`. A router without a selection bias (Qwen3-MoE,
+Mixtral) reads as a zero bias, and writing a nonzero one for it is an error.
+
 ## The values
 
 A value may be a NumPy array, a PyTorch tensor on any device and of any float
