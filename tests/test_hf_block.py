@@ -256,7 +256,11 @@ def test_every_catalogue_entry_runs_and_changes_some_case():
     cases = [hf_block_case(text, 1, tokens=8, activation_scale=6.0, mxfp4=True),
              hf_block_case(dict(text, latent_moe_use_norm=False), 3, tokens=8),
              hf_block_case(dict(text, num_experts_per_token=1, latent_moe_use_norm=False, moe_renormalize=True), 2,
-                           tokens=8)]
+                           tokens=8),
+             hf_block_case({"model_type": "deepseek_v3", "hidden_size": 8, "n_routed_experts": 8,
+                            "num_experts_per_tok": 1, "moe_intermediate_size": 4, "n_group": 2, "topk_group": 1,
+                            "num_hidden_layers": 1, "first_k_dense_replace": 0}, 4, tokens=8,
+                           model_type="deepseek_v3", bias_offset=3.0)]
     for entry in CATALOGUE:
         changed = False
         for case in cases:

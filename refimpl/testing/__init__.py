@@ -136,7 +136,7 @@ from .capacity_check import check_capacity
 from .conventions import CATALOGUE, Convention
 from .forward_check import check_forward
 from .hf_block_check import check_hf_moe_block
-from .hf_cases import HFBlockCase, hf_block_case, hf_block_cases, hf_text_configs
+from .hf_cases import HFBlockCase, hf_block_case, hf_block_cases, hf_family_text_configs, hf_text_configs
 from .histogram_check import check_histogram_update
 from .profiles import PROFILES, QUICK, THOROUGH, profile
 from .report import CheckFailure, CheckResult, Unsupported, call_deadline
@@ -164,6 +164,7 @@ __all__ = [
     "conventions",
     "hf_block_case",
     "hf_block_cases",
+    "hf_family_text_configs",
     "hf_text_configs",
     "profile",
     "strategies",

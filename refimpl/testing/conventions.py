@@ -14,8 +14,9 @@ wrong, not only that its numbers differ.
 | `scale_applied_twice` | `routed_scaling_factor` multiplied in twice | vLLM #24119; SGLang #35152 |
 | `scale_skipped_without_renormalization` | the factor dropped on the path that does not renormalize | sglang-jax #1282 |
 | `scale_never_applied` | the factor never applied | |
-| `top1_renormalized` | with `top_k = 1` the single weight renormalized to 1 | |
-| `renormalization_flipped` | `moe_renormalize` read the other way | |
+| `top1_renormalized` | with `top_k = 1` the single weight renormalized to 1 (K3's code keeps it raw) | |
+| `top1_kept_raw` | with `top_k = 1` the single weight kept raw in a model that renormalizes it (DeepSeek-V3, GLM-4 MoE, Kimi Linear in transformers) | |
+| `renormalization_flipped` | the renormalization switch (`moe_renormalize`, `norm_topk_prob`) read the other way | |
 | `groups_by_max` | a group scored by its best expert, not the sum of its two best | vLLM #13474, #46869 |
 | `bias_subtracted` | selection by $s - b$ | |
 | `bias_ignored` | selection by $s$ alone | |
@@ -307,9 +308,14 @@ CATALOGUE: tuple[Convention, ...] = (
     Convention("scale_never_applied", "routed_scaling_factor never applied", None, _scaled, _scale_never_applied),
     Convention("top1_renormalized",
                "with top_k = 1 the single weight renormalized to 1 (the reference keeps the raw score)", None,
-               _top1_with_renormalize_key, _top1_renormalized),
-    Convention("renormalization_flipped", "moe_renormalize read the other way", None,
-               lambda c: c.config.top_k > 1, _renormalization_flipped),
+               lambda c: c.model_type is None and _top1_with_renormalize_key(c), _top1_renormalized),
+    Convention("top1_kept_raw",
+               "with top_k = 1 the single weight kept raw, as K3's code does (this model renormalizes it to 1)",
+               None, lambda c: c.model_type is not None and c.config.top_k == 1 and c.config.renormalize,
+               _renormalization_flipped),
+    Convention("renormalization_flipped", "the renormalization switch (moe_renormalize, norm_topk_prob) read the "
+               "other way", None, lambda c: c.config.top_k > 1 or c.model_type is not None,
+               _renormalization_flipped),
     Convention("groups_by_max", "a group scored by its best expert instead of the sum of its two best",
                "vLLM #13474, #46869", _grouped, _groups_by_max),
     Convention("bias_subtracted", "experts selected by s - b instead of s + b", None, _always, _bias_subtracted),

@@ -32,6 +32,39 @@ on the very same (rounded) values. A third property hands the routed experts
 as MXFP4 pairs, `weight_packed` and `weight_scale`, the way K3's checkpoint
 ships them (pass `mxfp4=False` if your block does not read that format).
 
+## A port of another model: `model_type`
+
+A port of DeepSeek-V3, GLM-4 MoE, Kimi Linear, Qwen3-MoE or Mixtral is checked
+against that model's rules, not K3's. With `model_type`, the check draws
+configurations in the model's own keys (so its configuration class builds them),
+hands the tensors of that block's `state_dict()` (fused experts
+`experts.gate_up_proj` and `experts.down_proj`; no selection bias or shared
+experts where the block has none; in some cases a bias far from zero, where
+trained checkpoints hold it) and computes the expected output as that model
+does: DeepSeek-V3 renormalizes a single chosen weight where K3 keeps it raw,
+Mixtral always renormalizes, Qwen3-MoE only with `norm_topk_prob`. The ten
+lines a porter pastes, here with transformers' own block standing in for the port:
+
+```python
+import torch
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+from refimpl.testing import check_hf_moe_block
+
+def build(text_config, state_dict):            # DeepSeek-V3's keys, its block's tensor names
+    block = DeepseekV3MoE(DeepseekV3Config(**text_config)).eval()   # your port here
+    block.load_state_dict({k: torch.from_numpy(v) for k, v in state_dict.items()}, strict=True)
+    return lambda x: block(torch.from_numpy(x)[None])[0].detach().numpy()
+
+check_hf_moe_block(build, model_type="deepseek_v3")
+```
+
+A port that does not cover every configuration (no group-limited routing,
+say) raises `refimpl.testing.Unsupported("why")` from `build` for the ones
+it declines; the check draws others, and fails with a clear message when too
+few were covered to mean anything. There is no MXFP4 invariant for these
+models: their checkpoints store float experts.
+
 ## The tolerance, and the float32 ceiling
 
 A token passes when its largest error is within
@@ -113,6 +146,7 @@ import numpy as np
 from hypothesis import settings as Settings
 
 from .._lib.xp import dtype_name
+from ..families import family_of
 from ..layer.latent_moe import stable_latent_moe
 from ..layer.routing import biased_scores
 from .conventions import CATALOGUE, Convention
@@ -245,6 +279,10 @@ def _diagnose(v: _Mismatch) -> None:
 
 def _shapes(case: HFBlockCase) -> str:
     c = case.config
+    if case.model_type is not None:
+        return (f"shapes: x [{case.tokens}, {c.hidden_size}]; d = {c.hidden_size}, n = {c.num_experts}, "
+                f"k = {c.top_k}, f = {c.intermediate_size}, shared width {c.shared_size}; experts fused as "
+                f"experts.gate_up_proj [n, 2f, d] and experts.down_proj [n, d, f]")
     latent = f"l = {c.latent_size}" if c.use_latent_projection else "no latent (l = d)"
     experts = ("MXFP4 pairs weight_packed/weight_scale" if case.mxfp4 else "weight")
     return (f"shapes: x [{case.tokens}, {c.hidden_size}]; d = {c.hidden_size}, {latent}, n = {c.num_experts}, k = {c.top_k}, f = {c.intermediate_size}, "
@@ -257,9 +295,25 @@ def _inputs(case: HFBlockCase) -> dict[str, Any]:
             "y": Code("build(text_config, case.state_dict)(case.x)  # compare with case.expected()")}
 
 
+def _family_semantics(model_type: str) -> str:
+    """What transformers' block of `model_type` computes, for the report."""
+    family = family_of(model_type)
+    if family.keys.get("n_group") is not None:
+        renormalize = family.keys["renormalize"].key
+        return (f"transformers' {family.block_class}: float32 gate, sigmoid scores, top-k of s + b (groups by "
+                f"their two best, the others masked with -inf), weights from the raw s, renormalized when "
+                f"{renormalize} (a single weight too), times routed_scaling_factor; SwiGLU experts on the full "
+                "width, plus the shared experts")
+    if model_type == "mixtral":
+        return (f"transformers' {family.block_class}: softmax of the logits in float32, top-k, always "
+                "renormalized; SwiGLU experts, no shared experts")
+    return (f"transformers' {family.block_class}: softmax of the logits in float32, top-k, renormalized only "
+            "when norm_topk_prob; SwiGLU experts, no shared experts")
+
+
 def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], Callable[[np.ndarray], Any]], *,
                        dtype: Any = np.float32, settings: str | Settings | None = None, mxfp4: bool = True,
-                       max_tokens: int = 6, max_experts: int = 8) -> CheckResult:
+                       max_tokens: int = 6, max_experts: int = 8, model_type: str | None = None) -> CheckResult:
     r"""Check a whole MoE block, built from Hugging Face config keys and tensor names, against the reference.
 
     `build(text_config, state_dict)` gets the reference's `text_config` keys
@@ -284,9 +338,22 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
     block's output (`refimpl.testing.conventions`) and prints a case to paste
     into `hf_block_case`. `settings` is a profile name or a
     `hypothesis.settings` (default: 50 examples per invariant, the same every run).
+
+    `model_type` names a transformers family instead of K3 (`"deepseek_v3"`,
+    `"glm4_moe"`, `"kimi_linear"`, `"qwen3_moe"`, `"mixtral"`): the check
+    then draws that model's own configuration keys (`ConfigClass(**text_config)`
+    builds them), hands the tensors of that block's `state_dict()` (fused
+    experts; no bias or shared experts where the block has none; selection
+    biases far from zero in some cases) and holds the output to that model's
+    rules (DeepSeek-V3 renormalizes a single weight, K3 does not). There is no
+    MXFP4 invariant then. A build may decline a configuration its port does not
+    cover by raising `refimpl.testing.Unsupported`.
     """
     tolerance(dtype)  # an unsupported dtype is an error before anything runs
-    dense = hf_block_cases(dtype=dtype, max_tokens=max_tokens, max_experts=max_experts)
+    if model_type is not None:
+        family_of(model_type)  # an unknown family is an error before anything runs
+        mxfp4 = False
+    dense = hf_block_cases(dtype=dtype, max_tokens=max_tokens, max_experts=max_experts, model_type=model_type)
     packed = hf_block_cases(mxfp4=True, dtype=dtype, max_tokens=max_tokens, max_experts=max_experts)
 
     def run(case: HFBlockCase) -> np.ndarray:
@@ -332,6 +399,8 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
     why = ("the reference KimiSparseMoeBlock: float32 gate, top-k of s + b (groups by their two best), weights "
            "from the raw s, renormalized when top_k > 1 and moe_renormalize, times routed_scaling_factor; "
            "SiTU-GLU experts on the latent, summed in float32, RMSNorm, up-projection, plus the shared experts")
+    if model_type is not None:
+        why = _family_semantics(model_type)
     invariants = [
         Invariant("builds and runs", "build(text_config, state_dict) returns forward, and forward(x) is a finite "
                   "[m, d] array", dense, output_form, basic=True, describe=_inputs),

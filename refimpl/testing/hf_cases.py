@@ -14,11 +14,12 @@ from .._lib.xp import dtype_name
 from ..checkpoints import ExpertStack
 from ..checkpoints.state_dict import hf_state_dict_from_params
 from ..config import MoEConfig
+from ..families import FAMILIES, family_of
 from ..layer.latent_moe import MoEParams, init_params, stable_latent_moe
 from ..mx import mxfp4_decode, mxfp4_encode
 
 __all__ = ["CONDITIONING", "GROWTH", "ROUTING_RESOLUTION", "UNIT_ROUNDOFF", "HFBlockCase", "hf_block_case",
-           "hf_block_cases", "hf_text_configs", "tolerance"]
+           "hf_block_cases", "hf_family_text_configs", "hf_text_configs", "tolerance"]
 
 #: The error growth $G$ of the block: the tolerance is $G u$ times a token's size.
 GROWTH = 2.0**7
@@ -64,11 +65,13 @@ class HFBlockCase:
     activation_scale: float = 1.0
     mxfp4: bool = False
     dtype: Any = field(default=np.float32)
+    model_type: str | None = None  #: None: K3's block; else a transformers family's (`refimpl.families`)
+    bias_offset: float = 0.0  #: added to every expert's selection bias (trained biases sit far from zero)
 
     @cached_property
     def config(self) -> MoEConfig:
-        """The `MoEConfig` the reference code builds from `text_config`."""
-        return MoEConfig.from_hf_config(self.text_config, code="k3")
+        """The `MoEConfig` the reference code builds from `text_config` (K3's code, or the family's class)."""
+        return MoEConfig.from_hf_config(self.text_config, code="transformers" if self.model_type else "k3")
 
     @cached_property
     def _drawn(self) -> tuple[MoEParams, MoEParams, np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
@@ -79,6 +82,10 @@ class HFBlockCase:
         # scores (sigmoid scores spread over about 0.2, softmax scores over about 1/n).
         spread = 0.2 if config.score_function == "sigmoid" else 0.2 / config.num_experts
         p = init_params(config, rng, dtype=np.float64, bias_scale=spread)
+        if self.model_type is not None and not FAMILIES[self.model_type].has_bias:
+            p["gate.e_score_correction_bias"] = np.zeros(config.num_experts)  # the block's router has none
+        else:
+            p["gate.e_score_correction_bias"] = p["gate.e_score_correction_bias"] + self.bias_offset
         if config.use_latent_norm:
             p["routed_expert_norm.weight"] = rng.uniform(0.5, 1.5, config.latent_size)  # a gain that is not all ones
         # Larger gate and up pre-activations reach the SiTU caps.
@@ -123,6 +130,8 @@ class HFBlockCase:
     @cached_property
     def state_dict(self) -> dict[str, np.ndarray]:
         """What `build` receives: the reference block's tensor names, NumPy arrays."""
+        if self.model_type is not None:
+            return hf_state_dict_from_params(self._drawn[0], self.config, model_type=self.model_type)
         return hf_state_dict_from_params(self._drawn[0], self.config, mxfp4=self.mxfp4)
 
     def expected(self) -> np.ndarray:
@@ -133,18 +142,26 @@ class HFBlockCase:
         """The call that rebuilds this case, given its text config under `name`."""
         dtype = dtype_name(np.dtype(self.dtype))
         dtype = "ml_dtypes.bfloat16" if dtype == "bfloat16" else f"np.{dtype}"
+        family = "" if self.model_type is None else f", model_type={self.model_type!r}"
+        offset = "" if self.bias_offset == 0 else f", bias_offset={self.bias_offset}"
         return (f"refimpl.testing.hf_block_case({name}, seed={self.seed}, tokens={self.tokens}, "
-                f"activation_scale={self.activation_scale}, mxfp4={self.mxfp4}, dtype={dtype})")
+                f"activation_scale={self.activation_scale}, mxfp4={self.mxfp4}, dtype={dtype}{family}{offset})")
 
 
 def hf_block_case(text_config: Mapping[str, Any], seed: int, *, tokens: int = 4, activation_scale: float = 1.0,
-                  mxfp4: bool = False, dtype: Any = np.float32) -> HFBlockCase:
+                  mxfp4: bool = False, dtype: Any = np.float32, model_type: str | None = None,
+                  bias_offset: float = 0.0) -> HFBlockCase:
     """The case a report printed: weights and tokens rebuilt from `text_config` and `seed`."""
     if not isinstance(text_config, Mapping):
         raise TypeError(f"text_config must be a mapping of config keys, got {type(text_config).__name__}")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
-    case = HFBlockCase(dict(text_config), int(seed), tokens, float(activation_scale), bool(mxfp4), np.dtype(dtype))
+    if model_type is not None:
+        family_of(model_type)
+        if mxfp4:
+            raise ValueError(f"mxfp4=True is K3's packed layout; model_type={model_type!r} stores float experts")
+    case = HFBlockCase(dict(text_config), int(seed), tokens, float(activation_scale), bool(mxfp4), np.dtype(dtype),
+                       model_type, float(bias_offset))
     tolerance(case.dtype)  # an unsupported dtype is an error now, not at the first use
     case.config  # noqa: B018  (a config the reference cannot build is an error now)
     return case
@@ -204,11 +221,57 @@ def hf_text_configs(draw: st.DrawFn, *, mxfp4: bool = False, max_experts: int = 
 
 
 @st.composite
+def hf_family_text_configs(draw: st.DrawFn, model_type: str, *, max_experts: int = 8) -> dict[str, Any]:
+    """`config.json` mappings of a transformers family, in its own keys, for one small MoE layer.
+
+    `ConfigClass(**text_config)` builds it (transformers' class of `model_type`) and its layer 0 is the MoE
+    block. Optional keys are sometimes left out, to take the class's defaults: the routed scaling factor, the
+    renormalization switch, the shared experts, the groups (when the class's default fits the drawn experts).
+    """
+    family = family_of(model_type)
+    spelled = {field: spec.key for field, spec in family.keys.items()}
+    n = draw(st.integers(2, max_experts), label=spelled["num_experts"])
+    text: dict[str, Any] = {"model_type": model_type, "hidden_size": draw(st.integers(2, 10), label="hidden_size"),
+                            spelled["num_experts"]: n, spelled["intermediate_size"]: draw(st.integers(2, 6)),
+                            "num_hidden_layers": 1}
+    reachable = n
+
+    def maybe(field: str, values: list[Any]) -> None:
+        if field in spelled:
+            value = draw(st.sampled_from([_ABSENT, *values]), label=spelled[field])
+            if value is not _ABSENT:
+                text[spelled[field]] = value
+
+    if "n_group" in spelled:
+        n_group = draw(st.sampled_from([g for g in (1, 2, 4) if n % g == 0 and n // g >= 2]), label="n_group")
+        topk_group = draw(st.integers(1, n_group), label="topk_group")
+        defaults = (family.keys["n_group"].default, family.keys["topk_group"].default)
+        if (n_group, topk_group) != defaults or draw(st.booleans(), label="groups written"):
+            text[spelled["n_group"]], text["topk_group"] = n_group, topk_group
+        reachable = topk_group * (n // n_group)
+        text["first_k_dense_replace"] = 0  # layer 0 holds the MoE block
+    text[spelled["top_k"]] = draw(st.integers(1, min(4, reachable)), label=spelled["top_k"])
+    maybe("num_shared_experts", [0, 1, 2])
+    maybe("renormalize", [True, False])
+    maybe("routed_scaling_factor", [2.5, 1.0, 0.5])
+    return text
+
+
+@st.composite
 def hf_block_cases(draw: st.DrawFn, *, mxfp4: bool = False, dtype: Any = np.float32, max_tokens: int = 6,
-                   max_experts: int = 8) -> HFBlockCase:
-    """`HFBlockCase`s: a config of `hf_text_configs`, a seed, a few tokens, sometimes large activations."""
-    text = draw(hf_text_configs(mxfp4=mxfp4, max_experts=max_experts))
+                   max_experts: int = 8, model_type: str | None = None) -> HFBlockCase:
+    """`HFBlockCase`s: a config of `hf_text_configs`, a seed, a few tokens, sometimes large activations.
+
+    With a transformers `model_type`, the config is that family's (`hf_family_text_configs`), and the
+    selection bias, when the family has one, sits far from zero in some cases, as trained biases do.
+    """
+    if model_type is None:
+        text = draw(hf_text_configs(mxfp4=mxfp4, max_experts=max_experts))
+        offset = 0.0
+    else:
+        text = draw(hf_family_text_configs(model_type, max_experts=max_experts))
+        offset = draw(st.sampled_from([0.0, 3.0, -20.0]), label="bias_offset") if FAMILIES[model_type].has_bias else 0.0
     seed = draw(st.integers(0, 2**32 - 1), label="seed")
     tokens = draw(st.integers(1, max_tokens), label="tokens")
     scale = draw(st.sampled_from([1.0, 6.0]), label="activation_scale")
-    return HFBlockCase(text, seed, tokens, scale, mxfp4, np.dtype(dtype))
+    return HFBlockCase(text, seed, tokens, scale, mxfp4, np.dtype(dtype), model_type, offset)
