@@ -50,7 +50,8 @@ def literal_build(model_type: str):
 @pytest.mark.parametrize("model_type", sorted(BLOCKS))
 def test_a_literal_build_of_the_real_block_passes(model_type):
     result = check_hf_moe_block(literal_build(model_type), model_type=model_type, settings="quick")
-    assert result.passed == ["builds and runs", "matches the reference block"]
+    shift = ["unchanged when every bias shifts by one constant"] if FAMILIES[model_type].has_bias else []
+    assert result.passed == ["builds and runs", "matches the reference block", *shift]
 
 
 @pytest.mark.parametrize("model_type", sorted(BLOCKS))
@@ -106,7 +107,8 @@ def test_a_port_declines_what_it_does_not_cover_and_still_passes_on_the_rest():
         return real(text_config, state_dict)
 
     result = check_hf_moe_block(build, model_type="deepseek_v3", settings="quick")
-    assert result.passed == ["builds and runs", "matches the reference block"]
+    assert result.passed == ["builds and runs", "matches the reference block",
+                             "unchanged when every bias shifts by one constant"]
 
 
 def test_a_port_that_declines_everything_is_told_it_covered_too_little():
@@ -147,3 +149,70 @@ def test_the_pages_deepseek_v3_example_passes_as_written():
     code = re.search(r"```python\n(import torch\nfrom transformers import DeepseekV3Config.*?)```",
                      hf_block_check.__doc__, re.S).group(1)
     exec(code, {})
+
+
+# ---------------------------------------------------------------------------
+# Two mistakes that shipped in real routers, planted in transformers' own DeepSeek-V3 router
+# ---------------------------------------------------------------------------
+
+def _router_forward(router, hidden_states, *, bias_dtype=torch.float32, masked_value=float("-inf")):
+    """DeepseekV3TopkRouter's forward as transformers 5.24 writes it, with the bias dtype and the mask value
+    as parameters (the defaults are transformers' own)."""
+    hidden_states = hidden_states.view(-1, router.hidden_dim)
+    logits = torch.nn.functional.linear(hidden_states.float(), router.weight.float())
+    scores = logits.sigmoid()
+    choice = scores + router.e_score_correction_bias.to(bias_dtype).float()
+    per_group = router.num_experts // router.num_group
+    group_scores = choice.view(-1, router.num_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, router.num_group, per_group).reshape(-1, router.num_experts)
+    choice = choice.masked_fill(~score_mask.bool(), masked_value)
+    index = torch.topk(choice, k=router.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, index)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return logits, weights * router.routed_scaling_factor, index
+
+
+def _deepseek_v3_with_router(**mistake):
+    """The literal DeepSeek-V3 build, its router's forward replaced by `_router_forward(..., **mistake)`."""
+    def build(text_config, state_dict):
+        block = DeepseekV3MoE(transformers.DeepseekV3Config(**text_config)).eval()
+        block.load_state_dict({k: torch.from_numpy(v) for k, v in state_dict.items()}, strict=True)
+        block.gate.forward = lambda h: _router_forward(block.gate, h, **mistake)
+        return lambda x: block(torch.from_numpy(x)[None])[0].detach().numpy()
+
+    return build
+
+
+def test_the_router_transcription_is_transformers_own():
+    """With transformers' dtype and mask, the transcription passes: the planted builds differ in one thing only."""
+    result = check_hf_moe_block(_deepseek_v3_with_router(), model_type="deepseek_v3", settings="quick")
+    assert "unchanged when every bias shifts by one constant" in result.passed
+
+
+def test_a_bias_kept_in_bfloat16_is_caught_by_the_bias_shift_and_named():
+    with pytest.raises(CheckFailure) as info:
+        check_hf_moe_block(_deepseek_v3_with_router(bias_dtype=torch.bfloat16), model_type="deepseek_v3",
+                           settings="quick")
+    named = {name for v in info.value.violations for name in getattr(v, "conventions", [])}
+    assert "bias_in_bfloat16" in named, str(info.value)
+
+
+def test_dropped_groups_masked_with_zero_are_caught_and_named():
+    with pytest.raises(CheckFailure) as info:
+        check_hf_moe_block(_deepseek_v3_with_router(masked_value=0.0), model_type="deepseek_v3", settings="quick")
+    named = {name for v in info.value.violations for name in getattr(v, "conventions", [])}
+    assert "groups_masked_with_zero" in named, str(info.value)
+
+
+def test_an_output_scaled_by_a_constant_is_reported_as_that_multiple():
+    real = literal_build("mixtral")
+
+    def build(text_config, state_dict):
+        forward = real(text_config, state_dict)
+        return lambda x: 2.5 * forward(x)
+
+    with pytest.raises(CheckFailure, match=r"the block's output is 2\.5 x the reference's on every compared token"):
+        check_hf_moe_block(build, model_type="mixtral", settings="quick")

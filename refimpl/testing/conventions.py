@@ -18,7 +18,9 @@ wrong, not only that its numbers differ.
 | `top1_kept_raw` | with `top_k = 1` the single weight kept raw in a model that renormalizes it (DeepSeek-V3, GLM-4 MoE, Kimi Linear in transformers) | |
 | `renormalization_flipped` | the renormalization switch (`moe_renormalize`, `norm_topk_prob`) read the other way | |
 | `groups_by_max` | a group scored by its best expert, not the sum of its two best | vLLM #13474, #46869 |
+| `groups_masked_with_zero` | the experts of dropped groups masked with 0, not $-\infty$: with negative biased scores they are chosen | |
 | `bias_subtracted` | selection by $s - b$ | |
+| `bias_in_bfloat16` | the selection bias kept in bfloat16: far from zero, nearby experts' biases merge | |
 | `bias_ignored` | selection by $s$ alone | |
 | `score_function_flipped` | sigmoid for softmax, or softmax for sigmoid | |
 | `bf16_router` | router logits computed in bfloat16 instead of float32 | SGLang PR #33764 |
@@ -27,6 +29,8 @@ wrong, not only that its numbers differ.
 | `silu_for_situ` | SiLU (SwiGLU) in place of SiTU | Megatron-LM discussion #6673 |
 | `latent_norm_dropped` | the latent RMSNorm skipped | a Megatron-LM fork, #94 |
 | `gate_up_swapped` | `w1` read as the up and `w3` as the gate projection | |
+| `weight_on_expert_input` | the routing weight applied to the expert's input, $E(p\,x)$, not its output (Llama 4's convention) | |
+| `absent_keys_as_k3` | a family's absent keys read with K3's code's meaning instead of its configuration class's defaults | |
 | `shared_experts_dropped` | the shared experts left out | |
 | `mxfp4_nibbles_swapped` | the high nibble read as the even column | |
 | `e8m0_bias_125` | E8M0 scales read as $2^{s-125}$ instead of $2^{s-127}$ | compressed-tensors #538 |
@@ -55,6 +59,7 @@ way and passed as `routing=(index, weights)`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +67,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ..families import FAMILIES
 from ..layer.latent_moe import MoEParams, stable_latent_moe
 from ..layer.routing import biased_scores, route, router_scores, score_function_values
 from ..mx import mxfp4_decode
@@ -84,6 +90,9 @@ class Convention:
     issue: str | None
     applies: Callable[[HFBlockCase], bool]
     output: Callable[[HFBlockCase], np.ndarray]
+    #: For a mistake whose output depends on how the port breaks ties (experts masked with one value tie with
+    #: each other): every output a tie order can give, `[c, m, d]`; a block matches when each token matches one.
+    resolutions: Callable[[HFBlockCase], np.ndarray] | None = None
 
     def describe(self) -> str:
         """`name: summary (issue)`, one line for a report."""
@@ -181,6 +190,102 @@ def _groups_by_max(case: HFBlockCase) -> np.ndarray:
     masked = np.where(keep[:, :, None], grouped, -np.inf).reshape(m, n)
     index = np.argsort(-masked, axis=1, kind="stable")[:, : c.top_k]  # [m, k], ties to the lower id
     return _run(case, routing=(index, _weights(case, np.take_along_axis(s, index, axis=1))))
+
+
+def _groups_masked_with_zero(case: HFBlockCase) -> np.ndarray:
+    c = case.config
+    s = _scores(case)
+    biased = np.asarray(biased_scores(s, _bias(case)))  # [m, n]
+    m, n = biased.shape
+    grouped = biased.reshape(m, c.n_group, n // c.n_group)  # [m, G, n/G]
+    group_score = -np.sort(-grouped, axis=2)[:, :, :2].sum(axis=2)  # [m, G], the sum of the two best
+    best = np.argsort(-group_score, axis=1, kind="stable")[:, : c.topk_group]  # [m, topk_group]
+    keep = np.zeros((m, c.n_group), dtype=bool)
+    np.put_along_axis(keep, best, True, axis=1)
+    # The mistake: the experts of dropped groups get 0, not $-\infty$: below a negative biased score, they win.
+    masked = np.where(keep[:, :, None], grouped, 0.0).reshape(m, n)
+    index = np.argsort(-masked, axis=1, kind="stable")[:, : c.top_k]  # [m, k], ties to the lower id
+    return _run(case, routing=(index, _weights(case, np.take_along_axis(s, index, axis=1))))
+
+
+def _groups_masked_with_zero_resolutions(case: HFBlockCase) -> np.ndarray:
+    """Every output of the 0-masking mistake, one per way of choosing among the tied masked experts, `[c, m, d]`.
+
+    An expert of a dropped group scores exactly 0, so when fewer than $k$ kept experts score above 0, the
+    port's top-k picks the rest among equal zeros in an order of its own (PyTorch's is not the lowest id).
+    Resolution $c$ gives each token its $c$-th possible choice (the last one, for tokens with fewer).
+    """
+    c = case.config
+    s = _scores(case)
+    biased = np.asarray(biased_scores(s, _bias(case)))  # [m, n]
+    m, n = biased.shape
+    grouped = biased.reshape(m, c.n_group, n // c.n_group)
+    group_score = -np.sort(-grouped, axis=2)[:, :, :2].sum(axis=2)  # [m, G]
+    best = np.argsort(-group_score, axis=1, kind="stable")[:, : c.topk_group]
+    keep = np.zeros((m, c.n_group), dtype=bool)
+    np.put_along_axis(keep, best, True, axis=1)
+    kept = np.repeat(keep, n // c.n_group, axis=1)  # [m, n]
+    choices: list[list[np.ndarray]] = []
+    for i in range(m):
+        above = [j for j in np.argsort(-biased[i], kind="stable") if kept[i, j] and biased[i, j] > 0][: c.top_k]
+        zeros = [j for j in range(n) if not kept[i, j]]
+        below = [j for j in np.argsort(-biased[i], kind="stable") if kept[i, j] and biased[i, j] <= 0]
+        need = c.top_k - len(above)
+        if need <= 0:
+            choices.append([np.array(above)])
+        elif need >= len(zeros):
+            choices.append([np.array(above + zeros + below[: need - len(zeros)])])
+        else:
+            choices.append([np.array(above + list(pick)) for pick in itertools.combinations(zeros, need)])
+    count = max(len(options) for options in choices)
+    outputs = []
+    for r in range(count):
+        index = np.stack([options[min(r, len(options) - 1)] for options in choices])  # [m, k]
+        outputs.append(_run(case, routing=(index, _weights(case, np.take_along_axis(s, index, axis=1)))))
+    return np.stack(outputs)
+
+
+def _bias_in_bfloat16(case: HFBlockCase) -> np.ndarray:
+    s = _scores(case)
+    # The mistake: the bias kept in bfloat16 (8 significant bits): far from zero, nearby experts' biases merge.
+    return _run(case, routing=_route(case, s, _bias(case).astype(ml_dtypes.bfloat16).astype(np.float64)))
+
+
+def _weight_on_expert_input(case: HFBlockCase) -> np.ndarray:
+    p, x = case.params64, case.x64
+    index, weights = _route(case, _scores(case), _bias(case))
+    shared = _run(case, routing=(index, np.zeros_like(weights)))  # [m, d], the shared experts alone
+    routed = np.zeros_like(x)
+    for i in range(x.shape[0]):
+        for r, e in enumerate(index[i]):
+            h = weights[i, r] * x[i]  # the mistake: $$E_e(p_{i,e}\,x_i)$$ instead of $p_{i,e}\,E_e(x_i)$
+            gate, up = p["experts.w1"][e] @ h, p["experts.w3"][e] @ h
+            routed[i] += p["experts.w2"][e] @ (gate / (1 + np.exp(-gate)) * up)
+    return shared + routed
+
+
+# Where K3's code and a family's configuration class read an absent key differently: field -> K3's meaning.
+_K3_ABSENT = {"routed_scaling_factor": 1.0, "num_shared_experts": 0, "renormalize": True}
+
+
+def _absent_keys_as_k3(case: HFBlockCase) -> np.ndarray:
+    fields = _absent_k3_fields(case)
+    params = case.params64
+    if fields.get("num_shared_experts") == 0:  # no shared experts: K3's code builds none
+        d = case.config.hidden_size
+        params = _with(case, **{"shared_experts.gate_proj.weight": np.zeros((0, d)),
+                                "shared_experts.up_proj.weight": np.zeros((0, d)),
+                                "shared_experts.down_proj.weight": np.zeros((d, 0))})
+    return _run(case, config=case.config.replace(**fields), params=params)
+
+
+def _absent_k3_fields(case: HFBlockCase) -> dict[str, object]:
+    """The fields whose key `case.text_config` leaves out, where K3's code would read another value."""
+    if case.model_type is None:
+        return {}
+    keys = FAMILIES[case.model_type].keys
+    return {field: value for field, value in _K3_ABSENT.items()
+            if field in keys and keys[field].key not in case.text_config and getattr(case.config, field) != value}
 
 
 def _bias_subtracted(case: HFBlockCase) -> np.ndarray:
@@ -318,7 +423,12 @@ CATALOGUE: tuple[Convention, ...] = (
                _renormalization_flipped),
     Convention("groups_by_max", "a group scored by its best expert instead of the sum of its two best",
                "vLLM #13474, #46869", _grouped, _groups_by_max),
+    Convention("groups_masked_with_zero", "the experts of dropped groups masked with 0 instead of -inf (with "
+               "negative biased scores they are chosen)", None, _grouped, _groups_masked_with_zero,
+               _groups_masked_with_zero_resolutions),
     Convention("bias_subtracted", "experts selected by s - b instead of s + b", None, _always, _bias_subtracted),
+    Convention("bias_in_bfloat16", "the selection bias e_score_correction_bias kept in bfloat16 (far from zero, "
+               "nearby biases merge)", None, _always, _bias_in_bfloat16),
     Convention("bias_ignored", "experts selected by s alone (e_score_correction_bias not loaded or not added)",
                None, _always, _bias_ignored),
     Convention("score_function_flipped", "moe_router_activation_func ignored: sigmoid for softmax or the reverse",
@@ -336,6 +446,13 @@ CATALOGUE: tuple[Convention, ...] = (
                lambda c: c.config.use_latent_norm, _latent_norm_dropped),
     Convention("gate_up_swapped", "w1 read as the up projection and w3 as the gate", None, _always,
                _gate_up_swapped),
+    Convention("weight_on_expert_input", "the routing weight applied to the expert's input, E(p x), instead of "
+               "its output, p E(x) (Llama 4's convention)", None,
+               lambda c: not c.config.use_latent_projection and c.config.activation == "swiglu",
+               _weight_on_expert_input),
+    Convention("absent_keys_as_k3", "absent keys read with K3's code's meaning (routed_scaling_factor 1.0, no "
+               "shared experts, renormalized) instead of the model's configuration class defaults", None,
+               lambda c: bool(_absent_k3_fields(c)), _absent_keys_as_k3),
     Convention("shared_experts_dropped", "the shared experts left out", None,
                lambda c: c.config.num_shared_experts > 0, _shared_experts_dropped),
     Convention("mxfp4_nibbles_swapped", "MXFP4: the high nibble of each byte read as the even column", None,

@@ -120,6 +120,12 @@ simplest case Hypothesis found:
   tolerance (while differing from the reference's) are named, with the public
   issue where that mistake shipped; when none matches, the closest is named
   with its distance;
+* a name is printed only when the entry also reproduces the block on every
+  one of six larger relatives of the case (the same configuration, other seeds,
+  six tokens or more) where the block differs from the reference: a one-token,
+  four-expert case is often reproduced by several wrong routes at once;
+* when the block's output is $c$ times the reference's on every token, the
+  report says so, with $c$;
 * a **pasteable case**: the `text_config` as JSON, the random seed and the call to
   `hf_block_case` that rebuilds the exact weights and tokens, and the shapes.
 
@@ -139,14 +145,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 from hypothesis import settings as Settings
+from hypothesis import strategies as st
 
 from .._lib.xp import dtype_name
-from ..families import family_of
+from ..families import FAMILIES, family_of
 from ..layer.latent_moe import stable_latent_moe
 from ..layer.routing import biased_scores
 from .conventions import CATALOGUE, Convention
@@ -216,8 +223,8 @@ def reference_output(case: HFBlockCase) -> ReferenceOutput:
     return ReferenceOutput(y, tol, compared, tolerance(case.dtype))
 
 
-def _distance(actual: np.ndarray, expected: np.ndarray, ref: ReferenceOutput) -> float:
-    """The largest error over the compared tokens, in units of their tolerance (non-finite equal to itself).
+def _token_ratios(actual: np.ndarray, expected: np.ndarray, ref: ReferenceOutput) -> np.ndarray:
+    """Each token's largest error, in units of its tolerance (non-finite equal to itself), `[m]`.
 
     The tolerance is the reference's, or the same relative tolerance of `expected`'s own size when that is
     larger (a variant whose output is a hundred times the reference's is matched to its own scale).
@@ -227,8 +234,21 @@ def _distance(actual: np.ndarray, expected: np.ndarray, ref: ReferenceOutput) ->
     error = np.where(np.isnan(error), np.inf, error)
     finite = np.where(np.isfinite(expected), np.abs(expected), 0.0)
     tol = np.maximum(ref.tol[:, 0], ref.relative * np.max(finite, axis=1))  # [m]
-    ratio = np.max(error, axis=1) / tol  # [m]
-    return float(np.max(ratio[ref.compared], initial=0.0))
+    return np.max(error, axis=1) / tol  # [m]
+
+
+def _distance(actual: np.ndarray, expected: np.ndarray, ref: ReferenceOutput) -> float:
+    """The largest error over the compared tokens, in units of their tolerance (`_token_ratios`)."""
+    return float(np.max(_token_ratios(actual, expected, ref)[ref.compared], initial=0.0))
+
+
+def _variant_distance(y: np.ndarray, entry: Convention, case: HFBlockCase, ref: ReferenceOutput) -> float:
+    """How far `y` is from `entry`'s output on `case` (from the nearest tie order, for entries that have several)."""
+    if entry.resolutions is None:
+        return _distance(y, np.asarray(entry.output(case), dtype=np.float64), ref)
+    outputs = np.asarray(entry.resolutions(case), dtype=np.float64)  # [c, m, d]
+    per_token = np.min([_token_ratios(y, out, ref) for out in outputs], axis=0)  # [m]: each token's nearest
+    return float(np.max(per_token[ref.compared], initial=0.0))
 
 
 class _Mismatch(Violation):
@@ -241,34 +261,88 @@ class _Mismatch(Violation):
         self.conventions: list[str] = []
 
 
-def _diagnose(v: _Mismatch) -> None:
-    """Run every catalogued variant that applies; add to the report those that reproduce the block's output."""
+#: Cases besides the failing one on which a catalogue entry must also reproduce the block before it is named.
+CONFIRMING_CASES = 6
+
+
+def _matching_entries(case: HFBlockCase, y: np.ndarray, ref: ReferenceOutput
+                      ) -> tuple[list[Convention], tuple[float, Convention] | None, int]:
+    """The entries that reproduce `y` on `case` (and change its output), the closest other one, how many tried."""
     matches: list[Convention] = []
     closest: tuple[float, Convention] | None = None
     tried = 0
     for entry in CATALOGUE:
-        if not entry.applies(v.case):
+        if not entry.applies(case):
             continue
         try:
-            variant = np.asarray(entry.output(v.case), dtype=np.float64)
+            if _variant_distance(ref.y, entry, case, ref) <= 1.0:
+                continue  # on this case the variant is indistinguishable from the reference
+            off = _variant_distance(y, entry, case, ref)
         except Exception:  # a variant that cannot run on this case explains nothing
             continue
-        if _distance(variant, v.ref.y, v.ref) <= 1.0:
-            continue  # on this case the variant is indistinguishable from the reference
         tried += 1
-        off = _distance(v.y, variant, v.ref)
         if off <= 1.0:
             matches.append(entry)
         elif closest is None or off < closest[0]:
             closest = (off, entry)
-    v.conventions = [entry.name for entry in matches]
-    if matches:
-        v.details.append("known convention differences that reproduce this output (to the same tolerance):")
-        v.details += [f"  - {entry.describe()}" for entry in matches]
+    return matches, closest, tried
+
+
+def _confirming_cases(case: HFBlockCase) -> list[HFBlockCase]:
+    """Unshrunk relatives of a failing case: the same configuration, other seeds, more tokens."""
+    tokens = max(case.tokens, 6)
+    return [replace(case, seed=(case.seed + 7919 * r) % 2**32, tokens=tokens) for r in range(1, CONFIRMING_CASES + 1)]
+
+
+def _scale_factor(y: np.ndarray, ref: ReferenceOutput) -> float | None:
+    """c when the block's output is c times the reference's (c not 1) on every compared token, else None."""
+    expected = ref.y[ref.compared]
+    actual = y[ref.compared]
+    norm = float(np.sum(expected * expected))
+    if not norm or not np.all(np.isfinite(actual)):
+        return None
+    c = float(np.sum(actual * expected)) / norm
+    if abs(c - 1) <= 8 * ref.relative or _distance(y, c * ref.y, ref) > 1.0:
+        return None
+    return c
+
+
+def _diagnose(v: _Mismatch, run: Callable[[HFBlockCase], np.ndarray]) -> None:
+    """Name the catalogued variants that reproduce the block, confirmed on several unshrunk cases.
+
+    The simplest failing case (one token, four experts) is often reproduced by several wrong routes at once,
+    so a name is printed only when it also reproduces the block on every confirming case where the block
+    differs from the reference (`CONFIRMING_CASES` relatives of the case: other seeds, more tokens).
+    """
+    matches, closest, tried = _matching_entries(v.case, v.y, v.ref)
+    confirmed, differing = list(matches), 0
+    for other in _confirming_cases(v.case) if matches else []:
+        try:
+            y = run(other)
+        except Exception:  # the build declined or failed on a relative: it confirms nothing
+            continue
+        ref = reference_output(other)
+        if _distance(y, ref.y, ref) <= 1.0:
+            continue  # the block agrees with the reference here
+        differing += 1
+        confirmed = [entry for entry in confirmed if _variant_distance(y, entry, other, ref) <= 1.0]
+    v.conventions = [entry.name for entry in confirmed]
+    scale = _scale_factor(v.y, v.ref)
+    if scale is not None:
+        v.details.append(f"the block's output is {scale:.6g} x the reference's on every compared token: a "
+                         "scaling factor applied where it should not be, or missed")
+    if confirmed:
+        seen = (f"confirmed on {differing} more cases of this configuration" if differing
+                else "on this case only: the block agreed with the reference on the other seeds tried")
+        v.details.append(f"known convention differences that reproduce this output (to the same tolerance; {seen}):")
+        v.details += [f"  - {entry.describe()}" for entry in confirmed]
     else:
         line = (f"none of the {tried} catalogued convention differences that change this case's output "
                 "reproduces it")
-        if closest is not None:
+        if matches:
+            line += (f" on every case: {', '.join(entry.name for entry in matches)} reproduced the simplest case but "
+                     f"not all of {differing} larger ones")
+        elif closest is not None:
             line += f"; the closest, {closest[1].name}, is off by {closest[0]:.3g} x the tolerance"
         v.details.append(line)
 
@@ -329,7 +403,12 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
     1. **builds and runs**: `build` accepts the tensors and `forward` returns
        a finite real `[m, d]` array;
     2. **matches the reference block** on every compared token;
-    3. **matches the reference block with MXFP4 experts** (unless
+    3. **unchanged when every bias shifts by one constant** (for blocks with
+       a selection bias): the same case with every expert's bias moved by 8
+       or by -40 gives the same output. Trained biases sit far from zero; a
+       bias kept in bfloat16, or dropped groups masked with 0 instead of
+       -inf, change the routes there and fail;
+    4. **matches the reference block with MXFP4 experts** (unless
        `mxfp4=False`): the routed experts arrive as `weight_packed` /
        `weight_scale` uint8 pairs (compressed-tensors' layout) instead of
        `weight`.
@@ -399,13 +478,40 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
     why = ("the reference KimiSparseMoeBlock: float32 gate, top-k of s + b (groups by their two best), weights "
            "from the raw s, renormalized when top_k > 1 and moe_renormalize, times routed_scaling_factor; "
            "SiTU-GLU experts on the latent, summed in float32, RMSNorm, up-projection, plus the shared experts")
+    def shift_unchanged(drawn: tuple[HFBlockCase, float]) -> None:
+        case, shift = drawn
+        shifted = replace(case, bias_offset=case.bias_offset + shift)
+        y, y_shifted = run(case), run(shifted)
+        ref, ref_shifted = reference_output(case), reference_output(shifted)
+        compared = ref.compared & ref_shifted.compared
+        error = np.where(np.isfinite(y_shifted), np.abs(y_shifted - y), np.inf)  # [m, d]
+        bad = np.flatnonzero(compared & np.any(error > 2 * ref.tol, axis=1))
+        if not bad.size:
+            return
+        details = [f"token {i}: y {fmt(y[i], 5, longest=12)}, with every bias + {shift:g}: "
+                   f"{fmt(y_shifted[i], 5, longest=12)}" for i in bad[:3]]
+        details.append("a common shift of the bias leaves every token's ranking of s + b, and so the output, "
+                       "unchanged; a bias kept in a narrow dtype or dropped groups masked with 0 instead of -inf "
+                       "change the routes when the biases sit far from zero, as trained ones do")
+        details.append(_shapes(shifted))
+        raise _Mismatch(f"{bad.size} of {case.tokens} tokens change when every expert's bias shifts by {shift:g}",
+                        details, _inputs(shifted), shifted, y_shifted, ref_shifted)
+
     if model_type is not None:
         why = _family_semantics(model_type)
+    has_bias = model_type is None or FAMILIES[model_type].has_bias
     invariants = [
         Invariant("builds and runs", "build(text_config, state_dict) returns forward, and forward(x) is a finite "
                   "[m, d] array", dense, output_form, basic=True, describe=_inputs),
         Invariant("matches the reference block", why, dense, matches, describe=_inputs),
     ]
+    if has_bias:
+        shifts = st.tuples(dense, st.sampled_from([8.0, -40.0]))
+        invariants.append(Invariant(
+            "unchanged when every bias shifts by one constant",
+            "the selection ranks s + b per token, so adding one constant to every expert's bias, however far "
+            "from zero, changes no route and no weight", shifts, shift_unchanged,
+            describe=lambda drawn: _inputs(replace(drawn[0], bias_offset=drawn[0].bias_offset + drawn[1]))))
     if mxfp4:
         invariants.append(Invariant(
             "matches the reference block with MXFP4 experts",
@@ -416,5 +522,5 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
     except CheckFailure as failure:
         for v in failure.violations:
             if isinstance(v, _Mismatch):
-                _diagnose(v)
+                _diagnose(v, run)
         raise CheckFailure(failure.check, failure.violations, failure.passed, failure.skipped) from None
