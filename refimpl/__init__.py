@@ -3,7 +3,8 @@
 The public API re-exported here follows the paper section by section:
 
 * configuration: `MoEConfig`;
-* Eq. (12) and Appendix B: `softcap`, `situ_glu`, `swiglu`, their derivatives, `rms_norm`;
+* Eq. (12) and Appendix B: `softcap`, `situ_glu`, `swiglu`, their derivatives, `rms_norm`; `relu_glu`, the
+  ungated squared ReLU of NVIDIA's LatentMoE;
 * Eq. (13): `router_scores`, `route`, `selection_cutoff`, `expert_load`;
 * the other routers and balancers: `capacity_keep`, `expert_capacity`, `switch_balance_loss`,
   `sequence_balance_loss`, `hash_route`, `route_by_hash`;
@@ -67,6 +68,7 @@ from .layer.accounting import combinatorial_sparsity, dispatch_payload, log10_bi
 from .layer.activations import (
     hard_clamp,
     hard_clamp_grad,
+    relu_glu,
     rms_norm,
     sigmoid,
     situ_glu,
@@ -194,6 +196,7 @@ __all__ = [
     "params_from_hf_state_dict",
     "quantile_balancing_update",
     "required_bias",
+    "relu_glu",
     "rms_norm",
     "route",
     "save_hf_layer",

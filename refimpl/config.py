@@ -34,6 +34,12 @@ hash of the token id, DeepSeek-V4's first layers; `num_hash_layers` records how
 many of a model's MoE layers do). Presets give DeepSeek-V3 and, as far as the
 sources go, DeepSeek-V4 Flash and Pro.
 
+Two more fields run NVIDIA's LatentMoE as published (Nemotron-H):
+`activation="relu2"`, ungated experts $W_\downarrow \operatorname{relu}(W_\uparrow z)^2$
+(computed as the GLU $\max(a, 0)\,b$ with the gate and up weights one matrix),
+and `shared_intermediate_size`, a shared-expert width of its own instead of
+$N_s f$.
+
 `MoEConfig.from_hf_config` reads the Hugging Face configuration of the
 released checkpoint, so a user can build the layer from a `config.json`. It
 gives each key the meaning the reference modeling code gives it, including
@@ -69,8 +75,9 @@ __all__ = ["ACTIVATIONS", "FLOAT32_RANGE", "HF_ABSENT", "HF_CODES", "HF_KEYS", "
            "SCORE_FUNCTIONS", "TOPK_METHODS", "HFSynonym", "MoEConfig", "count_moe_layers",
            "is_moe_layer"]
 
-#: Activations the experts may use: K3's SiTU-GLU and the SwiGLU it replaces.
-ACTIVATIONS = ("situ", "swiglu")
+#: Activations the experts may use: K3's SiTU-GLU, the SwiGLU it replaces, and the ungated squared ReLU of
+#: NVIDIA's LatentMoE (Nemotron-H), computed as the GLU relu(a) b with tied gate and up weights.
+ACTIVATIONS = ("situ", "swiglu", "relu2")
 
 #: Router score functions (see `refimpl.layer.routing.router_scores`): K3's sigmoid, the
 #: softmax of Switch Transformer and DeepSeek-V2, DeepSeek-V4's square root of softplus.
@@ -189,6 +196,7 @@ class MoEConfig:
     capacity_factor: float | None = None
     hash_routing: bool = False
     num_hash_layers: int = 0
+    shared_intermediate_size: int | None = None
 
     # -- the paper's symbols -------------------------------------------------
     # Read-only aliases, for code that reads like the paper (`config.n`); the fields above are the one name
@@ -225,7 +233,13 @@ class MoEConfig:
 
     @property
     def shared_size(self) -> int:
-        r"""Width $N_s f$ of the merged shared-expert MLP."""
+        r"""Width of the merged shared-expert MLP: $N_s f$, or `shared_intermediate_size` when set.
+
+        Nemotron-H sizes its shared expert on its own (`moe_shared_expert_intermediate_size`), not as a
+        multiple of the routed experts' width.
+        """
+        if self.shared_intermediate_size is not None:
+            return self.shared_intermediate_size
         return self.num_shared_experts * self.intermediate_size
 
     # -- validation ----------------------------------------------------------
@@ -235,6 +249,9 @@ class MoEConfig:
                      "n_group", "topk_group", "num_moe_layers"):
             self._store(name, integer_value(getattr(self, name), f"MoEConfig.{name}", low=1))
         self._store("num_shared_experts", integer_value(self.num_shared_experts, "MoEConfig.num_shared_experts", low=0))
+        if self.shared_intermediate_size is not None:  # None: the shared width is num_shared_experts x f
+            self._store("shared_intermediate_size", integer_value(
+                self.shared_intermediate_size, "MoEConfig.shared_intermediate_size", low=0))
         # Factors: any real type (float, np.float32, Fraction, ...), stored as a Python float.
         for name in ("situ_beta", "situ_linear_beta", "rms_norm_eps", "routed_scaling_factor", "capacity_factor"):
             value = getattr(self, name)
@@ -476,6 +493,12 @@ class MoEConfig:
         if self.top_k == 1 and self.renormalize:
             raise ValueError("top_k=1 with renormalize=True has no Hugging Face configuration: the "
                              "reference gate renormalizes only when top_k > 1 (use renormalize=False)")
+        if self.activation == "relu2" or (self.shared_intermediate_size is not None
+                                          and self.shared_intermediate_size != self.num_shared_experts
+                                          * self.intermediate_size):
+            raise ValueError("K3's configuration keys cannot express ungated relu2 experts or a shared width "
+                             "other than num_shared_experts x intermediate_size (Nemotron-H's layers: read "
+                             "them with model_type 'nemotron_h')")
         values = asdict(self)
         out: dict[str, Any] = {"model_type": "kimi_linear"}
         out.update({key: values[field] for field, key in HF_KEYS.items()})

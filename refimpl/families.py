@@ -24,6 +24,18 @@ or shared experts), and which decoder layers hold the MoE block.
 | `kimi_linear` | `KimiLinearMoE` | sigmoid, groups | `num_shared_experts` | yes | `mlp_layer_types[L] == "sparse"` |
 | `qwen3_moe` | `Qwen3MoeSparseMoeBlock` | softmax | none | none | $L \notin$ `mlp_only_layers`, `decoder_sparse_step` divides $L + 1$ |
 | `mixtral` | `MixtralSparseMoeBlock` | softmax, always renormalized | none | none | every layer |
+| `nemotron_h` | `NemotronHMoE` | sigmoid, groups | one, `moe_shared_expert_intermediate_size` wide | yes | `layers_block_type[L] == "moe"` |
+
+Nemotron-H is NVIDIA's LatentMoE as published: its routed experts are
+ungated, $W_\downarrow \operatorname{relu}(W_\uparrow z)^2$, on a latent
+$z = $ `fc1_latent_proj` $x$ of width `moe_latent_size` (no norm), brought
+back by `fc2_latent_proj`; its shared expert is ungated too. This package
+computes an ungated expert as the GLU $\max(a, 0)\,b$ with its gate and up
+weights one matrix (`activation="relu2"`, since $\max(u, 0)\,u = \max(u, 0)^2$),
+so the converters store `up_proj` as both `w1` and `w3`. Nemotron-H sums its
+experts in float32 even in a float64 block, which the tests' tolerance
+accounts for. A shared width of 0 falls back to the dense `intermediate_size`
+in its code, and the reader does the same.
 
 A porter of any of them starts from the model's own configuration and block:
 
@@ -61,7 +73,8 @@ from typing import Any, NamedTuple
 
 from ._lib.values import factor_value, integer_value, is_integer, shown
 
-__all__ = ["FAMILIES", "HFFamily", "HFFamilyKey", "K3_ONLY_KEYS", "count_family_moe_layers", "family_of",
+__all__ = ["FAMILIES", "HFFamily", "HFFamilyKey", "K3_ONLY_KEYS", "count_family_moe_layers", "family_activation",
+           "family_of",
            "read_family_fields"]
 
 
@@ -150,6 +163,22 @@ FAMILIES: dict[str, HFFamily] = {
          "activation": HFFamilyKey("hidden_act", "silu", "activation")},
         {**_PLAIN, "score_function": "softmax", "num_shared_experts": 0}, False, False, "sparse_step", 24,
         {"decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "nemotron_h": HFFamily(
+        "nemotron_h", "NemotronHConfig", "NemotronHMoE",
+        {"hidden_size": HFFamilyKey("hidden_size", 4096, "integer"),
+         "num_experts": HFFamilyKey("n_routed_experts", 8, "integer", ("num_local_experts",)),
+         "top_k": HFFamilyKey("num_experts_per_tok", 2, "integer"),
+         "intermediate_size": HFFamilyKey("moe_intermediate_size", 7688, "integer"),
+         "num_shared_experts": HFFamilyKey("n_shared_experts", 1, "count"),
+         "shared_intermediate_size": HFFamilyKey("moe_shared_expert_intermediate_size", 7688, "count"),
+         "routed_scaling_factor": HFFamilyKey("routed_scaling_factor", 1.0, "factor"),
+         "n_group": HFFamilyKey("n_group", 1, "integer"),
+         "topk_group": HFFamilyKey("topk_group", 1, "integer"),
+         "renormalize": HFFamilyKey("norm_topk_prob", True, "switch"),
+         "rms_norm_eps": HFFamilyKey("layer_norm_epsilon", 1e-5, "factor"),
+         "activation": HFFamilyKey("mlp_hidden_act", "relu2", "activation")},
+        {"use_latent_norm": False, "situ_linear_beta": None, "score_function": "sigmoid"}, True, True,
+        "layers_block_type", 4, {"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]}),
     "mixtral": HFFamily(
         "mixtral", "MixtralConfig", "MixtralSparseMoeBlock",
         {"hidden_size": HFFamilyKey("hidden_size", 4096, "integer"),
@@ -166,6 +195,11 @@ FAMILIES: dict[str, HFFamily] = {
 #: file that holds one was written for that code.
 K3_ONLY_KEYS = ("routed_expert_hidden_size", "latent_moe_use_norm", "activation_situ_beta",
                 "activation_situ_linear_beta", "moe_router_activation_func")
+
+
+def family_activation(family: HFFamily) -> str:
+    """This package's name of the family's expert activation: "swiglu" or (Nemotron-H) "relu2"."""
+    return _ACTIVATION_OF[family.keys["activation"].default]
 
 
 def family_of(model_type: Any) -> HFFamily:
@@ -190,6 +224,8 @@ def count_family_moe_layers(family: HFFamily, num_hidden_layers: int, layer_keys
         return max(0, N - layer_keys["first_k_dense_replace"])
     if family.layers == "mlp_layer_types":
         return sum(kind == "sparse" for kind in layer_keys["mlp_layer_types"])
+    if family.layers == "layers_block_type":
+        return sum(kind == "moe" for kind in layer_keys["layers_block_type"])
     # Qwen3-MoE: layer L is MoE when it is not listed and the step divides L + 1, counted in closed form.
     step, listed = layer_keys["decoder_sparse_step"], layer_keys["mlp_only_layers"]
     # $$\#\{L < N : s \mid L + 1\} - \#\{L \in \text{listed} : L < N,\ s \mid L + 1\}$$
@@ -200,7 +236,7 @@ def _value(text: Mapping[str, Any], where: str, spec: HFFamilyKey) -> Any:
     """The checked value of one key (or of one of its aliases), its class's default when absent."""
     present = [name for name in (spec.key, *spec.aliases) if name in text]
     if not present:
-        return "swiglu" if spec.kind == "activation" else spec.default  # the classes' default "silu" is SwiGLU
+        return _ACTIVATION_OF[spec.default] if spec.kind == "activation" else spec.default
     values = {name: text[name] for name in present}
     first = present[0]
     if any(not _same(values[name], values[first]) for name in present[1:]):
@@ -217,10 +253,14 @@ def _value(text: Mapping[str, Any], where: str, spec: HFFamilyKey) -> Any:
         if not isinstance(value, bool):
             raise ValueError(f"{label} must be true or false, got {type(value).__name__} {shown(value)}")
         return value
-    if value != "silu":  # "activation": the one expert activation these blocks share, SwiGLU
-        raise ValueError(f"{label} must be 'silu' (SwiGLU experts, the only activation of this family this package "
-                         f"computes), got {shown(value)}")
-    return "swiglu"
+    if value != spec.default:  # "activation": the one expert activation of the family, SwiGLU or squared ReLU
+        raise ValueError(f"{label} must be {spec.default!r} (the only expert activation of this family this "
+                         f"package computes), got {shown(value)}")
+    return _ACTIVATION_OF[value]
+
+
+# transformers' name of an expert activation -> this package's: "silu" with a gate is SwiGLU; "relu2" is ungated.
+_ACTIVATION_OF = {"silu": "swiglu", "relu2": "relu2"}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -243,6 +283,18 @@ def _layer_keys(text: Mapping[str, Any], where: str, family: HFFamily, total: in
             raise ValueError(f"{where}['mlp_layer_types'] must list 'dense' or 'sparse' for each of the "
                              f"num_hidden_layers = {total} layers, got {shown(kinds)}")
         keys["mlp_layer_types"] = kinds
+    if family.layers == "layers_block_type":
+        kinds = text.get("layers_block_type", text.get("layer_types"))
+        pattern = text.get("hybrid_override_pattern")
+        if kinds is None and isinstance(pattern, str):  # the older spelling: one letter per layer, E for MoE
+            letters = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+            kinds = [letters.get(char, char) for char in pattern]
+        if kinds is None:
+            kinds = family.layer_defaults["layers_block_type"]
+        allowed = ("linear_attention", "moe", "full_attention", "mlp")
+        if not isinstance(kinds, list) or not kinds or any(kind not in allowed for kind in kinds):
+            raise ValueError(f"{where}['layers_block_type'] must list one of {allowed} per layer, got {shown(kinds)}")
+        keys["layers_block_type"] = kinds
     if family.layers == "sparse_step":
         step = text.get("decoder_sparse_step", family.layer_defaults["decoder_sparse_step"])
         keys["decoder_sparse_step"] = integer_value(step, f"{where}['decoder_sparse_step']", low=1)
@@ -252,6 +304,24 @@ def _layer_keys(text: Mapping[str, Any], where: str, family: HFFamily, total: in
             raise ValueError(f"{where}['mlp_only_layers'] must be a list of layer indices >= 0, got {shown(listed)}")
         keys["mlp_only_layers"] = {int(L) for L in listed}
     return keys
+
+
+def _nemotron_h_fields(text: Mapping[str, Any], where: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Nemotron-H's latent path and shared width, as `NemotronHMoE` builds them."""
+    out: dict[str, Any] = {}
+    latent = text.get("moe_latent_size")
+    if latent is None:  # no latent projections: the experts see the full width
+        out["use_latent_projection"] = False
+    else:
+        out["latent_size"] = integer_value(latent, f"{where}['moe_latent_size']", low=1)
+        out["use_latent_projection"] = True
+    if text.get("mlp_bias", False) is not False:
+        raise ValueError(f"{where}['mlp_bias'] must be false: this package's layer has no biases on the latent "
+                         f"projections and the shared expert, got {shown(text['mlp_bias'])}")
+    if fields["shared_intermediate_size"] == 0:  # NemotronHMLP's `intermediate_size or config.intermediate_size`
+        out["shared_intermediate_size"] = integer_value(text.get("intermediate_size", 21504),
+                                                        f"{where}['intermediate_size']", low=1)
+    return out
 
 
 def read_family_fields(text: Mapping[str, Any], where: str, family: HFFamily) -> dict[str, Any]:
@@ -264,8 +334,13 @@ def read_family_fields(text: Mapping[str, Any], where: str, family: HFFamily) ->
     fields = {field: _value(text, where, spec) for field, spec in family.keys.items()}
     fields.update(family.fixed)
     fields["latent_size"] = fields["hidden_size"]
-    total = text.get("num_hidden_layers", family.num_hidden_layers)
-    total = integer_value(total, f"{where}['num_hidden_layers']", low=1)
+    if family.model_type == "nemotron_h":
+        fields.update(_nemotron_h_fields(text, where, fields))
+    if family.layers == "layers_block_type":  # Nemotron-H: the list's length is the layer count
+        total = len(_layer_keys(text, where, family, 0)["layers_block_type"])
+    else:
+        total = integer_value(text.get("num_hidden_layers", family.num_hidden_layers),
+                              f"{where}['num_hidden_layers']", low=1)
     count = count_family_moe_layers(family, total, _layer_keys(text, where, family, total))
     if count == 0:
         raise ValueError(f"{where} has no MoE layer: of its num_hidden_layers = {total} layers, none holds "

@@ -429,3 +429,21 @@ def test_uncapped_grad_matches_finite_differences(a, b):
     assert float(d_gate[0]) == pytest.approx((f(a + h, b) - f(a - h, b)) / (2 * h), rel=1e-5, abs=1e-6)
     # d/db is exactly the capped gate factor
     assert float(d_up[0]) == pytest.approx(BETA1 * math.tanh(a / BETA1) / (1 + math.exp(-a)), rel=1e-12, abs=1e-300)
+
+
+def test_relu_glu_with_one_matrix_is_the_ungated_squared_relu_and_its_partials_are_exact():
+    """Nemotron-H's relu(u)^2 as the GLU max(a, 0) b: with a = b = u it is relu(u)^2; its partials, fast and slow."""
+    from refimpl._lib.fast import glu_and_grad_by_chunks, glu_in_place
+    from refimpl.layer.activations import glu_and_grad, relu_glu
+
+    rng = np.random.default_rng(3)
+    u = rng.standard_normal((6, 9))
+    np.testing.assert_array_equal(relu_glu(u, u), np.maximum(u, 0) ** 2)
+    a, b = rng.standard_normal((2, 6, 9))
+    h, d_a, d_b = glu_and_grad(a, b, "relu2")
+    np.testing.assert_array_equal(h, np.maximum(a, 0) * b)
+    np.testing.assert_array_equal(d_a, (a > 0) * b)  # exact: away from a = 0 the gate is linear
+    np.testing.assert_array_equal(d_b, np.maximum(a, 0))
+    for fast, slow in zip(glu_and_grad_by_chunks(a.copy(), b.copy(), "relu2", 4.0, None), (h, d_a, d_b), strict=True):
+        np.testing.assert_array_equal(fast, slow)
+    np.testing.assert_array_equal(glu_in_place(a.copy(), b.copy(), "relu2", 4.0, None), h)

@@ -113,6 +113,11 @@ EPS = 1e-6
 @example(config=MoEConfig(hidden_size=4, latent_size=4, num_experts=4, top_k=1, intermediate_size=3,
                           num_shared_experts=1, renormalize=False, routed_scaling_factor=0.7,
                           use_latent_projection=False), seed=429, m=1)
+# The ungated squared ReLU of Nemotron-H (the GLU max(a, 0) b), with its latent path and without.
+@example(config=MoEConfig.tiny(activation="relu2", use_latent_norm=False, shared_intermediate_size=5), seed=7, m=5)
+@example(config=MoEConfig(hidden_size=6, latent_size=6, num_experts=4, top_k=2, intermediate_size=3,
+                          num_shared_experts=1, activation="relu2", use_latent_projection=False,
+                          use_latent_norm=False), seed=8, m=4)
 def test_directional_derivatives_match_central_differences(config, seed, m):
     """For x and each parameter, <gradient, V> equals (L(θ + εV) - L(θ - εV)) / 2ε along a random V."""
     x, params, dy = make_layer(config, seed, m)

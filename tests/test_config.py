@@ -84,7 +84,7 @@ def test_frozen_and_replace_revalidates():
     (dict(use_latent_norm="false"), TypeError, r"MoEConfig.use_latent_norm must be True or False, got str 'false'"),
     (dict(use_latent_projection=1), TypeError, r"MoEConfig.use_latent_projection must be True or False, got int 1"),
     (dict(score_function="relu"), ValueError, r"MoEConfig.score_function must be one of \('sigmoid', 'softmax', 'sqrtsoftplus'\), got 'relu'"),
-    (dict(activation="gelu"), ValueError, r"MoEConfig.activation must be one of \('situ', 'swiglu'\), got 'gelu'"),
+    (dict(activation="gelu"), ValueError, r"MoEConfig.activation must be one of \('situ', 'swiglu', 'relu2'\), got 'gelu'"),
     (dict(topk_method="greedy"), ValueError, r"MoEConfig.topk_method must be one of \('noaux_tc',\), got 'greedy'"),
     (dict(n_group=4), ValueError, r"MoEConfig.n_group must divide num_experts=6, got 4"),
     (dict(n_group=2, topk_group=3), ValueError, r"MoEConfig.topk_group must be <= n_group=2, got 3"),

@@ -25,6 +25,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 import refimpl
@@ -38,11 +39,12 @@ BLOCKS = {
     "kimi_linear": (transformers.KimiLinearConfig, KimiLinearMoE),
     "qwen3_moe": (transformers.Qwen3MoeConfig, Qwen3MoeSparseMoeBlock),
     "mixtral": (transformers.MixtralConfig, MixtralSparseMoeBlock),
+    "nemotron_h": (transformers.NemotronHConfig, NemotronHMoE),
 }
 # A block without shared experts builds zero-width linears; PyTorch's initializer says so, harmlessly.
 pytestmark = pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op:UserWarning")
 
-SIGMOID = ("deepseek_v3", "glm4_moe", "kimi_linear")
+SIGMOID = ("deepseek_v3", "glm4_moe", "kimi_linear", "nemotron_h")
 U32 = float(np.finfo(np.float32).eps) / 2  # float32's unit roundoff
 
 # Attention sizes the configuration classes need to construct; the MoE block does not read them.
@@ -74,7 +76,11 @@ def test_each_absent_key_takes_its_configuration_class_default(model_type):
             if spec.kind == "activation":
                 continue
             assert config_class(**{alias: other}).to_dict()[spec.key] == other, alias
-    assert written["num_hidden_layers"] == family.num_hidden_layers
+    if model_type == "nemotron_h":  # the layer count is the length of its list of layer kinds
+        assert written["layers_block_type"] == family.layer_defaults["layers_block_type"]
+        assert config_class().num_hidden_layers == family.num_hidden_layers
+    else:
+        assert written["num_hidden_layers"] == family.num_hidden_layers
     if "first_k_dense_replace" in family.layer_defaults and model_type != "kimi_linear":
         assert written["first_k_dense_replace"] == family.layer_defaults["first_k_dense_replace"]
     if model_type == "kimi_linear":  # the class derives its layer types from first_k_dense_replace, default 1
@@ -122,7 +128,15 @@ def family_keys(draw, model_type: str) -> dict:
             spelled["intermediate_size"]: draw(st.integers(2, 8)), "num_hidden_layers": draw(st.integers(1, 5))}
     if model_type in SIGMOID:
         keys[spelled["n_group"]], keys["topk_group"] = n_group, topk_group
-        keys[spelled["num_shared_experts"]] = draw(st.integers(0, 2))
+        keys[spelled["num_shared_experts"]] = draw(st.integers(0 if model_type != "nemotron_h" else 1, 2))
+    if model_type == "nemotron_h":  # its own shared width (0 falls back to the dense width), an optional latent
+        keys["moe_shared_expert_intermediate_size"] = draw(st.integers(0, 6))
+        keys["intermediate_size"] = draw(st.integers(1, 6))
+        if draw(st.booleans()):
+            keys["moe_latent_size"] = draw(st.integers(2, keys["hidden_size"]))
+        keys["layers_block_type"] = draw(st.lists(st.sampled_from(["moe", "mlp", "full_attention"]), min_size=1,
+                                                  max_size=5))
+        del keys["num_hidden_layers"]
     optional = {}
     if "routed_scaling_factor" in spelled:
         optional[spelled["routed_scaling_factor"]] = draw(st.sampled_from([1.0, 2.5, 0.75]))
@@ -131,7 +145,7 @@ def family_keys(draw, model_type: str) -> dict:
     optional["rms_norm_eps"] = 1e-6
     leave_out = draw(st.sets(st.sampled_from(sorted(optional))))
     keys.update({k: v for k, v in optional.items() if k not in leave_out})
-    total = keys["num_hidden_layers"]
+    total = keys.get("num_hidden_layers", len(keys.get("layers_block_type", [])))
     if family.layers in ("first_k_dense", "mlp_layer_types") and draw(st.booleans()):
         keys["first_k_dense_replace"] = draw(st.integers(0, total - 1))
     if family.layers == "mlp_layer_types" and draw(st.booleans()):
@@ -159,10 +173,20 @@ def expected_config(block: torch.nn.Module, model_type: str, hf: dict) -> MoECon
     """The layer a constructed transformers block computes, read from the block's own attributes."""
     router = block.gate
     d = router.weight.shape[1]
-    n, f = block.experts.gate_up_proj.shape[0], block.experts.gate_up_proj.shape[1] // 2
     sigmoid = model_type in SIGMOID
-    shared = block.shared_experts.gate_proj.weight.shape[0] if sigmoid else 0
     model_config = block.config if hasattr(block, "config") else None
+    if model_type == "nemotron_h":
+        n, f, ell = block.experts.up_proj.shape
+        latent = isinstance(block.fc1_latent_proj, torch.nn.Linear)
+        return MoEConfig(
+            hidden_size=d, latent_size=ell, use_latent_projection=latent, use_latent_norm=False, num_experts=n,
+            top_k=router.top_k, intermediate_size=f, num_shared_experts=hf.get("n_shared_experts", 1),
+            shared_intermediate_size=block.shared_experts.up_proj.weight.shape[0], activation="relu2",
+            situ_linear_beta=None, renormalize=router.norm_topk_prob, routed_scaling_factor=router.routed_scaling_factor,
+            n_group=router.num_group, topk_group=router.topk_group,
+            rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5), num_moe_layers=_moe_layers_of(model_type, hf, None))
+    n, f = block.experts.gate_up_proj.shape[0], block.experts.gate_up_proj.shape[1] // 2
+    shared = block.shared_experts.gate_proj.weight.shape[0] if sigmoid else 0
     return MoEConfig(
         hidden_size=d, latent_size=d, use_latent_projection=False, use_latent_norm=False, num_experts=n,
         top_k=router.top_k, intermediate_size=f, num_shared_experts=shared // f, activation="swiglu",
@@ -184,6 +208,7 @@ def _moe_layers_of(model_type: str, hf: dict, model_config) -> int:
         "qwen3_moe": lambda L: L not in c.mlp_only_layers and c.num_experts > 0
         and (L + 1) % c.decoder_sparse_step == 0,
         "mixtral": lambda L: True,
+        "nemotron_h": lambda L: c.layers_block_type[L] == "moe",
     }
     return sum(rules[model_type](L) for L in range(c.num_hidden_layers))
 
@@ -204,6 +229,7 @@ def test_from_hf_config_of_a_drawn_configuration_is_the_layer_its_block_computes
     ("kimi_linear", dict(num_hidden_layers=4, mlp_layer_types=["sparse", "dense", "sparse", "dense"])),
     ("qwen3_moe", dict(num_hidden_layers=5, decoder_sparse_step=2, mlp_only_layers=[3])),
     ("mixtral", dict(num_hidden_layers=2)),
+    ("nemotron_h", dict(layers_block_type=["moe", "mlp", "full_attention", "moe"], moe_latent_size=8)),
 ])
 def test_the_moe_layer_count_is_the_real_models_count_of_blocks(model_type, keys):
     """Built as a whole model, the configuration holds as many MoE blocks as `num_moe_layers` says."""
@@ -216,7 +242,9 @@ def test_the_moe_layer_count_is_the_real_models_count_of_blocks(model_type, keys
                   "kimi_linear": dict(num_experts=4, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
                                       v_head_dim=4, linear_attn_config={"head_dim": 4, "num_heads": 2}),
                   "qwen3_moe": dict(num_local_experts=4, head_dim=8),
-                  "mixtral": dict(num_local_experts=4, head_dim=8)}[model_type])
+                  "mixtral": dict(num_local_experts=4, head_dim=8),
+                  "nemotron_h": dict(n_routed_experts=4, head_dim=8, moe_shared_expert_intermediate_size=8)
+                  }[model_type])
     config = config_class(**small, **keys)
     model = transformers.AutoModel.from_config(config)
     blocks = sum(isinstance(module, block_class) for module in model.modules())
@@ -269,7 +297,9 @@ def _tolerance(x: np.ndarray, params, config: MoEConfig, y: np.ndarray) -> np.nd
     transformers forms the router's logits and scores in float32. A float32 dot product of length d is off by at
     most (d + 2) u sum_j |x_j w_j| (inputs rounded, then d sums), which moves each score by at most that relative
     amount plus 4u; a renormalized or softmax weight moves by at most three times its score's relative error. The
-    output moves by that times each chosen expert's output, summed. float64's own rounding is far below.
+    output moves by that times each chosen expert's output, summed. Nemotron-H also sums its experts in a float32
+    buffer: each weighted output rounded, then k additions, (k + 1) u of the sum of their sizes; and its latent
+    up-projection carries both to the output through |W_up|. float64's own rounding is far below.
     """
     d = x.shape[1]
     dz = (d + 2) * U32 * (np.abs(x) @ np.abs(params["gate.weight"]).T)  # [m, n]
@@ -278,13 +308,22 @@ def _tolerance(x: np.ndarray, params, config: MoEConfig, y: np.ndarray) -> np.nd
                                    params["gate.e_score_correction_bias"], config.top_k,
                                    renormalize=config.renormalize, scaling_factor=config.routed_scaling_factor,
                                    n_group=config.n_group, topk_group=config.topk_group)
-    bound = np.zeros_like(y)
+    latent = config.use_latent_projection
+    z = x @ params["routed_expert_down_proj.weight"].T if latent else x  # [m, l]
+    bound = np.zeros_like(z)
     for i in range(x.shape[0]):
+        sizes = np.zeros(z.shape[1])
         for r, e in enumerate(index[i]):
             w1, w3, w2 = (params[f"experts.{w}"][e] for w in ("w1", "w3", "w2"))
-            gate, up = w1 @ x[i], w3 @ x[i]
-            expert = w2 @ (gate / (1 + np.exp(-gate)) * up)  # [d]
-            bound[i] += abs(weights[i, r]) * relative[i] * np.abs(expert)
+            gate, up = w1 @ z[i], w3 @ z[i]
+            act = np.maximum(gate, 0) * up if config.activation == "relu2" else gate / (1 + np.exp(-gate)) * up
+            expert = np.abs(weights[i, r] * (w2 @ act))  # [l]
+            bound[i] += relative[i] * expert
+            sizes += expert
+        if config.activation == "relu2":
+            bound[i] += (config.top_k + 1) * U32 * sizes
+    if latent:
+        bound = bound @ np.abs(params["routed_expert_up_proj.weight"]).T  # [m, d]
     return bound + 1e-12 * (1 + np.abs(y))
 
 
@@ -398,7 +437,7 @@ def test_a_k3_layer_is_not_written_as_a_family_block():
 
 def test_an_unknown_model_type_is_named_with_the_known_ones():
     with pytest.raises(ValueError, match=r"model_type must be one of \['deepseek_v3', 'glm4_moe', 'kimi_linear', "
-                                         r"'mixtral', 'qwen3_moe'\].*got 'llama4_text'"):
+                                         r"'mixtral', 'nemotron_h', 'qwen3_moe'\].*got 'llama4_text'"):
         MoEConfig.from_hf_config({"model_type": "llama4_text", "hidden_size": 8})
 
 

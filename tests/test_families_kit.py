@@ -18,6 +18,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from refimpl import MoEConfig
@@ -32,6 +33,7 @@ BLOCKS = {
     "kimi_linear": (transformers.KimiLinearConfig, KimiLinearMoE),
     "qwen3_moe": (transformers.Qwen3MoeConfig, Qwen3MoeSparseMoeBlock),
     "mixtral": (transformers.MixtralConfig, MixtralSparseMoeBlock),
+    "nemotron_h": (transformers.NemotronHConfig, NemotronHMoE),
 }
 
 

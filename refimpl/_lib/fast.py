@@ -86,6 +86,10 @@ def glu_in_place(a: np.ndarray, b: np.ndarray, activation: str, beta: float,
     sigmoid is the branch-free accurate form of `refimpl.layer.activations.sigmoid`,
     $\sigma(a) = e^{\min(a, 0)} / (1 + e^{-|a|})$.
     """
+    if activation == "relu2":  # max(a, 0) b: with tied gate and up weights, max(u, 0)^2
+        np.maximum(a, 0.0, out=a)
+        a *= b
+        return a
     sig = np.minimum(a, 0.0)  # [m_e, f], the only temporary besides the denominator
     np.exp(sig, out=sig)
     denominator = np.abs(a)
@@ -119,6 +123,13 @@ def glu_and_grad_in_place(a: np.ndarray, b: np.ndarray, activation: str, beta: f
     cancellation, unlike $1 - \tanh^2$). (Getting $\tanh$ from the same $e$,
     as $(1-e)/(1+e)$, would save one more call but loses digits.)
     """
+    if activation == "relu2":  # gamma(a) = max(a, 0), gamma'(a) = [a > 0], lambda(b) = b
+        gamma_prime = np.multiply(a > 0, b, out=da)  # d_a phi = [a > 0] b
+        np.maximum(a, 0.0, out=a)  # gamma(a)
+        h = a * b  # h = gamma(a) b
+        np.copyto(b, a)  # d_b phi = gamma(a)
+        np.copyto(a, h)
+        return a, gamma_prime, b
     situ = activation == "situ"
     abs_a = np.abs(a)
     gamma_prime = np.negative(abs_a, out=da)

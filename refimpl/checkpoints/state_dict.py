@@ -115,7 +115,7 @@ import numpy as np
 
 from .._lib.xp import dtype_name
 from ..config import MoEConfig
-from ..families import HFFamily, family_of
+from ..families import HFFamily, family_activation, family_of
 from ..layer.latent_moe import MoEParams, check_params, parameter_shapes
 from ..mx import MX_BLOCK, mxfp4_encode
 from .hf_checkpoint import ExpertStack, layer_prefix
@@ -516,7 +516,7 @@ def hf_state_dict_from_params(params: Mapping[str, Any], config: MoEConfig, *, l
 # ---------------------------------------------------------------------------
 
 def family_tensor_shapes(config: MoEConfig, model_type: str, expert_layout: str = "fused") -> dict[str, tuple[int, ...]]:
-    """The `state_dict()` names (block-relative) and shapes of transformers' `model_type` block for `config`.
+    r"""The `state_dict()` names (block-relative) and shapes of transformers' `model_type` block for `config`.
 
     | name | shape | when |
     |---|---|---|
@@ -526,25 +526,42 @@ def family_tensor_shapes(config: MoEConfig, model_type: str, expert_layout: str 
     | `experts.down_proj` | $[n, d, f]$ | `expert_layout="fused"` |
     | `experts.{e}.{gate,up,down}_proj.weight` | $[f, d]$, $[f, d]$, $[d, f]$ | `expert_layout="per_expert"` |
     | `shared_experts.{gate,up,down}_proj.weight` | $[N_s f, d]$, $[N_s f, d]$, $[d, N_s f]$ | the families with shared experts |
+
+    Nemotron-H's ungated experts (`activation="relu2"`) have no gate: `experts.up_proj` $[n, f, \ell]$ and
+    `experts.down_proj` $[n, \ell, f]$ (or `experts.{e}.{up,down}_proj.weight`), `fc1_latent_proj.weight`
+    $[\ell, d]$ and `fc2_latent_proj.weight` $[d, \ell]$ with a latent, and a shared expert of
+    `shared_experts.{up,down}_proj.weight` only. Read, `up_proj` becomes both `experts.w1` and `experts.w3`;
+    written, the two must be equal.
     """
     family = family_of(model_type)
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
     _check_family_config(config, family)
-    n, d, f, shared = config.num_experts, config.hidden_size, config.intermediate_size, config.shared_size
+    n, d, f, shared, ell = (config.num_experts, config.hidden_size, config.intermediate_size, config.shared_size,
+                            config.latent_size)
     shapes: dict[str, tuple[int, ...]] = {"gate.weight": (n, d)}
     if family.has_bias:
         shapes["gate.e_score_correction_bias"] = (n,)
-    if expert_layout == "fused":
+    ungated = config.activation == "relu2"  # Nemotron-H: one up matrix per expert, no gate
+    modules = (("up_proj", (f, ell)), ("down_proj", (ell, f))) if ungated else \
+        (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f)))
+    if expert_layout == "fused" and ungated:
+        shapes["experts.up_proj"] = (n, f, ell)
+        shapes["experts.down_proj"] = (n, ell, f)
+    elif expert_layout == "fused":
         shapes["experts.gate_up_proj"] = (n, 2 * f, d)
         shapes["experts.down_proj"] = (n, d, f)
     else:
         for e in range(n):
-            for module, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
+            for module, shape in modules:
                 shapes[f"experts.{e}.{module}.weight"] = shape
+    if config.use_latent_projection:  # Nemotron-H's latent path, without a norm
+        shapes["fc1_latent_proj.weight"] = (ell, d)
+        shapes["fc2_latent_proj.weight"] = (d, ell)
     if family.has_shared:
-        shapes.update({"shared_experts.gate_proj.weight": (shared, d), "shared_experts.up_proj.weight": (shared, d),
-                       "shared_experts.down_proj.weight": (d, shared)})
+        if not ungated:
+            shapes["shared_experts.gate_proj.weight"] = (shared, d)
+        shapes.update({"shared_experts.up_proj.weight": (shared, d), "shared_experts.down_proj.weight": (d, shared)})
     return shapes
 
 
@@ -552,10 +569,15 @@ def _check_family_config(config: MoEConfig, family: HFFamily) -> None:
     """A `ValueError` when `config` is a layer `family`'s block cannot hold (a latent, shared experts, ...)."""
     wrong = [f"{field}={getattr(config, field)!r} (the block has {value!r})" for field, value in family.fixed.items()
              if field != "situ_linear_beta" and getattr(config, field) != value]
-    if config.latent_size != config.hidden_size:
+    if config.latent_size != config.hidden_size and family.model_type != "nemotron_h":
         wrong.append(f"latent_size={config.latent_size} (the block has none: latent_size = hidden_size)")
-    if config.activation != "swiglu":
-        wrong.append(f"activation={config.activation!r} (the block's experts are 'swiglu')")
+    activation = family_activation(family)
+    if config.activation != activation:
+        wrong.append(f"activation={config.activation!r} (the block's experts are {activation!r})")
+    if config.shared_intermediate_size not in (None, config.num_shared_experts * config.intermediate_size) \
+            and family.model_type != "nemotron_h":
+        wrong.append(f"shared_intermediate_size={config.shared_intermediate_size} (the block's shared width is "
+                     "num_shared_experts x intermediate_size)")
     if wrong:
         raise ValueError(f"config is not a layer transformers' {family.block_class} holds: " + ", ".join(wrong))
 
@@ -570,9 +592,22 @@ def _k3_names_from_family(values: Mapping[str, np.ndarray], config: MoEConfig, f
                           layout: str) -> dict[str, np.ndarray]:
     """The K3 block's names for a family block's checked tensors: the fused experts split, a zero bias added."""
     n, d, f = config.num_experts, config.hidden_size, config.intermediate_size
-    out = {name: value for name, value in values.items() if not name.startswith("experts.")}
+    out = {name: value for name, value in values.items() if not name.startswith(("experts.", "fc", "shared"))}
+    if config.use_latent_projection:
+        out["routed_expert_down_proj.weight"] = values["fc1_latent_proj.weight"]  # [l, d]
+        out["routed_expert_up_proj.weight"] = values["fc2_latent_proj.weight"]  # [d, l]
+    if family.has_shared:
+        for module in ("up_proj", "down_proj"):
+            out[f"shared_experts.{module}.weight"] = values[f"shared_experts.{module}.weight"]
+        # An ungated shared expert is the GLU relu(a) b with its gate and up weights one matrix.
+        gate = "up_proj" if config.activation == "relu2" else "gate_proj"
+        out["shared_experts.gate_proj.weight"] = values[f"shared_experts.{gate}.weight"]
     for e in range(n):
-        if layout == "fused":
+        if config.activation == "relu2":  # ungated: w1 = w3 = up, so that relu(W z) (W z) = relu(W z)^2
+            up = values["experts.up_proj"][e] if layout == "fused" else values[f"experts.{e}.up_proj.weight"]
+            down = values["experts.down_proj"][e] if layout == "fused" else values[f"experts.{e}.down_proj.weight"]
+            out[f"experts.{e}.w1.weight"], out[f"experts.{e}.w3.weight"], out[f"experts.{e}.w2.weight"] = up, up, down
+        elif layout == "fused":
             gate_up = values["experts.gate_up_proj"][e]  # [2f, d]: the gate's rows, then the up's
             out[f"experts.{e}.w1.weight"], out[f"experts.{e}.w3.weight"] = gate_up[:f], gate_up[f:]
             out[f"experts.{e}.w2.weight"] = values["experts.down_proj"][e]  # [d, f]
@@ -628,9 +663,15 @@ def _family_state_dict_from_params(k3: Mapping[str, np.ndarray], config: MoEConf
                          f"has no selection bias to hold them (model_type={model_type!r}): writing would change "
                          "the routes")
     n = config.num_experts
+    if config.activation == "relu2":
+        _check_tied(k3, config)
+    renamed = {"fc1_latent_proj.weight": "routed_expert_down_proj.weight",
+               "fc2_latent_proj.weight": "routed_expert_up_proj.weight"}
     out: dict[str, np.ndarray] = {}
     for name in names:
-        if name == "experts.gate_up_proj":  # [n, 2f, d]: the gate's rows, then the up's
+        if name == "experts.up_proj":  # [n, f, l], Nemotron-H's ungated experts
+            out[base + name] = np.stack([k3[f"experts.{e}.w3.weight"] for e in range(n)])
+        elif name == "experts.gate_up_proj":  # [n, 2f, d]: the gate's rows, then the up's
             out[base + name] = np.stack([np.concatenate([k3[f"experts.{e}.w1.weight"], k3[f"experts.{e}.w3.weight"]])
                                          for e in range(n)])
         elif name == "experts.down_proj":  # [n, d, f]
@@ -639,5 +680,16 @@ def _family_state_dict_from_params(k3: Mapping[str, np.ndarray], config: MoEConf
             e, module = name.split(".")[1:3]
             out[base + name] = k3[f"experts.{e}.{FAMILY_EXPERT_MATRICES[module]}.weight"]
         else:
-            out[base + name] = k3[name]
+            out[base + name] = k3[renamed.get(name, name)]
     return out
+
+
+def _check_tied(k3: Mapping[str, np.ndarray], config: MoEConfig) -> None:
+    """Ungated experts are written from tied weights only: every expert's w1 equals its w3, as the shared gate its up."""
+    untied = [e for e in range(config.num_experts)
+              if not np.array_equal(k3[f"experts.{e}.w1.weight"], k3[f"experts.{e}.w3.weight"])]
+    if untied or not np.array_equal(k3["shared_experts.gate_proj.weight"], k3["shared_experts.up_proj.weight"]):
+        where = f"experts.w1 and experts.w3 differ for experts {untied[:5]}" if untied else \
+            "shared_experts.gate_proj.weight and shared_experts.up_proj.weight differ"
+        raise ValueError(f"activation='relu2' is an ungated expert, stored as one up matrix: the GLU's gate and up "
+                         f"weights must be equal, but {where}")

@@ -63,6 +63,7 @@ __all__ = [
     "glu_and_grad",
     "hard_clamp",
     "hard_clamp_grad",
+    "relu_glu",
     "rms_norm",
     "rms_norm_backward",
     "sigmoid",
@@ -220,7 +221,10 @@ def glu_and_grad(a: Array, b: Array, activation: str = "situ", beta: float = 4.0
     $\gamma(a) = \operatorname{softcap}(a, \beta_1)\,\sigma(a)$ and the capped
     up branch $\lambda(b) = \operatorname{softcap}(b, \beta_2)$; `linear_beta=None`
     leaves the up branch uncapped, $\lambda(b) = b$. For SwiGLU
-    (`activation="swiglu"`), $\gamma(a) = a\,\sigma(a)$ and $\lambda(b) = b$. In every case
+    (`activation="swiglu"`), $\gamma(a) = a\,\sigma(a)$ and $\lambda(b) = b$. For the ungated
+    squared ReLU (`activation="relu2"`), $\gamma(a) = \max(a, 0)$ and $\lambda(b) = b$: an expert whose
+    gate and up weights are the same matrix $W$ computes $\max(u, 0)\,u = \max(u, 0)^2$ with $u = W z$,
+    which is exactly Nemotron-H's $\operatorname{relu}(W z)^2$. In every case
 
     $$\partial_a \phi = \gamma'(a)\,\lambda(b), \qquad \partial_b \phi = \gamma(a)\,\lambda'(b),$$
 
@@ -235,7 +239,11 @@ def glu_and_grad(a: Array, b: Array, activation: str = "situ", beta: float = 4.0
     sig = sigmoid(a)
     # $$\sigma'(a) = \sigma(a)\,\sigma(-a)$$ (no cancellation, unlike $\sigma(1 - \sigma)$)
     sig_prime = sig * sigmoid(-a)
-    if activation == "situ":
+    if activation == "relu2":
+        # $$\gamma(a) = \max(a, 0), \qquad \gamma'(a) = [a > 0]$$ (with tied weights, $\gamma(u)\,u = \max(u, 0)^2$)
+        gamma = xp.maximum(a, 0.0)
+        gamma_prime = xp.astype(a > 0, a.dtype)
+    elif activation == "situ":
         capped = beta * xp.tanh(a / beta)
         # $$\gamma(a) = \beta_1 \tanh(a/\beta_1)\,\sigma(a)$$
         gamma = capped * sig
@@ -270,6 +278,21 @@ def situ_glu_grad(gate: Array, up: Array, beta: float = 4.0,
     xp, a, b = _situ_inputs(gate, up, beta, linear_beta)
     _, d_gate, d_up = glu_and_grad(a, b, "situ", beta, linear_beta)
     return xp.astype(d_gate, _result_dtype(gate), copy=False), xp.astype(d_up, _result_dtype(gate), copy=False)
+
+
+def relu_glu(gate: Array, up: Array) -> Array:
+    r"""The squared-ReLU expert as a GLU: $\max(a, 0) \odot b$; with `gate` and `up` from one matrix, $\max(u, 0)^2$.
+
+    NVIDIA's LatentMoE (Nemotron-H) uses ungated experts, $W_\downarrow \operatorname{relu}(W_\uparrow z)^2$.
+    Since $\max(u, 0)^2 = \max(u, 0)\,u$, the same expert is a GLU whose gate and up weights are both
+    $W_\uparrow$: the layer computes it with its GLU machinery, and the converters store Nemotron-H's
+    `up_proj` as both `w1` and `w3`.
+    """
+    _check_pair(gate, up)
+    xp = array_namespace(gate, up)
+    _, (a, b) = _upcast(xp, gate, up)
+    # $$\max(a, 0)\, b$$
+    return xp.astype(xp.maximum(a, 0.0) * b, _result_dtype(gate), copy=False)
 
 
 def swiglu(gate: Array, up: Array) -> Array:
@@ -355,6 +378,8 @@ def expert_glu(a: Array, b: Array, config: MoEConfig) -> Array:
         return glu_in_place(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
     if config.activation == "situ":
         return situ_glu(a, b, config.situ_beta, config.situ_linear_beta)
+    if config.activation == "relu2":
+        return relu_glu(a, b)
     return swiglu(a, b)
 
 

@@ -154,7 +154,8 @@ def init_params(config: MoEConfig, rng: np.random.Generator | int | None = None,
     Matrices are drawn from $\mathcal{N}(0, 1/\text{fan\_in})$ so activations
     keep unit scale through each product; the norm gain is one; the router
     bias is $\mathcal{N}(0, \text{bias\_scale}^2)$ (zero by default, as at the start of
-    training). `rng` is a NumPy `Generator` or a seed.
+    training). `rng` is a NumPy `Generator` or a seed. With `activation="relu2"` each gate matrix is a copy
+    of its up matrix: the ungated expert $\operatorname{relu}(W z)^2$ as the GLU $\max(a, 0)\,b$.
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
@@ -171,6 +172,9 @@ def init_params(config: MoEConfig, rng: np.random.Generator | int | None = None,
             fan_in = shape[-1]
             value = rng.standard_normal(shape) / np.sqrt(max(fan_in, 1))
         params[name] = value.astype(dtype)
+    if config.activation == "relu2":  # ungated experts: the GLU's gate is the up matrix itself
+        params["experts.w1"] = params["experts.w3"].copy()
+        params["shared_experts.gate_proj.weight"] = params["shared_experts.up_proj.weight"].copy()
     return params
 
 
@@ -584,6 +588,8 @@ def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: M
         sig = 1.0 / (1.0 + np.exp(-a))
         if config.activation == "situ":
             return (b1 * np.tanh(a / b1) * sig) * (b if b2 is None else b2 * np.tanh(b / b2))
+        if config.activation == "relu2":
+            return np.maximum(a, 0.0) * b  # relu(u)^2 when the gate and up weights are one matrix
         return a * sig * b
 
     def score(logits: np.ndarray) -> np.ndarray:

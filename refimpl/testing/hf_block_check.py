@@ -354,9 +354,11 @@ def _diagnose(v: _Mismatch, run: Callable[[HFBlockCase], np.ndarray]) -> None:
 def _shapes(case: HFBlockCase) -> str:
     c = case.config
     if case.model_type is not None:
-        return (f"shapes: x [{case.tokens}, {c.hidden_size}]; d = {c.hidden_size}, n = {c.num_experts}, "
-                f"k = {c.top_k}, f = {c.intermediate_size}, shared width {c.shared_size}; experts fused as "
-                f"experts.gate_up_proj [n, 2f, d] and experts.down_proj [n, d, f]")
+        fused = ("experts.up_proj [n, f, l] and experts.down_proj [n, l, f] (ungated)" if c.activation == "relu2"
+                 else "experts.gate_up_proj [n, 2f, d] and experts.down_proj [n, d, f]")
+        latent = f", l = {c.latent_size}" if c.use_latent_projection else ""
+        return (f"shapes: x [{case.tokens}, {c.hidden_size}]; d = {c.hidden_size}{latent}, n = {c.num_experts}, "
+                f"k = {c.top_k}, f = {c.intermediate_size}, shared width {c.shared_size}; experts fused as {fused}")
     latent = f"l = {c.latent_size}" if c.use_latent_projection else "no latent (l = d)"
     experts = ("MXFP4 pairs weight_packed/weight_scale" if case.mxfp4 else "weight")
     return (f"shapes: x [{case.tokens}, {c.hidden_size}]; d = {c.hidden_size}, {latent}, n = {c.num_experts}, k = {c.top_k}, f = {c.intermediate_size}, "
@@ -372,6 +374,11 @@ def _inputs(case: HFBlockCase) -> dict[str, Any]:
 def _family_semantics(model_type: str) -> str:
     """What transformers' block of `model_type` computes, for the report."""
     family = family_of(model_type)
+    if model_type == "nemotron_h":
+        return ("transformers' NemotronHMoE (NVIDIA's LatentMoE): float32 gate, sigmoid scores, top-k of s + b "
+                "(groups by their two best, the others masked with -inf), weights from the raw s, renormalized when "
+                "norm_topk_prob, times routed_scaling_factor; ungated relu(W z)^2 experts on the latent "
+                "fc1_latent_proj x (no norm), summed in float32, then fc2_latent_proj; plus the ungated shared expert")
     if family.keys.get("n_group") is not None:
         renormalize = family.keys["renormalize"].key
         return (f"transformers' {family.block_class}: float32 gate, sigmoid scores, top-k of s + b (groups by "

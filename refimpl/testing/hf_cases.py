@@ -231,9 +231,17 @@ def hf_family_text_configs(draw: st.DrawFn, model_type: str, *, max_experts: int
     family = family_of(model_type)
     spelled = {field: spec.key for field, spec in family.keys.items()}
     n = draw(st.integers(2, max_experts), label=spelled["num_experts"])
-    text: dict[str, Any] = {"model_type": model_type, "hidden_size": draw(st.integers(2, 10), label="hidden_size"),
-                            spelled["num_experts"]: n, spelled["intermediate_size"]: draw(st.integers(2, 6)),
-                            "num_hidden_layers": 1}
+    d = draw(st.integers(2, 10), label="hidden_size")
+    text: dict[str, Any] = {"model_type": model_type, "hidden_size": d, spelled["num_experts"]: n,
+                            spelled["intermediate_size"]: draw(st.integers(2, 6))}
+    if family.layers == "layers_block_type":  # Nemotron-H: one MoE layer, a latent path or none
+        text["layers_block_type"] = ["moe"]
+        if draw(st.booleans(), label="latent"):
+            text["moe_latent_size"] = draw(st.integers(2, d), label="moe_latent_size")
+    else:
+        text["num_hidden_layers"] = 1
+    if family.layers in ("first_k_dense", "mlp_layer_types"):
+        text["first_k_dense_replace"] = 0  # layer 0 holds the MoE block
     reachable = n
 
     def maybe(field: str, values: list[Any]) -> None:
@@ -249,9 +257,12 @@ def hf_family_text_configs(draw: st.DrawFn, model_type: str, *, max_experts: int
         if (n_group, topk_group) != defaults or draw(st.booleans(), label="groups written"):
             text[spelled["n_group"]], text["topk_group"] = n_group, topk_group
         reachable = topk_group * (n // n_group)
-        text["first_k_dense_replace"] = 0  # layer 0 holds the MoE block
     text[spelled["top_k"]] = draw(st.integers(1, min(4, reachable)), label=spelled["top_k"])
-    maybe("num_shared_experts", [0, 1, 2])
+    if model_type == "nemotron_h":  # its shared expert has a width of its own; 0 means the dense width
+        maybe("shared_intermediate_size", [0, 3, 6])
+        text["intermediate_size"] = draw(st.integers(1, 6), label="intermediate_size")
+    else:
+        maybe("num_shared_experts", [0, 1, 2])
     maybe("renormalize", [True, False])
     maybe("routed_scaling_factor", [2.5, 1.0, 0.5])
     return text
