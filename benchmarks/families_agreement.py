@@ -1,0 +1,84 @@
+"""How closely refimpl agrees with transformers' own MoE blocks, family by family, in float64.
+
+For each family of `refimpl.families` this builds transformers' block (float64, inference mode) on a few
+small configurations drawn from a seed, fills it with random weights (selection biases far from zero where
+the router has one), reads the configuration with `MoEConfig.from_hf_config` and the tensors with
+`params_from_hf_state_dict(..., model_type=...)`, runs both on the same tokens, and prints the largest
+difference relative to the largest output. transformers computes every router in float32 (and Nemotron-H
+sums its experts in float32) even in a float64 block, so the differences are float32's rounding, not
+float64's; a token whose two candidate experts are closer than that rounding could route differently.
+
+    python benchmarks/families_agreement.py            # needs torch and transformers (the test extra)
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import numpy as np
+import torch
+import transformers
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+import refimpl
+
+# A configuration per family: 16 experts of width 32 on a width of 64, top-4 (groups where the family has them).
+CASES = {
+    "deepseek_v3": (transformers.DeepseekV3Config, DeepseekV3MoE,
+                    dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1)),
+    "glm4_moe": (transformers.Glm4MoeConfig, Glm4MoeMoE,
+                 dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5)),
+    "kimi_linear": (transformers.KimiLinearConfig, KimiLinearMoE,
+                    dict(num_experts=16, num_experts_per_token=4, num_expert_group=4, topk_group=2)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, Qwen3MoeSparseMoeBlock,
+                  dict(num_local_experts=16, num_experts_per_tok=4, norm_topk_prob=True)),
+    "mixtral": (transformers.MixtralConfig, MixtralSparseMoeBlock, dict(num_local_experts=16, num_experts_per_tok=4)),
+    "nemotron_h": (transformers.NemotronHConfig, NemotronHMoE,
+                   dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, moe_latent_size=32,
+                        moe_shared_expert_intermediate_size=48, layers_block_type=["moe"])),
+}
+
+
+def agreement(model_type: str, seed: int, tokens: int = 64) -> float:
+    """max |y_transformers - y_refimpl| / max |y| on one draw, float64."""
+    config_class, block_class, keys = CASES[model_type]
+    hf = config_class(hidden_size=64, moe_intermediate_size=32, intermediate_size=32, num_attention_heads=2,
+                      num_key_value_heads=2, **keys)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        block = block_class(hf).double().eval()
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, tensor in list(block.named_parameters()) + list(block.named_buffers()):
+            value = (rng.uniform(-0.5, 0.5, tensor.shape) - 20.0 if name == "gate.e_score_correction_bias"
+                     else rng.standard_normal(tensor.shape) * 0.2)
+            tensor.copy_(torch.from_numpy(value))
+    config = refimpl.MoEConfig.from_hf_config(hf.to_dict())
+    params = refimpl.params_from_hf_state_dict(block.state_dict(), config, model_type=model_type)
+    x = rng.standard_normal((tokens, 64))
+    with torch.no_grad():
+        y_block = block(torch.from_numpy(x)[None]).numpy()[0]
+    y = refimpl.stable_latent_moe(x, params, config)
+    return float(np.max(np.abs(y - y_block)) / np.max(np.abs(y_block)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=5, help="draws per family (default 5)")
+    args = parser.parse_args(argv)
+    print(f"transformers {transformers.__version__}, refimpl against each block in float64, 64 tokens, "
+          f"{args.seeds} draws; selection biases around -20")
+    print(f"{'model_type':<12} {'largest relative difference':>28}")
+    for model_type in CASES:
+        worst = max(agreement(model_type, seed) for seed in range(args.seeds))
+        print(f"{model_type:<12} {worst:>28.2e}")
+
+
+if __name__ == "__main__":
+    main()
