@@ -39,25 +39,16 @@ all: test
 
 # --- the environment -------------------------------------------------------
 
-# A Python without ensurepip (Debian's python3 without python3-venv) still gets a
-# working venv: create it without pip, then bootstrap pip from its wheel on PyPI.
-define BOOTSTRAP_PIP
-import hashlib, json, pathlib, subprocess, sys, tempfile, urllib.parse, urllib.request
-api = "https://pypi.org/pypi/pip/json"
-release = json.load(urllib.request.urlopen(api))
-wheel = next(u for u in release["urls"] if u["filename"].endswith(".whl"))
-data = urllib.request.urlopen(urllib.parse.urljoin(api, wheel["url"])).read()
-assert hashlib.sha256(data).hexdigest() == wheel["digests"]["sha256"], "pip wheel checksum mismatch"
-path = pathlib.Path(tempfile.mkdtemp()) / wheel["filename"]
-path.write_bytes(data)
-subprocess.check_call([sys.executable, str(path / "pip"), "install", "--quiet", str(path)])
-endef
-export BOOTSTRAP_PIP
-
+# A venv needs pip, which Python brings with its ensurepip module; some system Pythons ship it
+# separately (Debian and Ubuntu: the python3-venv package). Without it, say what to install rather than
+# fetch pip from a host of our choosing: pip then installs from whatever index your pip is configured for.
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11 or newer is needed"'
-	$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV) && $(PYTHON) -m venv --without-pip $(VENV) \
-		&& $(BIN)/python -c "$$BOOTSTRAP_PIP"; }
+	@$(PYTHON) -c 'import ensurepip' 2>/dev/null || { \
+		echo "$(PYTHON) cannot make a virtual environment with pip in it: its ensurepip module is missing." >&2; \
+		echo "Install your system's venv package (Debian, Ubuntu: apt install python3-venv)," >&2; \
+		echo "or point make at another Python: make PYTHON=/path/to/python3.11 ..." >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
 
 PIP_INSTALL := $(BIN)/python -m pip install --disable-pip-version-check --progress-bar off
 

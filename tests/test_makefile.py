@@ -1,0 +1,37 @@
+"""The Makefile's environment step: a Python that cannot make a venv with pip is told what to install.
+
+The step runs `make` itself, in a scratch folder holding a copy of the Makefile, with `PYTHON` pointing at a
+stand-in that behaves like Debian's python3 without python3-venv (`import ensurepip` fails). Nothing is
+fetched from the network, and no venv is left behind.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_a_python_without_ensurepip_gets_a_clear_error_and_no_venv(tmp_path):
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    fake = tmp_path / "python3-without-venv"
+    fake.write_text(f"""#!/bin/sh
+case "$*" in *ensurepip*) echo "ModuleNotFoundError: No module named 'ensurepip'" >&2; exit 1;; esac
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    proc = subprocess.run(["make", f"PYTHON={fake}", ".venv/bin/python"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "ensurepip module is missing" in proc.stderr and "python3-venv" in proc.stderr, proc.stderr
+    assert "make PYTHON=" in proc.stderr
+    assert not (tmp_path / ".venv").exists()
+
+
+def test_the_makefile_names_no_package_index_host():
+    text = (REPO / "Makefile").read_text()
+    for host in ("pypi.org", "files.pythonhosted.org", "--index-url", "--extra-index-url"):
+        assert host not in text, host
