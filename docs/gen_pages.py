@@ -968,7 +968,9 @@ def example_page(path: Path, record: Record | None) -> str:
         parts.append(f"[Download as notebook]({path.stem}.ipynb){{ .md-button download='{path.stem}.ipynb' }} "
                      f"`{path.stem}.ipynb` holds the cells below with their outputs. It runs in any folder, in a "
                      "Jupyter kernel where refimpl is installed with the extra that draws the figures "
-                     "(`pip install \"refimpl[examples]\"`).\n")
+                     "(no release is on the package index yet: `pip install \"refimpl[examples] @ "
+                     "git+https://github.com/refimpl/refimpl\"`, or `pip install \"./refimpl[examples]\"` "
+                     "next to a clone).\n")
     parts.append(f"As a script: `python {rel}` prints the same, and `--out DIR` saves the figures as PNG files "
                  f"([`{rel}` on the repository]({repo_file_url(rel)})).\n")
     if record is None:

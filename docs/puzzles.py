@@ -182,7 +182,9 @@ def page(puzzle: Any) -> str:
              " · ".join(_neighbours(puzzle)) + "\n",
              f"[Download the notebook]({name}){{ .md-button download='{name}' }} `{name}` runs in any folder, in "
              "a Jupyter kernel where refimpl is installed with its `testing` extra "
-             "(`pip install \"refimpl[testing]\"`).\n",
+             "(no release is on the package index yet: `pip install \"refimpl[testing] @ "
+             "git+https://github.com/refimpl/refimpl\"`, or `pip install \"./refimpl[testing]\"` next to a "
+             "clone).\n",
              "## The task\n", puzzle.spec + "\n", RULES + "\n",
              "## Your answer\n",
              "The set-up cell, then the stub to fill in:\n",
