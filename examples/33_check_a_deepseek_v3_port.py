@@ -13,11 +13,14 @@ The port below is a small PyTorch DeepSeek-V3 block written from those
 names. It carries a mistake that shipped in real code: the experts of the
 groups a token does not choose are masked with **0** instead of $-\infty$.
 While the biased scores $s + b$ are positive (sigmoid scores, a bias near
-zero) the masked experts still lose, and a check with small biases passes.
-Trained biases sit far from zero; once $s + b$ is negative, a masked expert
-at 0 beats every expert of the chosen groups. The kit shifts every bias by
-one constant, which changes nothing for a correct block, and draws biases
-far from zero: the mistake fails, and the report names it. The example
+zero) the masked experts still lose, and the mistake shows only on the rare
+token whose chosen groups hold a negative $s + b$. Trained biases sit far
+from zero; once $s + b$ is negative, a masked expert at 0 beats every expert
+of the chosen groups. The kit shifts every bias by one constant, which
+changes nothing for a correct block, and draws biases far from zero. Below,
+both catch the mistake: the plain comparison on a tiny case whose drawn bias
+made one score negative, the bias shift with every bias moved by -40; the report
+names the mistake in both. The example
 runs the check, reads the report, fixes the one line, and checks again.
 
 The port needs PyTorch; without it the example says so and stops.
