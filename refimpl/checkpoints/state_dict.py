@@ -343,7 +343,7 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, 
     when stored as float64); the bias never below float32.
 
     With a transformers `model_type` (`"deepseek_v3"`, `"glm4_moe"`,
-    `"kimi_linear"`, `"qwen3_moe"`, `"mixtral"`) the names are that family's
+    `"kimi_linear"`, `"qwen3_moe"`, `"mixtral"`, `"nemotron_h"`) the names are that family's
     block (`family_tensor_shapes`; `{prefix}model.layers.{layer}.mlp.…` with
     `layer`), its experts fused as transformers 5 holds them or one module per
     expert as released checkpoints store them (told apart by the names). A

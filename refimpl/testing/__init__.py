@@ -38,14 +38,14 @@ is shown with the kit's installation).
 | `check_balancer` | `make(initial_bias, top_k) -> step`, `step(scores) -> index` | `route` with the biases of Eq. (14) | no look-ahead: a batch is routed with a bias fixed before it was seen |
 | `check_forward` | `fn(x, params, config) -> y` | `stable_latent_moe` | within the `rtol`/`atol` you choose for your dtype |
 | `check_capacity` | `fn(index, weights, num_experts, capacity) -> (kept, new_weights)` | `capacity_keep` | capacity never exceeded; nothing dropped without need; rank order, then token order; no renormalization after a drop |
-| `check_hf_moe_block` | `build(text_config, state_dict) -> forward`, `forward(x) -> y` | `stable_latent_moe` on the same weights | configurations of K3's modeling code (or, with `model_type`, of DeepSeek-V3, GLM-4 MoE, Kimi Linear, Qwen3-MoE or Mixtral in transformers), MXFP4 experts, biases shifted far from zero; a failure names the catalogued convention difference that reproduces it (`conventions.CATALOGUE`) |
+| `check_hf_moe_block` | `build(text_config, state_dict) -> forward`, `forward(x) -> y` | `stable_latent_moe` on the same weights | configurations of K3's modeling code (or, with `model_type`, of DeepSeek-V3, GLM-4 MoE, Kimi Linear, Qwen3-MoE, Mixtral or Nemotron-H in transformers), MXFP4 experts, biases shifted far from zero; a failure names the catalogued convention difference that reproduces it (`conventions.CATALOGUE`) |
 
 `check_hf_moe_block` is the way in for a whole block written against
 Hugging Face names (an `nn.Module` that loads the checkpoint's tensors): it
 hands your `build` the config keys and the tensors, and
 `refimpl.params_from_hf_state_dict` does the same conversion for your own
 tests. A port of another model passes `model_type="deepseek_v3"` (or
-`"glm4_moe"`, `"kimi_linear"`, `"qwen3_moe"`, `"mixtral"`) and is held to that
+`"glm4_moe"`, `"kimi_linear"`, `"qwen3_moe"`, `"mixtral"`, `"nemotron_h"`) and is held to that
 model's keys, tensor names and rules. The page "Conventions across frameworks" lists what its catalogue
 tells apart.
 

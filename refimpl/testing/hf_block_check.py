@@ -34,7 +34,7 @@ ships them (pass `mxfp4=False` if your block does not read that format).
 
 ## A port of another model: `model_type`
 
-A port of DeepSeek-V3, GLM-4 MoE, Kimi Linear, Qwen3-MoE or Mixtral is checked
+A port of DeepSeek-V3, GLM-4 MoE, Kimi Linear, Qwen3-MoE, Mixtral or Nemotron-H is checked
 against that model's rules, not K3's. With `model_type`, the check draws
 configurations in the model's own keys (so its configuration class builds them),
 hands the tensors of that block's `state_dict()` (fused experts
@@ -430,7 +430,7 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
     `hypothesis.settings` (default: 50 examples per invariant, the same every run).
 
     `model_type` names a transformers family instead of K3 (`"deepseek_v3"`,
-    `"glm4_moe"`, `"kimi_linear"`, `"qwen3_moe"`, `"mixtral"`): the check
+    `"glm4_moe"`, `"kimi_linear"`, `"qwen3_moe"`, `"mixtral"`, `"nemotron_h"`): the check
     then draws that model's own configuration keys (`ConfigClass(**text_config)`
     builds them), hands the tensors of that block's `state_dict()` (fused
     experts; no bias or shared experts where the block has none; selection
