@@ -61,6 +61,18 @@ selection biases far from zero, and checks that the reader's defaults are the
 classes' own and that its MoE-layer count is the number of blocks in the
 real model.
 
+**DeepSeek-V4 is not one of them yet.** Its router is: `tests/test_families.py`
+holds transformers' `DeepseekV4TopKRouter` (its $\sqrt{\operatorname{softplus}}$
+scores, the top-$k$ of $s + b$ without groups, weights always renormalized,
+times `routed_scaling_factor`) against `route(router_scores(x, W, "sqrtsoftplus"),
+...)` in float64, and they agree to float64's rounding. Its block is not read:
+transformers clamps the experts' gate at `swiglu_limit` and their up branch to
+$\pm$`swiglu_limit`, which this package's SwiGLU does not do, and its hash layers
+look each token's experts up in a stored `tid2eid` table, where this package's
+`hash_routing` hashes the token id with a fixed function; neither is computed
+here, so `deepseek_v4` is refused as an unknown `model_type` rather than read
+as something else.
+
 How close, measured: `python benchmarks/families_agreement.py` builds each
 block on a width of 64 with 16 experts, top-4 (groups where the family has
 them, a latent of 32 for Nemotron-H), selection biases around $-20$, and 64

@@ -491,3 +491,42 @@ def test_the_pages_porting_example_runs_and_agrees_with_the_block():
     assert scope["config"].n_group == 4 and scope["config"].num_experts == 16
     x = scope["x"].numpy()
     assert (np.abs(scope["y"] - y_block) <= _tolerance(x, scope["params"], scope["config"], y_block)).all()
+
+
+# ---------------------------------------------------------------------------
+# DeepSeek-V4's routers (its whole block is not read yet: see the families page)
+# ---------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.sampled_from([4, 8, 16]), k=st.integers(1, 4),
+       offset=st.sampled_from([0.0, 5.0, -30.0]))
+def test_deepseek_v4s_sqrt_softplus_router_is_refimpls_route(seed, n, k, offset):
+    """transformers' DeepseekV4TopKRouter in float64: sqrt(softplus) scores, top-k of s + b, weights from the raw
+    s always renormalized (+1e-20), times routed_scaling_factor: the same experts and weights as refimpl's
+    `route(router_scores(..., "sqrtsoftplus"), ...)`. Its logits stay in the block's dtype, so float64 agrees to
+    float64's rounding."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
+
+    k = min(k, n)
+    hf = transformers.DeepseekV4Config(hidden_size=16, n_routed_experts=n, num_experts_per_tok=k, vocab_size=32,
+                                       num_attention_heads=2, num_key_value_heads=2)
+    router = DeepseekV4TopKRouter(hf).double()
+    rng = np.random.default_rng(seed)
+    weight, bias = rng.standard_normal((n, 16)), offset + rng.uniform(-0.5, 0.5, n)
+    with torch.no_grad():
+        router.weight.copy_(torch.from_numpy(weight))
+        router.e_score_correction_bias.copy_(torch.from_numpy(bias))
+    x = rng.standard_normal((12, 16))
+    with torch.no_grad():
+        _, hf_weights, hf_index = (t.numpy() for t in router(torch.from_numpy(x)))
+    scores = refimpl.router_scores(x, weight, "sqrtsoftplus")
+    ordered = np.sort(scores + bias, axis=1)[:, ::-1]
+    assume(k == n or (ordered[:, k - 1] - ordered[:, k]).min() > 1e-12)  # no near-tie for float64 to flip
+    index, weights = refimpl.route(scores, bias, k, renormalize=True, scaling_factor=hf.routed_scaling_factor)
+    order = np.argsort(hf_index, axis=1)  # transformers' top-k is unsorted: compare as sets, weight by weight
+    mine = np.argsort(index, axis=1)
+    np.testing.assert_array_equal(np.take_along_axis(hf_index, order, 1), np.take_along_axis(index, mine, 1))
+    # Both evaluate the same float64 formulas in another order: a 16-term dot product and a few functions of
+    # it, some (16 + 10) u of relative rounding each way; 1e-13 is about 450 u.
+    np.testing.assert_allclose(np.take_along_axis(hf_weights, order, 1), np.take_along_axis(weights, mine, 1),
+                               rtol=1e-13, atol=1e-18)
