@@ -367,7 +367,7 @@ def test_bad_layer_input_is_refused_by_name():
 
 
 # ---------------------------------------------------------------------------
-# The worked example and the benchmark still run
+# The worked example still runs
 # ---------------------------------------------------------------------------
 
 def test_worked_example_agrees_with_its_difference_quotients(capsys):
@@ -382,10 +382,6 @@ def test_worked_example_agrees_with_its_difference_quotients(capsys):
     errors = np.array(result["errors"])
     assert errors.min() < 1e-3 * min(errors[0], errors[-1])
     assert "difference quotients along each bias entry" in capsys.readouterr().out
-
-
-
-
 
 
 @given(config=configs(), seed=st.integers(0, 2**32 - 1), m=st.integers(1, 8))

@@ -413,12 +413,10 @@ def test_bfloat16_checkpoint_loads_in_float32(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# The benchmark and the worked example still run
+# The worked example still runs
 # ---------------------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
-
-
 
 
 def test_example_50_runs(tmp_path):
