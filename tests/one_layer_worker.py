@@ -4,7 +4,8 @@
 accepts and that the expert-parallel, backward and training paths must
 reproduce: the three score functions, renormalization off, two capacity
 factors, hash routing, expert groups, top-1 with a scale and no norm, a
-plain MoE with SwiGLU, no shared expert with the up branch uncapped, and
+plain MoE with SwiGLU, no shared expert with the up branch uncapped,
+Nemotron-H's ungated squared ReLU on a latent with its own shared width, and
 every preset of `MoEConfig` at a small width.
 
 Run as `mpiexec -n P python -m mpi4py tests/one_layer_worker.py OUT`: every
@@ -52,6 +53,8 @@ LAYERS: dict[str, MoEConfig] = {
                                    use_latent_norm=False, activation="swiglu"),
     "no shared expert, uncapped up branch": MoEConfig(**{**_SMALL, "num_shared_experts": 0},
                                                       situ_linear_beta=None),
+    "Nemotron-H: relu2, latent without norm, own shared width": MoEConfig(
+        **_SMALL, activation="relu2", use_latent_norm=False, situ_linear_beta=None, shared_intermediate_size=7),
     "preset k3": MoEConfig.k3().replace(**_SMALL),
     "preset tiny": MoEConfig.tiny(num_experts=8),
     "preset small": MoEConfig.small(**_SMALL),

@@ -3,7 +3,7 @@
 The layers of `tests/one_layer_worker.py` (every score function,
 renormalization off, two capacity factors, hash routing with token ids,
 expert groups, top-1 with a scale and no norm, a plain MoE with SwiGLU, no
-shared expert with the up branch uncapped, and every preset at a small
+shared expert with the up branch uncapped, Nemotron-H's squared ReLU, and every preset at a small
 width) run on each path, and each path's `y` must equal the single-process
 forward of the same tokens to 1e-10 relative in float64:
 
