@@ -530,3 +530,17 @@ def test_deepseek_v4s_sqrt_softplus_router_is_refimpls_route(seed, n, k, offset)
     # it, some (16 + 10) u of relative rounding each way; 1e-13 is about 450 u.
     np.testing.assert_allclose(np.take_along_axis(hf_weights, order, 1), np.take_along_axis(weights, mine, 1),
                                rtol=1e-13, atol=1e-18)
+
+
+def test_the_converters_refuse_what_they_cannot_lay_out_by_name():
+    config = MoEConfig.from_hf_config({"model_type": "mixtral", "hidden_size": 8, "intermediate_size": 4,
+                                       "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 1})
+    with pytest.raises(TypeError, match=r"config must be a MoEConfig, got dict"):
+        family_tensor_shapes({"hidden_size": 8}, "mixtral")
+    with pytest.raises(ValueError, match=r"expert_layout must be one of \('fused', 'per_expert'\), got 'stacked'"):
+        family_tensor_shapes(config, "mixtral", "stacked")
+    with pytest.raises(ValueError, match=r"model_type must be one of .*got 'mixtral_v9'"):
+        family_tensor_shapes(config, "mixtral_v9")
+    k3 = MoEConfig.tiny()
+    with pytest.raises(ValueError, match=r"expert_layout='per_expert' chooses a transformers family's .*model_type"):
+        hf_state_dict_from_params(refimpl.init_params(k3, 0), k3, expert_layout="per_expert")

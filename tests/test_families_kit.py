@@ -218,3 +218,12 @@ def test_an_output_scaled_by_a_constant_is_reported_as_that_multiple():
 
     with pytest.raises(CheckFailure, match=r"the block's output is 2\.5 x the reference's on every compared token"):
         check_hf_moe_block(build, model_type="mixtral", settings="quick")
+
+
+@pytest.mark.parametrize("offset", [float("nan"), float("inf"), "3", True])
+def test_a_bias_offset_that_is_not_a_finite_number_is_refused(offset):
+    from refimpl.testing import hf_block_case
+
+    with pytest.raises(ValueError, match=r"bias_offset must be a finite number, got"):
+        hf_block_case({"hidden_size": 4, "num_experts": 2, "num_experts_per_token": 1, "moe_intermediate_size": 2},
+                      0, bias_offset=offset)

@@ -484,6 +484,9 @@ def hf_state_dict_from_params(params: Mapping[str, Any], config: MoEConfig, *, l
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     check_params(params, config)
     base = block_prefix(layer, prefix, model_type)
+    if model_type is None and expert_layout != "fused":
+        raise ValueError(f"expert_layout={expert_layout!r} chooses a transformers family's expert layout: pass "
+                         "model_type too (K3's block always stores one module per expert)")
     if model_type is not None:
         if mxfp4:
             raise ValueError(f"mxfp4=True writes K3's packed experts; model_type={model_type!r} stores float experts")
@@ -533,6 +536,8 @@ def family_tensor_shapes(config: MoEConfig, model_type: str, expert_layout: str 
     `shared_experts.{up,down}_proj.weight` only. Read, `up_proj` becomes both `experts.w1` and `experts.w3`;
     written, the two must be equal.
     """
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     family = family_of(model_type)
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")

@@ -156,6 +156,9 @@ def hf_block_case(text_config: Mapping[str, Any], seed: int, *, tokens: int = 4,
         raise TypeError(f"text_config must be a mapping of config keys, got {type(text_config).__name__}")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
+    if not (isinstance(bias_offset, int | float | np.floating | np.integer) and not isinstance(bias_offset, bool)
+            and np.isfinite(bias_offset)):
+        raise ValueError(f"bias_offset must be a finite number, got {bias_offset!r}")
     if model_type is not None:
         family_of(model_type)
         if mxfp4:
