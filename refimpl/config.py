@@ -68,7 +68,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._lib.values import FLOAT32_RANGE, factor_value, integer_value, is_integer, is_real, shown
+from ._lib.values import (
+    FLOAT32_RANGE,
+    factor_value,
+    integer_value,
+    is_integer,
+    is_real,
+    same_json_value,
+    shown,
+)
 from .families import FAMILIES, K3_ONLY_KEYS, HFFamily, family_of, read_family_fields
 
 __all__ = ["ACTIVATIONS", "FLOAT32_RANGE", "HF_ABSENT", "HF_CODES", "HF_KEYS", "HF_SYNONYMS",
@@ -652,20 +660,15 @@ def _refuse_synonyms(text: Mapping[str, Any], where: str) -> None:
         if expected not in text:
             problems.append(f"{spelled}, but no {expected!r}, the key this package reads: rename the key, "
                             f"or add {expected!r} with the value meant")
-        elif synonym.refused_when == _ABSENT_OR_DIFFERENT and not _same(value, text[expected]):
+        elif synonym.refused_when == _ABSENT_OR_DIFFERENT and not same_json_value(value, text[expected]):
             problems.append(f"{spelled} disagrees with {where}[{expected!r}] = {shown(text[expected])}")
         elif synonym.refused_when == _SHARED_WIDTH:
             shared, width = text[expected], text.get("moe_intermediate_size")
-            if is_integer(shared) and is_integer(width) and not _same(value, shared * width):
+            if is_integer(shared) and is_integer(width) and not same_json_value(value, shared * width):
                 problems.append(f"{spelled} is not num_shared_experts x moe_intermediate_size = "
                                 f"{shared} x {width} = {shared * width}")
     if problems:
         raise ValueError(f"{where} uses keys of other MoE configurations: " + "; ".join(problems))
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal values of the same JSON kind (true is not 1)."""
-    return isinstance(a, bool | np.bool_) == isinstance(b, bool | np.bool_) and a == b
 
 
 def _count_hf_moe_layers(text: Mapping[str, Any], where: str) -> int:

@@ -102,7 +102,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from ._lib.values import factor_value, integer_value, is_integer, shown
+from ._lib.values import factor_value, integer_value, is_integer, same_json_value, shown
 
 __all__ = ["FAMILIES", "HFFamily", "HFFamilyKey", "K3_ONLY_KEYS", "count_family_moe_layers", "family_activation",
            "family_of",
@@ -270,7 +270,7 @@ def _value(text: Mapping[str, Any], where: str, spec: HFFamilyKey) -> Any:
         return _ACTIVATION_OF[spec.default] if spec.kind == "activation" else spec.default
     values = {name: text[name] for name in present}
     first = present[0]
-    if any(not _same(values[name], values[first]) for name in present[1:]):
+    if any(not same_json_value(values[name], values[first]) for name in present[1:]):
         raise ValueError(f"{where} gives one quantity two values: " +
                          ", ".join(f"{where}[{name!r}] = {shown(values[name])}" for name in present))
     label, value = f"{where}[{first!r}]", values[first]
@@ -292,11 +292,6 @@ def _value(text: Mapping[str, Any], where: str, spec: HFFamilyKey) -> Any:
 
 # transformers' name of an expert activation -> this package's: "silu" with a gate is SwiGLU; "relu2" is ungated.
 _ACTIVATION_OF = {"silu": "swiglu", "relu2": "relu2"}
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal values of the same JSON kind (true is not 1)."""
-    return isinstance(a, bool) == isinstance(b, bool) and a == b
 
 
 def _layer_keys(text: Mapping[str, Any], where: str, family: HFFamily, total: int) -> dict[str, Any]:

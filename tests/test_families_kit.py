@@ -14,27 +14,14 @@ import pytest
 import torch
 import transformers
 from hypothesis import given, settings
+from test_families import BLOCKS  # each family's transformers configuration class and MoE block
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
-from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
-from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from refimpl import MoEConfig
 from refimpl.families import FAMILIES
 from refimpl.testing import CheckFailure, Unsupported, check_hf_moe_block, hf_block_cases
 
 pytestmark = pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op:UserWarning")
-
-BLOCKS = {
-    "deepseek_v3": (transformers.DeepseekV3Config, DeepseekV3MoE),
-    "glm4_moe": (transformers.Glm4MoeConfig, Glm4MoeMoE),
-    "kimi_linear": (transformers.KimiLinearConfig, KimiLinearMoE),
-    "qwen3_moe": (transformers.Qwen3MoeConfig, Qwen3MoeSparseMoeBlock),
-    "mixtral": (transformers.MixtralConfig, MixtralSparseMoeBlock),
-    "nemotron_h": (transformers.NemotronHConfig, NemotronHMoE),
-}
 
 
 def literal_build(model_type: str):

@@ -32,6 +32,11 @@ def shown(value: Any, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def same_json_value(a: Any, b: Any) -> bool:
+    """Equal values of the same JSON kind (true is not 1): two spellings of one key agree only if this holds."""
+    return isinstance(a, bool | np.bool_) == isinstance(b, bool | np.bool_) and a == b
+
+
 def integer_value(value: Any, label: str, *, low: int) -> int:
     """`value` as a Python int if it is an integer >= `low`; else a `ValueError` naming `label`."""
     if not is_integer(value) or value < low:

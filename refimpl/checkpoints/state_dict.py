@@ -330,6 +330,18 @@ def _shape_text(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
+def _names_under(state_dict: Mapping[str, Any], base: str) -> dict[Any, Any]:
+    """Block-relative name -> the state dict's key, for the keys under `base`.
+
+    With a namespace, the rest of a model is not the block's business; without one, every key is (a key
+    that is not a string is kept, to be reported as not in the block).
+    """
+    ours = {key[len(base):]: key for key in state_dict if isinstance(key, str) and key.startswith(base)}
+    if not base:
+        ours.update({key: key for key in state_dict if not isinstance(key, str)})
+    return ours
+
+
 def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, *, layer: int | None = None,
                               prefix: str = "", dtype: Any = None, model_type: str | None = None) -> MoEParams:
     """One block's weights from a mapping of Hugging Face tensor names: a `MoEParams`.
@@ -360,10 +372,7 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, 
     if model_type is not None:
         return _params_from_family_state_dict(state_dict, config, model_type, base, dtype)
     where = "block-relative names" if not base else f"names under {base!r}"
-    # With a namespace, the rest of a model is not the block's business; without one, every name is.
-    ours = {key[len(base):]: key for key in state_dict if isinstance(key, str) and key.startswith(base)}
-    if not base:
-        ours.update({key: key for key in state_dict if not isinstance(key, str)})
+    ours = _names_under(state_dict, base)
     problems = _Problems()
     unused = set(ours)
 
@@ -632,9 +641,7 @@ def _params_from_family_state_dict(state_dict: Mapping[str, Any], config: MoECon
                                    base: str, dtype: Any) -> MoEParams:
     """`params_from_hf_state_dict` for a transformers family's block (`model_type`)."""
     family = family_of(model_type)
-    ours = {key[len(base):]: key for key in state_dict if isinstance(key, str) and key.startswith(base)}
-    if not base:
-        ours.update({key: key for key in state_dict if not isinstance(key, str)})
+    ours = _names_under(state_dict, base)
     layout = _expert_layout_of({name for name in ours if isinstance(name, str)})
     shapes = family_tensor_shapes(config, model_type, layout)
     problems, values = _Problems(), {}

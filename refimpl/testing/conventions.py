@@ -176,36 +176,42 @@ def _renormalization_flipped(case: HFBlockCase) -> np.ndarray:
     return _run(case, config=case.config.replace(renormalize=not case.config.renormalize))
 
 
-def _groups_by_max(case: HFBlockCase) -> np.ndarray:
+def _kept_groups(case: HFBlockCase, group_score: Callable[[np.ndarray], np.ndarray]
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(scores s `[m, n]`, biased scores s + b `[m, n]`, `[m, n]` True for the experts of each token's kept
+    groups), the best `topk_group` groups by `group_score(grouped)` of the `[m, G, n/G]` biased scores."""
     c = case.config
     s = _scores(case)
     biased = np.asarray(biased_scores(s, _bias(case)))  # [m, n]
     m, n = biased.shape
     grouped = biased.reshape(m, c.n_group, n // c.n_group)  # [m, G, n/G]
-    # The mistake: a group's score is its best expert, $$\max_{j \in g}(s_j + b_j)$$, not the sum of its two best.
-    group_score = grouped.max(axis=2)  # [m, G]
-    best = np.argsort(-group_score, axis=1, kind="stable")[:, : c.topk_group]  # [m, topk_group]
+    best = np.argsort(-group_score(grouped), axis=1, kind="stable")[:, : c.topk_group]  # [m, topk_group]
     keep = np.zeros((m, c.n_group), dtype=bool)
     np.put_along_axis(keep, best, True, axis=1)
-    masked = np.where(keep[:, :, None], grouped, -np.inf).reshape(m, n)
-    index = np.argsort(-masked, axis=1, kind="stable")[:, : c.top_k]  # [m, k], ties to the lower id
-    return _run(case, routing=(index, _weights(case, np.take_along_axis(s, index, axis=1))))
+    return s, biased, np.repeat(keep, n // c.n_group, axis=1)
+
+
+def _two_best(grouped: np.ndarray) -> np.ndarray:
+    """The reference's group score: the sum of a group's two best biased scores, `[m, G]`."""
+    return -np.sort(-grouped, axis=2)[:, :, :2].sum(axis=2)
+
+
+def _top_k_of(case: HFBlockCase, s: np.ndarray, masked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The route of the masked selection scores: top-k, ties to the lower id, weighed by the raw s."""
+    index = np.argsort(-masked, axis=1, kind="stable")[:, : case.config.top_k]  # [m, k]
+    return index, _weights(case, np.take_along_axis(s, index, axis=1))
+
+
+def _groups_by_max(case: HFBlockCase) -> np.ndarray:
+    # The mistake: a group's score is its best expert, $$\max_{j \in g}(s_j + b_j)$$, not the sum of its two best.
+    s, biased, kept = _kept_groups(case, lambda grouped: grouped.max(axis=2))
+    return _run(case, routing=_top_k_of(case, s, np.where(kept, biased, -np.inf)))
 
 
 def _groups_masked_with_zero(case: HFBlockCase) -> np.ndarray:
-    c = case.config
-    s = _scores(case)
-    biased = np.asarray(biased_scores(s, _bias(case)))  # [m, n]
-    m, n = biased.shape
-    grouped = biased.reshape(m, c.n_group, n // c.n_group)  # [m, G, n/G]
-    group_score = -np.sort(-grouped, axis=2)[:, :, :2].sum(axis=2)  # [m, G], the sum of the two best
-    best = np.argsort(-group_score, axis=1, kind="stable")[:, : c.topk_group]  # [m, topk_group]
-    keep = np.zeros((m, c.n_group), dtype=bool)
-    np.put_along_axis(keep, best, True, axis=1)
+    s, biased, kept = _kept_groups(case, _two_best)
     # The mistake: the experts of dropped groups get 0, not $-\infty$: below a negative biased score, they win.
-    masked = np.where(keep[:, :, None], grouped, 0.0).reshape(m, n)
-    index = np.argsort(-masked, axis=1, kind="stable")[:, : c.top_k]  # [m, k], ties to the lower id
-    return _run(case, routing=(index, _weights(case, np.take_along_axis(s, index, axis=1))))
+    return _run(case, routing=_top_k_of(case, s, np.where(kept, biased, 0.0)))
 
 
 def _groups_masked_with_zero_resolutions(case: HFBlockCase) -> np.ndarray:
@@ -216,20 +222,14 @@ def _groups_masked_with_zero_resolutions(case: HFBlockCase) -> np.ndarray:
     Resolution $c$ gives each token its $c$-th possible choice (the last one, for tokens with fewer).
     """
     c = case.config
-    s = _scores(case)
-    biased = np.asarray(biased_scores(s, _bias(case)))  # [m, n]
+    s, biased, kept = _kept_groups(case, _two_best)
     m, n = biased.shape
-    grouped = biased.reshape(m, c.n_group, n // c.n_group)
-    group_score = -np.sort(-grouped, axis=2)[:, :, :2].sum(axis=2)  # [m, G]
-    best = np.argsort(-group_score, axis=1, kind="stable")[:, : c.topk_group]
-    keep = np.zeros((m, c.n_group), dtype=bool)
-    np.put_along_axis(keep, best, True, axis=1)
-    kept = np.repeat(keep, n // c.n_group, axis=1)  # [m, n]
     choices: list[list[np.ndarray]] = []
     for i in range(m):
-        above = [j for j in np.argsort(-biased[i], kind="stable") if kept[i, j] and biased[i, j] > 0][: c.top_k]
+        ranked = np.argsort(-biased[i], kind="stable")
+        above = [j for j in ranked if kept[i, j] and biased[i, j] > 0][: c.top_k]
         zeros = [j for j in range(n) if not kept[i, j]]
-        below = [j for j in np.argsort(-biased[i], kind="stable") if kept[i, j] and biased[i, j] <= 0]
+        below = [j for j in ranked if kept[i, j] and biased[i, j] <= 0]
         need = c.top_k - len(above)
         if need <= 0:
             choices.append([np.array(above)])
@@ -237,9 +237,8 @@ def _groups_masked_with_zero_resolutions(case: HFBlockCase) -> np.ndarray:
             choices.append([np.array(above + zeros + below[: need - len(zeros)])])
         else:
             choices.append([np.array(above + list(pick)) for pick in itertools.combinations(zeros, need)])
-    count = max(len(options) for options in choices)
     outputs = []
-    for r in range(count):
+    for r in range(max(len(options) for options in choices)):
         index = np.stack([options[min(r, len(options) - 1)] for options in choices])  # [m, k]
         outputs.append(_run(case, routing=(index, _weights(case, np.take_along_axis(s, index, axis=1)))))
     return np.stack(outputs)
