@@ -778,3 +778,11 @@ def test_experiment_records_replay(stem, figure, tmp_path):
     # meaning by far more.
     assert "replayed: " in proc.stdout and "DIFFERENT" not in proc.stdout
     assert (tmp_path / figure).stat().st_size > 10_000
+
+
+def test_a_relu2_layer_is_refused_for_training_by_name():
+    """Training moves each expert's gate and up matrices apart, which would untie an ungated relu2 expert."""
+    from refimpl.train import TrainConfig, TrainConfigError, default_layer
+
+    with pytest.raises(TrainConfigError, match=r"moe.activation must be 'situ' or 'swiglu'.*got 'relu2'"):
+        TrainConfig(moe=default_layer(activation="relu2", use_latent_norm=False))

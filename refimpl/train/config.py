@@ -136,6 +136,9 @@ class TrainConfig:
             fail("precision", f"must be one of {list(PRECISIONS)}, got {self.precision!r}")
         if not isinstance(self.moe, MoEConfig):
             raise TypeError(f"moe must be a MoEConfig (the layer of every block), got {type(self.moe).__name__}")
+        if self.moe.activation == "relu2":  # the ungated expert is a GLU whose gate and up weights stay one matrix
+            fail("moe.activation", "must be 'situ' or 'swiglu': training updates each expert's gate and up "
+                                   "matrices apart, so a 'relu2' layer's tied weights would come apart, got 'relu2'")
         if self.moe.top_k >= self.moe.num_experts:
             fail("moe.top_k", f"must be smaller than moe.num_experts={self.moe.num_experts} for balancing to mean "
                               f"anything, got {self.moe.top_k}")
