@@ -9,6 +9,7 @@ this order:
 | `refimpl.balancing.quantile` | Eq. (14): the cutoffs, the margins and the quantile that give the next bias (`QuantileBalancer`), and DeepSeek-V3's sign rule beside it |
 | `refimpl.balancing.dual` | Appendix C: the balanced-assignment LP, its dual, and Eq. (14) as coordinate descent on it, checked with HiGHS |
 | `refimpl.balancing.histogram` | Appendix D: the same update read from integer counts that add across ranks and micro-batches |
+| `refimpl.balancing.shipped` | Eq. (14) as other code ships it: the bias's sign, Megatron-Core's per-micro-batch update on raw logits, a fixed histogram range |
 | `refimpl.balancing.other_balancers` | the other balancers a small model is trained with: auxiliary losses, capacity with dropping, hash routing |
 
 Data flows one way: the layer's routing (`refimpl.layer.routing`) gives the
@@ -58,6 +59,7 @@ from .quantile import (
     sign_balancing_update,
     target_load,
 )
+from .shipped import megatron_qb_update, megatron_quantile
 
 __all__ = [
     "FORMER_KINDS", "AssignmentLP", "AuxLossBalancer", "BalanceStep", "Balancer", "BiasHistogram",
@@ -65,6 +67,6 @@ __all__ = [
     "SeparatingDual", "SequenceLossBalancer", "SignBalancer", "SubgradientCheck", "alpha_step", "beta_step",
     "beta_subgradient", "coordinate_descent", "cutoff_values", "cutoffs", "dual_objective", "expert_major_margins",
     "histogram_balancing_update", "histogram_range", "interpolated_kth_largest", "kth_largest", "load_ratio",
-    "margins", "quantile_balancing_update", "quantile_rank", "quantile_thresholds", "required_bias",
+    "margins", "megatron_qb_update", "megatron_quantile", "quantile_balancing_update", "quantile_rank", "quantile_thresholds", "required_bias",
     "separating_dual", "sign_balancing_update", "solve_assignment_lp", "subgradient_check", "target_load",
 ]

@@ -145,6 +145,7 @@ import numpy as np
 
 from .._lib.fast import fast_path_applies, histogram_count_by_experts
 from .._lib.validation import check_bias, check_finite, check_float_array, check_int
+from .._lib.values import is_real
 from .._lib.xp import Array, array_namespace, bincount, compute_dtype, dtype_name, is_array
 from .balancer import Balancer
 from .quantile import cutoff_values
@@ -179,6 +180,18 @@ def histogram_range(bias: Array) -> tuple[float, float]:
         raise ValueError(f"bias must span an interval the histogram's bins can divide: [min b - 1, max b + 1] is "
                          f"[{low:.6g}, {high:.6g}], of width {high - low:.6g} in float64 (a bias of order "
                          f"{max(abs(low), abs(high)):.3g}, where the scores lie in (0, 1))")
+    return low, high
+
+
+def _fixed_range(value_range: Any) -> tuple[float, float]:
+    """A range `(low, high)` given by the caller, as two floats with `low < high`, both finite."""
+    if not isinstance(value_range, tuple | list) or len(value_range) != 2:
+        raise TypeError(f"value_range must be a pair (low, high) or None, got {value_range!r}")
+    if not all(is_real(v) for v in value_range):
+        raise TypeError(f"value_range must hold two real numbers, got {value_range!r}")
+    low, high = float(value_range[0]), float(value_range[1])
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ValueError(f"value_range must be finite with low < high, got ({low:g}, {high:g})")
     return low, high
 
 
@@ -293,6 +306,13 @@ class BiasHistogram:
         Margins (rows times experts) processed at once. Memory is
         $O(nB + \text{chunk\_size})$ whatever the size of a block; the result
         does not depend on this value.
+    value_range
+        `None` (the report's rule): the range $[\min b - 1, \max b + 1]$, which
+        holds every required bias. A pair `(low, high)` fixes the range
+        instead, as a port may do (torchtitan's first K3 balancer was reported
+        to bin $[-1, 1]$ into 512 bins). Values outside a fixed range land in
+        its edge bins, so a threshold beyond it cannot be read: the bias
+        stops moving there.
 
     Attributes
     ----------
@@ -304,7 +324,8 @@ class BiasHistogram:
         The range and the bin width $w = (\text{high} - \text{low}) / B$, as floats.
     """
 
-    def __init__(self, bias: Array, top_k: int, bins: int = 1000, *, chunk_size: int = 1 << 22) -> None:
+    def __init__(self, bias: Array, top_k: int, bins: int = 1000, *, chunk_size: int = 1 << 22,
+                 value_range: tuple[float, float] | None = None) -> None:
         check_bias(bias)
         n = bias.shape[0]
         self.top_k = check_int("top_k", top_k, low=1, high=n)
@@ -312,7 +333,7 @@ class BiasHistogram:
         self.chunk_size = check_int("chunk_size", chunk_size, low=1)
         self.bias = bias
         self.n = n
-        self.low, self.high = histogram_range(bias)
+        self.low, self.high = histogram_range(bias) if value_range is None else _fixed_range(value_range)
         # $$w = \frac{(\max b + 1) - (\min b - 1)}{B}$$
         self.width = (self.high - self.low) / self.bins
         xp = array_namespace(bias)
@@ -446,7 +467,7 @@ class BiasHistogram:
 
 
 def histogram_balancing_update(blocks: Iterable[Array] | Array, bias: Array, top_k: int, bins: int = 1000, *,
-                               chunk_size: int = 1 << 22) -> Array:
+                               chunk_size: int = 1 << 22, value_range: tuple[float, float] | None = None) -> Array:
     r"""Appendix D: the Quantile Balancing update (Eq. 14) estimated from an $n \times B$ histogram.
 
     Parameters
@@ -464,6 +485,9 @@ def histogram_balancing_update(blocks: Iterable[Array] | Array, bias: Array, top
         $B$, the number of bins (K3: 1000).
     chunk_size
         Margins processed at once (memory bound); does not change the result.
+    value_range
+        `None` (the report's adaptive range) or a fixed `(low, high)`; see
+        `BiasHistogram`.
 
     Returns
     -------
@@ -474,7 +498,7 @@ def histogram_balancing_update(blocks: Iterable[Array] | Array, bias: Array, top
         threshold of the concatenated blocks, and the result is bitwise the same
         for any split of the same tokens into blocks.
     """
-    histogram = BiasHistogram(bias, top_k, bins, chunk_size=chunk_size)
+    histogram = BiasHistogram(bias, top_k, bins, chunk_size=chunk_size, value_range=value_range)
     if is_array(blocks):
         blocks = [blocks]
     for number, block in enumerate(blocks):

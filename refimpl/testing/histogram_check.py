@@ -52,8 +52,14 @@ def check_histogram_update(fn: Callable[[list[np.ndarray], np.ndarray, int], Any
     * bias-shift, token-permutation and expert-permutation behaviour as for
       the exact update (the first two within one bin width: a shift moves the
       bin edges with it, but rounding may move a value across an edge).
+
+    When the update is off, the report names the known ways of shipping it
+    that reproduce its output (`refimpl.testing.qb_conventions`): the bias in
+    the other sign, a fractional target rounded down, a fixed range $[-1, 1]$
+    of 512 bins, quantiles averaged over the blocks.
     """
     from ..balancing import quantile_balancing_update  # imported here: the kit loads without it
+    from .qb_conventions import averaged_per_block
 
     sizes = dict(max_tokens=max_tokens, max_experts=max_experts, for_update=True)
     cases = st.one_of(rst.routing_cases(distinct=True, **sizes), rst.routing_cases(ties=True, **sizes))
@@ -87,6 +93,19 @@ def check_histogram_update(fn: Callable[[list[np.ndarray], np.ndarray, int], Any
                     other_bias: np.ndarray | None = None) -> np.ndarray:
         return np.abs(actual - expected) <= float_tol(case, other_bias)
 
+    def diagnose(case: rst.RoutingCase, blocks: list[np.ndarray], new: np.ndarray) -> tuple[list[str], list[str]]:
+        from .qb_conventions import HISTOGRAM_CONVENTIONS, name_conventions
+
+        def call(on: list[np.ndarray], bias: np.ndarray) -> np.ndarray:
+            return bias_output(call_user(fn, on, bias, case.top_k), case.n)
+
+        def agree(actual: np.ndarray, expected: np.ndarray, bias: np.ndarray) -> bool:
+            # Two histogram readings agree up to a common shift and a bin of either reading.
+            d = actual - expected
+            return float(d.max() - d.min()) <= 2.0 * max(width(bias), 2.0 / 512) + 2.0 * float_tol(case, bias)
+
+        return name_conventions(HISTOGRAM_CONVENTIONS, call, case, blocks, new, agree, np.dtype(dtype))
+
     def within_bin(case: rst.RoutingCase) -> None:
         new = new_bias(case, None)
         exact = reference(case)
@@ -95,14 +114,17 @@ def check_histogram_update(fn: Callable[[list[np.ndarray], np.ndarray, int], Any
         w = width(case.bias.astype(dtype))
         spread = float(d.max() - d.min())
         if spread > 2.0 * w + 2.0 * float_tol(case):
-            raise Violation(
+            names, lines = diagnose(case, [case.scores.astype(dtype)], new)
+            v = Violation(
                 f"no common shift brings every expert within one bin width (w = {w:.4g}) of Eq. (14)",
                 [f"exact (Eq. 14) {fmt(exact)}", f"histogram      {fmt(new)}",
                  f"differences    {fmt(d)}: spread {spread:.4g} > 2w = {2 * w:.4g}",
                  "read each threshold in the bin holding the (q+1)-th smallest required bias r = alpha - s; "
-                 "the q-th can lie many bins away, behind the atom of the old bias"],
+                 "the q-th can lie many bins away, behind the atom of the old bias", *lines],
                 {"scores": case.scores.astype(dtype), "bias": case.bias.astype(dtype), "top_k": case.top_k,
                  "bins": bins})
+            v.conventions = names
+            raise v
 
     def partition(drawn: tuple[rst.RoutingCase, rst.Partition]) -> None:
         case, part = drawn
@@ -110,15 +132,24 @@ def check_histogram_update(fn: Callable[[list[np.ndarray], np.ndarray, int], Any
         whole = new_bias(case, None)
         split = new_bias(case, None, part.split(s))
         if not close_exact(split, whole, case).all():
-            raise Violation(
+            names, lines = diagnose(case, part.split(s), split)
+            if not names:
+                names, lines = averaged_per_block(lambda on, bias: bias_output(call_user(fn, on, bias, case.top_k),
+                                                                               case.n),
+                                                  case, part.split(s), split,
+                                                  lambda a, e, bias: bool(close_exact(a, e, case, bias).all()),
+                                                  np.dtype(dtype))
+            v = Violation(
                 f"splitting the batch over {count(part.ranks, 'rank')} x "
                 f"{count(part.micro_batches, 'micro-batch', 'micro-batches')} changed the new bias",
                 [f"one block      {fmt(whole)}", f"split blocks   {fmt(split)}",
                  f"the split, rank by rank (micro-batches separated by |): {part}",
                  error_sizes(split, whole),
                  "sum the integer counts of all blocks, then read the quantile once: an average of per-rank "
-                 "quantiles is not the quantile of the global batch"],
+                 "quantiles is not the quantile of the global batch", *lines],
                 {"scores": s, "bias": case.bias.astype(dtype), "top_k": case.top_k, "blocks": part.split(s)})
+            v.conventions = names
+            raise v
 
     def partition_inputs(drawn: tuple[rst.RoutingCase, rst.Partition]) -> dict[str, Any]:
         case, part = drawn
@@ -132,7 +163,8 @@ def check_histogram_update(fn: Callable[[list[np.ndarray], np.ndarray, int], Any
     invariants = bias_invariants(
         new_bias, reference, close, cases, dtype, "within one bin of Eq. (14)",
         "Appendix D: each threshold is read inside the bin holding the exact one; centring adds a common shift",
-        reference_body=within_bin)
+        reference_body=within_bin,
+        diagnose=lambda case, new: diagnose(case, [case.scores.astype(dtype)], new))
     invariants.insert(3, Invariant(
         "partition invariance",
         "Appendix D: counts add, so any split over ranks and micro-batches gives the same bias",

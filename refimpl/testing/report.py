@@ -59,7 +59,8 @@ class Violation(AssertionError):
 
     `summary` is one sentence; `details` are further lines (expected against
     actual, error sizes); `inputs` maps argument names to the values to
-    print so the failure can be reproduced.
+    print so the failure can be reproduced; `conventions` names the known
+    conventions that reproduce the wrong output, where a check looks for them.
     """
 
     def __init__(self, summary: str, details: Sequence[str] = (), inputs: dict[str, Any] | None = None):
@@ -68,6 +69,7 @@ class Violation(AssertionError):
         self.details = list(details)
         self.inputs = dict(inputs or {})
         self.invariant: Invariant | None = None
+        self.conventions: list[str] = []  # the known conventions that reproduce the output, when a check names them
 
 
 class Code(str):

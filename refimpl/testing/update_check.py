@@ -36,8 +36,14 @@ def update_cases(integer_q: bool, max_tokens: int, max_experts: int) -> st.Searc
 def bias_invariants(new_bias: Callable[[rst.RoutingCase, np.ndarray | None], np.ndarray],
                      reference: Callable[[rst.RoutingCase], np.ndarray], close: Callable[..., np.ndarray],
                      cases: st.SearchStrategy, dtype: Any, reference_name: str, reference_why: str,
-                     reference_body: Callable[[rst.RoutingCase], None] | None = None) -> list[Invariant]:
-    """The invariants shared by the exact and the histogram update: form, centring, reference, symmetries."""
+                     reference_body: Callable[[rst.RoutingCase], None] | None = None,
+                     diagnose: Callable[[rst.RoutingCase, np.ndarray], tuple[list[str], list[str]]] | None = None
+                     ) -> list[Invariant]:
+    """The invariants shared by the exact and the histogram update: form, centring, reference, symmetries.
+
+    `diagnose(case, new)`, when given, returns the names and report lines of the known conventions that
+    reproduce a new bias that is not the reference's.
+    """
 
     def inputs(case: rst.RoutingCase, **extra: Any) -> dict[str, Any]:
         return {"scores": case.scores.astype(dtype), "bias": case.bias.astype(dtype), "top_k": case.top_k,
@@ -61,10 +67,13 @@ def bias_invariants(new_bias: Callable[[rst.RoutingCase, np.ndarray | None], np.
         new = new_bias(case, None)
         expected = reference(case)
         if not close(new, expected, case).all():
-            raise Violation("the new bias differs from the exact update of Eq. (14) "
-                            "(refimpl.balancing.quantile_balancing_update)",
-                            [f"expected {fmt(expected)}", f"got      {fmt(new)}",
-                             error_sizes(new, expected)], inputs(case))
+            names, lines = diagnose(case, new) if diagnose is not None else ([], [])
+            v = Violation("the new bias differs from the exact update of Eq. (14) "
+                          "(refimpl.balancing.quantile_balancing_update)",
+                          [f"expected {fmt(expected)}", f"got      {fmt(new)}", error_sizes(new, expected), *lines],
+                          inputs(case))
+            v.conventions = names
+            raise v
 
     def shift(drawn: tuple[rst.RoutingCase, float]) -> None:
         case, c = drawn
@@ -72,11 +81,15 @@ def bias_invariants(new_bias: Callable[[rst.RoutingCase, np.ndarray | None], np.
         new = new_bias(case, None)
         new_c = new_bias(case, shifted)
         if not close(new_c, new, case, shifted).all():
-            raise Violation(f"adding c = {c:g} to the current bias changed the new bias",
-                            [f"from b     {fmt(new)}", f"from b + c {fmt(new_c)}",
-                             "the cutoffs alpha move with b, the margins s - alpha move against it, and "
-                             "centring removes the rest: the update must not depend on a common shift"],
-                            inputs(case, shift_c=c))
+            names, lines = (diagnose(rst.RoutingCase(case.scores, shifted, case.top_k), new_c)
+                            if diagnose is not None else ([], []))
+            v = Violation(f"adding c = {c:g} to the current bias changed the new bias",
+                          [f"from b     {fmt(new)}", f"from b + c {fmt(new_c)}",
+                           "the cutoffs alpha move with b, the margins s - alpha move against it, and "
+                           "centring removes the rest: the update must not depend on a common shift", *lines],
+                          inputs(case, shift_c=c))
+            v.conventions = names
+            raise v
 
     def tokens(drawn: tuple[rst.RoutingCase, list[int]]) -> None:
         case, perm = drawn
@@ -141,6 +154,11 @@ def check_balancing_update(fn: Callable[[np.ndarray, np.ndarray, int], Any], *, 
     interpolation when $q = mk/n$ is fractional. An implementation with
     another rule for a fractional $q$ can still be checked on integer targets
     with `integer_q_only=True`.
+
+    When the update is not Eq. (14), the report names the known ways of
+    shipping it that reproduce its output (`refimpl.testing.qb_conventions`):
+    the bias returned or read in the other sign, as Megatron-Core keeps it,
+    and a fractional target rounded down.
     """
     from ..balancing import quantile_balancing_update  # imported here: the kit loads without it
 
@@ -159,8 +177,21 @@ def check_balancing_update(fn: Callable[[np.ndarray, np.ndarray, int], Any], *, 
             scale = max(scale, 1.0 + float(np.max(np.abs(other_bias))))
         return np.abs(actual - expected) <= atol + rtol * scale
 
+    def diagnose(case: rst.RoutingCase, new: np.ndarray) -> tuple[list[str], list[str]]:
+        from .qb_conventions import UPDATE_CONVENTIONS, name_conventions
+
+        def call(blocks: list[np.ndarray], bias: np.ndarray) -> np.ndarray:
+            return bias_output(call_user(fn, np.concatenate(blocks), bias, case.top_k), case.n)
+
+        def agree(actual: np.ndarray, expected: np.ndarray, bias: np.ndarray) -> bool:
+            return bool(close(actual, expected, case, bias).all())
+
+        return name_conventions(UPDATE_CONVENTIONS, call, case, [case.scores.astype(dtype)], new, agree,
+                                np.dtype(dtype))
+
     cases = update_cases(integer_q_only, max_tokens, max_experts)
     invariants = bias_invariants(
         new_bias, reference, close, cases, dtype, "matches Eq. (14)",
-        "b~_j = -(the (q+1)-th largest margin s_ij - alpha_i of expert j), alpha_i the (k+1)-th of s_i + b")
+        "b~_j = -(the (q+1)-th largest margin s_ij - alpha_i of expert j), alpha_i the (k+1)-th of s_i + b",
+        diagnose=diagnose)
     return run_check("check_balancing_update", invariants, kit_settings(settings))

@@ -1,0 +1,144 @@
+"""Quantile Balancing as other code ships it, against that code: Megatron-Core's update and a fixed histogram range.
+
+Megatron-Core's Quantile Balancing is on its main branch (NVIDIA/Megatron-LM at
+d98e8a64ddf34856e74b24714e3bedb2f5a39553, 2026-08-22) but in no release on the
+package index (the newest there, megatron-core 0.16.1, has none), so its two
+functions are transcribed below in PyTorch, line for line, from that commit:
+`qb_dual_update` (megatron/core/transformer/moe/moe_utils.py) and the body of
+`_update_router_qb_beta` (megatron/core/distributed/finalize_model_grads.py), with
+the data-parallel all-reduce AVG written as a mean over ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refimpl.balancing import (
+    histogram_balancing_update,
+    histogram_range,
+    megatron_qb_update,
+    megatron_quantile,
+    quantile_balancing_update,
+)
+
+
+def qb_dual_update(scores: torch.Tensor, k: int, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron-Core's `qb_dual_update(scores, k, beta, update_beta=True)`, transcribed."""
+    num_tokens, num_experts = scores.shape
+    topk_result = (scores - beta).topk(k + 1, dim=1)
+    indices = topk_result.indices[:, :-1]
+    assert (num_tokens * k) % num_experts == 0
+    col_target = num_tokens * k // num_experts
+    alpha = topk_result.values[:, -1:]
+    beta_local = (scores - alpha).topk(col_target + 1, dim=0).values[-1].contiguous()
+    return indices, beta_local
+
+
+def update_router_qb_beta(qb_beta: torch.Tensor, ranks: list[list[torch.Tensor]], ema: float) -> torch.Tensor:
+    """`_update_router_qb_beta` for one router: each rank averages its micro-batches' quantiles, ranks average."""
+    local_avg = [torch.stack(micro).sum(0) / max(len(micro), 1) for micro in ranks]  # qb_beta_accum / count
+    averaged = torch.stack(local_avg).mean(0)  # all_reduce(op=AVG) over the data-parallel ranks
+    new_beta = ema * qb_beta + (1.0 - ema) * averaged
+    return new_beta - new_beta.mean(dim=-1, keepdim=True)
+
+
+@st.composite
+def micro_batches(draw: st.DrawFn) -> tuple[list[list[np.ndarray]], np.ndarray, int, float]:
+    """Ranks of micro-batches of logits whose m*k/n is whole, a beta, k and an ema."""
+    n = draw(st.sampled_from([4, 6, 8, 12]))
+    k = draw(st.integers(1, n - 1))
+    unit = n // np.gcd(n, k)  # the smallest m with m*k/n whole
+    ranks, per_rank = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    ties = draw(st.booleans())
+
+    def block() -> np.ndarray:
+        m = unit * draw(st.integers(2, 4))
+        z = rng.normal(size=(m, n)) * 2.0
+        return np.round(z * 4) / 4 if ties else z  # quarters: many equal logits
+
+    blocks = [[block() for _ in range(per_rank)] for _ in range(ranks)]
+    beta = rng.normal(size=n)
+    return blocks, beta, k, draw(st.sampled_from([0.0, 0.5, 0.9]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(micro_batches())
+def test_megatron_qb_update_is_megatron_cores(drawn):
+    ranks, beta, k, ema = drawn
+    torch_quantiles = [[qb_dual_update(torch.from_numpy(b), k, torch.from_numpy(beta))[1] for b in micro]
+                       for micro in ranks]
+    for micro, expected in zip(ranks, torch_quantiles, strict=True):
+        for block, quantile in zip(micro, expected, strict=True):
+            np.testing.assert_array_equal(megatron_quantile(block, beta, k), quantile.numpy())
+    expected = update_router_qb_beta(torch.from_numpy(beta), torch_quantiles, ema).numpy()
+    got = megatron_qb_update([b for micro in ranks for b in micro], beta, k, ema=ema)
+    # Sums of at most 9 quantiles and one centring, in float64: a few ulps of the largest value.
+    np.testing.assert_allclose(got, expected, rtol=0, atol=64 * np.finfo(np.float64).eps * (1 + np.abs(expected).max()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(micro_batches())
+def test_on_one_block_megatron_is_eq14_in_the_other_sign(drawn):
+    ranks, beta, k, _ = drawn
+    scores = 1.0 / (1.0 + np.exp(-ranks[0][0]))  # [m, n], sigmoid scores in place of logits
+    b = -beta
+    np.testing.assert_allclose(megatron_qb_update([scores], beta, k), -quantile_balancing_update(scores, b, k),
+                               rtol=0, atol=1e-14)
+
+
+def test_the_average_of_per_micro_batch_quantiles_is_not_the_pooled_quantile():
+    rng = np.random.default_rng(3)
+    blocks = [rng.normal(size=(32, 8)) + np.linspace(0, 1, 8) * (i - 1.5) for i in range(4)]
+    beta = np.zeros(8)
+    pooled = -quantile_balancing_update(np.concatenate(blocks), -beta, 2)
+    averaged = megatron_qb_update(blocks, beta, 2)
+    assert np.max(np.abs(averaged - pooled)) > 0.05
+    np.testing.assert_allclose(megatron_qb_update([np.concatenate(blocks)], beta, 2), pooled, atol=1e-14)
+
+
+def test_megatron_refuses_what_megatron_core_asserts_and_bad_arguments():
+    z, beta = np.random.default_rng(0).normal(size=(10, 8)), np.zeros(8)
+    with pytest.raises(ValueError, match=r"m\*k/n to be a whole number.*m=10, k=2, n=8"):
+        megatron_quantile(z, beta, 2)
+    with pytest.raises(ValueError, match="at least one micro-batch"):
+        megatron_qb_update([], beta, 2)
+    with pytest.raises(ValueError, match=r"ema must be a real number in \[0, 1\], got 1.5"):
+        megatron_qb_update(z[:8], beta, 2, ema=1.5)
+    with pytest.raises(ValueError, match="beta"):
+        megatron_quantile(z[:8], np.zeros(7), 2)
+    with pytest.raises(ValueError, match="logits"):
+        megatron_quantile(np.full((8, 8), np.nan), beta, 2)
+
+
+def test_a_fixed_histogram_range_equal_to_the_adaptive_one_changes_nothing():
+    rng = np.random.default_rng(1)
+    s, b = rng.random((256, 16)), rng.normal(size=16)
+    np.testing.assert_array_equal(histogram_balancing_update(s, b, 4, 300, value_range=histogram_range(b)),
+                                  histogram_balancing_update(s, b, 4, 300))
+
+
+def test_a_fixed_range_cannot_read_a_threshold_beyond_it():
+    # Expert 0 is never in the top-k without a bias above 2: its exact threshold lies outside [-1, 1].
+    rng = np.random.default_rng(2)
+    s = rng.random((512, 8)) * 0.5 + 0.5
+    s[:, 0] -= 0.5
+    b = np.zeros(8)
+    exact = quantile_balancing_update(s, b, 2, center=False)
+    fixed = histogram_balancing_update(s, b, 2, 512, value_range=(-0.25, 0.25))
+    adaptive = histogram_balancing_update(s, b, 2, 512)
+    assert exact[0] - exact[1:].max() > 0.3  # expert 0 needs a bias well above the others
+    assert np.max(np.abs(adaptive - (exact - exact.mean()))) < 2 * (b.max() - b.min() + 2) / 512
+    assert fixed.max() - fixed.min() <= 0.5 + 1e-12  # every threshold is read inside [-0.25, 0.25]
+
+
+@pytest.mark.parametrize(("value_range", "error", "match"), [
+    ((1.0, -1.0), ValueError, "low < high"), ((0.0, float("inf")), ValueError, "finite"),
+    ((0.0,), TypeError, "a pair"), (("a", 1.0), TypeError, "two real numbers"), (1.0, TypeError, "a pair")])
+def test_a_bad_value_range_is_refused_by_name(value_range, error, match):
+    with pytest.raises(error, match=f"value_range.*{match}"):
+        histogram_balancing_update(np.random.default_rng(0).random((32, 4)), np.zeros(4), 1, value_range=value_range)
