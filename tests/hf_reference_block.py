@@ -33,7 +33,7 @@ MISTAKES = {
     "bias_in_weights", "scale_applied_twice", "scale_skipped_without_renormalization", "top1_renormalized",
     "groups_by_max", "up_cap_flipped", "latent_norm_dropped", "silu_for_situ", "bf16_router",
     "mxfp4_nibbles_swapped", "e8m0_bias_125", "e8m0_as_e4m3", "gate_up_swapped", "bias_subtracted",
-    "shared_experts_dropped",
+    "shared_experts_dropped", "bias_on_logits",
 }
 
 
@@ -60,6 +60,8 @@ class KimiMoEGate(nn.Module):
             scores = logits.sigmoid()
         bias = self.e_score_correction_bias.float()
         choice = scores - bias if "bias_subtracted" in mistakes else scores + bias  # [m, n]
+        if "bias_on_logits" in mistakes:
+            choice = logits + bias  # Megatron-Core's QB router: top-k of logits - qb_beta
         groups, keep = text.get("num_expert_group") or 1, text.get("topk_group") or 1
         if groups > 1 and groups > keep:
             grouped = choice.view(len(x), groups, -1)  # [m, G, n/G]

@@ -135,7 +135,8 @@ def test_a_planted_mxfp4_mistake_fails_only_on_packed_experts_and_is_named(mista
 
 
 @pytest.mark.parametrize("mistake", ["silu_for_situ", "bf16_router", "scale_skipped_without_renormalization",
-                                     "bias_subtracted", "gate_up_swapped", "shared_experts_dropped"])
+                                     "bias_subtracted", "gate_up_swapped", "shared_experts_dropped",
+                                     "bias_on_logits"])
 def test_other_catalogued_mistakes_are_named_too(mistake):
     failure = _failure(planted(mistake), mxfp4=False)
     assert mistake in failure.violations[0].conventions, str(failure)

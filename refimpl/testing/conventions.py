@@ -22,6 +22,7 @@ wrong, not only that its numbers differ.
 | `bias_subtracted` | selection by $s - b$ | |
 | `bias_in_bfloat16` | the selection bias kept in bfloat16: far from zero, nearby experts' biases merge | |
 | `bias_ignored` | selection by $s$ alone | |
+| `bias_on_logits` | selection by the raw logits plus the bias, $z + b$, not the scores (the weights still from the scores) | Megatron-Core's Quantile Balancing router |
 | `score_function_flipped` | sigmoid for softmax, or softmax for sigmoid | |
 | `bf16_router` | router logits computed in bfloat16 instead of float32 | SGLang PR #33764 |
 | `up_cap_flipped` | the up branch capped (at K3's 25) when the key is absent, or left uncapped when it is set | |
@@ -298,6 +299,15 @@ def _bias_ignored(case: HFBlockCase) -> np.ndarray:
     return _run(case, routing=_route(case, s, np.zeros_like(_bias(case))))
 
 
+def _bias_on_logits(case: HFBlockCase) -> np.ndarray:
+    s = _scores(case)
+    logits = case.x64 @ case.params64["gate.weight"].T  # [m, n]
+    # The mistake: $$\mathcal T_i = \operatorname{argtopk}(z_i + b)$$, with the weights still gathered from $s$.
+    c = case.config
+    index, _ = route(logits, _bias(case), c.top_k, renormalize=False, n_group=c.n_group, topk_group=c.topk_group)
+    return _run(case, routing=(index, _weights(case, np.take_along_axis(s, index, axis=1))))
+
+
 def _score_function_flipped(case: HFBlockCase) -> np.ndarray:
     other = "softmax" if case.config.score_function == "sigmoid" else "sigmoid"
     return _run(case, config=case.config.replace(score_function=other))
@@ -430,6 +440,9 @@ CATALOGUE: tuple[Convention, ...] = (
                "nearby biases merge)", None, _always, _bias_in_bfloat16),
     Convention("bias_ignored", "experts selected by s alone (e_score_correction_bias not loaded or not added)",
                None, _always, _bias_ignored),
+    Convention("bias_on_logits", "experts selected by the raw logits plus the bias, z + b, instead of the scores "
+               "s + b (the weights still from s)", "Megatron-Core's Quantile Balancing router", _always,
+               _bias_on_logits),
     Convention("score_function_flipped", "moe_router_activation_func ignored: sigmoid for softmax or the reverse",
                None, _always, _score_function_flipped),
     Convention("bf16_router", "the router logits computed in bfloat16 instead of float32", "SGLang PR #33764",
