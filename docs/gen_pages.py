@@ -111,6 +111,7 @@ READING_PATH: list[tuple[str, str]] = [
     ("balancer", "The balancer interface"),
     ("dual", "App. C: the LP and its dual"),
     ("histogram", "App. D: the histogram estimator"),
+    ("shipped", "Eq. (14) as others ship it"),
     ("baselines", "The other routers and balancers"),
     ("other_balancers", "Other balancers in training"),
     ("parallel", "Expert parallelism over MPI"),
@@ -139,7 +140,11 @@ INTERNALS = {"_lib": "the private helpers, together", "studies": "what the worke
 
 #: Modules whose page is reached from another page rather than from the navigation: the report card from its
 #: study page, the smaller modules of a room from the room's page (the sidebar holds at most 60 links).
-NOT_IN_NAV = {"report_card", "safetensors", "exchange", "padded", "balancer", "other_balancers"}
+NOT_IN_NAV = {"report_card", "safetensors", "exchange", "padded", "balancer", "other_balancers", "shipped"}
+
+#: Examples whose page is reached from the page they measure, the examples index and the reading paths rather
+#: than from the navigation (the sidebar holds at most 60 links).
+EXAMPLES_NOT_IN_NAV = {"15_qb_as_others_ship_it"}
 
 #: Navigation labels of modules outside the reading path whose title is long.
 MODULE_LABELS: dict[str, str] = {}
@@ -151,7 +156,7 @@ COMPARE_EXAMPLE = "40_compare_variants"
 NAV_LABELS = {
     "01_forward_by_hand": "One forward pass by hand", "02_k3_accounting": "The K3 accounting",
     "03_situ_vs_swiglu": "SiTU-GLU against SwiGLU", "13_fixed_batch_stall": "Where iterated Eq. (14) stops",
-    "14_fresh_batch_noise": "Fresh batches at K3 scale", "20_histogram_of_r": "Where the histogram reads",
+    "14_fresh_batch_noise": "Fresh batches at K3 scale", "15_qb_as_others_ship_it": "Eq. (14) as others ship it", "20_histogram_of_r": "Where the histogram reads",
     "21_bins_and_traffic": "Bins and traffic", "22_mpi_allreduce": "Appendix D over MPI",
     "50_k3_checkpoint": "A K3 checkpoint", "60_backward_by_hand": "One backward pass by hand",
     "61_balance_while_learning": "Balance while learning", "62_activations_while_training": "Activations in training",
@@ -1582,6 +1587,8 @@ START_HERE: list[tuple[str, str, list[tuple[str, str, str]]]] = [
         ("paper", "histogram", "the same update at scale, from integer counts"),
         ("paper", "baselines", "the sign rule, auxiliary losses, capacity and hashing, side by side"),
         ("example", "14_fresh_batch_noise", "fresh batches and the noise floor"),
+        ("paper", "shipped", "the update as Megatron-Core and others ship it"),
+        ("example", "15_qb_as_others_ship_it", "those conventions measured on one stream of batches"),
         ("paper", "train", "the balancers compared while a small model trains"),
         ("page", "report-card", "the report card"),
     ]),
@@ -1768,7 +1775,7 @@ def main() -> None:
     nav.append("* Worked examples")
     nav.append("    * [All examples](examples/index.md)")
     for path in example_paths:
-        if path.stem != COMPARE_EXAMPLE:
+        if path.stem != COMPARE_EXAMPLE and path.stem not in EXAMPLES_NOT_IN_NAV:
             nav.append(f"    * [{nav_label(path, example_titles[path])}](examples/{path.stem}.md)")
     if studies:
         nav.append("* Studies")

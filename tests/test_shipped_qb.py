@@ -142,3 +142,19 @@ def test_a_fixed_range_cannot_read_a_threshold_beyond_it():
 def test_a_bad_value_range_is_refused_by_name(value_range, error, match):
     with pytest.raises(error, match=f"value_range.*{match}"):
         histogram_balancing_update(np.random.default_rng(0).random((32, 4)), np.zeros(4), 1, value_range=value_range)
+
+
+@pytest.mark.slow
+def test_example_15_measures_each_convention(tmp_path, capsys):
+    from conftest import load_example
+
+    result = load_example("15_qb_as_others_ship_it").main(["--out", str(tmp_path), "--steps", "16"])
+    medians = result["median_max_violation"]
+    consistent = [v for name, v in medians.items() if "bias on the scores" not in name and "s - b" not in name]
+    assert len(consistent) == 5 and max(consistent) - min(consistent) < 0.08  # each rule in its own sign settles
+    assert medians["Megatron-Core's bias on the scores"] > 5 and medians["s - b routed, b updated for s + b"] > 5
+    assert result["micro_batches"][12] > result["micro_batches"][528] + 0.08  # tiny micro-batches cost balance
+    rounded = result["rounded"]
+    assert abs(rounded["q rounded down"] - rounded["interpolated q (Eq. 14)"]) < 0.02
+    assert "noise floor" in capsys.readouterr().out
+    assert (tmp_path / "qb_as_shipped.png").stat().st_size > 10_000

@@ -14,16 +14,16 @@ three of them differ from the report's in ways that change the numbers:
    `megatron/core/transformer/moe/moe_utils.py` and `_update_router_qb_beta` in
    `megatron/core/distributed/finalize_model_grads.py`, NVIDIA/Megatron-LM at
    commit `d98e8a6`, 2026-08-22), computed here by `megatron_qb_update`:
-   * it reads the router's **raw logits**, not the sigmoid scores: its bias
-     lives in the logits' units, and so does its selection
-     (`(logits - beta).topk(k)`);
-   * it asserts that $mk/n$ is a **whole number** in every micro-batch, and
-     reads the $(mk/n + 1)$-th largest margin (Eq. 14 interpolates a
-     fractional $q$);
-   * it takes one quantile **per micro-batch**, averages them over the
-     micro-batches and the data-parallel ranks, and centres the average
-     (with an optional moving average, `moe_router_quantile_balancing_ema`),
-     where Eq. (14) and Appendix D read one quantile of the pooled batch.
+    * it reads the router's **raw logits**, not the sigmoid scores: its bias
+      lives in the logits' units, and so does its selection
+      (`(logits - beta).topk(k)`);
+    * it asserts that $mk/n$ is a **whole number** in every micro-batch, and
+      reads the $(mk/n + 1)$-th largest margin (Eq. 14 interpolates a
+      fractional $q$);
+    * it takes one quantile **per micro-batch**, averages them over the
+      micro-batches and the data-parallel ranks, and centres the average
+      (with an optional moving average, `moe_router_quantile_balancing_ema`),
+      where Eq. (14) and Appendix D read one quantile of the pooled batch.
 3. **A fixed histogram range.** Appendix D bins $[\min b - 1, \max b + 1]$
    into $B = 1000$ bins. torchtitan's first K3 balancer was reported to bin
    the fixed range $[-1, 1]$ into 512; `histogram_balancing_update(...,
