@@ -7,7 +7,7 @@ The public API re-exported here follows the paper section by section:
   ungated squared ReLU of NVIDIA's LatentMoE;
 * Eq. (13): `router_scores`, `route`, `selection_cutoff`, `expert_load`;
 * the other routers and balancers: `capacity_keep`, `expert_capacity`, `switch_balance_loss`,
-  `sequence_balance_loss`, `hash_route`, `route_by_hash`;
+  `sequence_balance_loss`, `hash_route`, `route_by_hash`, `route_by_table`;
 * Eq. (11): `init_params`, `MoEParams`, `stable_latent_moe`, `stable_latent_moe_reference`;
 * its backward pass by hand: `stable_latent_moe_vjp`;
 * accounting: `parameter_counts`, `dispatch_payload`, `combinatorial_sparsity`;
@@ -84,6 +84,7 @@ from .layer.baselines import (
     expert_capacity,
     hash_route,
     route_by_hash,
+    route_by_table,
     sequence_balance_loss,
     sequence_balance_loss_grad,
     switch_balance_loss,
@@ -142,6 +143,7 @@ __all__ = [
     "sequence_balance_loss_grad",
     "sequence_balance_loss",
     "route_by_hash",
+    "route_by_table",
     "hash_route",
     "expert_capacity",
     "capacity_keep",

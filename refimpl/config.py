@@ -38,7 +38,10 @@ Two more fields run NVIDIA's LatentMoE as published (Nemotron-H):
 `activation="relu2"`, ungated experts $W_\downarrow \operatorname{relu}(W_\uparrow z)^2$
 (computed as the GLU $\max(a, 0)\,b$ with the gate and up weights one matrix),
 and `shared_intermediate_size`, a shared-expert width of its own instead of
-$N_s f$.
+$N_s f$. One more runs DeepSeek-V4's experts as transformers computes them:
+`swiglu_limit` $L$ clamps SwiGLU's branches before they meet, the gate to
+$\min(a, L)$ and the up branch to $[-L, L]$, in the routed and the shared
+experts alike.
 
 `MoEConfig.from_hf_config` reads the Hugging Face configuration of the
 released checkpoint, so a user can build the layer from a `config.json`. It
@@ -205,6 +208,7 @@ class MoEConfig:
     hash_routing: bool = False
     num_hash_layers: int = 0
     shared_intermediate_size: int | None = None
+    swiglu_limit: float | None = None
 
     # -- the paper's symbols -------------------------------------------------
     # Read-only aliases, for code that reads like the paper (`config.n`); the fields above are the one name
@@ -301,6 +305,11 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.top_k={self.top_k} exceeds the {self.topk_group} x "
                 f"{self.num_experts // self.n_group} experts that group-limited routing can reach")
+        if self.swiglu_limit is not None:  # None: SwiGLU's branches are not clamped
+            self._store("swiglu_limit", factor_value(self.swiglu_limit, "MoEConfig.swiglu_limit", allowed=" or None"))
+            if self.activation != "swiglu":
+                raise ValueError("MoEConfig.swiglu_limit clamps SwiGLU's gate and up branches (DeepSeek-V4's "
+                                 f"experts) and needs activation='swiglu', got activation={self.activation!r}")
         # The hash-routed layers of the other systems (the page "The other routers and balancers").
         hashed = self.num_hash_layers
         if not is_integer(hashed) or not 0 <= hashed <= self.num_moe_layers:
@@ -355,28 +364,39 @@ class MoEConfig:
         return cls(**fields)
 
     @classmethod
-    def deepseek_v4_flash(cls, *, hidden_size: int, **overrides: Any) -> MoEConfig:
-        r"""A DeepSeek-V4 Flash MoE layer, as far as the sources give it; `hidden_size` is yours to choose.
+    def deepseek_v4_flash(cls, **overrides: Any) -> MoEConfig:
+        r"""A DeepSeek-V4 Flash MoE layer, as transformers 5.24's `DeepseekV4Config` gives it by default.
 
-        As DeepSeek-V4 is described: one shared expert, 256 routed experts,
-        top-6, expert hidden size 2048, the $\sqrt{\operatorname{softplus}}$
-        affinity, bias balancing (plus a small sequence-wise loss, which is
-        training, not configuration), no node limit on routing (one group),
-        and hash routing in the first three MoE layers (`num_hash_layers=3`;
-        the preset is a learned layer, `hash_routing=False`).
-
-        Not given, so not invented: the model width $d$ (a required argument),
-        the number of layers (`num_moe_layers` is 3, the fewest that hold the
-        three hash-routed layers; set the real count yourself), the routed scaling factor (left at 1.0) and whether the weights
-        are renormalized (left at True, as in DeepSeek-V3). DeepSeek-V4 has
-        no latent projection and no latent norm (a plain MoE, $\ell = d$), and
-        its experts are SwiGLU.
+        The class's defaults are those of `deepseek-ai/DeepSeek-V4-Flash-Base`
+        (its docstring's checkpoint): $d = 4096$, 256 routed experts of hidden
+        size 2048, top-6, one shared expert of the same width, the
+        $\sqrt{\operatorname{softplus}}$ affinity with the selection bias, weights
+        always renormalized and scaled by 1.5, SwiGLU clamped at
+        `swiglu_limit = 10`, no groups, 43 layers, all MoE, of which the first
+        three route by a stored table (`num_hash_layers=3`; the preset is a
+        learned layer, `hash_routing=False`). No latent projection and no latent
+        norm: a plain MoE, $\ell = d$. `MoEConfig.from_hf_config` reads the same
+        layer from that class's `to_dict()`, which the tests check.
         """
-        return cls._deepseek_v4(hidden_size, 256, 2048, overrides)
+        fields: dict[str, Any] = dict(hidden_size=4096, routed_scaling_factor=1.5, swiglu_limit=10.0,
+                                      num_moe_layers=43, rms_norm_eps=1e-6, situ_linear_beta=None)
+        fields.update(overrides)
+        hidden = fields.pop("hidden_size")
+        return cls._deepseek_v4(hidden, 256, 2048, fields)
 
     @classmethod
     def deepseek_v4_pro(cls, *, hidden_size: int, **overrides: Any) -> MoEConfig:
-        """A DeepSeek-V4 Pro MoE layer: as `deepseek_v4_flash`, with 384 routed experts of hidden size 3072."""
+        r"""A DeepSeek-V4 Pro MoE layer, as far as the sources give it; `hidden_size` is yours to choose.
+
+        As DeepSeek-V4 is described: 384 routed experts of hidden size 3072,
+        top-6, one shared expert, the $\sqrt{\operatorname{softplus}}$ affinity,
+        bias balancing, no groups, hash routing in the first three MoE layers.
+        Not given, so not invented: the width $d$ (a required argument), the
+        layer count (`num_moe_layers` is 3, the fewest that hold the hash
+        layers), the routed scaling factor (1.0) and the SwiGLU clamp (none);
+        set them from the model's `config.json`, or read that file with
+        `MoEConfig.from_hf_config`.
+        """
         return cls._deepseek_v4(hidden_size, 384, 3072, overrides)
 
     @classmethod
@@ -405,7 +425,7 @@ class MoEConfig:
         a `"kimi_linear"` mapping that names remote code in `auto_map` or holds
         a key only K3's code reads (`K3_ONLY_KEYS`: `routed_expert_hidden_size`,
         `activation_situ_beta`, ...); transformers' class of that `model_type`
-        for every other family in `refimpl.families.FAMILIES` (`deepseek_v3`,
+        for every other family in `refimpl.families.FAMILIES` (`deepseek_v3`, `deepseek_v4`,
         `glm4_moe`, `kimi_linear`, `qwen3_moe`, `mixtral`, `nemotron_h`), with that class's
         keys, defaults and MoE-layer rule. `code="k3"` or
         `code="transformers"` overrides the choice: the same `kimi_linear` file
@@ -507,6 +527,9 @@ class MoEConfig:
             raise ValueError("K3's configuration keys cannot express ungated relu2 experts or a shared width "
                              "other than num_shared_experts x intermediate_size (Nemotron-H's layers: read "
                              "them with model_type 'nemotron_h')")
+        if self.swiglu_limit is not None:
+            raise ValueError(f"K3's configuration keys cannot express swiglu_limit={self.swiglu_limit} (DeepSeek-V4's "
+                             "clamped experts: read them with model_type 'deepseek_v4')")
         values = asdict(self)
         out: dict[str, Any] = {"model_type": "kimi_linear"}
         out.update({key: values[field] for field, key in HF_KEYS.items()})

@@ -1,8 +1,8 @@
 r"""The MoE families of transformers: their configurations, as their own classes read them, and their tensors.
 
 K3's block descends from a line of MoE blocks that transformers now ships as
-code: DeepSeek-V3 (also the language model of Kimi K2 and K2.5), GLM-4 MoE,
-Kimi Linear, Qwen3-MoE and Mixtral. Each spells the same quantities with its
+code: DeepSeek-V3 (also the language model of Kimi K2 and K2.5), DeepSeek-V4,
+GLM-4 MoE, Kimi Linear, Qwen3-MoE and Mixtral, and NVIDIA's LatentMoE (Nemotron-H). Each spells the same quantities with its
 own keys and fills an absent key with its own default, which is rarely K3's:
 transformers' `KimiLinearConfig` scales the routed weights by 2.446 and builds
 one shared expert when the keys are absent, where K3's own code scales by 1.0
@@ -20,6 +20,7 @@ or shared experts), and which decoder layers hold the MoE block.
 | `model_type` | block | scores | shared experts | selection bias | MoE layers |
 |---|---|---|---|---|---|
 | `deepseek_v3` | `DeepseekV3MoE` | sigmoid, groups | `n_shared_experts` | yes | $L \ge$ `first_k_dense_replace` |
+| `deepseek_v4` | `DeepseekV4SparseMoeBlock` | $\sqrt{\operatorname{softplus}}$, always renormalized | one, the routed width | yes (none in hash layers) | every layer; `mlp_layer_types[L] == "hash_moe"` routes by a table |
 | `glm4_moe` | `Glm4MoeMoE` | sigmoid, groups | `n_shared_experts` | yes | $L \ge$ `first_k_dense_replace` |
 | `kimi_linear` | `KimiLinearMoE` | sigmoid, groups | `num_shared_experts` | yes | `mlp_layer_types[L] == "sparse"` |
 | `qwen3_moe` | `Qwen3MoeSparseMoeBlock` | softmax | none | none | $L \notin$ `mlp_only_layers`, `decoder_sparse_step` divides $L + 1$ |
@@ -61,17 +62,27 @@ selection biases far from zero, and checks that the reader's defaults are the
 classes' own and that its MoE-layer count is the number of blocks in the
 real model.
 
-**DeepSeek-V4 is not one of them yet.** Its router is: `tests/test_families.py`
-holds transformers' `DeepseekV4TopKRouter` (its $\sqrt{\operatorname{softplus}}$
-scores, the top-$k$ of $s + b$ without groups, weights always renormalized,
-times `routed_scaling_factor`) against `route(router_scores(x, W, "sqrtsoftplus"),
-...)` in float64, and they agree to float64's rounding. Its block is not read:
-transformers clamps the experts' gate at `swiglu_limit` and their up branch to
-$\pm$`swiglu_limit`, which this package's SwiGLU does not do, and its hash layers
-look each token's experts up in a stored `tid2eid` table, where this package's
-`hash_routing` hashes the token id with a fixed function; neither is computed
-here, so `deepseek_v4` is refused as an unknown `model_type` rather than read
-as something else.
+**DeepSeek-V4** (`DeepseekV4SparseMoeBlock`) differs from DeepSeek-V3 in
+four ways, each read and computed here. Its experts and its shared expert
+clamp SwiGLU's branches before they meet, the gate to $\min(a, L)$ and the up
+branch to $[-L, L]$ with $L$ = `swiglu_limit` (10 by default; the
+`swiglu_limit` field of `MoEConfig`, whose backward passes no gradient through
+a clamped entry). Its router scores with $\sqrt{\operatorname{softplus}}$ in
+the block's own dtype, always renormalizes and scales by
+`routed_scaling_factor` (1.5 by default). It has one shared expert of the
+routed width whatever `n_shared_experts` says, and reads no `norm_topk_prob`:
+the reader follows the block, not the keys it ignores. And its first layers
+(`mlp_layer_types[L] == "hash_moe"`, the first 3 by default) take each
+token's experts from a stored table `gate.tid2eid` `[vocab, k]` indexed by the
+token id, with no selection bias: read such a layer with
+`params_from_hf_state_dict(..., model_type="deepseek_v4", hash_layer=True)`,
+its table with `hf_hash_table`, and route it with `route_by_table` (this
+package's `hash_routing` hashes the id with a fixed function instead, for the
+other-systems studies). `MoEConfig.from_hf_config` counts every layer as MoE
+and the table-routed ones as `num_hash_layers`. `tests/test_deepseek_v4.py`
+holds the real block against refimpl on both kinds of layer; since its router
+computes in float64 in a float64 block, they agree to float64's rounding
+(relative $10^{-11}$ is what the test asks).
 
 How close, measured: `python benchmarks/families_agreement.py` builds each
 block on a width of 64 with 16 experts, top-4 (groups where the family has
@@ -114,7 +125,7 @@ class HFFamilyKey(NamedTuple):
 
     key: str  #: the key in `config.json` (what the class's `to_dict()` writes)
     default: Any  #: what the class makes of an absent key
-    kind: str  #: "integer", "factor", "switch" or "activation"
+    kind: str  #: "integer", "count", "factor", "switch", "activation" or "score" (a score function)
     aliases: tuple[str, ...] = ()  #: other spellings the class accepts (its `attribute_map`)
 
 
@@ -128,7 +139,9 @@ class HFFamily(NamedTuple):
     fixed: dict[str, Any]  #: `MoEConfig` fields the family does not configure
     has_bias: bool  #: whether the router holds `gate.e_score_correction_bias`
     has_shared: bool  #: whether the block holds `shared_experts`
-    layers: str  #: how the MoE layers are chosen: "first_k_dense", "sparse_step", "every" or "mlp_layer_types"
+    #: how the MoE layers are chosen: "first_k_dense", "sparse_step", "every", "mlp_layer_types",
+    #: "layers_block_type" (Nemotron-H) or "hash_mlp_layer_types" (DeepSeek-V4)
+    layers: str
     num_hidden_layers: int  #: the class's default layer count
     layer_defaults: dict[str, Any]  #: the class's defaults for the layer-choosing keys
 
@@ -210,6 +223,21 @@ FAMILIES: dict[str, HFFamily] = {
          "activation": HFFamilyKey("mlp_hidden_act", "relu2", "activation")},
         {"use_latent_norm": False, "situ_linear_beta": None, "score_function": "sigmoid"}, True, True,
         "layers_block_type", 4, {"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]}),
+    "deepseek_v4": HFFamily(
+        "deepseek_v4", "DeepseekV4Config", "DeepseekV4SparseMoeBlock",
+        {"hidden_size": HFFamilyKey("hidden_size", 4096, "integer"),
+         "num_experts": HFFamilyKey("n_routed_experts", 256, "integer", ("num_local_experts",)),
+         "top_k": HFFamilyKey("num_experts_per_tok", 6, "integer"),
+         "intermediate_size": HFFamilyKey("moe_intermediate_size", 2048, "integer", ("intermediate_size",)),
+         "routed_scaling_factor": HFFamilyKey("routed_scaling_factor", 1.5, "factor"),
+         "score_function": HFFamilyKey("scoring_func", "sqrtsoftplus", "score"),
+         "swiglu_limit": HFFamilyKey("swiglu_limit", 10.0, "factor"),
+         "rms_norm_eps": HFFamilyKey("rms_norm_eps", 1e-6, "factor"),
+         "activation": HFFamilyKey("hidden_act", "silu", "activation")},
+        # One shared expert of the routed width and weights always renormalized, whatever n_shared_experts and
+        # norm_topk_prob say: DeepseekV4SparseMoeBlock reads neither. No groups.
+        {**_PLAIN, "num_shared_experts": 1, "renormalize": True, "n_group": 1, "topk_group": 1}, True, True,
+        "hash_mlp_layer_types", 43, {"num_hash_layers": 3}),
     "mixtral": HFFamily(
         "mixtral", "MixtralConfig", "MixtralSparseMoeBlock",
         {"hidden_size": HFFamilyKey("hidden_size", 4096, "integer"),
@@ -257,6 +285,8 @@ def count_family_moe_layers(family: HFFamily, num_hidden_layers: int, layer_keys
         return sum(kind == "sparse" for kind in layer_keys["mlp_layer_types"])
     if family.layers == "layers_block_type":
         return sum(kind == "moe" for kind in layer_keys["layers_block_type"])
+    if family.layers == "hash_mlp_layer_types":  # DeepSeek-V4: every layer is MoE, hash-routed or not
+        return len(layer_keys["mlp_layer_types"])
     # Qwen3-MoE: layer L is MoE when it is not listed and the step divides L + 1, counted in closed form.
     step, listed = layer_keys["decoder_sparse_step"], layer_keys["mlp_only_layers"]
     # $$\#\{L < N : s \mid L + 1\} - \#\{L \in \text{listed} : L < N,\ s \mid L + 1\}$$
@@ -280,6 +310,11 @@ def _value(text: Mapping[str, Any], where: str, spec: HFFamilyKey) -> Any:
         return integer_value(value, label, low=1 if spec.kind == "integer" else 0)
     if spec.kind == "factor":
         return factor_value(value, label)
+    if spec.kind == "score":  # the router's score function, by its transformers activation name
+        if value not in _SCORES_OF:
+            raise ValueError(f"{label} must be one of {sorted(_SCORES_OF)} (the score functions of this family "
+                             f"this package computes), got {shown(value)}")
+        return _SCORES_OF[value]
     if spec.kind == "switch":
         if not isinstance(value, bool):
             raise ValueError(f"{label} must be true or false, got {type(value).__name__} {shown(value)}")
@@ -292,6 +327,8 @@ def _value(text: Mapping[str, Any], where: str, spec: HFFamilyKey) -> Any:
 
 # transformers' name of an expert activation -> this package's: "silu" with a gate is SwiGLU; "relu2" is ungated.
 _ACTIVATION_OF = {"silu": "swiglu", "relu2": "relu2"}
+# transformers' activation names a router may use as its score function -> this package's score functions.
+_SCORES_OF = {"sqrtsoftplus": "sqrtsoftplus", "sigmoid": "sigmoid"}
 
 
 def _layer_keys(text: Mapping[str, Any], where: str, family: HFFamily, total: int) -> dict[str, Any]:
@@ -321,6 +358,8 @@ def _layer_keys(text: Mapping[str, Any], where: str, family: HFFamily, total: in
         if not isinstance(kinds, list) or not kinds or any(kind not in allowed for kind in kinds):
             raise ValueError(f"{where}['layers_block_type'] must list one of {allowed} per layer, got {shown(kinds)}")
         keys["layers_block_type"] = kinds
+    if family.layers == "hash_mlp_layer_types":
+        keys.update(_hash_layer_kinds(text, where, family, total))
     if family.layers == "sparse_step":
         step = text.get("decoder_sparse_step", family.layer_defaults["decoder_sparse_step"])
         keys["decoder_sparse_step"] = integer_value(step, f"{where}['decoder_sparse_step']", low=1)
@@ -330,6 +369,24 @@ def _layer_keys(text: Mapping[str, Any], where: str, family: HFFamily, total: in
             raise ValueError(f"{where}['mlp_only_layers'] must be a list of layer indices >= 0, got {shown(listed)}")
         keys["mlp_only_layers"] = {int(L) for L in listed}
     return keys
+
+
+def _hash_layer_kinds(text: Mapping[str, Any], where: str, family: HFFamily, total: int) -> dict[str, Any]:
+    """DeepSeek-V4's `mlp_layer_types`: every layer is MoE, the first ones (3 by default) routed by a hash table.
+
+    As `DeepseekV4Config` builds them: an absent list is `num_hash_layers` (the older key, default 3) times
+    "hash_moe", then "moe"; a longer list is cut to the layer count, a shorter one refused.
+    """
+    kinds = text.get("mlp_layer_types")
+    if kinds is None:
+        hashed = text.get("num_hash_layers", family.layer_defaults["num_hash_layers"])
+        hashed = integer_value(hashed, f"{where}['num_hash_layers']", low=0)
+        kinds = ["hash_moe"] * min(total, hashed) + ["moe"] * max(0, total - hashed)
+    if (not isinstance(kinds, list) or len(kinds) < total
+            or any(kind not in ("hash_moe", "moe") for kind in kinds[:total])):
+        raise ValueError(f"{where}['mlp_layer_types'] must list 'hash_moe' or 'moe' for each of the "
+                         f"num_hidden_layers = {total} layers, got {shown(kinds)}")
+    return {"mlp_layer_types": list(kinds[:total])}
 
 
 def _nemotron_h_fields(text: Mapping[str, Any], where: str, fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -367,7 +424,10 @@ def read_family_fields(text: Mapping[str, Any], where: str, family: HFFamily) ->
     else:
         total = integer_value(text.get("num_hidden_layers", family.num_hidden_layers),
                               f"{where}['num_hidden_layers']", low=1)
-    count = count_family_moe_layers(family, total, _layer_keys(text, where, family, total))
+    layer_keys = _layer_keys(text, where, family, total)
+    count = count_family_moe_layers(family, total, layer_keys)
+    if family.layers == "hash_mlp_layer_types":
+        fields["num_hash_layers"] = sum(kind == "hash_moe" for kind in layer_keys["mlp_layer_types"])
     if count == 0:
         raise ValueError(f"{where} has no MoE layer: of its num_hidden_layers = {total} layers, none holds "
                          f"{family.block_class} by {family.config_class}'s layer keys")

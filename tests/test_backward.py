@@ -118,6 +118,11 @@ EPS = 1e-6
 @example(config=MoEConfig(hidden_size=6, latent_size=6, num_experts=4, top_k=2, intermediate_size=3,
                           num_shared_experts=1, activation="relu2", use_latent_projection=False,
                           use_latent_norm=False), seed=8, m=4)
+# DeepSeek-V4's clamped SwiGLU: entries past the limit pass no gradient.
+@example(config=MoEConfig(hidden_size=6, latent_size=6, num_experts=4, top_k=2, intermediate_size=3,
+                          num_shared_experts=1, activation="swiglu", situ_linear_beta=None, swiglu_limit=0.4,
+                          use_latent_projection=False, use_latent_norm=False, score_function="sqrtsoftplus",
+                          routed_scaling_factor=1.5), seed=9, m=5)
 def test_directional_derivatives_match_central_differences(config, seed, m):
     """For x and each parameter, <gradient, V> equals (L(θ + εV) - L(θ - εV)) / 2ε along a random V."""
     x, params, dy = make_layer(config, seed, m)

@@ -466,8 +466,10 @@ def test_deepseek_presets_hold_the_seed_numbers():
     assert flash.num_hash_layers == 3 and not flash.use_latent_projection
     v3 = MoEConfig.deepseek_v3()
     assert (v3.d, v3.n, v3.k, v3.f, v3.n_group, v3.topk_group) == (7168, 256, 8, 2048, 8, 4)
+    assert flash.swiglu_limit == 10.0 and flash.routed_scaling_factor == 1.5  # transformers' DeepseekV4Config
+    assert pro.swiglu_limit is None and pro.routed_scaling_factor == 1.0  # not in the sources: not invented
     with pytest.raises(TypeError):
-        MoEConfig.deepseek_v4_flash()  # the width is not in the sources: it must be given
+        MoEConfig.deepseek_v4_pro()  # the width is not in the sources: it must be given
 
 
 @pytest.mark.parametrize(("field", "value", "error"), [

@@ -53,7 +53,8 @@ ATTENTION = dict(num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
 
 def test_the_families_are_the_blocks_of_the_pinned_transformers():
     assert transformers.__version__ == "5.24.0"
-    assert set(FAMILIES) == set(BLOCKS)
+    # DeepSeek-V4's block takes its layer index and, in hash layers, the token ids: test_deepseek_v4.py holds it.
+    assert set(FAMILIES) == set(BLOCKS) | {"deepseek_v4"}
     for model_type, (config_class, block_class) in BLOCKS.items():
         family = FAMILIES[model_type]
         assert (family.config_class, family.block_class) == (config_class.__name__, block_class.__name__)
@@ -436,7 +437,7 @@ def test_a_k3_layer_is_not_written_as_a_family_block():
 # ---------------------------------------------------------------------------
 
 def test_an_unknown_model_type_is_named_with_the_known_ones():
-    with pytest.raises(ValueError, match=r"model_type must be one of \['deepseek_v3', 'glm4_moe', 'kimi_linear', "
+    with pytest.raises(ValueError, match=r"model_type must be one of \['deepseek_v3', 'deepseek_v4', 'glm4_moe', 'kimi_linear', "
                                          r"'mixtral', 'nemotron_h', 'qwen3_moe'\].*got 'llama4_text'"):
         MoEConfig.from_hf_config({"model_type": "llama4_text", "hidden_size": 8})
 

@@ -28,6 +28,7 @@ path applies (`fast_path_applies`); a reader can ignore this page entirely.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -214,12 +215,16 @@ def combine_in_buffers(sorted_rows: np.ndarray, position: np.ndarray) -> np.ndar
     return total
 
 
-def routed_experts_in_buffers(z: np.ndarray, dispatch: Any, w1: Any, w3: Any, w2: Any, activation: tuple[str, float, Any],
-                   *, save: bool = False) -> tuple[np.ndarray, dict[int, tuple] | None, np.ndarray]:
+def routed_experts_in_buffers(z: np.ndarray, dispatch: Any, w1: Any, w3: Any, w2: Any,
+                              activation: tuple[Callable[..., Any], Callable[..., Any]], *, save: bool = False,
+                              ) -> tuple[np.ndarray, dict[int, tuple] | None, np.ndarray]:
     r"""The loop of `refimpl.layer.latent_moe.routed_experts` for NumPy float32/float64: returns `(u, hidden, out_sorted)`.
 
     `dispatch` is the `refimpl.layer.latent_moe.Dispatch` of the route and
-    `activation` the triple `(activation, beta, linear_beta)`. Each expert's
+    `activation` the layer's pair `(glu, glu_and_grad)` of functions of the two
+    products (`refimpl.layer.activations.expert_glu` and `expert_glu_and_grad`
+    bound to the config, which run `glu_in_place` and `glu_and_grad_by_chunks`
+    after any clamp the config asks for). Each expert's
     latents are gathered into one buffer sized for the busiest expert, $p\,h$
     is formed in another, and the down-projection is written straight into
     its rows of the sorted output (`out=`). With `save=True` the activation's
@@ -239,11 +244,12 @@ def routed_experts_in_buffers(z: np.ndarray, dispatch: Any, w1: Any, w3: Any, w2
         z_e, ph = z_buf[:m_e], ph_buf[:m_e]
         np.take(z, dispatch.token[rows], axis=0, out=z_e, mode="clip")  # [m_e, l]
         g_e, u_e, d_e = (np.asarray(w[e, ...], dtype=dtype) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
+        glu, glu_and_grad = activation
         if save:
-            hidden[e] = glu_and_grad_by_chunks(z_e @ g_e.T, z_e @ u_e.T, *activation)  # [m_e, f] x3
+            hidden[e] = glu_and_grad(z_e @ g_e.T, z_e @ u_e.T)  # [m_e, f] x3
             h = hidden[e][0]
         else:
-            h = glu_in_place(z_e @ g_e.T, z_e @ u_e.T, *activation)  # [m_e, f]
+            h = glu(z_e @ g_e.T, z_e @ u_e.T)  # [m_e, f]
         np.multiply(h, dispatch.weight[rows, :], out=ph)
         np.matmul(ph, d_e.T, out=out_sorted[rows, :])  # [m_e, l]
         del g_e, u_e, d_e, h  # drop this expert before the next one is decoded (packed stacks)

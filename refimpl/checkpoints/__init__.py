@@ -22,11 +22,12 @@ from .hf_checkpoint import (
 from .safetensors import open_safetensors, read_safetensors_header
 from .state_dict import (
            family_tensor_shapes,
+           hf_hash_table,
            hf_state_dict_from_params,
            hf_tensor_shapes,
            params_from_hf_state_dict,
 )
 
 __all__ = ["INCOMPLETE_SAVE_MARK", "K3_QUANTIZATION_CONFIG", "ExpertStack", "family_tensor_shapes",
-           "hf_state_dict_from_params", "hf_tensor_shapes", "load_hf_layer", "open_safetensors", "params_from_hf_state_dict",
+           "hf_hash_table", "hf_state_dict_from_params", "hf_tensor_shapes", "load_hf_layer", "open_safetensors", "params_from_hf_state_dict",
            "read_safetensors_header", "save_hf_layer"]

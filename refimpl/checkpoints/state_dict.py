@@ -127,6 +127,7 @@ __all__ = [
     "as_numpy",
     "block_prefix",
     "family_tensor_shapes",
+    "hf_hash_table",
     "hf_state_dict_from_params",
     "hf_tensor_shapes",
     "params_from_hf_state_dict",
@@ -343,7 +344,8 @@ def _names_under(state_dict: Mapping[str, Any], base: str) -> dict[Any, Any]:
 
 
 def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, *, layer: int | None = None,
-                              prefix: str = "", dtype: Any = None, model_type: str | None = None) -> MoEParams:
+                              prefix: str = "", dtype: Any = None, model_type: str | None = None,
+                              hash_layer: bool = False) -> MoEParams:
     """One block's weights from a mapping of Hugging Face tensor names: a `MoEParams`.
 
     `state_dict` maps the reference block's names (block-relative with
@@ -354,12 +356,15 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, 
     pairs. Floating tensors come out in `dtype` (default: float32, or float64
     when stored as float64); the bias never below float32.
 
-    With a transformers `model_type` (`"deepseek_v3"`, `"glm4_moe"`,
+    With a transformers `model_type` (`"deepseek_v3"`, `"deepseek_v4"`, `"glm4_moe"`,
     `"kimi_linear"`, `"qwen3_moe"`, `"mixtral"`, `"nemotron_h"`) the names are that family's
     block (`family_tensor_shapes`; `{prefix}model.layers.{layer}.mlp.…` with
     `layer`), its experts fused as transformers 5 holds them or one module per
     expert as released checkpoints store them (told apart by the names). A
     router without a selection bias (Qwen3-MoE, Mixtral) reads as a zero bias.
+    DeepSeek-V4's hash layers (`hash_layer=True`) hold the table `gate.tid2eid`
+    instead of a bias: the weights read with a zero bias, and the table with
+    `hf_hash_table`, to route with `route_by_table`.
 
     Raises `ValueError` listing every missing, unexpected, misshapen or
     mistyped tensor, and `TypeError` for a value that is not an array.
@@ -369,8 +374,9 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, 
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping from tensor names to tensors, got {type(state_dict).__name__}")
     base = block_prefix(layer, prefix, model_type)
+    _check_hash_layer(hash_layer, model_type)
     if model_type is not None:
-        return _params_from_family_state_dict(state_dict, config, model_type, base, dtype)
+        return _params_from_family_state_dict(state_dict, config, model_type, base, dtype, hash_layer)
     where = "block-relative names" if not base else f"names under {base!r}"
     ours = _names_under(state_dict, base)
     problems = _Problems()
@@ -470,7 +476,7 @@ def _read_stack(module: str, out: int, inp: int, n: int, ours: Mapping[str, str]
 
 def hf_state_dict_from_params(params: Mapping[str, Any], config: MoEConfig, *, layer: int | None = None,
                               prefix: str = "", mxfp4: bool = False, model_type: str | None = None,
-                              expert_layout: str = "fused") -> dict[str, np.ndarray]:
+                              expert_layout: str = "fused", tid2eid: Any = None) -> dict[str, np.ndarray]:
     """The inverse of `params_from_hf_state_dict`: the block's tensors under Hugging Face names.
 
     Returns fresh NumPy arrays, block-relative names when `layer` is None
@@ -487,7 +493,9 @@ def hf_state_dict_from_params(params: Mapping[str, Any], config: MoEConfig, *, l
     (`family_tensor_shapes`), the experts `expert_layout="fused"` (they load
     into transformers' block with `strict=True`) or `"per_expert"`; a nonzero
     selection bias for a family whose router has none is a `ValueError`, and
-    so is `mxfp4=True`.
+    so is `mxfp4=True`. A DeepSeek-V4 hash layer is written with its table,
+    `tid2eid` `[vocab, k]` (expert ids), as `gate.tid2eid` in place of the bias,
+    which must then be zero.
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
@@ -500,8 +508,11 @@ def hf_state_dict_from_params(params: Mapping[str, Any], config: MoEConfig, *, l
         if mxfp4:
             raise ValueError(f"mxfp4=True writes K3's packed experts; model_type={model_type!r} stores float experts")
         family_tensor_shapes(config, model_type, expert_layout)  # the layout and the config checked first
+        table = None if tid2eid is None else _checked_table(tid2eid, config, "tid2eid", model_type)
         k3 = hf_state_dict_from_params(params, config)
-        return _family_state_dict_from_params(k3, config, model_type, base, expert_layout)
+        return _family_state_dict_from_params(k3, config, model_type, base, expert_layout, table)
+    if tid2eid is not None:
+        raise ValueError("tid2eid is DeepSeek-V4's hash-layer table: pass model_type='deepseek_v4' too")
     if mxfp4 and (config.latent_size % MX_BLOCK or config.intermediate_size % MX_BLOCK):
         raise ValueError(f"mxfp4=True needs latent_size and intermediate_size that are multiples of {MX_BLOCK}, "
                          f"got {config.latent_size} and {config.intermediate_size}")
@@ -638,13 +649,21 @@ def _k3_names_from_family(values: Mapping[str, np.ndarray], config: MoEConfig, f
 
 
 def _params_from_family_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, model_type: str,
-                                   base: str, dtype: Any) -> MoEParams:
+                                   base: str, dtype: Any, hash_layer: bool = False) -> MoEParams:
     """`params_from_hf_state_dict` for a transformers family's block (`model_type`)."""
     family = family_of(model_type)
     ours = _names_under(state_dict, base)
     layout = _expert_layout_of({name for name in ours if isinstance(name, str)})
     shapes = family_tensor_shapes(config, model_type, layout)
     problems, values = _Problems(), {}
+    table_name = {"gate.tid2eid"} if "gate.tid2eid" in ours or hash_layer else set()
+    if hash_layer:  # DeepSeek-V4's hash layer: the table stands where the bias would (read by hf_hash_table)
+        del shapes["gate.e_score_correction_bias"]
+        if "gate.tid2eid" not in ours:
+            problems.missing.append(base + "gate.tid2eid")
+    elif "gate.tid2eid" in ours:
+        problems.wrong.append(f"{base}gate.tid2eid: a hash layer's table; read the layer with hash_layer=True "
+                              "and its table with hf_hash_table")
     for name, shape in shapes.items():
         if name not in ours:
             if math.prod(shape):
@@ -655,25 +674,80 @@ def _params_from_family_state_dict(state_dict: Mapping[str, Any], config: MoECon
             problems.wrong.append(f"{base}{name}: expected floating {_shape_text(shape)}, "
                                   f"got {value.dtype} {_shape_text(tuple(value.shape))}")
         values[name] = value
-    extra = [name for name in ours if name not in shapes]
+    extra = [name for name in ours if name not in shapes and name not in table_name]
     problems.extra += sorted(base + name for name in extra if isinstance(name, str))
     problems.extra += [repr(name) for name in extra if not isinstance(name, str)]
     if problems:
         where = f"{family.block_class}'s names" + (f" under {base!r}" if base else "")
         raise problems.error(where)
-    return params_from_hf_state_dict(_k3_names_from_family(values, config, family, layout), config, dtype=dtype)
+    if hash_layer:
+        _checked_table(as_numpy(state_dict[ours["gate.tid2eid"]], base + "gate.tid2eid"), config,
+                       base + "gate.tid2eid", model_type)
+    k3 = _k3_names_from_family(values, config, family, layout)
+    if hash_layer:
+        k3["gate.e_score_correction_bias"] = np.zeros(config.num_experts, dtype=np.float32)
+    return params_from_hf_state_dict(k3, config, dtype=dtype)
+
+
+def _check_hash_layer(hash_layer: Any, model_type: str | None) -> None:
+    """`hash_layer` must be a bool, and True only for DeepSeek-V4 (the one family with hash layers)."""
+    if not isinstance(hash_layer, bool):
+        raise TypeError(f"hash_layer must be True or False, got {type(hash_layer).__name__} {hash_layer!r}")
+    if hash_layer and model_type != "deepseek_v4":
+        raise ValueError(f"hash_layer=True reads DeepSeek-V4's hash layers: pass model_type='deepseek_v4', "
+                         f"got model_type={model_type!r}")
+
+
+def _checked_table(table: Any, config: MoEConfig, name: str, model_type: str | None) -> np.ndarray:
+    """A hash layer's table `[vocab, k]` of expert ids in `[0, n)`, as int64; a `ValueError` naming `name`."""
+    if model_type != "deepseek_v4":
+        raise ValueError(f"{name} is DeepSeek-V4's hash-layer table: pass model_type='deepseek_v4', "
+                         f"got model_type={model_type!r}")
+    value = as_numpy(table, name)
+    if not np.issubdtype(value.dtype, np.integer) or value.ndim != 2 or value.shape[1] != config.top_k:
+        raise ValueError(f"{name} must be an integer table [vocab, k={config.top_k}] of expert ids, got "
+                         f"{value.dtype} {_shape_text(tuple(value.shape))}")
+    if value.size and (int(value.min()) < 0 or int(value.max()) >= config.num_experts):
+        raise ValueError(f"{name} must hold expert ids in [0, {config.num_experts}), got values in "
+                         f"[{int(value.min())}, {int(value.max())}]")
+    return value.astype(np.int64)
+
+
+def hf_hash_table(state_dict: Mapping[str, Any], config: MoEConfig, *, layer: int | None = None,
+                  prefix: str = "") -> np.ndarray:
+    """A DeepSeek-V4 hash layer's table `gate.tid2eid`, `[vocab, k]` int64: each token id's experts.
+
+    Pass it with the token ids to `route_by_table`, and the route to
+    `stable_latent_moe(..., routing=...)`. Names as `params_from_hf_state_dict`
+    reads them with `model_type="deepseek_v4"`; a missing or malformed table
+    is a `ValueError` naming it.
+    """
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping from tensor names to tensors, got {type(state_dict).__name__}")
+    base = block_prefix(layer, prefix, "deepseek_v4")
+    ours = _names_under(state_dict, base)
+    if "gate.tid2eid" not in ours:
+        raise ValueError(f"the state dict holds no hash-layer table {base}gate.tid2eid (a DeepSeek-V4 layer whose "
+                         "mlp_layer_types entry is 'hash_moe' holds one)")
+    return _checked_table(as_numpy(state_dict[ours["gate.tid2eid"]], base + "gate.tid2eid"), config,
+                          base + "gate.tid2eid", "deepseek_v4")
 
 
 def _family_state_dict_from_params(k3: Mapping[str, np.ndarray], config: MoEConfig, model_type: str, base: str,
-                                   expert_layout: str) -> dict[str, np.ndarray]:
+                                   expert_layout: str, table: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """`hf_state_dict_from_params` for a transformers family's block, from K3's block-relative names."""
     family = family_of(model_type)
     names = family_tensor_shapes(config, model_type, expert_layout)
     bias = k3["gate.e_score_correction_bias"]
-    if not family.has_bias and np.any(bias != 0):
-        raise ValueError(f"params['gate.e_score_correction_bias'] holds nonzero values, and {family.block_class} "
+    if (not family.has_bias or table is not None) and np.any(bias != 0):
+        holder = "a hash layer, which routes by its table," if table is not None else family.block_class
+        raise ValueError(f"params['gate.e_score_correction_bias'] holds nonzero values, and {holder} "
                          f"has no selection bias to hold them (model_type={model_type!r}): writing would change "
                          "the routes")
+    if table is not None:
+        del names["gate.e_score_correction_bias"]
     n = config.num_experts
     if config.activation == "relu2":
         _check_tied(k3, config)
@@ -693,6 +767,8 @@ def _family_state_dict_from_params(k3: Mapping[str, np.ndarray], config: MoEConf
             out[base + name] = k3[f"experts.{e}.{FAMILY_EXPERT_MATRICES[module]}.weight"]
         else:
             out[base + name] = k3[renamed.get(name, name)]
+    if table is not None:
+        out[base + "gate.tid2eid"] = table.copy()
     return out
 
 

@@ -58,6 +58,8 @@ if TYPE_CHECKING:
     from ..config import MoEConfig
 
 __all__ = [
+    "clamp_branches",
+    "clamp_masks",
     "expert_glu",
     "expert_glu_and_grad",
     "glu_and_grad",
@@ -367,13 +369,34 @@ def rms_norm_backward(u: Array, weight: Array, dv: Array, eps: float) -> tuple[A
 # The layer's activation, as its configuration chooses it
 # ---------------------------------------------------------------------------
 
+def clamp_branches(a: Array, b: Array, limit: float) -> tuple[Array, Array]:
+    r"""DeepSeek-V4's clamp of SwiGLU's branches: $(\min(a, L),\ \operatorname{clip}(b, -L, L))$, new arrays.
+
+    transformers' `DeepseekV4Experts` and `DeepseekV4MLP` clamp the gate
+    pre-activation from above only and the up pre-activation on both sides,
+    then apply SwiGLU: $\operatorname{silu}(\min(a, L))\,\operatorname{clip}(b, -L, L)$.
+    """
+    xp = array_namespace(a, b)
+    # $$a' = \min(a, L), \qquad b' = \max(\min(b, L), -L)$$
+    return xp.minimum(a, limit), xp.clip(b, -limit, limit)
+
+
+def clamp_masks(a: Array, b: Array, limit: float) -> tuple[Array, Array]:
+    r"""Where the clamp passes gradient: $a \le L$ and $-L \le b \le L$ (PyTorch's `clamp` counts the bounds in)."""
+    xp = array_namespace(a, b)
+    return xp.astype(a <= limit, a.dtype), xp.astype((b >= -limit) & (b <= limit), b.dtype)
+
+
 def expert_glu(a: Array, b: Array, config: MoEConfig) -> Array:
     r"""The experts' activation $\phi(a, b)$ of a layer: SiTU-GLU with the config's caps (K3), or SwiGLU.
 
     `a`, `b` are fresh products (gate and up pre-activations) in the compute
     dtype. On NumPy the fast path (`refimpl._lib.fast.glu_in_place`) overwrites
     them instead of allocating; the values are those of `situ_glu` / `swiglu`.
+    With `config.swiglu_limit` set, the branches are clamped first (`clamp_branches`).
     """
+    if config.swiglu_limit is not None:
+        a, b = clamp_branches(a, b, config.swiglu_limit)
     if fast_path_applies(a, b):
         return glu_in_place(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
     if config.activation == "situ":
@@ -387,8 +410,20 @@ def expert_glu_and_grad(a: Array, b: Array, config: MoEConfig) -> tuple[Array, A
     r"""`glu_and_grad` with the layer's activation and caps: $(h, \partial_a\phi, \partial_b\phi)$ of fresh products.
 
     On NumPy the fast path (`refimpl._lib.fast.glu_and_grad_by_chunks`) writes the
-    three into the products' buffers, a few rows at a time.
+    three into the products' buffers, a few rows at a time. With `config.swiglu_limit`
+    set, the partials are those of the clamped branches times the clamp's own
+    derivative: $\partial_a\phi = \operatorname{silu}'(a')\,b'\,[a \le L]$ and
+    $\partial_b\phi = \operatorname{silu}(a')\,[|b| \le L]$.
     """
+    limit = config.swiglu_limit
+    if limit is not None:
+        pass_a, pass_b = clamp_masks(a, b, limit)  # [.., f] each
+        a, b = clamp_branches(a, b, limit)
     if fast_path_applies(a, b):
-        return glu_and_grad_by_chunks(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
-    return glu_and_grad(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
+        h, d_gate, d_up = glu_and_grad_by_chunks(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
+    else:
+        h, d_gate, d_up = glu_and_grad(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
+    if limit is None:
+        return h, d_gate, d_up
+    # $$\partial_a \phi = \partial_{a'} \phi\,[a \le L], \qquad \partial_b \phi = \partial_{b'} \phi\,[|b| \le L]$$
+    return h, d_gate * pass_a, d_up * pass_b

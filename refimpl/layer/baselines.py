@@ -115,7 +115,7 @@ import numbers
 from fractions import Fraction
 
 from .._lib.validation import check_finite, check_float_array, check_int
-from .._lib.xp import Array, array_namespace, bincount, is_array, topk
+from .._lib.xp import Array, array_namespace, bincount, is_array, to_numpy, topk
 from ..config import MoEConfig
 from .routing import mixture_weights, score_function_vjp
 
@@ -126,6 +126,7 @@ __all__ = [
     "hash_choice",
     "hash_route",
     "route_by_hash",
+    "route_by_table",
     "sequence_balance_loss",
     "sequence_balance_loss_grad",
     "switch_balance_loss",
@@ -380,6 +381,42 @@ def route_by_hash(scores: Array, token_ids: Array, top_k: int, *, renormalize: b
     raw = xp.take_along_axis(scores, index, axis=-1)  # [m, k]
     # The hash ignores the scores, so nothing keeps its experts' scores from being 0 (an underflowed
     # sqrt-softplus): `mixture_weights` refuses the 0/0 instead of returning NaN weights.
+    return index, mixture_weights(raw, renormalize=renormalize, scaling_factor=scaling_factor)
+
+
+def route_by_table(scores: Array, token_ids: Array, tid2eid: Array, *, renormalize: bool = True,
+                   scaling_factor: float = 1.0) -> tuple[Array, Array]:
+    r"""DeepSeek-V4's hash layers as transformers computes them: experts looked up in a stored table.
+
+    `DeepseekV4HashRouter` holds `tid2eid` `[vocab, k]`, a frozen table of
+    expert ids per token id, and routes token $i$ to the experts
+    $\mathcal T_i = \text{tid2eid}[v_i]$. The router still scores every
+    expert, but only to weigh those $k$: $p_{i,j} = s_{i,j} / \sum_{r \in
+    \mathcal T_i} s_{i,r}$, times `scaling_factor` (transformers adds $10^{-20}$
+    to the sum; it always renormalizes). Returns `(index, weights)`, `[m, k]`
+    each, to pass to `stable_latent_moe(..., routing=(index, weights))`.
+
+    `token_ids` `[m]` must index the table's rows; each row must hold $k$
+    distinct expert ids in $[0, n)$ (an expert chosen twice has no place in the
+    layer's route), else a `ValueError` names the row.
+    """
+    check_float_array("scores", scores, ndim=2)
+    check_finite("scores", scores)
+    m, n = scores.shape
+    _check_integers("tid2eid", tid2eid, "[vocab, k]", 0, n)
+    _check_integers("token_ids", token_ids, "[m]", 0, tid2eid.shape[0])
+    if token_ids.shape[0] != m:
+        raise ValueError(f"token_ids must have shape [{m}] to match scores {list(scores.shape)}, "
+                         f"got {list(token_ids.shape)}")
+    xp = array_namespace(scores, tid2eid)
+    index = xp.astype(xp.take(tid2eid, xp.astype(token_ids, xp.int64), axis=0), xp.int64)  # [m, k]
+    ordered = xp.sort(index, axis=1)
+    repeated = xp.any(ordered[:, 1:] == ordered[:, :-1], axis=1)  # [m]
+    if bool(xp.any(repeated)):
+        first = int(xp.argmax(xp.astype(repeated, xp.int64)))
+        raise ValueError(f"tid2eid[{int(token_ids[first])}] = {to_numpy(index[first]).tolist()} names an expert "
+                         "twice: each token's k experts must be distinct")
+    raw = xp.take_along_axis(scores, index, axis=-1)  # [m, k]
     return index, mixture_weights(raw, renormalize=renormalize, scaling_factor=scaling_factor)
 
 

@@ -335,8 +335,8 @@ def routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array,
     xp = array_namespace(z, index, weights)
     dispatch = dispatch_by_expert(index, weights, w2.shape[0])
     if expert_input is None and fast_path_applies(z, weights):
-        u, hidden, workspace = routed_experts_in_buffers(
-            z, dispatch, w1, w3, w2, (config.activation, config.situ_beta, config.situ_linear_beta), save=save)
+        glus = (lambda a, b: expert_glu(a, b, config), lambda a, b: expert_glu_and_grad(a, b, config))
+        u, hidden, workspace = routed_experts_in_buffers(z, dispatch, w1, w3, w2, glus, save=save)
         return (u, RoutedActivations(dispatch, hidden, workspace)) if save else u
     out_sorted = xp.empty((index.shape[0] * index.shape[1], w2.shape[1]), dtype=z.dtype)  # [m*k, l]
     hidden: dict[int, tuple[Array, Array, Array]] = {}
@@ -590,6 +590,11 @@ def stable_latent_moe_reference(x: Array, params: Mapping[str, Array], config: M
             return (b1 * np.tanh(a / b1) * sig) * (b if b2 is None else b2 * np.tanh(b / b2))
         if config.activation == "relu2":
             return np.maximum(a, 0.0) * b  # relu(u)^2 when the gate and up weights are one matrix
+        if config.swiglu_limit is not None:  # DeepSeek-V4: the gate clamped from above, the up branch both ways
+            limit = config.swiglu_limit
+            a = np.where(a > limit, limit, a)
+            b = np.where(b > limit, limit, np.where(b < -limit, -limit, b))
+            sig = 1.0 / (1.0 + np.exp(-a))
         return a * sig * b
 
     def score(logits: np.ndarray) -> np.ndarray:

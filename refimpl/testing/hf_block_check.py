@@ -383,6 +383,12 @@ def _family_semantics(model_type: str) -> str:
                 "(groups by their two best, the others masked with -inf), weights from the raw s, renormalized when "
                 "norm_topk_prob, times routed_scaling_factor; ungated relu(W z)^2 experts on the latent "
                 "fc1_latent_proj x (no norm), summed in float32, then fc2_latent_proj; plus the ungated shared expert")
+    if model_type == "deepseek_v4":
+        return ("transformers' DeepseekV4SparseMoeBlock (a top-k layer): the gate in the block's dtype, "
+                "sqrt(softplus) scores, top-k of s + b (no groups), weights from the raw s, always renormalized (a "
+                "single weight too), times routed_scaling_factor; SwiGLU experts with the gate clamped to "
+                "min(a, swiglu_limit) and the up branch to [-swiglu_limit, swiglu_limit], plus one shared expert "
+                "clamped alike")
     if family.keys.get("n_group") is not None:
         renormalize = family.keys["renormalize"].key
         return (f"transformers' {family.block_class}: float32 gate, sigmoid scores, top-k of s + b (groups by "

@@ -229,7 +229,9 @@ def hf_family_text_configs(draw: st.DrawFn, model_type: str, *, max_experts: int
 
     `ConfigClass(**text_config)` builds it (transformers' class of `model_type`) and its layer 0 is the MoE
     block. Optional keys are sometimes left out, to take the class's defaults: the routed scaling factor, the
-    renormalization switch, the shared experts, the groups (when the class's default fits the drawn experts).
+    renormalization switch, the shared experts, the groups (when the class's default fits the drawn experts),
+    DeepSeek-V4's `swiglu_limit`. DeepSeek-V4's layer is a top-k layer: its hash layers route by a stored table,
+    which the reference of the kit does not draw.
     """
     family = family_of(model_type)
     spelled = {field: spec.key for field, spec in family.keys.items()}
@@ -245,6 +247,8 @@ def hf_family_text_configs(draw: st.DrawFn, model_type: str, *, max_experts: int
         text["num_hidden_layers"] = 1
     if family.layers in ("first_k_dense", "mlp_layer_types"):
         text["first_k_dense_replace"] = 0  # layer 0 holds the MoE block
+    if family.layers == "hash_mlp_layer_types":  # DeepSeek-V4: layer 0 a top-k layer (its hash layers use a table)
+        text["mlp_layer_types"] = ["moe"]
     reachable = n
 
     def maybe(field: str, values: list[Any]) -> None:
@@ -268,6 +272,7 @@ def hf_family_text_configs(draw: st.DrawFn, model_type: str, *, max_experts: int
         maybe("num_shared_experts", [0, 1, 2])
     maybe("renormalize", [True, False])
     maybe("routed_scaling_factor", [2.5, 1.0, 0.5])
+    maybe("swiglu_limit", [0.5, 3.0])  # DeepSeek-V4's clamp; small, so that it cuts
     return text
 
 
