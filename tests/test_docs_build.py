@@ -661,3 +661,19 @@ def test_generated_tables_are_tables_on_the_page(site):
     config_pages = [p.read_text(encoding="utf-8") for p in pages if "HF_SYNONYMS" in p.read_text(encoding="utf-8")]
     found = next(iter(HF_SYNONYMS))
     assert any(f"<td><code>{found}</code></td>" in page for page in config_pages)
+
+
+#: The main function of each page of the paper's equations: the page reads top-down when it comes first.
+MAIN_FUNCTIONS = {"layer/routing.py": "route", "layer/latent_moe.py": "stable_latent_moe",
+                  "layer/activations.py": "situ_glu", "layer/backward.py": "stable_latent_moe_vjp",
+                  "balancing/quantile.py": "quantile_balancing_update", "balancing/histogram.py": "BiasHistogram"}
+
+
+@pytest.mark.parametrize("module", sorted(MAIN_FUNCTIONS))
+def test_a_paper_page_opens_with_its_main_function_before_its_helpers(module):
+    """The literate page follows the file: the first definition of the file is the one the section is about."""
+    import ast
+
+    tree = ast.parse((ROOT / "refimpl" / module).read_text(encoding="utf-8"))
+    first = next(node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.ClassDef))
+    assert first == MAIN_FUNCTIONS[module]

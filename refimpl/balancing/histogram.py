@@ -159,127 +159,6 @@ __all__ = [
 ]
 
 # ---------------------------------------------------------------------------
-# The range and the values that are counted
-# ---------------------------------------------------------------------------
-
-
-def histogram_range(bias: Array) -> tuple[float, float]:
-    r"""The interval $[\min_j b_j - 1,\ \max_j b_j + 1]$ that holds every required bias $r_{i,j}$.
-
-    Returned as two Python floats (computed in float64). Every rank derives
-    the same interval from the same bias, so no communication is needed to
-    agree on the bin edges.
-    """
-    check_bias(bias)
-    xp = array_namespace(bias)
-    # $$r_{i,j} \in [\min_j b_j - 1,\ \max_j b_j + 1]$$
-    low, high = float(xp.min(bias)) - 1.0, float(xp.max(bias)) + 1.0
-    # Its width is at least 2 on paper. A bias so large that float64 loses the margins of 1 (beyond 2**52),
-    # or whose spread overflows, leaves no interval to divide into bins: refused, not divided by zero.
-    if not (math.isfinite(high - low) and high - low >= 1.0):
-        raise ValueError(f"bias must span an interval the histogram's bins can divide: [min b - 1, max b + 1] is "
-                         f"[{low:.6g}, {high:.6g}], of width {high - low:.6g} in float64 (a bias of order "
-                         f"{max(abs(low), abs(high)):.3g}, where the scores lie in (0, 1))")
-    return low, high
-
-
-def _fixed_range(value_range: Any) -> tuple[float, float]:
-    """A range `(low, high)` given by the caller, as two floats with `low < high`, both finite."""
-    if not isinstance(value_range, tuple | list) or len(value_range) != 2:
-        raise TypeError(f"value_range must be a pair (low, high) or None, got {value_range!r}")
-    if not all(is_real(v) for v in value_range):
-        raise TypeError(f"value_range must hold two real numbers, got {value_range!r}")
-    low, high = float(value_range[0]), float(value_range[1])
-    if not (math.isfinite(low) and math.isfinite(high) and low < high):
-        raise ValueError(f"value_range must be finite with low < high, got ({low:g}, {high:g})")
-    return low, high
-
-
-def _cutoff(scores: Array, bias: Array, top_k: int) -> Array:
-    """Each token's cutoff alpha_i, `[m]`; with k = n no cutoff exists and alpha = -inf."""
-    xp = array_namespace(scores, bias)
-    m, n = scores.shape
-    if top_k == n:
-        return xp.full((m,), -xp.inf, dtype=compute_dtype(xp, scores, bias))
-    # The same values as `selection_cutoff`, from Eq. (14)'s values-only selection (no ranking of ids).
-    return cutoff_values(scores, bias, top_k)  # [m]
-
-
-def required_bias(scores: Array, bias: Array, top_k: int) -> Array:
-    r"""The bias each expert would need to enter each token's top-$k$: $r_{i,j} = \alpha_i - s_{i,j}$.
-
-    `scores` is `[m, n]`, `bias` `[n]`; returns `[m, n]` in the dtype of the
-    biased scores (float32 or float64). Token $i$ selects expert $j$ under a
-    bias $b$ exactly when $b_j > r_{i,j}$. This materialises all $mn$ values
-    and is meant for small batches (plots, tests); `BiasHistogram` never forms
-    more than a chunk of them.
-    """
-    check_bias(bias)
-    check_float_array("scores", scores, ndim=2)
-    n = bias.shape[0]
-    if scores.shape[1] != n:
-        raise ValueError(f"scores must have shape [m, {n}] to match bias {list(bias.shape)}, "
-                         f"got {list(scores.shape)}")
-    top_k = check_int("top_k", top_k, low=1, high=n)
-    check_finite("scores", scores)
-    xp = array_namespace(scores, bias)
-    alpha = _cutoff(scores, bias, top_k)  # [m]
-    # $$r_{i,j} = \alpha_i - s_{i,j}$$
-    return alpha[:, None] - xp.astype(scores, alpha.dtype)
-
-
-# ---------------------------------------------------------------------------
-# Counting: the scatter-add of one chunk into the [n, B] matrix
-# ---------------------------------------------------------------------------
-
-
-def _count_portable(counts: Array, s: Array, alpha: Array, low: Array, scale: Array) -> Array:
-    """`counts` plus the histogram of one chunk, with array-API calls only."""
-    xp = array_namespace(counts, s, alpha)
-    n, bins = counts.shape
-    # Position of each required bias in units of bins, measured from the low end of the range:
-    # $$t_{i,j} = \frac{r_{i,j} - \text{low}}{w} = \bigl((\alpha_i - \text{low}) - s_{i,j}\bigr)\,\frac{B}{\text{high} - \text{low}}$$
-    t = ((alpha - low)[:, None] - s) * scale  # [c, n]
-    # Values outside the range land in the edge bins.
-    t = xp.clip(t, 0.0, float(bins - 1))  # [c, n]
-    bin_ = xp.astype(xp.floor(t), xp.int64)  # [c, n], in [0, B-1]
-    # One id per (expert, bin), expert-major: $$\text{id}_{i,j} = jB + \lfloor t_{i,j} \rfloor$$
-    flat = bin_ + xp.arange(n, dtype=xp.int64)[None, :] * bins  # [c, n]
-    added = xp.reshape(bincount(flat, n * bins), (n, bins))  # [n, B]
-    return counts + xp.astype(added, counts.dtype)
-
-
-# ---------------------------------------------------------------------------
-# The read-out: order statistics from cumulative counts
-# ---------------------------------------------------------------------------
-
-
-def _order_statistic(counts: Array, rank: int, low: float, width: float) -> Array:
-    r"""Estimate, per row of `counts` `[n, B]`, the `rank`-th smallest counted value (1-based).
-
-    The value lies in the first bin $\beta$ whose cumulative count reaches
-    `rank`; inside it, the $c$ values are taken as evenly spread.
-    """
-    xp = array_namespace(counts)
-    cumulative = xp.cumulative_sum(counts, axis=1)  # [n, B]
-    # The first bin whose cumulative count reaches the rank: the number of bins that fall short of it.
-    beta = xp.sum(xp.astype(cumulative < rank, xp.int64), axis=1)  # [n]
-    inside = xp.take_along_axis(counts, beta[:, None], axis=1)[:, 0]  # [n], c
-    before = xp.take_along_axis(cumulative, beta[:, None], axis=1)[:, 0] - inside  # [n]
-    u = xp.astype(rank - before, xp.float64)  # [n], the value's place inside its bin, 1..c
-    # $$\hat r_{(t)} = e_\beta + \frac{u - 1/2}{c}\, w, \qquad e_\beta = \text{low} + \beta w$$
-    return low + (xp.astype(beta, xp.float64) + (u - 0.5) / xp.astype(inside, xp.float64)) * width
-
-
-def _check_finite_chunk(scores: Array) -> None:
-    """NaN or infinite scores raise; one sum over the chunk, the exact check only when that sum is not finite."""
-    xp = array_namespace(scores)
-    # A sum is finite only when every term is; an overflowing sum of finite terms passes the exact check.
-    if scores.shape[0] and not math.isfinite(float(xp.sum(scores))):
-        check_finite("scores", scores)
-
-
-# ---------------------------------------------------------------------------
 # The accumulator
 # ---------------------------------------------------------------------------
 
@@ -507,6 +386,127 @@ def histogram_balancing_update(blocks: Iterable[Array] | Array, bias: Array, top
                              f"{histogram.n} experts, got {list(block.shape)}")
         histogram.add(block)
     return histogram.new_bias()
+
+
+# ---------------------------------------------------------------------------
+# The range and the values that are counted
+# ---------------------------------------------------------------------------
+
+
+def histogram_range(bias: Array) -> tuple[float, float]:
+    r"""The interval $[\min_j b_j - 1,\ \max_j b_j + 1]$ that holds every required bias $r_{i,j}$.
+
+    Returned as two Python floats (computed in float64). Every rank derives
+    the same interval from the same bias, so no communication is needed to
+    agree on the bin edges.
+    """
+    check_bias(bias)
+    xp = array_namespace(bias)
+    # $$r_{i,j} \in [\min_j b_j - 1,\ \max_j b_j + 1]$$
+    low, high = float(xp.min(bias)) - 1.0, float(xp.max(bias)) + 1.0
+    # Its width is at least 2 on paper. A bias so large that float64 loses the margins of 1 (beyond 2**52),
+    # or whose spread overflows, leaves no interval to divide into bins: refused, not divided by zero.
+    if not (math.isfinite(high - low) and high - low >= 1.0):
+        raise ValueError(f"bias must span an interval the histogram's bins can divide: [min b - 1, max b + 1] is "
+                         f"[{low:.6g}, {high:.6g}], of width {high - low:.6g} in float64 (a bias of order "
+                         f"{max(abs(low), abs(high)):.3g}, where the scores lie in (0, 1))")
+    return low, high
+
+
+def _fixed_range(value_range: Any) -> tuple[float, float]:
+    """A range `(low, high)` given by the caller, as two floats with `low < high`, both finite."""
+    if not isinstance(value_range, tuple | list) or len(value_range) != 2:
+        raise TypeError(f"value_range must be a pair (low, high) or None, got {value_range!r}")
+    if not all(is_real(v) for v in value_range):
+        raise TypeError(f"value_range must hold two real numbers, got {value_range!r}")
+    low, high = float(value_range[0]), float(value_range[1])
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ValueError(f"value_range must be finite with low < high, got ({low:g}, {high:g})")
+    return low, high
+
+
+def _cutoff(scores: Array, bias: Array, top_k: int) -> Array:
+    """Each token's cutoff alpha_i, `[m]`; with k = n no cutoff exists and alpha = -inf."""
+    xp = array_namespace(scores, bias)
+    m, n = scores.shape
+    if top_k == n:
+        return xp.full((m,), -xp.inf, dtype=compute_dtype(xp, scores, bias))
+    # The same values as `selection_cutoff`, from Eq. (14)'s values-only selection (no ranking of ids).
+    return cutoff_values(scores, bias, top_k)  # [m]
+
+
+def required_bias(scores: Array, bias: Array, top_k: int) -> Array:
+    r"""The bias each expert would need to enter each token's top-$k$: $r_{i,j} = \alpha_i - s_{i,j}$.
+
+    `scores` is `[m, n]`, `bias` `[n]`; returns `[m, n]` in the dtype of the
+    biased scores (float32 or float64). Token $i$ selects expert $j$ under a
+    bias $b$ exactly when $b_j > r_{i,j}$. This materialises all $mn$ values
+    and is meant for small batches (plots, tests); `BiasHistogram` never forms
+    more than a chunk of them.
+    """
+    check_bias(bias)
+    check_float_array("scores", scores, ndim=2)
+    n = bias.shape[0]
+    if scores.shape[1] != n:
+        raise ValueError(f"scores must have shape [m, {n}] to match bias {list(bias.shape)}, "
+                         f"got {list(scores.shape)}")
+    top_k = check_int("top_k", top_k, low=1, high=n)
+    check_finite("scores", scores)
+    xp = array_namespace(scores, bias)
+    alpha = _cutoff(scores, bias, top_k)  # [m]
+    # $$r_{i,j} = \alpha_i - s_{i,j}$$
+    return alpha[:, None] - xp.astype(scores, alpha.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Counting: the scatter-add of one chunk into the [n, B] matrix
+# ---------------------------------------------------------------------------
+
+
+def _count_portable(counts: Array, s: Array, alpha: Array, low: Array, scale: Array) -> Array:
+    """`counts` plus the histogram of one chunk, with array-API calls only."""
+    xp = array_namespace(counts, s, alpha)
+    n, bins = counts.shape
+    # Position of each required bias in units of bins, measured from the low end of the range:
+    # $$t_{i,j} = \frac{r_{i,j} - \text{low}}{w} = \bigl((\alpha_i - \text{low}) - s_{i,j}\bigr)\,\frac{B}{\text{high} - \text{low}}$$
+    t = ((alpha - low)[:, None] - s) * scale  # [c, n]
+    # Values outside the range land in the edge bins.
+    t = xp.clip(t, 0.0, float(bins - 1))  # [c, n]
+    bin_ = xp.astype(xp.floor(t), xp.int64)  # [c, n], in [0, B-1]
+    # One id per (expert, bin), expert-major: $$\text{id}_{i,j} = jB + \lfloor t_{i,j} \rfloor$$
+    flat = bin_ + xp.arange(n, dtype=xp.int64)[None, :] * bins  # [c, n]
+    added = xp.reshape(bincount(flat, n * bins), (n, bins))  # [n, B]
+    return counts + xp.astype(added, counts.dtype)
+
+
+# ---------------------------------------------------------------------------
+# The read-out: order statistics from cumulative counts
+# ---------------------------------------------------------------------------
+
+
+def _order_statistic(counts: Array, rank: int, low: float, width: float) -> Array:
+    r"""Estimate, per row of `counts` `[n, B]`, the `rank`-th smallest counted value (1-based).
+
+    The value lies in the first bin $\beta$ whose cumulative count reaches
+    `rank`; inside it, the $c$ values are taken as evenly spread.
+    """
+    xp = array_namespace(counts)
+    cumulative = xp.cumulative_sum(counts, axis=1)  # [n, B]
+    # The first bin whose cumulative count reaches the rank: the number of bins that fall short of it.
+    beta = xp.sum(xp.astype(cumulative < rank, xp.int64), axis=1)  # [n]
+    inside = xp.take_along_axis(counts, beta[:, None], axis=1)[:, 0]  # [n], c
+    before = xp.take_along_axis(cumulative, beta[:, None], axis=1)[:, 0] - inside  # [n]
+    u = xp.astype(rank - before, xp.float64)  # [n], the value's place inside its bin, 1..c
+    # $$\hat r_{(t)} = e_\beta + \frac{u - 1/2}{c}\, w, \qquad e_\beta = \text{low} + \beta w$$
+    return low + (xp.astype(beta, xp.float64) + (u - 0.5) / xp.astype(inside, xp.float64)) * width
+
+
+def _check_finite_chunk(scores: Array) -> None:
+    """NaN or infinite scores raise; one sum over the chunk, the exact check only when that sum is not finite."""
+    xp = array_namespace(scores)
+    # A sum is finite only when every term is; an overflowing sum of finite terms passes the exact check.
+    if scores.shape[0] and not math.isfinite(float(xp.sum(scores))):
+        check_finite("scores", scores)
 
 
 # ---------------------------------------------------------------------------

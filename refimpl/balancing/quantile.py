@@ -171,121 +171,61 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------
-# Order statistics: the one primitive Eq. (14) needs
+# Eq. (14)
 # ---------------------------------------------------------------------------
 
-def kth_largest(x: Array, r: int, *, previous: bool = False, overwrite: bool = False) -> Array | tuple:
-    r"""The $r$-th largest entry of each row of `x` (`[p, L]`, $1 \le r \le L$), the one primitive Eq. (14) needs.
-
-    With `previous=True` also returns the $(r-1)$-th largest (needs $r \ge 2$),
-    as `(r_th, previous_th)`. Ranks count equal values separately, as order
-    statistics do. `overwrite=True` allows reordering `x` in place (the
-    caller's scratch array), which saves a copy of the whole matrix.
-
-    The readable definition sorts each row. On NumPy and CuPy a selection does
-    the same in $O(L)$ per row (`refimpl._lib.fast.kth_largest_by_sampling`, a sample that
-    discards most entries first, and CuPy's selection kernel).
-
-    `x` must be a 2-D real floating array without NaN (NaN has no place in an order: a sort puts it last,
-    a selection anywhere) and $r$ an integer in $[1, L]$ ($[2, L]$ with `previous`); anything else is a
-    `TypeError` or `ValueError` naming it. Infinities are ordered as usual.
-    """
-    check_float_array("x", x, ndim=2)
-    r = check_int("r", r, low=2 if previous else 1, high=x.shape[-1])
-    _check_no_nan("x", x)
-    return _kth_largest(x, r, previous=previous, overwrite=overwrite)
-
-
-def _check_no_nan(name: str, x: Array) -> None:
-    """A `ValueError` naming `x` when it holds NaN; one sum, and the count only when the sum is NaN."""
-    xp = array_namespace(x)
-    with np.errstate(invalid="ignore"):  # +inf and -inf sum to NaN: then the count decides
-        total = float(xp.sum(xp.astype(x, compute_dtype(xp, x), copy=False))) if x.size else 0.0
-    if math.isnan(total):
-        count = int(xp.sum(xp.astype(xp.isnan(x), xp.int64)))
-        if count:  # a sum of +inf and -inf is NaN too, without a NaN in x
-            raise ValueError(f"{name} must hold no NaN (it has no place in an order), got {count} NaN entries")
-
-
-def _kth_largest(x: Array, r: int, *, previous: bool = False, overwrite: bool = False) -> Array | tuple:
-    """`kth_largest` for inputs the caller has checked (finite scores and margins, a rank in range)."""
-    xp = array_namespace(x)
-    length = x.shape[-1]
-    if enabled() and is_numpy(xp):
-        part = x if overwrite and x.flags.c_contiguous else np.array(x, order="C", copy=True)
-        return kth_largest_by_sampling(part, r, previous)
-    if enabled() and is_cupy(xp):
-        return kth_largest_cupy(x, r, previous)
-    # $$x_{(r)} = \text{sort}(x)_{L - r}$$ (ascending: the r-th largest sits at position L - r)
-    ordered = xp.sort(x, axis=-1)  # [p, L]
-    if previous:
-        return ordered[:, length - r], ordered[:, length - r + 1]
-    return ordered[:, length - r]
-
-
-def _interpolated_rows(x: Array, whole: int, frac: float, *, overwrite: bool = False) -> Array:
-    r"""Row-wise $x_{(\rho)}$ for the rank $\rho = $ `whole + frac` ($0 \le$ `frac` $< 1$)."""
-    if frac == 0.0:
-        return _kth_largest(x, whole, overwrite=overwrite)
-    # The (whole+1)-th largest and, from the same partition, the whole-th largest.
-    lower, upper = _kth_largest(x, whole + 1, previous=True, overwrite=overwrite)  # [p], [p]
-    # $$x_{(\rho)} = x_{(\lfloor\rho\rfloor)} + (\rho - \lfloor\rho\rfloor)\,(x_{(\lfloor\rho\rfloor+1)} - x_{(\lfloor\rho\rfloor)})$$
-    return upper + frac * (lower - upper)
-
-
-def interpolated_kth_largest(values: Array, rank: float, *, axis: int = 0) -> Array:
-    r"""The `rank`-th largest entry along `axis`, for a real `rank` $\rho \ge 1$.
-
-    $$
-    x_{(\rho)} = x_{(\lfloor\rho\rfloor)} + (\rho - \lfloor\rho\rfloor)\,
-    \bigl(x_{(\lfloor\rho\rfloor+1)} - x_{(\lfloor\rho\rfloor)}\bigr),
-    $$
-
-    where $x_{(r)}$ is the $r$-th largest (equal values counted separately).
-    An integer rank gives the order statistic itself. Eq. (14) takes
-    $\rho = q + 1$ on each column of the margin matrix (`axis=0`), which is the
-    rule this project uses for a fractional target load $q$.
+def quantile_balancing_update(scores: Array, bias: Array, top_k: int, *, center: bool = True,
+                              leave_one_out: bool = False) -> Array:
+    r"""Eq. (14), exact: the bias for the next batch, computed from this batch.
 
     Parameters
     ----------
-    values
-        A 1-D or 2-D real floating array.
-    rank
-        $\rho$, with $1 \le \rho \le L$ (the length along `axis`); when $\rho$ is
-        not an integer, $\lfloor\rho\rfloor + 1 \le L$ as well.
-    axis
-        The axis to rank along (0 or 1 for a 2-D array, ignored for 1-D).
+    scores
+        `[m, n]` sigmoid router scores of the current batch.
+    bias
+        `[n]` the bias that routes the current batch, float32 or float64.
+    top_k
+        $k$, experts per token, $1 \le k \le n$.
+    center
+        Subtract the mean (the paper's step 3). `False` returns $\tilde b$
+        itself, the threshold that makes $q$ margins clear the bar with the
+        cutoffs held; useful for checking the rule.
+    leave_one_out
+        Extension, not the paper's rule: compare each expert with the
+        cutoff of the *other* experts (see the module text), which removes the
+        atom of ties at $-b_j$.
 
     Returns
     -------
-    The order statistic, one per column (`axis=0`) or row (`axis=1`), in the
-    dtype of `values`.
+    `[n]` new bias, in the dtype of the biased scores (float32, or float64 if
+    either input is float64). With $k = n$ it is the centered input bias.
+
+    Raises
+    ------
+    ValueError
+        Non-finite scores or bias, mismatched shapes, $k > n$, or fewer than
+        $n/(n-k)$ tokens (the needed order statistic does not exist).
     """
-    check_float_array("values", values)
-    if values.ndim not in (1, 2):
-        raise ValueError(f"values must be 1-D or 2-D, got shape {list(values.shape)}")
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Real) or not math.isfinite(rank):
-        raise TypeError(f"rank must be a finite real number, got {rank!r}")
-    if values.ndim == 2 and axis not in (0, 1, -1, -2):
-        raise ValueError(f"axis must be 0 or 1 for a 2-D array, got {axis}")
-    xp = array_namespace(values)
-    rows = xp.reshape(values, (1, -1)) if values.ndim == 1 else (values.T if axis in (0, -2) else values)
-    length = rows.shape[-1]
-    whole = math.floor(rank)
-    frac = float(rank) - whole
-    needed = whole + (1 if frac > 0 else 0)
-    if whole < 1 or needed > length:
-        raise ValueError(
-            f"rank must lie in [1, {length}] (and its ceiling must too) for {length} values along the axis, "
-            f"got rank={rank}")
-    _check_no_nan("values", values)
-    result = _interpolated_rows(rows, whole, frac)  # [p]
-    return result[0] if values.ndim == 1 else result
+    check_float_array("scores", scores, ndim=2)
+    check_bias(bias, scores.shape[1], context=f"to match scores {list(scores.shape)}")
+    m, n = scores.shape
+    whole, frac = quantile_rank(m, n, top_k)
+    check_finite("scores", scores)
+    check_finite("bias", bias)
+    xp = array_namespace(scores, bias)
+    if top_k == n:
+        # Every expert is always chosen: the bias cannot change any load, so it is kept (centered).
+        b = xp.astype(bias, compute_dtype(xp, scores, bias))
+        return _center(b) if center else b
+    # Step 1: the cutoffs, from the top-(k+1) of the biased scores.
+    cut = cutoff_values(scores, bias, top_k, with_kth=leave_one_out)
+    alpha, kappa = cut if leave_one_out else (cut, None)  # [m], [m] or None
+    # Step 2: the interpolated (q+1)-th largest margin of each expert, negated.
+    # $$\tilde b_j = -M_{(q+1),j}$$
+    b_tilde = -quantile_thresholds(scores, alpha, whole, frac, bias=bias, kappa=kappa)  # [n]
+    # Step 3: remove the mean, which changes no top-k.
+    return _center(b_tilde) if center else b_tilde
 
-
-# ---------------------------------------------------------------------------
-# Eq. (14)
-# ---------------------------------------------------------------------------
 
 def target_load(m: int, n: int, top_k: int) -> float:
     r"""The target load $q = mk/n$: tokens per expert in a perfectly balanced batch."""
@@ -416,57 +356,117 @@ def _center(b: Array) -> Array:
     return b - xp.mean(b)
 
 
-def quantile_balancing_update(scores: Array, bias: Array, top_k: int, *, center: bool = True,
-                              leave_one_out: bool = False) -> Array:
-    r"""Eq. (14), exact: the bias for the next batch, computed from this batch.
+# ---------------------------------------------------------------------------
+# Order statistics: the one primitive Eq. (14) needs
+# ---------------------------------------------------------------------------
+
+def kth_largest(x: Array, r: int, *, previous: bool = False, overwrite: bool = False) -> Array | tuple:
+    r"""The $r$-th largest entry of each row of `x` (`[p, L]`, $1 \le r \le L$), the one primitive Eq. (14) needs.
+
+    With `previous=True` also returns the $(r-1)$-th largest (needs $r \ge 2$),
+    as `(r_th, previous_th)`. Ranks count equal values separately, as order
+    statistics do. `overwrite=True` allows reordering `x` in place (the
+    caller's scratch array), which saves a copy of the whole matrix.
+
+    The readable definition sorts each row. On NumPy and CuPy a selection does
+    the same in $O(L)$ per row (`refimpl._lib.fast.kth_largest_by_sampling`, a sample that
+    discards most entries first, and CuPy's selection kernel).
+
+    `x` must be a 2-D real floating array without NaN (NaN has no place in an order: a sort puts it last,
+    a selection anywhere) and $r$ an integer in $[1, L]$ ($[2, L]$ with `previous`); anything else is a
+    `TypeError` or `ValueError` naming it. Infinities are ordered as usual.
+    """
+    check_float_array("x", x, ndim=2)
+    r = check_int("r", r, low=2 if previous else 1, high=x.shape[-1])
+    _check_no_nan("x", x)
+    return _kth_largest(x, r, previous=previous, overwrite=overwrite)
+
+
+def _check_no_nan(name: str, x: Array) -> None:
+    """A `ValueError` naming `x` when it holds NaN; one sum, and the count only when the sum is NaN."""
+    xp = array_namespace(x)
+    with np.errstate(invalid="ignore"):  # +inf and -inf sum to NaN: then the count decides
+        total = float(xp.sum(xp.astype(x, compute_dtype(xp, x), copy=False))) if x.size else 0.0
+    if math.isnan(total):
+        count = int(xp.sum(xp.astype(xp.isnan(x), xp.int64)))
+        if count:  # a sum of +inf and -inf is NaN too, without a NaN in x
+            raise ValueError(f"{name} must hold no NaN (it has no place in an order), got {count} NaN entries")
+
+
+def _kth_largest(x: Array, r: int, *, previous: bool = False, overwrite: bool = False) -> Array | tuple:
+    """`kth_largest` for inputs the caller has checked (finite scores and margins, a rank in range)."""
+    xp = array_namespace(x)
+    length = x.shape[-1]
+    if enabled() and is_numpy(xp):
+        part = x if overwrite and x.flags.c_contiguous else np.array(x, order="C", copy=True)
+        return kth_largest_by_sampling(part, r, previous)
+    if enabled() and is_cupy(xp):
+        return kth_largest_cupy(x, r, previous)
+    # $$x_{(r)} = \text{sort}(x)_{L - r}$$ (ascending: the r-th largest sits at position L - r)
+    ordered = xp.sort(x, axis=-1)  # [p, L]
+    if previous:
+        return ordered[:, length - r], ordered[:, length - r + 1]
+    return ordered[:, length - r]
+
+
+def _interpolated_rows(x: Array, whole: int, frac: float, *, overwrite: bool = False) -> Array:
+    r"""Row-wise $x_{(\rho)}$ for the rank $\rho = $ `whole + frac` ($0 \le$ `frac` $< 1$)."""
+    if frac == 0.0:
+        return _kth_largest(x, whole, overwrite=overwrite)
+    # The (whole+1)-th largest and, from the same partition, the whole-th largest.
+    lower, upper = _kth_largest(x, whole + 1, previous=True, overwrite=overwrite)  # [p], [p]
+    # $$x_{(\rho)} = x_{(\lfloor\rho\rfloor)} + (\rho - \lfloor\rho\rfloor)\,(x_{(\lfloor\rho\rfloor+1)} - x_{(\lfloor\rho\rfloor)})$$
+    return upper + frac * (lower - upper)
+
+
+def interpolated_kth_largest(values: Array, rank: float, *, axis: int = 0) -> Array:
+    r"""The `rank`-th largest entry along `axis`, for a real `rank` $\rho \ge 1$.
+
+    $$
+    x_{(\rho)} = x_{(\lfloor\rho\rfloor)} + (\rho - \lfloor\rho\rfloor)\,
+    \bigl(x_{(\lfloor\rho\rfloor+1)} - x_{(\lfloor\rho\rfloor)}\bigr),
+    $$
+
+    where $x_{(r)}$ is the $r$-th largest (equal values counted separately).
+    An integer rank gives the order statistic itself. Eq. (14) takes
+    $\rho = q + 1$ on each column of the margin matrix (`axis=0`), which is the
+    rule this project uses for a fractional target load $q$.
 
     Parameters
     ----------
-    scores
-        `[m, n]` sigmoid router scores of the current batch.
-    bias
-        `[n]` the bias that routes the current batch, float32 or float64.
-    top_k
-        $k$, experts per token, $1 \le k \le n$.
-    center
-        Subtract the mean (the paper's step 3). `False` returns $\tilde b$
-        itself, the threshold that makes $q$ margins clear the bar with the
-        cutoffs held; useful for checking the rule.
-    leave_one_out
-        Extension, not the paper's rule: compare each expert with the
-        cutoff of the *other* experts (see the module text), which removes the
-        atom of ties at $-b_j$.
+    values
+        A 1-D or 2-D real floating array.
+    rank
+        $\rho$, with $1 \le \rho \le L$ (the length along `axis`); when $\rho$ is
+        not an integer, $\lfloor\rho\rfloor + 1 \le L$ as well.
+    axis
+        The axis to rank along (0 or 1 for a 2-D array, ignored for 1-D).
 
     Returns
     -------
-    `[n]` new bias, in the dtype of the biased scores (float32, or float64 if
-    either input is float64). With $k = n$ it is the centered input bias.
-
-    Raises
-    ------
-    ValueError
-        Non-finite scores or bias, mismatched shapes, $k > n$, or fewer than
-        $n/(n-k)$ tokens (the needed order statistic does not exist).
+    The order statistic, one per column (`axis=0`) or row (`axis=1`), in the
+    dtype of `values`.
     """
-    check_float_array("scores", scores, ndim=2)
-    check_bias(bias, scores.shape[1], context=f"to match scores {list(scores.shape)}")
-    m, n = scores.shape
-    whole, frac = quantile_rank(m, n, top_k)
-    check_finite("scores", scores)
-    check_finite("bias", bias)
-    xp = array_namespace(scores, bias)
-    if top_k == n:
-        # Every expert is always chosen: the bias cannot change any load, so it is kept (centered).
-        b = xp.astype(bias, compute_dtype(xp, scores, bias))
-        return _center(b) if center else b
-    # Step 1: the cutoffs, from the top-(k+1) of the biased scores.
-    cut = cutoff_values(scores, bias, top_k, with_kth=leave_one_out)
-    alpha, kappa = cut if leave_one_out else (cut, None)  # [m], [m] or None
-    # Step 2: the interpolated (q+1)-th largest margin of each expert, negated.
-    # $$\tilde b_j = -M_{(q+1),j}$$
-    b_tilde = -quantile_thresholds(scores, alpha, whole, frac, bias=bias, kappa=kappa)  # [n]
-    # Step 3: remove the mean, which changes no top-k.
-    return _center(b_tilde) if center else b_tilde
+    check_float_array("values", values)
+    if values.ndim not in (1, 2):
+        raise ValueError(f"values must be 1-D or 2-D, got shape {list(values.shape)}")
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Real) or not math.isfinite(rank):
+        raise TypeError(f"rank must be a finite real number, got {rank!r}")
+    if values.ndim == 2 and axis not in (0, 1, -1, -2):
+        raise ValueError(f"axis must be 0 or 1 for a 2-D array, got {axis}")
+    xp = array_namespace(values)
+    rows = xp.reshape(values, (1, -1)) if values.ndim == 1 else (values.T if axis in (0, -2) else values)
+    length = rows.shape[-1]
+    whole = math.floor(rank)
+    frac = float(rank) - whole
+    needed = whole + (1 if frac > 0 else 0)
+    if whole < 1 or needed > length:
+        raise ValueError(
+            f"rank must lie in [1, {length}] (and its ceiling must too) for {length} values along the axis, "
+            f"got rank={rank}")
+    _check_no_nan("values", values)
+    result = _interpolated_rows(rows, whole, frac)  # [p]
+    return result[0] if values.ndim == 1 else result
 
 
 # ---------------------------------------------------------------------------

@@ -78,6 +78,26 @@ __all__ = [
 ]
 
 
+def situ_glu(gate: Array, up: Array, beta: float = 4.0, linear_beta: float | None = 25.0) -> Array:
+    r"""Eq. (12): $\operatorname{SiTU\text{-}GLU}(a, b) = [\operatorname{softcap}(a,\beta_1)\sigma(a)] \odot \operatorname{softcap}(b,\beta_2)$.
+
+    `gate` is the gate pre-activation $a$ (HF `w1`), `up` the up
+    pre-activation $b$ (HF `w3`); both have the same shape. Computed in float32
+    or wider and returned in the input dtype. `linear_beta=None` leaves the up
+    branch uncapped: $\operatorname{softcap}(a,\beta_1)\sigma(a)\,b$, which is not
+    bounded (the reference code's form when `activation_situ_linear_beta` is absent).
+    """
+    xp, a, b = _situ_inputs(gate, up, beta, linear_beta)
+    # The capped gate: $$\operatorname{softcap}(a, \beta_1)\,\sigma(a) \in (-\beta_1, \beta_1)$$
+    capped_gate = beta * xp.tanh(a / beta) * sigmoid(a)
+    if linear_beta is None:
+        # The uncapped linear branch: $$b$$
+        return xp.astype(capped_gate * b, _result_dtype(gate), copy=False)
+    # The capped linear branch: $$\operatorname{softcap}(b, \beta_2) \in (-\beta_2, \beta_2)$$
+    capped_up = linear_beta * xp.tanh(b / linear_beta)
+    return xp.astype(capped_gate * capped_up, _result_dtype(gate), copy=False)
+
+
 def _upcast(xp: Any, *arrays: Array) -> tuple[Any, list[Array]]:
     """Cast every array to the compute dtype (float32, or float64 when an input is float64).
 
@@ -193,26 +213,6 @@ def _situ_inputs(gate: Array, up: Array, beta: float, linear_beta: float | None)
     xp = array_namespace(gate, up)
     _, (a, b) = _upcast(xp, gate, up)
     return xp, a, b
-
-
-def situ_glu(gate: Array, up: Array, beta: float = 4.0, linear_beta: float | None = 25.0) -> Array:
-    r"""Eq. (12): $\operatorname{SiTU\text{-}GLU}(a, b) = [\operatorname{softcap}(a,\beta_1)\sigma(a)] \odot \operatorname{softcap}(b,\beta_2)$.
-
-    `gate` is the gate pre-activation $a$ (HF `w1`), `up` the up
-    pre-activation $b$ (HF `w3`); both have the same shape. Computed in float32
-    or wider and returned in the input dtype. `linear_beta=None` leaves the up
-    branch uncapped: $\operatorname{softcap}(a,\beta_1)\sigma(a)\,b$, which is not
-    bounded (the reference code's form when `activation_situ_linear_beta` is absent).
-    """
-    xp, a, b = _situ_inputs(gate, up, beta, linear_beta)
-    # The capped gate: $$\operatorname{softcap}(a, \beta_1)\,\sigma(a) \in (-\beta_1, \beta_1)$$
-    capped_gate = beta * xp.tanh(a / beta) * sigmoid(a)
-    if linear_beta is None:
-        # The uncapped linear branch: $$b$$
-        return xp.astype(capped_gate * b, _result_dtype(gate), copy=False)
-    # The capped linear branch: $$\operatorname{softcap}(b, \beta_2) \in (-\beta_2, \beta_2)$$
-    capped_up = linear_beta * xp.tanh(b / linear_beta)
-    return xp.astype(capped_gate * capped_up, _result_dtype(gate), copy=False)
 
 
 def glu_and_grad(a: Array, b: Array, activation: str = "situ", beta: float = 4.0,

@@ -100,6 +100,181 @@ Backward = Callable[..., tuple[Array, Mapping[str, Array]]]
 
 
 # ---------------------------------------------------------------------------
+# The whole layer
+# ---------------------------------------------------------------------------
+
+def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, *,
+                          token_ids: Array | None = None,
+                          return_intermediates: bool = False) -> tuple[Array | MoEOutput, Backward]:
+    r"""One Stable LatentMoE layer and its vector–Jacobian product: `(y, backward)`.
+
+    `y` is the layer's output, `[m, d]`: exactly `stable_latent_moe(x, params,
+    config, token_ids=token_ids)`, since it is that function's forward pass
+    (with `return_intermediates=True`, its whole `MoEOutput`, from which a
+    training loop reads its statistics without a second forward).
+    `backward(dy)` takes the upstream gradient $\bar y = \partial L / \partial y$,
+    `[m, d]`, and returns `(dx, dparams)`: `dx` $= \partial L / \partial x$
+    `[m, d]` in the dtype of `x`, and `dparams` a `MoEParams` with exactly the
+    names of `params`, each gradient in its parameter's dtype when that is
+    float32 or float64 and in the compute dtype otherwise (a half-precision
+    weight gets a float32 gradient). The bias entry is zeros (the bias only
+    selects). The arithmetic runs in the forward's compute dtype (float32, or
+    float64 for float64 input). `backward` may be called more than once.
+
+    Every configuration the forward accepts is differentiated: the sigmoid,
+    softmax and $\sqrt{\operatorname{softplus}}$ score functions, groups, a
+    capacity (a dropped assignment gets no gradient), hash routing (the
+    weights still come from the router's scores, so the router learns).
+
+    `backward(dy, dscores=g)` adds a gradient `g` `[m, n]` in the router's
+    scores (an auxiliary balance loss computed from `y.scores`), so the
+    layer's one backward carries it to the router and the input.
+
+    `backward(dy, out=grads)` writes the gradients into the arrays of `grads`
+    instead of new ones, as NumPy's `out=` does, and returns that same
+    mapping as `dparams`: it must have the names, shapes and dtypes of the
+    `dparams` above (the `dparams` of an earlier step will do, once its
+    values are used), and no array of it may overlap another, a parameter,
+    `x` or `dy`. A training loop saves by it what matters most on a CPU at
+    scale: the three expert gradient stacks, $3 n f \ell$ numbers (300 MB at
+    the benchmark size), are written where they lie instead of being
+    allocated and faulted in by the kernel again at every step.
+    """
+    # The forward pass of `refimpl.layer.latent_moe`, keeping what the backward reads.
+    fwd = stable_latent_moe(x, params, config, token_ids=token_ids, save_for_backward=True)
+    xp = array_namespace(x)
+    dtype = compute_dtype(xp, x)
+    m, d = x.shape
+    # The backward must differentiate the forward that ran: the input is kept as it was (a copy, `m d`
+    # numbers; the caller may reuse its array), and the weights, too large to copy, are fingerprinted.
+    x_kept = xp.astype(x, dtype, copy=True)  # [m, d]
+    prints = weight_fingerprints(params)
+
+    def weight(name: str) -> Array:
+        return xp.astype(params[name], dtype, copy=False)
+
+    def backward(dy: Array, *, out: Mapping[str, Array] | None = None,
+                 dscores: Array | None = None) -> tuple[Array, Mapping[str, Array]]:
+        check_upstream(dy, (m, d), dscores, tuple(fwd.scores.shape))
+        check_weights_unchanged(params, prints)
+        if out is not None:
+            _check_out(out, params, lambda name: _grad_dtype(xp, params[name], dtype), inputs={"x": x, "dy": dy})
+        h = x_kept  # [m, d]
+        y_bar = xp.astype(dy, dtype, copy=False)  # [m, d]
+        # 9-6. $$y = y_s + y_r \;\Rightarrow\; \bar y_s = \bar y_r = \bar y$$, then the up-projection and the norm.
+        u_bar, grads = latent_output_backward(y_bar, fwd.u, fwd.v, weight, config)  # [m, l]
+        # 4-5. The routed experts, grouped by expert: $\bar z$, $\bar p$ and the three stacks.
+        z_bar, p_bar, grads["experts.w1"], grads["experts.w3"], grads["experts.w2"] = routed_experts_backward(
+            fwd.z, fwd.routed, params["experts.w1"], params["experts.w3"], params["experts.w2"], u_bar,
+            None if out is None else (out["experts.w1"], out["experts.w3"], out["experts.w2"]))
+        # 2, 1, 3, 8. The weights to the router, the latent to the input, the shared experts.
+        x_bar, more = router_and_input_backward(h, y_bar, fwd.scores, fwd.index, fwd.kept, p_bar, z_bar,
+                                                fwd.shared, weight, params, config, dscores=dscores)
+        grads.update(more)
+        x_bar = xp.astype(x_bar, x.dtype, copy=False)
+        if out is None:
+            return x_bar, MoEParams((name, xp.astype(grads[name], _grad_dtype(xp, params[name], dtype),
+                                                     copy=False)) for name in params)
+        for name in params:
+            if grads[name] is not out[name]:  # the expert stacks were written in place already
+                out[name][...] = grads[name]
+        return x_bar, out
+
+    return (fwd if return_intermediates else fwd.y), backward
+
+
+def weight_fingerprints(params: Mapping[str, Array]) -> dict[str, float]:
+    """One number per weight array, its sum: what `check_weights_unchanged` compares after the forward.
+
+    One pass over each weight, a few percent of a backward that reads every weight three times. It is a
+    fingerprint, not a copy: an update of the weights (an optimizer step, zeroing, a rescale, a new load) moves
+    a sum, while an exact permutation of a tensor's entries would not.
+    """
+    prints = {}
+    for name, value in params.items():
+        if hasattr(value, "shape") and hasattr(value, "dtype") and value.size:
+            xp = array_namespace(value)
+            prints[name] = float(xp.sum(value, dtype=compute_dtype(xp, value)))
+    return prints
+
+
+def check_weights_unchanged(params: Mapping[str, Array], prints: Mapping[str, float]) -> None:
+    """A `ValueError` naming the first weight whose fingerprint moved since the forward pass."""
+    now = weight_fingerprints(params)
+    for name, before in prints.items():
+        after = now.get(name)
+        if after != before and not (after != after and before != before):  # NaN equals NaN here
+            raise ValueError(f"params[{name!r}] changed between the forward pass and backward(): the gradients "
+                             "would be those of other weights; call stable_latent_moe_vjp again after changing "
+                             "the weights (update them after backward, as a training step does)")
+
+
+def check_upstream(dy: Array, y_shape: tuple[int, int], dscores: Array | None, scores_shape: tuple[int, int],
+                   *, whose: str = "") -> None:
+    """A backward's upstream gradients: `dy` finite and of the shape of `y`, `dscores` (if given) of the scores'.
+
+    `whose` ("this rank's ") goes into the messages of a layer split over ranks.
+    """
+    check_float_array("dy", dy, ndim=2)
+    if tuple(dy.shape) != tuple(y_shape):
+        raise ValueError(f"dy must have the shape of {whose}y, {list(y_shape)}, got {list(dy.shape)}")
+    check_finite("dy", dy)
+    if dscores is not None:
+        check_float_array("dscores", dscores, ndim=2)
+        if tuple(dscores.shape) != tuple(scores_shape):
+            raise ValueError(f"dscores must have the shape of {whose or 'the '}scores, {list(scores_shape)}, "
+                             f"got {list(dscores.shape)}")
+        check_finite("dscores", dscores)
+
+
+def _overlaps(a: Any, b: Any) -> bool:
+    """Whether two arrays share memory (NumPy's exact test; other libraries: the same object)."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.shares_memory(a, b))
+    return a is b
+
+
+def _check_out(out: Mapping[str, Array], params: Mapping[str, Array], grad_dtype: Callable[[str], Any], *,
+               inputs: Mapping[str, Array]) -> None:
+    """`backward`'s `out=`: the names of `params`, each a writable array of its gradient's shape and dtype.
+
+    No two targets may overlap, and none may overlap a parameter or an input:
+    the backward reads those while it writes the gradients, and an alias
+    would return gradients computed from half-overwritten values.
+    """
+    if not isinstance(out, Mapping):
+        raise TypeError(f"out must be a mapping of gradient arrays (the dparams of an earlier call), "
+                        f"got {type(out).__name__}")
+    missing, extra = sorted(set(params) - set(out)), sorted(set(out) - set(params))
+    if missing or extra:
+        raise ValueError(f"out must have exactly the names of params; missing {missing}, unexpected {extra}")
+    for name in params:
+        target, shape, dtype = out[name], tuple(params[name].shape), grad_dtype(name)
+        if tuple(getattr(target, "shape", ())) != shape or getattr(target, "dtype", None) != dtype:
+            raise ValueError(f"out[{name!r}] must be an array of shape {list(shape)} and dtype {dtype}, got "
+                             f"shape {list(getattr(target, 'shape', ()))} and dtype {getattr(target, 'dtype', None)}")
+        if isinstance(target, np.ndarray) and not target.flags.writeable:
+            raise ValueError(f"out[{name!r}] must be writable")
+    names = list(params)
+    for i, name in enumerate(names):
+        for other in names[i + 1:]:
+            if _overlaps(out[name], out[other]):
+                raise ValueError(f"out[{name!r}] and out[{other!r}] share memory: each gradient needs an "
+                                 "array of its own")
+        for what, array in [*((f"params[{p!r}]", params[p]) for p in names), *inputs.items()]:
+            if _overlaps(out[name], array):
+                raise ValueError(f"out[{name!r}] shares memory with {what}, which the backward reads while "
+                                 "it writes the gradients: pass separate arrays")
+
+
+def _grad_dtype(xp: Any, param: Array, dtype: Any) -> Any:
+    """A gradient's dtype: its parameter's, unless that cannot hold it (a packed or integer store)."""
+    if getattr(param, "dtype", None) is not None and param.dtype in (xp.float32, xp.float64):
+        return param.dtype
+    return dtype
+
+
+# ---------------------------------------------------------------------------
 # Stages 4–5 differentiated: the routed experts, grouped by expert
 # ---------------------------------------------------------------------------
 
@@ -334,178 +509,3 @@ def router_and_input_backward(h: Array, y_bar: Array, scores: Array, index: Arra
             h, weight("shared_experts.gate_proj.weight"), weight("shared_experts.up_proj.weight"),
             weight("shared_experts.down_proj.weight"), shared, y_bar)
     return x_bar + shared_x_bar, grads
-
-
-# ---------------------------------------------------------------------------
-# The whole layer
-# ---------------------------------------------------------------------------
-
-def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, *,
-                          token_ids: Array | None = None,
-                          return_intermediates: bool = False) -> tuple[Array | MoEOutput, Backward]:
-    r"""One Stable LatentMoE layer and its vector–Jacobian product: `(y, backward)`.
-
-    `y` is the layer's output, `[m, d]`: exactly `stable_latent_moe(x, params,
-    config, token_ids=token_ids)`, since it is that function's forward pass
-    (with `return_intermediates=True`, its whole `MoEOutput`, from which a
-    training loop reads its statistics without a second forward).
-    `backward(dy)` takes the upstream gradient $\bar y = \partial L / \partial y$,
-    `[m, d]`, and returns `(dx, dparams)`: `dx` $= \partial L / \partial x$
-    `[m, d]` in the dtype of `x`, and `dparams` a `MoEParams` with exactly the
-    names of `params`, each gradient in its parameter's dtype when that is
-    float32 or float64 and in the compute dtype otherwise (a half-precision
-    weight gets a float32 gradient). The bias entry is zeros (the bias only
-    selects). The arithmetic runs in the forward's compute dtype (float32, or
-    float64 for float64 input). `backward` may be called more than once.
-
-    Every configuration the forward accepts is differentiated: the sigmoid,
-    softmax and $\sqrt{\operatorname{softplus}}$ score functions, groups, a
-    capacity (a dropped assignment gets no gradient), hash routing (the
-    weights still come from the router's scores, so the router learns).
-
-    `backward(dy, dscores=g)` adds a gradient `g` `[m, n]` in the router's
-    scores (an auxiliary balance loss computed from `y.scores`), so the
-    layer's one backward carries it to the router and the input.
-
-    `backward(dy, out=grads)` writes the gradients into the arrays of `grads`
-    instead of new ones, as NumPy's `out=` does, and returns that same
-    mapping as `dparams`: it must have the names, shapes and dtypes of the
-    `dparams` above (the `dparams` of an earlier step will do, once its
-    values are used), and no array of it may overlap another, a parameter,
-    `x` or `dy`. A training loop saves by it what matters most on a CPU at
-    scale: the three expert gradient stacks, $3 n f \ell$ numbers (300 MB at
-    the benchmark size), are written where they lie instead of being
-    allocated and faulted in by the kernel again at every step.
-    """
-    # The forward pass of `refimpl.layer.latent_moe`, keeping what the backward reads.
-    fwd = stable_latent_moe(x, params, config, token_ids=token_ids, save_for_backward=True)
-    xp = array_namespace(x)
-    dtype = compute_dtype(xp, x)
-    m, d = x.shape
-    # The backward must differentiate the forward that ran: the input is kept as it was (a copy, `m d`
-    # numbers; the caller may reuse its array), and the weights, too large to copy, are fingerprinted.
-    x_kept = xp.astype(x, dtype, copy=True)  # [m, d]
-    prints = weight_fingerprints(params)
-
-    def weight(name: str) -> Array:
-        return xp.astype(params[name], dtype, copy=False)
-
-    def backward(dy: Array, *, out: Mapping[str, Array] | None = None,
-                 dscores: Array | None = None) -> tuple[Array, Mapping[str, Array]]:
-        check_upstream(dy, (m, d), dscores, tuple(fwd.scores.shape))
-        check_weights_unchanged(params, prints)
-        if out is not None:
-            _check_out(out, params, lambda name: _grad_dtype(xp, params[name], dtype), inputs={"x": x, "dy": dy})
-        h = x_kept  # [m, d]
-        y_bar = xp.astype(dy, dtype, copy=False)  # [m, d]
-        # 9-6. $$y = y_s + y_r \;\Rightarrow\; \bar y_s = \bar y_r = \bar y$$, then the up-projection and the norm.
-        u_bar, grads = latent_output_backward(y_bar, fwd.u, fwd.v, weight, config)  # [m, l]
-        # 4-5. The routed experts, grouped by expert: $\bar z$, $\bar p$ and the three stacks.
-        z_bar, p_bar, grads["experts.w1"], grads["experts.w3"], grads["experts.w2"] = routed_experts_backward(
-            fwd.z, fwd.routed, params["experts.w1"], params["experts.w3"], params["experts.w2"], u_bar,
-            None if out is None else (out["experts.w1"], out["experts.w3"], out["experts.w2"]))
-        # 2, 1, 3, 8. The weights to the router, the latent to the input, the shared experts.
-        x_bar, more = router_and_input_backward(h, y_bar, fwd.scores, fwd.index, fwd.kept, p_bar, z_bar,
-                                                fwd.shared, weight, params, config, dscores=dscores)
-        grads.update(more)
-        x_bar = xp.astype(x_bar, x.dtype, copy=False)
-        if out is None:
-            return x_bar, MoEParams((name, xp.astype(grads[name], _grad_dtype(xp, params[name], dtype),
-                                                     copy=False)) for name in params)
-        for name in params:
-            if grads[name] is not out[name]:  # the expert stacks were written in place already
-                out[name][...] = grads[name]
-        return x_bar, out
-
-    return (fwd if return_intermediates else fwd.y), backward
-
-
-def weight_fingerprints(params: Mapping[str, Array]) -> dict[str, float]:
-    """One number per weight array, its sum: what `check_weights_unchanged` compares after the forward.
-
-    One pass over each weight, a few percent of a backward that reads every weight three times. It is a
-    fingerprint, not a copy: an update of the weights (an optimizer step, zeroing, a rescale, a new load) moves
-    a sum, while an exact permutation of a tensor's entries would not.
-    """
-    prints = {}
-    for name, value in params.items():
-        if hasattr(value, "shape") and hasattr(value, "dtype") and value.size:
-            xp = array_namespace(value)
-            prints[name] = float(xp.sum(value, dtype=compute_dtype(xp, value)))
-    return prints
-
-
-def check_weights_unchanged(params: Mapping[str, Array], prints: Mapping[str, float]) -> None:
-    """A `ValueError` naming the first weight whose fingerprint moved since the forward pass."""
-    now = weight_fingerprints(params)
-    for name, before in prints.items():
-        after = now.get(name)
-        if after != before and not (after != after and before != before):  # NaN equals NaN here
-            raise ValueError(f"params[{name!r}] changed between the forward pass and backward(): the gradients "
-                             "would be those of other weights; call stable_latent_moe_vjp again after changing "
-                             "the weights (update them after backward, as a training step does)")
-
-
-def check_upstream(dy: Array, y_shape: tuple[int, int], dscores: Array | None, scores_shape: tuple[int, int],
-                   *, whose: str = "") -> None:
-    """A backward's upstream gradients: `dy` finite and of the shape of `y`, `dscores` (if given) of the scores'.
-
-    `whose` ("this rank's ") goes into the messages of a layer split over ranks.
-    """
-    check_float_array("dy", dy, ndim=2)
-    if tuple(dy.shape) != tuple(y_shape):
-        raise ValueError(f"dy must have the shape of {whose}y, {list(y_shape)}, got {list(dy.shape)}")
-    check_finite("dy", dy)
-    if dscores is not None:
-        check_float_array("dscores", dscores, ndim=2)
-        if tuple(dscores.shape) != tuple(scores_shape):
-            raise ValueError(f"dscores must have the shape of {whose or 'the '}scores, {list(scores_shape)}, "
-                             f"got {list(dscores.shape)}")
-        check_finite("dscores", dscores)
-
-
-def _overlaps(a: Any, b: Any) -> bool:
-    """Whether two arrays share memory (NumPy's exact test; other libraries: the same object)."""
-    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-        return bool(np.shares_memory(a, b))
-    return a is b
-
-
-def _check_out(out: Mapping[str, Array], params: Mapping[str, Array], grad_dtype: Callable[[str], Any], *,
-               inputs: Mapping[str, Array]) -> None:
-    """`backward`'s `out=`: the names of `params`, each a writable array of its gradient's shape and dtype.
-
-    No two targets may overlap, and none may overlap a parameter or an input:
-    the backward reads those while it writes the gradients, and an alias
-    would return gradients computed from half-overwritten values.
-    """
-    if not isinstance(out, Mapping):
-        raise TypeError(f"out must be a mapping of gradient arrays (the dparams of an earlier call), "
-                        f"got {type(out).__name__}")
-    missing, extra = sorted(set(params) - set(out)), sorted(set(out) - set(params))
-    if missing or extra:
-        raise ValueError(f"out must have exactly the names of params; missing {missing}, unexpected {extra}")
-    for name in params:
-        target, shape, dtype = out[name], tuple(params[name].shape), grad_dtype(name)
-        if tuple(getattr(target, "shape", ())) != shape or getattr(target, "dtype", None) != dtype:
-            raise ValueError(f"out[{name!r}] must be an array of shape {list(shape)} and dtype {dtype}, got "
-                             f"shape {list(getattr(target, 'shape', ()))} and dtype {getattr(target, 'dtype', None)}")
-        if isinstance(target, np.ndarray) and not target.flags.writeable:
-            raise ValueError(f"out[{name!r}] must be writable")
-    names = list(params)
-    for i, name in enumerate(names):
-        for other in names[i + 1:]:
-            if _overlaps(out[name], out[other]):
-                raise ValueError(f"out[{name!r}] and out[{other!r}] share memory: each gradient needs an "
-                                 "array of its own")
-        for what, array in [*((f"params[{p!r}]", params[p]) for p in names), *inputs.items()]:
-            if _overlaps(out[name], array):
-                raise ValueError(f"out[{name!r}] shares memory with {what}, which the backward reads while "
-                                 "it writes the gradients: pass separate arrays")
-
-
-def _grad_dtype(xp: Any, param: Array, dtype: Any) -> Any:
-    """A gradient's dtype: its parameter's, unless that cannot hold it (a packed or integer store)."""
-    if getattr(param, "dtype", None) is not None and param.dtype in (xp.float32, xp.float64):
-        return param.dtype
-    return dtype

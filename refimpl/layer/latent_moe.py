@@ -104,175 +104,115 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------
-# Parameters
+# The forward pass
 # ---------------------------------------------------------------------------
 
-def parameter_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
-    """The name and shape of every parameter of one layer, HF names, `[out, in]` layout.
+def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, *,
+                      return_intermediates: bool = False, mxfp8_inputs: bool = False,
+                      token_ids: Array | None = None,
+                      routing: tuple[Array, Array] | None = None,
+                      save_for_backward: bool = False) -> Array | MoEOutput:
+    r"""Eq. (11): one Stable LatentMoE layer on a batch `x` of shape `[m, d]`.
 
-    Projections are absent when `config.use_latent_projection` is false, and
-    the norm gain when `config.use_latent_norm` is false.
+    `params` is any mapping with the names of `parameter_shapes(config)`; the
+    expert stacks may be packed (`load_hf_layer` keeps MXFP4 experts packed
+    and they are decoded one expert at a time). Returns `y`, `[m, d]`, in the
+    dtype of `x` (computed in float32, or float64 for float64 input); with
+    `return_intermediates=True`, a `MoEOutput` whose first field is `y`.
+
+    The keywords are the extension points of the end of the page:
+    `token_ids` (`[m]` integers) are read by a hash-routed layer
+    (`config.hash_routing`); `mxfp8_inputs=True` runs the routed experts at
+    K3's deployment precision for activations (each expert product's input
+    rounded to MXFP8 and back, the arithmetic in float32; NumPy only, and
+    `latent_size`, `intermediate_size` multiples of 32); `routing=(index,
+    weights)` (both `[m, k]`) replaces step 2 with a given route (the seam the
+    conformance kit uses to reproduce other routing conventions; a capacity is
+    not applied to it); `save_for_backward=True` keeps what
+    `refimpl.layer.backward.stable_latent_moe_vjp` reads (and implies
+    `return_intermediates`).
     """
-    d, ell, n, f, s = config.hidden_size, config.latent_size, config.num_experts, config.intermediate_size, config.shared_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "gate.weight": (n, d),
-        "gate.e_score_correction_bias": (n,),
-    }
-    if config.use_latent_projection:
-        shapes["routed_expert_down_proj.weight"] = (ell, d)
-    if config.use_latent_norm:
-        shapes["routed_expert_norm.weight"] = (ell,)
-    if config.use_latent_projection:
-        shapes["routed_expert_up_proj.weight"] = (d, ell)
-    shapes.update({
-        "experts.w1": (n, f, ell),  # gate, per expert [f, l]
-        "experts.w3": (n, f, ell),  # up,   per expert [f, l]
-        "experts.w2": (n, ell, f),  # down, per expert [l, f]
-        "shared_experts.gate_proj.weight": (s, d),
-        "shared_experts.up_proj.weight": (s, d),
-        "shared_experts.down_proj.weight": (d, s),
-    })
-    return shapes
+    check_layer_inputs(x, params, config)
+    if mxfp8_inputs and (config.latent_size % MX_BLOCK or config.intermediate_size % MX_BLOCK):
+        raise ValueError(f"mxfp8_inputs=True needs latent_size and intermediate_size that are multiples of "
+                         f"{MX_BLOCK} (MXFP8 blocks), got {config.latent_size} and {config.intermediate_size}")
+    xp = array_namespace(x, *(a for a in params.values() if not is_packed_stack(a)))
+    if mxfp8_inputs and not is_numpy(xp):
+        raise TypeError("mxfp8_inputs=True needs NumPy arrays (refimpl.mx is NumPy code)")
+    dtype = compute_dtype(xp, x)
 
+    def weight(name: str) -> Array:
+        return xp.astype(params[name], dtype, copy=False)
 
-class MoEParams(dict):
-    """The weights of one layer: a `dict` from HF-style names to arrays.
+    h = xp.astype(x, dtype, copy=False)  # [m, d]
+    # 1. Router scores on the full width: $$s = \sigma(x W_r^\top)$$
+    scores = router_scores(h, weight("gate.weight"), config.score_function)  # [m, n]
+    # 2. Selection by $s + b$, weights from the raw $s$ (Eq. 13): $$\mathcal{T}_i = \operatorname{argtopk}_k(s_i + b)$$
+    if routing is None:
+        selection = select_experts(scores, params["gate.e_score_correction_bias"], config, token_ids=token_ids)
+    else:
+        selection = _given_routing(routing, x.shape[0], config)
+    weights = xp.astype(selection.weights, dtype)  # [m, k]
+    # 3. One down-projection for all routed experts: $$z = x W_\downarrow^\top$$
+    z = down_project(h, weight, config)  # [m, l]
+    # 4-5. Each token's k experts on the latent, mixed in the latent space:
+    # $$u_i = \textstyle\sum_{e \in \mathcal{T}_i} p_{i,e} E_e(z_i)$$
+    # The expert stacks go in as stored: `routed_experts` casts one expert at a time, so a
+    # float16 checkpoint of K3's 896 experts is never copied whole.
+    routed = routed_experts(z, selection.index, weights, params["experts.w1"], params["experts.w3"],
+                            params["experts.w2"], config, mxfp8_inputs=mxfp8_inputs,
+                            save=save_for_backward)
+    u, routed_saved = routed if save_for_backward else (routed, None)  # [m, l]
+    # 6-7. The Stable addition, then one up-projection per token after the combine:
+    # $$v = \operatorname{RMSNorm}(u) \odot g, \qquad y_{\text{routed}} = v W_\uparrow^\top$$
+    v, y_routed = latent_output(u, weight, config)  # [m, l], [m, d]
+    # 8. Shared experts on the full width, one merged GLU of width $N_s f$.
+    shared = shared_experts(h, weight("shared_experts.gate_proj.weight"), weight("shared_experts.up_proj.weight"),
+                            weight("shared_experts.down_proj.weight"), config, save=save_for_backward)
+    y_shared, shared_saved = shared if save_for_backward else (shared, None)  # [m, d]
+    # 9. $$y = y_{\text{shared}} + y_{\text{routed}}$$
+    y = xp.astype(y_shared + y_routed, x.dtype)
+    if not (return_intermediates or save_for_backward):
+        return y
+    return MoEOutput(y=y, scores=scores, index=selection.index, weights=weights, z=z, u=u, v=v,
+                     y_routed=y_routed, y_shared=y_shared, kept=selection.kept, routed=routed_saved,
+                     shared=shared_saved)
 
-    Any mapping with exactly the names of `parameter_shapes(config)` works
-    wherever a `MoEParams` is expected; this class only adds a readable repr.
-    """
-
-    def __repr__(self) -> str:
-        parts = ", ".join(f"{name}: {list(a.shape)}" for name, a in self.items())
-        return f"MoEParams({parts})"
-
-
-def init_params(config: MoEConfig, rng: np.random.Generator | int | None = None, *,
-                dtype: Any = np.float32, bias_scale: float = 0.0) -> MoEParams:
-    r"""Random weights for `config`, as NumPy arrays of `dtype`.
-
-    Matrices are drawn from $\mathcal{N}(0, 1/\text{fan\_in})$ so activations
-    keep unit scale through each product; the norm gain is one; the router
-    bias is $\mathcal{N}(0, \text{bias\_scale}^2)$ (zero by default, as at the start of
-    training). `rng` is a NumPy `Generator` or a seed. With `activation="relu2"` each gate matrix is a copy
-    of its up matrix: the ungated expert $\operatorname{relu}(W z)^2$ as the GLU $\max(a, 0)\,b$.
-    """
-    if not isinstance(config, MoEConfig):
-        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
-    rng = np.random.default_rng(rng)
-    params = MoEParams()
-    for name, shape in parameter_shapes(config).items():
-        if name == "routed_expert_norm.weight":
-            value = np.ones(shape)
-        elif name == "gate.e_score_correction_bias":
-            value = bias_scale * rng.standard_normal(shape)
-            params[name] = value.astype(np.float32 if np.dtype(dtype).itemsize < 4 else dtype)
-            continue
-        else:
-            fan_in = shape[-1]
-            value = rng.standard_normal(shape) / np.sqrt(max(fan_in, 1))
-        params[name] = value.astype(dtype)
-    if config.activation == "relu2":  # ungated experts: the GLU's gate is the up matrix itself
-        params["experts.w1"] = params["experts.w3"].copy()
-        params["shared_experts.gate_proj.weight"] = params["shared_experts.up_proj.weight"].copy()
-    return params
-
-
-def is_packed_stack(w: Any) -> bool:
-    """True for an expert stack that is not an array but decodes one expert on `w[e]` (a packed MXFP4 stack)."""
-    return not array_api_compat.is_array_api_obj(w) and hasattr(w, "__getitem__")
-
-
-def check_params(params: Mapping[str, Array], config: MoEConfig) -> None:
-    """Raise if `params` does not have exactly the names and shapes `config` needs.
-
-    The expert stacks may be arrays or read-only stacks that decode one
-    expert on `w[e]` (`refimpl.checkpoints.hf_checkpoint.ExpertStack`, e.g. MXFP4 weights
-    as loaded by `load_hf_layer`); every other entry must be an array.
-    """
-    if not isinstance(params, Mapping):
-        raise TypeError(f"params must be a mapping from parameter names to arrays, got {type(params).__name__}")
-    shapes = parameter_shapes(config)
-    missing = sorted(set(shapes) - set(params))
-    extra = sorted(set(params) - set(shapes))
-    if missing or extra:
-        raise ValueError(f"params must have exactly the names {sorted(shapes)}; missing {missing}, extra {extra}")
-    for name, shape in shapes.items():
-        if name.startswith("experts.") and is_packed_stack(params[name]):
-            if not (hasattr(params[name], "shape") and hasattr(params[name], "dtype")):
-                raise TypeError(f"params[{name!r}] must be an array or an expert stack with shape and dtype, "
-                                f"got {type(params[name]).__name__}")
-        check_float_array(f"params[{name!r}]", params[name])
-        if tuple(params[name].shape) != shape:
-            raise ValueError(f"params[{name!r}] must have shape {list(shape)}, got {list(params[name].shape)}")
-    check_finite("params['gate.e_score_correction_bias']", params["gate.e_score_correction_bias"])
-
-
-# ---------------------------------------------------------------------------
-# The dispatch: token-slots sorted by expert, and the combine
-# ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Dispatch:
-    r"""The $mk$ token-slots of a route, sorted by expert: the dispatch and combine of an MoE kernel.
+class MoEOutput:
+    """The output `y` of a layer and every intermediate of Eq. (11), for teaching, tests and the backward.
 
-    Slot $t = i k + r$ is the $r$-th expert of token $i$. `token` `[m*k]`
-    and `weight` `[m*k, 1]` are the sorted slots' token and mixture weight;
-    expert $e$ owns sorted slots `start[e] : start[e + 1]` (`rows(e)`);
-    `position[i, r]` is where slot $i k + r$ went (the inverse permutation),
-    which is all the combine needs.
+    Shapes: `y`, `y_shared`, `y_routed` `[m, d]`; `scores` `[m, n]`; `index`,
+    `weights` `[m, k]` (zero where a capacity dropped the assignment); `z`, `u`, `v` `[m, l]`;
+    `kept` `[m, k]` bool, or None when the layer has no capacity. With
+    `save_for_backward=True`, `routed` holds the `RoutedActivations` and
+    `shared` the shared experts' $(h, \\partial_a\\phi, \\partial_b\\phi)$.
     """
 
-    token: Array
-    weight: Array
-    start: np.ndarray
-    position: Array
-
-    def rows(self, e: int) -> slice:
-        """The sorted slots of expert `e`."""
-        return slice(int(self.start[e]), int(self.start[e + 1]))
-
-    def experts(self) -> list[int]:
-        """The experts that received at least one slot, in id order."""
-        return np.flatnonzero(np.diff(self.start)).tolist()
-
-    @property
-    def load(self) -> np.ndarray:
-        """Slots per expert, `[n]` (NumPy)."""
-        return np.diff(self.start)
+    y: Array
+    scores: Array
+    index: Array
+    weights: Array
+    z: Array
+    u: Array
+    v: Array
+    y_routed: Array
+    y_shared: Array
+    kept: Array | None = None  # [m, k] bool, which assignments a capacity served (None: no capacity)
+    routed: RoutedActivations | None = None
+    shared: tuple[Array, Array, Array] | None = None
 
 
-def dispatch_by_expert(index: Array, weights: Array, n: int) -> Dispatch:
-    """Sort the token-slots of a route `index`, `weights` `[m, k]` by expert (stable: tokens keep their order)."""
-    xp = array_namespace(index, weights)
-    m, k = index.shape
-    # Flatten the token-slots: slot $t = i k + r$ is the $r$-th expert of token $i$.
-    slot_expert = xp.reshape(index, (m * k,))  # [m*k]
-    order = xp.argsort(slot_expert, stable=True)  # [m*k]
-    count = to_numpy(bincount(slot_expert, n))  # [n]
-    return Dispatch(token=order // k,  # [m*k], the token of each sorted slot
-                    weight=xp.take(xp.reshape(weights, (m * k,)), order)[:, None],  # [m*k, 1]
-                    start=np.concatenate(([0], np.cumsum(count))),  # [n + 1]
-                    position=xp.reshape(xp.argsort(order), (m, k)))  # [m, k]
-
-
-def combine(sorted_rows: Array, dispatch: Dispatch) -> Array:
-    r"""Each token's $k$ sorted rows added back into one row per token: $u_i = \sum_r o_{\text{position}[i, r]}$.
-
-    `sorted_rows` is `[m*k, width]` in the order of the dispatch; returns
-    `[m, width]`. The portable form of a scatter-add: one routing slot at a
-    time, the $r$-th rows of all tokens are gathered and added, so no
-    unsorted copy of the $mk$ rows is made.
-    """
-    if fast_path_applies(sorted_rows):
-        return combine_in_buffers(sorted_rows, dispatch.position)
-    xp = array_namespace(sorted_rows)
-    m, k = dispatch.position.shape
-    total = xp.zeros((m, sorted_rows.shape[1]), dtype=sorted_rows.dtype)  # [m, width]
-    for r in range(k):
-        # $$u_i \mathrel{+}= o_{\text{position}[i, r]}$$ for every token $i$ at once
-        total += xp.take(sorted_rows, dispatch.position[:, r], axis=0)  # [m, width]
-    return total
+def check_layer_inputs(x: Array, params: Mapping[str, Array], config: MoEConfig) -> None:
+    """Raise a readable error unless `x` is a finite `[m, d]` float array and `params` fit `config`."""
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    check_float_array("x", x, ndim=2)
+    if x.shape[1] != config.hidden_size:
+        raise ValueError(f"x must have shape [m, {config.hidden_size}] (hidden_size), got {list(x.shape)}")
+    check_finite("x", x)
+    check_params(params, config)
 
 
 # ---------------------------------------------------------------------------
@@ -406,115 +346,175 @@ def shared_experts(x: Array, gate_proj: Array, up_proj: Array, down_proj: Array,
 
 
 # ---------------------------------------------------------------------------
-# The forward pass
+# The dispatch: token-slots sorted by expert, and the combine
 # ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class MoEOutput:
-    """The output `y` of a layer and every intermediate of Eq. (11), for teaching, tests and the backward.
+class Dispatch:
+    r"""The $mk$ token-slots of a route, sorted by expert: the dispatch and combine of an MoE kernel.
 
-    Shapes: `y`, `y_shared`, `y_routed` `[m, d]`; `scores` `[m, n]`; `index`,
-    `weights` `[m, k]` (zero where a capacity dropped the assignment); `z`, `u`, `v` `[m, l]`;
-    `kept` `[m, k]` bool, or None when the layer has no capacity. With
-    `save_for_backward=True`, `routed` holds the `RoutedActivations` and
-    `shared` the shared experts' $(h, \\partial_a\\phi, \\partial_b\\phi)$.
+    Slot $t = i k + r$ is the $r$-th expert of token $i$. `token` `[m*k]`
+    and `weight` `[m*k, 1]` are the sorted slots' token and mixture weight;
+    expert $e$ owns sorted slots `start[e] : start[e + 1]` (`rows(e)`);
+    `position[i, r]` is where slot $i k + r$ went (the inverse permutation),
+    which is all the combine needs.
     """
 
-    y: Array
-    scores: Array
-    index: Array
-    weights: Array
-    z: Array
-    u: Array
-    v: Array
-    y_routed: Array
-    y_shared: Array
-    kept: Array | None = None  # [m, k] bool, which assignments a capacity served (None: no capacity)
-    routed: RoutedActivations | None = None
-    shared: tuple[Array, Array, Array] | None = None
+    token: Array
+    weight: Array
+    start: np.ndarray
+    position: Array
+
+    def rows(self, e: int) -> slice:
+        """The sorted slots of expert `e`."""
+        return slice(int(self.start[e]), int(self.start[e + 1]))
+
+    def experts(self) -> list[int]:
+        """The experts that received at least one slot, in id order."""
+        return np.flatnonzero(np.diff(self.start)).tolist()
+
+    @property
+    def load(self) -> np.ndarray:
+        """Slots per expert, `[n]` (NumPy)."""
+        return np.diff(self.start)
 
 
-def check_layer_inputs(x: Array, params: Mapping[str, Array], config: MoEConfig) -> None:
-    """Raise a readable error unless `x` is a finite `[m, d]` float array and `params` fit `config`."""
+def dispatch_by_expert(index: Array, weights: Array, n: int) -> Dispatch:
+    """Sort the token-slots of a route `index`, `weights` `[m, k]` by expert (stable: tokens keep their order)."""
+    xp = array_namespace(index, weights)
+    m, k = index.shape
+    # Flatten the token-slots: slot $t = i k + r$ is the $r$-th expert of token $i$.
+    slot_expert = xp.reshape(index, (m * k,))  # [m*k]
+    order = xp.argsort(slot_expert, stable=True)  # [m*k]
+    count = to_numpy(bincount(slot_expert, n))  # [n]
+    return Dispatch(token=order // k,  # [m*k], the token of each sorted slot
+                    weight=xp.take(xp.reshape(weights, (m * k,)), order)[:, None],  # [m*k, 1]
+                    start=np.concatenate(([0], np.cumsum(count))),  # [n + 1]
+                    position=xp.reshape(xp.argsort(order), (m, k)))  # [m, k]
+
+
+def combine(sorted_rows: Array, dispatch: Dispatch) -> Array:
+    r"""Each token's $k$ sorted rows added back into one row per token: $u_i = \sum_r o_{\text{position}[i, r]}$.
+
+    `sorted_rows` is `[m*k, width]` in the order of the dispatch; returns
+    `[m, width]`. The portable form of a scatter-add: one routing slot at a
+    time, the $r$-th rows of all tokens are gathered and added, so no
+    unsorted copy of the $mk$ rows is made.
+    """
+    if fast_path_applies(sorted_rows):
+        return combine_in_buffers(sorted_rows, dispatch.position)
+    xp = array_namespace(sorted_rows)
+    m, k = dispatch.position.shape
+    total = xp.zeros((m, sorted_rows.shape[1]), dtype=sorted_rows.dtype)  # [m, width]
+    for r in range(k):
+        # $$u_i \mathrel{+}= o_{\text{position}[i, r]}$$ for every token $i$ at once
+        total += xp.take(sorted_rows, dispatch.position[:, r], axis=0)  # [m, width]
+    return total
+
+
+# ---------------------------------------------------------------------------
+# Parameters
+# ---------------------------------------------------------------------------
+
+def parameter_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
+    """The name and shape of every parameter of one layer, HF names, `[out, in]` layout.
+
+    Projections are absent when `config.use_latent_projection` is false, and
+    the norm gain when `config.use_latent_norm` is false.
+    """
+    d, ell, n, f, s = config.hidden_size, config.latent_size, config.num_experts, config.intermediate_size, config.shared_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "gate.weight": (n, d),
+        "gate.e_score_correction_bias": (n,),
+    }
+    if config.use_latent_projection:
+        shapes["routed_expert_down_proj.weight"] = (ell, d)
+    if config.use_latent_norm:
+        shapes["routed_expert_norm.weight"] = (ell,)
+    if config.use_latent_projection:
+        shapes["routed_expert_up_proj.weight"] = (d, ell)
+    shapes.update({
+        "experts.w1": (n, f, ell),  # gate, per expert [f, l]
+        "experts.w3": (n, f, ell),  # up,   per expert [f, l]
+        "experts.w2": (n, ell, f),  # down, per expert [l, f]
+        "shared_experts.gate_proj.weight": (s, d),
+        "shared_experts.up_proj.weight": (s, d),
+        "shared_experts.down_proj.weight": (d, s),
+    })
+    return shapes
+
+
+class MoEParams(dict):
+    """The weights of one layer: a `dict` from HF-style names to arrays.
+
+    Any mapping with exactly the names of `parameter_shapes(config)` works
+    wherever a `MoEParams` is expected; this class only adds a readable repr.
+    """
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{name}: {list(a.shape)}" for name, a in self.items())
+        return f"MoEParams({parts})"
+
+
+def init_params(config: MoEConfig, rng: np.random.Generator | int | None = None, *,
+                dtype: Any = np.float32, bias_scale: float = 0.0) -> MoEParams:
+    r"""Random weights for `config`, as NumPy arrays of `dtype`.
+
+    Matrices are drawn from $\mathcal{N}(0, 1/\text{fan\_in})$ so activations
+    keep unit scale through each product; the norm gain is one; the router
+    bias is $\mathcal{N}(0, \text{bias\_scale}^2)$ (zero by default, as at the start of
+    training). `rng` is a NumPy `Generator` or a seed. With `activation="relu2"` each gate matrix is a copy
+    of its up matrix: the ungated expert $\operatorname{relu}(W z)^2$ as the GLU $\max(a, 0)\,b$.
+    """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
-    check_float_array("x", x, ndim=2)
-    if x.shape[1] != config.hidden_size:
-        raise ValueError(f"x must have shape [m, {config.hidden_size}] (hidden_size), got {list(x.shape)}")
-    check_finite("x", x)
-    check_params(params, config)
+    rng = np.random.default_rng(rng)
+    params = MoEParams()
+    for name, shape in parameter_shapes(config).items():
+        if name == "routed_expert_norm.weight":
+            value = np.ones(shape)
+        elif name == "gate.e_score_correction_bias":
+            value = bias_scale * rng.standard_normal(shape)
+            params[name] = value.astype(np.float32 if np.dtype(dtype).itemsize < 4 else dtype)
+            continue
+        else:
+            fan_in = shape[-1]
+            value = rng.standard_normal(shape) / np.sqrt(max(fan_in, 1))
+        params[name] = value.astype(dtype)
+    if config.activation == "relu2":  # ungated experts: the GLU's gate is the up matrix itself
+        params["experts.w1"] = params["experts.w3"].copy()
+        params["shared_experts.gate_proj.weight"] = params["shared_experts.up_proj.weight"].copy()
+    return params
 
 
-def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, *,
-                      return_intermediates: bool = False, mxfp8_inputs: bool = False,
-                      token_ids: Array | None = None,
-                      routing: tuple[Array, Array] | None = None,
-                      save_for_backward: bool = False) -> Array | MoEOutput:
-    r"""Eq. (11): one Stable LatentMoE layer on a batch `x` of shape `[m, d]`.
+def is_packed_stack(w: Any) -> bool:
+    """True for an expert stack that is not an array but decodes one expert on `w[e]` (a packed MXFP4 stack)."""
+    return not array_api_compat.is_array_api_obj(w) and hasattr(w, "__getitem__")
 
-    `params` is any mapping with the names of `parameter_shapes(config)`; the
-    expert stacks may be packed (`load_hf_layer` keeps MXFP4 experts packed
-    and they are decoded one expert at a time). Returns `y`, `[m, d]`, in the
-    dtype of `x` (computed in float32, or float64 for float64 input); with
-    `return_intermediates=True`, a `MoEOutput` whose first field is `y`.
 
-    The keywords are the extension points of the end of the page:
-    `token_ids` (`[m]` integers) are read by a hash-routed layer
-    (`config.hash_routing`); `mxfp8_inputs=True` runs the routed experts at
-    K3's deployment precision for activations (each expert product's input
-    rounded to MXFP8 and back, the arithmetic in float32; NumPy only, and
-    `latent_size`, `intermediate_size` multiples of 32); `routing=(index,
-    weights)` (both `[m, k]`) replaces step 2 with a given route (the seam the
-    conformance kit uses to reproduce other routing conventions; a capacity is
-    not applied to it); `save_for_backward=True` keeps what
-    `refimpl.layer.backward.stable_latent_moe_vjp` reads (and implies
-    `return_intermediates`).
+def check_params(params: Mapping[str, Array], config: MoEConfig) -> None:
+    """Raise if `params` does not have exactly the names and shapes `config` needs.
+
+    The expert stacks may be arrays or read-only stacks that decode one
+    expert on `w[e]` (`refimpl.checkpoints.hf_checkpoint.ExpertStack`, e.g. MXFP4 weights
+    as loaded by `load_hf_layer`); every other entry must be an array.
     """
-    check_layer_inputs(x, params, config)
-    if mxfp8_inputs and (config.latent_size % MX_BLOCK or config.intermediate_size % MX_BLOCK):
-        raise ValueError(f"mxfp8_inputs=True needs latent_size and intermediate_size that are multiples of "
-                         f"{MX_BLOCK} (MXFP8 blocks), got {config.latent_size} and {config.intermediate_size}")
-    xp = array_namespace(x, *(a for a in params.values() if not is_packed_stack(a)))
-    if mxfp8_inputs and not is_numpy(xp):
-        raise TypeError("mxfp8_inputs=True needs NumPy arrays (refimpl.mx is NumPy code)")
-    dtype = compute_dtype(xp, x)
-
-    def weight(name: str) -> Array:
-        return xp.astype(params[name], dtype, copy=False)
-
-    h = xp.astype(x, dtype, copy=False)  # [m, d]
-    # 1. Router scores on the full width: $$s = \sigma(x W_r^\top)$$
-    scores = router_scores(h, weight("gate.weight"), config.score_function)  # [m, n]
-    # 2. Selection by $s + b$, weights from the raw $s$ (Eq. 13): $$\mathcal{T}_i = \operatorname{argtopk}_k(s_i + b)$$
-    if routing is None:
-        selection = select_experts(scores, params["gate.e_score_correction_bias"], config, token_ids=token_ids)
-    else:
-        selection = _given_routing(routing, x.shape[0], config)
-    weights = xp.astype(selection.weights, dtype)  # [m, k]
-    # 3. One down-projection for all routed experts: $$z = x W_\downarrow^\top$$
-    z = down_project(h, weight, config)  # [m, l]
-    # 4-5. Each token's k experts on the latent, mixed in the latent space:
-    # $$u_i = \textstyle\sum_{e \in \mathcal{T}_i} p_{i,e} E_e(z_i)$$
-    # The expert stacks go in as stored: `routed_experts` casts one expert at a time, so a
-    # float16 checkpoint of K3's 896 experts is never copied whole.
-    routed = routed_experts(z, selection.index, weights, params["experts.w1"], params["experts.w3"],
-                            params["experts.w2"], config, mxfp8_inputs=mxfp8_inputs,
-                            save=save_for_backward)
-    u, routed_saved = routed if save_for_backward else (routed, None)  # [m, l]
-    # 6-7. The Stable addition, then one up-projection per token after the combine:
-    # $$v = \operatorname{RMSNorm}(u) \odot g, \qquad y_{\text{routed}} = v W_\uparrow^\top$$
-    v, y_routed = latent_output(u, weight, config)  # [m, l], [m, d]
-    # 8. Shared experts on the full width, one merged GLU of width $N_s f$.
-    shared = shared_experts(h, weight("shared_experts.gate_proj.weight"), weight("shared_experts.up_proj.weight"),
-                            weight("shared_experts.down_proj.weight"), config, save=save_for_backward)
-    y_shared, shared_saved = shared if save_for_backward else (shared, None)  # [m, d]
-    # 9. $$y = y_{\text{shared}} + y_{\text{routed}}$$
-    y = xp.astype(y_shared + y_routed, x.dtype)
-    if not (return_intermediates or save_for_backward):
-        return y
-    return MoEOutput(y=y, scores=scores, index=selection.index, weights=weights, z=z, u=u, v=v,
-                     y_routed=y_routed, y_shared=y_shared, kept=selection.kept, routed=routed_saved,
-                     shared=shared_saved)
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping from parameter names to arrays, got {type(params).__name__}")
+    shapes = parameter_shapes(config)
+    missing = sorted(set(shapes) - set(params))
+    extra = sorted(set(params) - set(shapes))
+    if missing or extra:
+        raise ValueError(f"params must have exactly the names {sorted(shapes)}; missing {missing}, extra {extra}")
+    for name, shape in shapes.items():
+        if name.startswith("experts.") and is_packed_stack(params[name]):
+            if not (hasattr(params[name], "shape") and hasattr(params[name], "dtype")):
+                raise TypeError(f"params[{name!r}] must be an array or an expert stack with shape and dtype, "
+                                f"got {type(params[name]).__name__}")
+        check_float_array(f"params[{name!r}]", params[name])
+        if tuple(params[name].shape) != shape:
+            raise ValueError(f"params[{name!r}] must have shape {list(shape)}, got {list(params[name].shape)}")
+    check_finite("params['gate.e_score_correction_bias']", params["gate.e_score_correction_bias"])
 
 
 # ---------------------------------------------------------------------------

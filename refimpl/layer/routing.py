@@ -75,6 +75,193 @@ __all__ = [
 ]
 
 
+# ---------------------------------------------------------------------------
+# Eq. (13): the route, and what it is made of
+# ---------------------------------------------------------------------------
+
+def route(scores: Array, bias: Array, top_k: int, *, renormalize: bool = True,
+          scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1) -> tuple[Array, Array]:
+    r"""Eq. (13): choose `top_k` experts per token by $s + b$, weight them by raw $s$.
+
+    Parameters
+    ----------
+    scores
+        `[m, n]` sigmoid router scores $s$ (see `router_scores`).
+    bias
+        `[n]` selection bias $b$, float32 or float64.
+    top_k
+        $k$, experts per token, `1 <= top_k <= n`.
+    renormalize
+        Divide the $k$ raw scores of a token by their sum (K3: true).
+    scaling_factor
+        Multiply the weights by this (K3: 1.0).
+    n_group, topk_group
+        Optional group-limited routing: split the experts into `n_group` equal
+        groups and select only from the best `topk_group` (K3: one group).
+
+    Returns
+    -------
+    index
+        `[m, k]` integer expert ids, ordered by biased score descending,
+        ties to the lower id.
+    weights
+        `[m, k]` mixture weights $p_{i,j}$ from the raw scores, in the dtype of
+        the biased scores (float32 or float64).
+    """
+    _check_scores_and_bias(scores, bias)
+    m, n = scores.shape
+    top_k = check_int("top_k", top_k, low=1, high=n)
+    scaling_factor = check_positive("scaling_factor", scaling_factor)
+    n_group = check_int("n_group", n_group, low=1, high=n)
+    topk_group = check_int("topk_group", topk_group, low=1, high=n_group)
+    if n % n_group:
+        raise ValueError(f"n_group must divide the number of experts {n}, got {n_group}")
+    # Group-limited routing can only reach the experts of `topk_group` groups;
+    # asking for more would silently pick masked-out experts.
+    reachable = topk_group * (n // n_group)
+    if top_k > reachable:
+        raise ValueError(
+            f"top_k must be <= topk_group * n / n_group = {topk_group} * {n // n_group} = {reachable} "
+            f"(the experts group-limited routing can reach), got top_k={top_k}")
+    xp = array_namespace(scores, bias)
+    # Selection uses the biased scores: $$\mathcal{T}_i = \operatorname{argtopk}_k(s_i + b)$$
+    biased = biased_scores(scores, bias)  # [m, n]
+    if n_group > 1:
+        biased = _group_limited(biased, n_group, topk_group)
+    _, index = topk(biased, top_k)  # [m, k]
+    # The weights use the raw scores of the chosen experts, never the biased ones.
+    raw = xp.take_along_axis(xp.astype(scores, biased.dtype), index, axis=-1)  # [m, k]
+    return index, mixture_weights(raw, renormalize=renormalize, scaling_factor=scaling_factor)
+
+
+def router_scores(x: Array, router_weight: Array, score_function: str = "sigmoid") -> Array:
+    r"""Router scores $s = \sigma(x W_r^\top)$, `[m, n]`, in float32 or wider.
+
+    `x` is `[m, d]` and `router_weight` ($W_r$, HF `gate.weight`) is `[n, d]`.
+    The product is formed in float32 whatever the input dtype (float64 stays
+    float64), as the K3 code does. `score_function` chooses the map from
+    logits to scores: `"sigmoid"` (K3), `"softmax"` or `"sqrtsoftplus"`
+    (see `score_function_values`).
+    """
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+    check_float_array("x", x, ndim=2)
+    check_float_array("router_weight", router_weight, ndim=2)
+    if router_weight.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"router_weight must have shape [n, {x.shape[1]}] to match x of width {x.shape[1]}, "
+            f"got {list(router_weight.shape)}")
+    xp = array_namespace(x, router_weight)
+    dtype = compute_dtype(xp, x, router_weight)
+    # $$z_{i,j} = x_i \cdot W_r[j]$$
+    logits = xp.astype(x, dtype, copy=False) @ xp.astype(router_weight, dtype, copy=False).T  # [m, n]
+    # $$s_{i,j} = \sigma(z_{i,j})$$ (or softmax, or $\sqrt{\operatorname{softplus}}$)
+    return score_function_values(logits, score_function)
+
+
+def biased_scores(scores: Array, bias: Array) -> Array:
+    r"""The selection scores $s_i + b$, `[m, n]`, formed in float32 or wider."""
+    _check_scores_and_bias(scores, bias)
+    xp = array_namespace(scores, bias)
+    dtype = compute_dtype(xp, scores, bias)
+    return xp.astype(scores, dtype) + xp.astype(bias, dtype)[None, :]
+
+
+def mixture_weights(raw: Array, *, renormalize: bool = True, scaling_factor: float = 1.0) -> Array:
+    r"""The mixture weights from the raw scores $\hat s$ `[m, k]` of each token's chosen experts.
+
+    $$p_{i,r} = c\,\frac{\hat s_{i,r}}{\sum_{r'} \hat s_{i,r'}}$$ with `renormalize`, else
+    $p_{i,r} = c\,\hat s_{i,r}$; $c$ is the scaling factor. Whatever rule chose
+    the experts (the biased top-$k$, a hash), this is how they are weighed.
+    Renormalizing scores that all underflowed to 0 (a sigmoid below $-103$ in
+    float32, a $\sqrt{\operatorname{softplus}}$ below $-104$) would divide 0
+    by 0 and let NaN flow into the layer: that is a `ValueError`.
+    """
+    xp = array_namespace(raw)
+    if not renormalize:
+        return raw * scaling_factor
+    total = xp.sum(raw, axis=-1, keepdims=True)  # [m, 1]
+    if raw.shape[0] and not bool(xp.all(total > 0)):
+        raise ValueError("scores of the chosen experts must have a positive sum for every token to be "
+                         "renormalized, got a sum <= 0 for "
+                         f"{int(xp.sum(xp.astype(~(total > 0), xp.int64)))} token(s) (the scores underflowed)")
+    # $$p_{i,r} = c\,\hat s_{i,r} / \textstyle\sum_{r'} \hat s_{i,r'}$$
+    return raw / total * scaling_factor
+
+
+def selection_cutoff(scores: Array, bias: Array, top_k: int) -> tuple[Array, Array]:
+    r"""The top-$k$ route and each token's cutoff $\alpha_i$, from one top-$(k+1)$ of $s + b$.
+
+    $\alpha_i$ is the $(k+1)$-th largest biased score of token $i$: an expert
+    $j$ outside the route enters it exactly when $s_{i,j} + b_j$ rises above
+    $\alpha_i$. This is the first step of Quantile Balancing (Eq. 14) and of
+    the histogram estimator (Appendix D).
+
+    Returns `index` `[m, k]` (the same route as `route`) and `alpha` `[m]`, in
+    the dtype of the biased scores. Needs `top_k < n`: with $k = n$ every
+    expert is always chosen and no cutoff exists.
+    """
+    _check_scores_and_bias(scores, bias)
+    n = scores.shape[1]
+    top_k = check_int("top_k", top_k, low=1)
+    if top_k >= n:
+        raise ValueError(
+            f"top_k must be < n={n} for a cutoff to exist (the (k+1)-th score), got top_k={top_k}")
+    biased = biased_scores(scores, bias)  # [m, n]
+    # $$\alpha_i = (k{+}1)\text{-th largest of } s_i + b$$
+    values, index = topk(biased, top_k + 1)  # [m, k+1]
+    return index[:, :top_k], values[:, top_k]
+
+
+def expert_load(index: Array, n: int) -> Array:
+    """Tokens routed to each expert: `[n]` integer counts of the ids in `index` (any shape)."""
+    if not is_array(index):
+        raise TypeError(f"index must be an integer array of expert ids, got {type(index).__name__}")
+    xp = array_namespace(index)
+    n = check_int("n", n, low=1)
+    if not xp.isdtype(index.dtype, "integral"):
+        raise TypeError(f"index must be an integer array, got dtype {index.dtype}")
+    if index.size and (int(xp.min(index)) < 0 or int(xp.max(index)) >= n):
+        raise ValueError(
+            f"index must hold expert ids in [0, {n - 1}], got values in "
+            f"[{int(xp.min(index))}, {int(xp.max(index))}]")
+    return bincount(index, n)
+
+
+# ---------------------------------------------------------------------------
+# Group-limited routing and input checks
+# ---------------------------------------------------------------------------
+
+def _group_limited(biased: Array, n_group: int, topk_group: int) -> Array:
+    """Mask out all but the best `topk_group` of `n_group` expert groups (DeepSeek-V3 style).
+
+    A group's score is the sum of its two largest biased scores (its only
+    score when a group holds one expert). Experts outside the chosen groups get
+    $-\\infty$ and cannot be selected.
+    """
+    xp = array_namespace(biased)
+    m, n = biased.shape
+    per_group = n // n_group
+    grouped = xp.reshape(biased, (m, n_group, per_group))  # [m, G, n/G]
+    best_two, _ = topk(grouped, min(2, per_group))  # [m, G, 2]
+    group_score = xp.sum(best_two, axis=-1)  # [m, G]
+    _, chosen = topk(group_score, topk_group)  # [m, topk_group]
+    groups = xp.arange(n_group, dtype=chosen.dtype)
+    keep = xp.any(chosen[:, :, None] == groups[None, None, :], axis=1)  # [m, G]
+    masked = xp.where(keep[:, :, None], grouped, -xp.inf)  # [m, G, n/G]
+    return xp.reshape(masked, (m, n))
+
+
+def _check_scores_and_bias(scores: Array, bias: Array) -> None:
+    check_float_array("scores", scores, ndim=2)
+    check_bias(bias, scores.shape[1], context=f"to match scores {list(scores.shape)}")
+    check_finite("scores", scores)
+
+
+# ---------------------------------------------------------------------------
+# The score functions (step 1) and their derivative
+# ---------------------------------------------------------------------------
+
 def _floating(z: Array) -> Array:
     """`z` itself when floating; integers and booleans promoted to float32 (never computed in their own type,
     where a negation is an error for booleans and `exp` of int8 is only float16)."""
@@ -170,180 +357,4 @@ def score_function_vjp(logits: Array, dscores: Array, score_function: str = "sig
     check_finite("logits", logits)
     check_finite("dscores", dscores)
     return score_function_grad(score_function_values(logits, score_function), dscores, score_function)
-
-
-def router_scores(x: Array, router_weight: Array, score_function: str = "sigmoid") -> Array:
-    r"""Router scores $s = \sigma(x W_r^\top)$, `[m, n]`, in float32 or wider.
-
-    `x` is `[m, d]` and `router_weight` ($W_r$, HF `gate.weight`) is `[n, d]`.
-    The product is formed in float32 whatever the input dtype (float64 stays
-    float64), as the K3 code does. `score_function` chooses the map from
-    logits to scores: `"sigmoid"` (K3), `"softmax"` or `"sqrtsoftplus"`
-    (see `score_function_values`).
-    """
-    if score_function not in SCORE_FUNCTIONS:
-        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
-    check_float_array("x", x, ndim=2)
-    check_float_array("router_weight", router_weight, ndim=2)
-    if router_weight.shape[1] != x.shape[1]:
-        raise ValueError(
-            f"router_weight must have shape [n, {x.shape[1]}] to match x of width {x.shape[1]}, "
-            f"got {list(router_weight.shape)}")
-    xp = array_namespace(x, router_weight)
-    dtype = compute_dtype(xp, x, router_weight)
-    # $$z_{i,j} = x_i \cdot W_r[j]$$
-    logits = xp.astype(x, dtype, copy=False) @ xp.astype(router_weight, dtype, copy=False).T  # [m, n]
-    # $$s_{i,j} = \sigma(z_{i,j})$$ (or softmax, or $\sqrt{\operatorname{softplus}}$)
-    return score_function_values(logits, score_function)
-
-
-def _check_scores_and_bias(scores: Array, bias: Array) -> None:
-    check_float_array("scores", scores, ndim=2)
-    check_bias(bias, scores.shape[1], context=f"to match scores {list(scores.shape)}")
-    check_finite("scores", scores)
-
-
-def biased_scores(scores: Array, bias: Array) -> Array:
-    r"""The selection scores $s_i + b$, `[m, n]`, formed in float32 or wider."""
-    _check_scores_and_bias(scores, bias)
-    xp = array_namespace(scores, bias)
-    dtype = compute_dtype(xp, scores, bias)
-    return xp.astype(scores, dtype) + xp.astype(bias, dtype)[None, :]
-
-
-def _group_limited(biased: Array, n_group: int, topk_group: int) -> Array:
-    """Mask out all but the best `topk_group` of `n_group` expert groups (DeepSeek-V3 style).
-
-    A group's score is the sum of its two largest biased scores (its only
-    score when a group holds one expert). Experts outside the chosen groups get
-    $-\\infty$ and cannot be selected.
-    """
-    xp = array_namespace(biased)
-    m, n = biased.shape
-    per_group = n // n_group
-    grouped = xp.reshape(biased, (m, n_group, per_group))  # [m, G, n/G]
-    best_two, _ = topk(grouped, min(2, per_group))  # [m, G, 2]
-    group_score = xp.sum(best_two, axis=-1)  # [m, G]
-    _, chosen = topk(group_score, topk_group)  # [m, topk_group]
-    groups = xp.arange(n_group, dtype=chosen.dtype)
-    keep = xp.any(chosen[:, :, None] == groups[None, None, :], axis=1)  # [m, G]
-    masked = xp.where(keep[:, :, None], grouped, -xp.inf)  # [m, G, n/G]
-    return xp.reshape(masked, (m, n))
-
-
-def route(scores: Array, bias: Array, top_k: int, *, renormalize: bool = True,
-          scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1) -> tuple[Array, Array]:
-    r"""Eq. (13): choose `top_k` experts per token by $s + b$, weight them by raw $s$.
-
-    Parameters
-    ----------
-    scores
-        `[m, n]` sigmoid router scores $s$ (see `router_scores`).
-    bias
-        `[n]` selection bias $b$, float32 or float64.
-    top_k
-        $k$, experts per token, `1 <= top_k <= n`.
-    renormalize
-        Divide the $k$ raw scores of a token by their sum (K3: true).
-    scaling_factor
-        Multiply the weights by this (K3: 1.0).
-    n_group, topk_group
-        Optional group-limited routing: split the experts into `n_group` equal
-        groups and select only from the best `topk_group` (K3: one group).
-
-    Returns
-    -------
-    index
-        `[m, k]` integer expert ids, ordered by biased score descending,
-        ties to the lower id.
-    weights
-        `[m, k]` mixture weights $p_{i,j}$ from the raw scores, in the dtype of
-        the biased scores (float32 or float64).
-    """
-    _check_scores_and_bias(scores, bias)
-    m, n = scores.shape
-    top_k = check_int("top_k", top_k, low=1, high=n)
-    scaling_factor = check_positive("scaling_factor", scaling_factor)
-    n_group = check_int("n_group", n_group, low=1, high=n)
-    topk_group = check_int("topk_group", topk_group, low=1, high=n_group)
-    if n % n_group:
-        raise ValueError(f"n_group must divide the number of experts {n}, got {n_group}")
-    # Group-limited routing can only reach the experts of `topk_group` groups;
-    # asking for more would silently pick masked-out experts.
-    reachable = topk_group * (n // n_group)
-    if top_k > reachable:
-        raise ValueError(
-            f"top_k must be <= topk_group * n / n_group = {topk_group} * {n // n_group} = {reachable} "
-            f"(the experts group-limited routing can reach), got top_k={top_k}")
-    xp = array_namespace(scores, bias)
-    # Selection uses the biased scores: $$\mathcal{T}_i = \operatorname{argtopk}_k(s_i + b)$$
-    biased = biased_scores(scores, bias)  # [m, n]
-    if n_group > 1:
-        biased = _group_limited(biased, n_group, topk_group)
-    _, index = topk(biased, top_k)  # [m, k]
-    # The weights use the raw scores of the chosen experts, never the biased ones.
-    raw = xp.take_along_axis(xp.astype(scores, biased.dtype), index, axis=-1)  # [m, k]
-    return index, mixture_weights(raw, renormalize=renormalize, scaling_factor=scaling_factor)
-
-
-def mixture_weights(raw: Array, *, renormalize: bool = True, scaling_factor: float = 1.0) -> Array:
-    r"""The mixture weights from the raw scores $\hat s$ `[m, k]` of each token's chosen experts.
-
-    $$p_{i,r} = c\,\frac{\hat s_{i,r}}{\sum_{r'} \hat s_{i,r'}}$$ with `renormalize`, else
-    $p_{i,r} = c\,\hat s_{i,r}$; $c$ is the scaling factor. Whatever rule chose
-    the experts (the biased top-$k$, a hash), this is how they are weighed.
-    Renormalizing scores that all underflowed to 0 (a sigmoid below $-103$ in
-    float32, a $\sqrt{\operatorname{softplus}}$ below $-104$) would divide 0
-    by 0 and let NaN flow into the layer: that is a `ValueError`.
-    """
-    xp = array_namespace(raw)
-    if not renormalize:
-        return raw * scaling_factor
-    total = xp.sum(raw, axis=-1, keepdims=True)  # [m, 1]
-    if raw.shape[0] and not bool(xp.all(total > 0)):
-        raise ValueError("scores of the chosen experts must have a positive sum for every token to be "
-                         "renormalized, got a sum <= 0 for "
-                         f"{int(xp.sum(xp.astype(~(total > 0), xp.int64)))} token(s) (the scores underflowed)")
-    # $$p_{i,r} = c\,\hat s_{i,r} / \textstyle\sum_{r'} \hat s_{i,r'}$$
-    return raw / total * scaling_factor
-
-
-def selection_cutoff(scores: Array, bias: Array, top_k: int) -> tuple[Array, Array]:
-    r"""The top-$k$ route and each token's cutoff $\alpha_i$, from one top-$(k+1)$ of $s + b$.
-
-    $\alpha_i$ is the $(k+1)$-th largest biased score of token $i$: an expert
-    $j$ outside the route enters it exactly when $s_{i,j} + b_j$ rises above
-    $\alpha_i$. This is the first step of Quantile Balancing (Eq. 14) and of
-    the histogram estimator (Appendix D).
-
-    Returns `index` `[m, k]` (the same route as `route`) and `alpha` `[m]`, in
-    the dtype of the biased scores. Needs `top_k < n`: with $k = n$ every
-    expert is always chosen and no cutoff exists.
-    """
-    _check_scores_and_bias(scores, bias)
-    n = scores.shape[1]
-    top_k = check_int("top_k", top_k, low=1)
-    if top_k >= n:
-        raise ValueError(
-            f"top_k must be < n={n} for a cutoff to exist (the (k+1)-th score), got top_k={top_k}")
-    biased = biased_scores(scores, bias)  # [m, n]
-    # $$\alpha_i = (k{+}1)\text{-th largest of } s_i + b$$
-    values, index = topk(biased, top_k + 1)  # [m, k+1]
-    return index[:, :top_k], values[:, top_k]
-
-
-def expert_load(index: Array, n: int) -> Array:
-    """Tokens routed to each expert: `[n]` integer counts of the ids in `index` (any shape)."""
-    if not is_array(index):
-        raise TypeError(f"index must be an integer array of expert ids, got {type(index).__name__}")
-    xp = array_namespace(index)
-    n = check_int("n", n, low=1)
-    if not xp.isdtype(index.dtype, "integral"):
-        raise TypeError(f"index must be an integer array, got dtype {index.dtype}")
-    if index.size and (int(xp.min(index)) < 0 or int(xp.max(index)) >= n):
-        raise ValueError(
-            f"index must hold expert ids in [0, {n - 1}], got values in "
-            f"[{int(xp.min(index))}, {int(xp.max(index))}]")
-    return bincount(index, n)
-
 
