@@ -16,6 +16,33 @@ The width reduction factor is $\alpha = d/\ell$; LatentMoE recommends 4 and K3
 uses 2. K3 has 93 layers; the first has a dense FFN and the other 92 use this
 block.
 
+**The notation of the whole site.** Every page uses the symbols below. Three
+letters carry two meanings in the sources, and are told apart by their
+subscripts: $\alpha$ alone is the width factor $d/\ell$, $\alpha_i$ (one per
+token) the cutoff of Eq. (14); $\beta_1, \beta_2$ are SiTU's caps, $\beta_j$
+(one per expert) the dual variable of Appendix C; the bins of Appendix D are
+numbered $h$, not $\beta$.
+{: #notation }
+
+| symbol | meaning | where |
+|---|---|---|
+| $x_i$, $z_i$, $u_i$, $v_i$, $y_i$ | token $i$'s input, latent, routed latent sum, its normalized form, output | Eq. (11) |
+| $m$ | tokens in a batch | everywhere |
+| $\alpha = d/\ell$ | width reduction factor (no subscript) | configuration, LatentMoE |
+| $W_r$, $s_{i,j}$ | router weight, score of expert $j$ for token $i$ | Eq. (13) |
+| $b_j$ | selection bias of expert $j$, added to the scores for the choice only | Eqs. (13), (14) |
+| $\mathcal T_i$, $p_{i,j}$ | token $i$'s chosen experts and their mixture weights | Eq. (13) |
+| $\beta_1$, $\beta_2$ | SiTU's gate and up caps | Eq. (12), App. B |
+| $q = mk/n$ | the load of a perfectly balanced batch | Eq. (14) |
+| $\alpha_i$ | token $i$'s cutoff, the $(k+1)$-th largest of $s_i + b$ (subscripted) | Eq. (14), App. C |
+| $M_{i,j} = s_{i,j} - \alpha_i$ | margin of expert $j$ for token $i$ | Eq. (14) |
+| $\beta_j = -b_j$ | the dual variable of expert $j$ (subscripted) | App. C |
+| $r_{i,j} = \alpha_i - s_{i,j}$ | the bias expert $j$ would need to enter token $i$'s top-$k$ | App. D |
+| $B$, $w$, $h$ | number of bins, bin width, bin index | App. D |
+| $\gamma$ | the sign rule's step size | DeepSeek-V3's balancer |
+| $L$ | DeepSeek-V4's SwiGLU clamp, `swiglu_limit` | the other families |
+| max violation | $\max_j \text{load}_j / q - 1$ of a batch, routed with the bias held before it | the studies |
+
 Two switches turn the block back into its ancestors, so the three can be
 compared on the same inputs:
 

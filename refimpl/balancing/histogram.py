@@ -57,8 +57,11 @@ bin. Inside it, the $c$ values it holds are taken as evenly spread, so the one
 of rank $t$, the $u$-th of the bin, sits at the centre of the $u$-th of $c$
 equal slices:
 
-$$\hat r_{(t)} = e_\beta + \frac{u - \tfrac12}{c}\, w,
-\qquad u = t - (\text{count before bin } \beta).$$
+$$\hat r_{(t)} = e_h + \frac{u - \tfrac12}{c}\, w,
+\qquad u = t - (\text{count before bin } h),$$
+
+with $e_h$ the lower edge of bin $h$ (the letter $\beta$ is kept for the
+SiTU caps and the dual variables).
 
 The target rank is $t = q + 1$, not $q$, because the exact bias is the
 $(q+1)$-th smallest $r$ (the value the $(q+1)$-th token needs, so that $q$
@@ -232,7 +235,7 @@ class BiasHistogram:
     def edges(self) -> Array:
         """The `B + 1` bin edges, float64, from `low` to `high`."""
         xp = array_namespace(self.counts)
-        # $$e_\beta = \text{low} + \beta w$$
+        # $$e_h = \text{low} + h w$$
         return self.low + xp.arange(self.bins + 1, dtype=xp.float64) * self.width
 
     def add(self, scores: Array, cutoff: Array | None = None) -> BiasHistogram:
@@ -487,18 +490,18 @@ def _count_portable(counts: Array, s: Array, alpha: Array, low: Array, scale: Ar
 def _order_statistic(counts: Array, rank: int, low: float, width: float) -> Array:
     r"""Estimate, per row of `counts` `[n, B]`, the `rank`-th smallest counted value (1-based).
 
-    The value lies in the first bin $\beta$ whose cumulative count reaches
+    The value lies in the first bin $h$ whose cumulative count reaches
     `rank`; inside it, the $c$ values are taken as evenly spread.
     """
     xp = array_namespace(counts)
     cumulative = xp.cumulative_sum(counts, axis=1)  # [n, B]
     # The first bin whose cumulative count reaches the rank: the number of bins that fall short of it.
-    beta = xp.sum(xp.astype(cumulative < rank, xp.int64), axis=1)  # [n]
-    inside = xp.take_along_axis(counts, beta[:, None], axis=1)[:, 0]  # [n], c
-    before = xp.take_along_axis(cumulative, beta[:, None], axis=1)[:, 0] - inside  # [n]
+    h = xp.sum(xp.astype(cumulative < rank, xp.int64), axis=1)  # [n], the bin index
+    inside = xp.take_along_axis(counts, h[:, None], axis=1)[:, 0]  # [n], c
+    before = xp.take_along_axis(cumulative, h[:, None], axis=1)[:, 0] - inside  # [n]
     u = xp.astype(rank - before, xp.float64)  # [n], the value's place inside its bin, 1..c
-    # $$\hat r_{(t)} = e_\beta + \frac{u - 1/2}{c}\, w, \qquad e_\beta = \text{low} + \beta w$$
-    return low + (xp.astype(beta, xp.float64) + (u - 0.5) / xp.astype(inside, xp.float64)) * width
+    # $$\hat r_{(t)} = e_h + \frac{u - 1/2}{c}\, w, \qquad e_h = \text{low} + h w$$
+    return low + (xp.astype(h, xp.float64) + (u - 0.5) / xp.astype(inside, xp.float64)) * width
 
 
 def _check_finite_chunk(scores: Array) -> None:

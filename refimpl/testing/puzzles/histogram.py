@@ -115,15 +115,15 @@ $[\min_j b_j - 1,\ \max_j b_j + 1]$. That range, recomputed from the current bia
 of width $w$ (K3: $B = 1000$), and each expert's $r$ values are counted into its row of an $n \times B$ integer
 matrix; one all-reduce (a sum) of the counts gives every rank the histogram of the global batch.
 
-**Reading a threshold.** The value of rank $t = q + 1$ lies in the first bin $\beta$ whose cumulative count
+**Reading a threshold.** The value of rank $t = q + 1$ lies in the first bin $h$ whose cumulative count
 reaches $t$. Inside it, the $c$ values it holds are taken as **evenly spread**, so the one of rank $t$, the
 $u$-th of the bin, sits at the middle of the $u$-th of $c$ equal slices:
 
 $$
-\hat r_{(t)} = e_\beta + \frac{u - \tfrac12}{c}\, w,
+\hat r_{(t)} = e_h + \frac{u - \tfrac12}{c}\, w,
 $$
 
-where $u = t - (\text{the count before bin } \beta)$ and $e_\beta = \text{low} + \beta w$ is the bin's lower edge.
+where $u = t - (\text{the count before bin } h)$ and $e_h = \text{low} + h w$ is the bin's lower edge.
 
 The exact value is inside that bin, so the estimate is **within one bin width** of it.
 
