@@ -1211,6 +1211,16 @@ def benchmark_plot(stem: str, data: dict) -> tuple[bytes, str, str] | None:
     return None
 
 
+def benchmark_title(path: Path) -> str:
+    """A benchmark's heading: the title its `.md` record opens with, or its file name in words."""
+    record = path.with_suffix(".md")
+    if record.is_file():
+        for line in record.read_text(encoding="utf-8").splitlines():
+            if line.startswith("# "):
+                return line[2:].strip()
+    return path.stem.replace("_", " ").capitalize()
+
+
 def benchmarks_page() -> tuple[str, dict[str, bytes]]:
     """The benchmark results page (a plot per benchmark first, the tables after) and the images it shows."""
     folder = DOCS / "benchmarks"
@@ -1237,7 +1247,7 @@ def benchmarks_page() -> tuple[str, dict[str, bytes]]:
         date = (data.get("machine") or {}).get("date", "")
         figure = Figure(name, png, f"{caption} (From docs/benchmarks/{path.name}{', ' + date if date else ''}.)",
                         alt, *png_size(png))
-        plots += [f"### {path.stem.replace('_', ' ').capitalize()}\n", figure_markdown(figure, name)]
+        plots += [f"### {benchmark_title(path)}\n", figure_markdown(figure, name)]
     if plots:
         parts += ["## At a glance\n"] + plots + ["## The recorded results\n"]
     # A benchmark that wrote both `<name>.md` (for people) and `<name>.json` (for tools) shows the first.
@@ -1249,6 +1259,7 @@ def benchmarks_page() -> tuple[str, dict[str, bytes]]:
         if path.suffix == ".md":
             text = path.read_text(encoding="utf-8")
             text = re.sub(r"^(#{1,4}) ", lambda m: "##" + m.group(1) + " ", text, flags=re.M)  # demote headings
+            text = re.sub(r"^\| load average[^\n]*\n", "", text, flags=re.M)  # the host's load says nothing to a reader
             parts.append(text.strip() + "\n")
         else:
             try:

@@ -311,8 +311,7 @@ def speed(args: argparse.Namespace, comm, out: Path | None, save: Path | None = 
               + ", ".join(f"{r['rank_max_over_mean'] / base['rank_max_over_mean']:.2f}x" for r in rows)
               + "; slowest rank's processor time in its experts relative: "
               + ", ".join(f"{max(r['expert_cpu_ms']) / max(base['expert_cpu_ms']):.2f}x" for r in rows))
-        print(f"load average: {[round(v, 1) for v in os.getloadavg()]} on {os.cpu_count()} CPUs "
-              f"({size} ranks)")
+        print(f"{size} ranks on {os.cpu_count()} CPUs")
         if out is not None:
             plot(rows, size, out)
         if save is not None:

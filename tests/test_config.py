@@ -107,7 +107,7 @@ def test_valid_edge_configs():
 # Hugging Face keys
 # ---------------------------------------------------------------------------
 
-def test_hf_keys_are_those_of_spec_section_0():
+def test_hf_keys_are_k3s_configuration_keys():
     assert set(HF_KEYS.values()) == set(K3_HF)
 
 

@@ -677,3 +677,23 @@ def test_a_paper_page_opens_with_its_main_function_before_its_helpers(module):
     tree = ast.parse((ROOT / "refimpl" / module).read_text(encoding="utf-8"))
     first = next(node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.ClassDef))
     assert first == MAIN_FUNCTIONS[module]
+
+
+#: Words a reader cannot follow: the host's load, the history of the code, a target without its owner.
+UNFOLLOWABLE = ("load average", "spec section", "used to select", "an earlier reading", "this release's",
+                "target is met")
+
+
+@pytest.mark.slow
+def test_no_page_speaks_of_the_hosts_load_or_the_codes_history(site):
+    found = {}
+    for path in sorted(site.rglob("*.html")):
+        if path.name == "404.html":
+            continue
+        article = path.read_text(encoding="utf-8")
+        start = article.find("<article")
+        text = visible_text(article[start:] if start >= 0 else article).lower()
+        words = [w for w in UNFOLLOWABLE if w in text]
+        if words:
+            found[path.relative_to(site).as_posix()] = words
+    assert found == {}
