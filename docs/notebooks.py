@@ -117,7 +117,9 @@ REFRESH = "make records"
 NOTE = ("*This notebook is the worked example `examples/{script}` of "
         "[refimpl](https://refimpl.github.io/refimpl/), with the outputs of its recorded run. It runs top to "
         "bottom in any folder, in a Python kernel where refimpl is installed with the extra that draws the "
-        "figures: `pip install \"refimpl[examples]\"`. Each step is a cell; change a value and run it again.*")
+        "figures (no release is on the package index yet: `pip install \"refimpl[examples] @ "
+        "git+https://github.com/refimpl/refimpl\"`, or `pip install \"./refimpl[examples]\"` next to a clone). "
+        "Each step is a cell; change a value and run it again.*")
 
 
 @dataclass
