@@ -103,6 +103,8 @@ EXAMPLES = ROOT / "examples"
 
 #: A comment that starts a new step, hence a new notebook cell, inside `main` (at its indentation).
 STEP = re.compile(r"^# Step\b")
+#: A comment that reads the output of the code above it: a Markdown cell right after that code's cell.
+READING = re.compile(r"^# What to see:")
 
 #: A `# %%` line inside a block (indented), which `steps_for_indented_markers` turns into a step.
 INDENTED_MARKER = re.compile(r"^(?P<indent>[ \t]+)#\s*%%(?P<title>.*)$", re.M)
@@ -287,13 +289,28 @@ def options_cell(script: Path, source: str, main: ast.FunctionDef) -> tuple[str 
 
 
 def _step_cells(code: str) -> list[Cell]:
-    """Dedented code of `main` split into steps: each `# Step` comment block becomes a Markdown cell."""
+    """Dedented code of `main` split into steps: each `# Step` comment block becomes a Markdown cell.
+
+    A `# What to see:` comment block (at `main`'s indentation, after a step's code) becomes a Markdown cell
+    after that code's cell, so that the reading of the output comes right under it.
+    """
     cells: list[Cell] = []
     lines = code.split("\n")
     current: list[str] = []
     i = 0
     while i < len(lines):
         line = lines[i]
+        if READING.match(line):
+            if "\n".join(current).strip():
+                cells.append(Cell("code", "\n".join(current).strip("\n")))
+            current = []
+            comment = []
+            while i < len(lines) and lines[i].startswith("#") and not STEP.match(lines[i]):
+                comment.append(re.sub(r"^#\s?", "", lines[i]))
+                i += 1
+            text = re.sub(r"^What to see:\s*", "", " ".join(part.strip() for part in comment)).strip()
+            cells.append(Cell("markdown", f"**What to see.** {text}", {"refimpl": "reading"}))
+            continue
         if STEP.match(line):
             if "\n".join(current).strip():
                 cells.append(Cell("code", "\n".join(current).strip("\n")))

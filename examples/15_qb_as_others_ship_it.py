@@ -184,11 +184,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print(f"   {rule.name:<44}{v[0]:>8.3f}{v[1]:>8.3f}{v[4]:>8.3f}{summary[rule.name]:>24.3f}")
     print(f"   {'no preference, no bias (the noise floor)':<44}{'':>24}{np.median(floor[settle:]):>24.3f}")
 
+    # What to see: every rule read in its own sign settles within a few steps near 0.17, a little above the
+    # noise floor, whether it works on logits or scores, pooled or averaged, exact or binned. The two rows that
+    # mix conventions never settle: 11 = n/k - 1 means one set of k experts takes every token.
+
     # Step 2: How small the micro-batches may be
-    # What step 1 shows: every rule read in its own sign settles within a few steps near 0.17, a little above
-    # the noise floor, whether it works on logits or scores, pooled or averaged, exact or binned. The two rows
-    # that mix conventions never settle: 11 = n/k - 1 means one set of k experts takes every token.
-    # Next, the same batches split into smaller micro-batches, one quantile per micro-batch averaged.
+    # The same batches split into smaller micro-batches, one quantile per micro-batch averaged.
     sizes = [528, 192, 48, 12]
     sweep = micro_batch_sweep(args.steps, sizes)
     print(f"averaged quantiles of micro-batches, the same {MICRO_BATCHES * MICRO_TOKENS:,} tokens a step:")
@@ -198,10 +199,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"   one pooled quantile (Eq. 14):                         median max violation "
           f"{summary[rules[0].name]:.3f}")
 
+    # What to see: averaging costs nothing down to 192 tokens a micro-batch, and balance worsens below that.
+    # The (q+1)-th largest of m margins sits near the (q+1)/(m+1) quantile, not q/m: a bias that averaging
+    # does not remove.
+
     # Step 3: A target rounded down
-    # What step 2 shows: averaging costs nothing down to 192 tokens a micro-batch, and balance worsens below
-    # that. The (q+1)-th largest of m margins sits near the (q+1)/(m+1) quantile, not q/m: a bias that
-    # averaging does not remove.
     # Megatron-Core asserts that mk/n is whole; a port that relaxes the assertion by rounding q down reads
     # the (floor(q)+1)-th margin on a fractional target instead of interpolating.
     tokens = MICRO_BATCHES * MICRO_TOKENS + 5
@@ -210,9 +212,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     for name, value in rounded.items():
         print(f"   {name:<44}median max violation {value:.3f}")
 
+    # What to see: rounding q down moves each threshold by less than one token's margin, far below the noise
+    # of a fresh batch, so the two rules balance alike.
+
     # Step: The figure
-    # What step 3 shows: rounding q down moves each threshold by less than one token's margin, far below the
-    # noise of a fresh batch, so the two rules balance alike. The figure follows step 1's rules step by step.
+    # Step 1's rules, step by step.
     if figures_wanted(args.out):
         plot(args.out, rules, floor)
     return {"median_max_violation": summary, "floor": float(np.median(floor[settle:])), "micro_batches": sweep,

@@ -151,6 +151,16 @@ def test_a_main_that_cannot_be_unrolled_is_called_whole(nb, tmp_path, body, reas
     assert cells[-1].source == "result = main([])  # the script's defaults"
 
 
+def test_a_what_to_see_comment_becomes_prose_right_under_its_output(nb, tmp_path):
+    source = SCRIPT.replace("    # Step 2: the second step",
+                            "    # What to see: the value is three times\n    # the option.\n\n    # Step 2: the second step")
+    cells = nb.script_cells(write_script(tmp_path, source))
+    assert [c.kind for c in cells[5:]] == ["markdown", "code", "markdown", "markdown", "code"]
+    assert cells[7].source == "**What to see.** the value is three times the option."
+    assert cells[7].metadata == {"refimpl": "reading"}
+    assert cells[8].source == "## Step 2: the second step"
+
+
 def test_an_indented_cell_marker_starts_a_step_not_a_cell(nb, tmp_path):
     source = SCRIPT.replace("    # Step 2: the second step", "    # %% the second step")
     cells = nb.script_cells(write_script(tmp_path, source))
