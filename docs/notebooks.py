@@ -309,6 +309,7 @@ def _step_cells(code: str) -> list[Cell]:
                 comment.append(re.sub(r"^#\s?", "", lines[i]))
                 i += 1
             text = re.sub(r"^What to see:\s*", "", " ".join(part.strip() for part in comment)).strip()
+            text = text[:1].upper() + text[1:]
             cells.append(Cell("markdown", f"**What to see.** {text}", {"refimpl": "reading"}))
             continue
         if STEP.match(line):

@@ -156,7 +156,7 @@ def test_a_what_to_see_comment_becomes_prose_right_under_its_output(nb, tmp_path
                             "    # What to see: the value is three times\n    # the option.\n\n    # Step 2: the second step")
     cells = nb.script_cells(write_script(tmp_path, source))
     assert [c.kind for c in cells[5:]] == ["markdown", "code", "markdown", "markdown", "code"]
-    assert cells[7].source == "**What to see.** the value is three times the option."
+    assert cells[7].source == "**What to see.** The value is three times the option."
     assert cells[7].metadata == {"refimpl": "reading"}
     assert cells[8].source == "## Step 2: the second step"
 
