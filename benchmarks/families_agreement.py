@@ -4,9 +4,9 @@ For each family of `refimpl.families` this builds transformers' block (float64, 
 small configurations drawn from a seed, fills it with random weights (selection biases far from zero where
 the router has one), reads the configuration with `MoEConfig.from_hf_config` and the tensors with
 `params_from_hf_state_dict(..., model_type=...)`, runs both on the same tokens, and prints the largest
-difference relative to the largest output. transformers computes every router in float32 (and Nemotron-H
-sums its experts in float32) even in a float64 block, so the differences are float32's rounding, not
-float64's; a token whose two candidate experts are closer than that rounding could route differently.
+difference relative to the largest output. transformers computes every router but DeepSeek-V4's in float32
+(and Nemotron-H sums its experts in float32) even in a float64 block, so the differences are float32's
+rounding, not float64's (DeepSeek-V4's router runs in the block's dtype); a token whose two candidate experts are closer than that rounding could route differently.
 
     python benchmarks/families_agreement.py            # needs torch and transformers (the test extra)
 """
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import transformers
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
@@ -32,6 +33,10 @@ import refimpl
 CASES = {
     "deepseek_v3": (transformers.DeepseekV3Config, DeepseekV3MoE,
                     dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1)),
+    # DeepSeek-V4's block takes its layer's index; layer 0 is made a top-k layer, with a clamp that cuts.
+    "deepseek_v4": (transformers.DeepseekV4Config, lambda hf: DeepseekV4SparseMoeBlock(hf, 0),
+                    dict(n_routed_experts=16, num_experts_per_tok=4, num_hidden_layers=1, mlp_layer_types=["moe"],
+                         swiglu_limit=1.0)),
     "glm4_moe": (transformers.Glm4MoeConfig, Glm4MoeMoE,
                  dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5)),
     "kimi_linear": (transformers.KimiLinearConfig, KimiLinearMoE,

@@ -89,6 +89,10 @@ SPLIT_PACKAGES = ("layer", "balancing", "checkpoints", "parallel", "studies", "_
 #: the room of balancing is read first as Eq. (14).
 ROOM_OPENERS = {"balancing": "quantile"}
 
+#: Pages that a search for their own subject must find first, however often smaller pages repeat its word:
+#: "quantile" is Eq. (14)'s page before the histogram's or the kit's. Material's per-page search boost.
+SEARCH_BOOST = {"balancing": 4}
+
 #: The reading path: module (or package) and navigation label, in reading order. The rooms of the house come
 #: in the paper's order: the layer (Eqs. 11-13), its number formats and checkpoints, balancing (Eq. 14,
 #: Appendices C and D), parallelism, training and the conformance kit.
@@ -1717,7 +1721,8 @@ def main() -> None:
     for module in all_modules:
         tests = {p: cases_in(p) for p in tests_of_module(module.name) if p in test_paths}
         examples = [(p, example_titles[p]) for p in example_paths if module.name in uses[p]]
-        write(f"paper/{module.slug}.md", module_page(module, examples, tests),
+        boost = f"---\nsearch:\n  boost: {SEARCH_BOOST[module.name]}\n---\n\n" if module.name in SEARCH_BOOST else ""
+        write(f"paper/{module.slug}.md", boost + module_page(module, examples, tests),
               edit=module.files[0].relative_to(ROOT).as_posix())
         extra_names = [n for n, mod in exported.items() if mod == module.name]
         write(f"reference/{module.slug}.md", reference_page(module, extra_names),
