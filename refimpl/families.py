@@ -93,6 +93,7 @@ relative to the largest output:
 | `model_type` | largest relative difference |
 |---|---|
 | `deepseek_v3` | 1.24e-07 |
+| `deepseek_v4` | 5.08e-16 |
 | `glm4_moe` | 1.24e-07 |
 | `kimi_linear` | 1.10e-07 |
 | `qwen3_moe` | 1.16e-07 |
@@ -102,6 +103,8 @@ relative to the largest output:
 float32's rounding, where float64's would be $10^{-16}$: the one place the two
 differ is the precision of the router (and Nemotron-H's float32 sum of its
 experts), which transformers fixes at float32 whatever the block's dtype.
+DeepSeek-V4's router runs in the block's own dtype, and its row is float64's
+rounding (that run clamps at `swiglu_limit = 1`, so the clamp is exercised).
 
 The sigmoid families renormalize a single chosen weight too (DeepSeek-V3 with
 `num_experts_per_tok = 1` gives every token weight `routed_scaling_factor`);
