@@ -699,3 +699,48 @@ def test_no_page_speaks_of_the_hosts_load_or_the_codes_history(site):
         if words:
             found[path.relative_to(site).as_posix()] = words
     assert found == {}
+
+
+def _prose_of(markup: str) -> str:
+    """A page's visible prose: its article without code, math, scripts or the table of contents."""
+    start = markup.find("<article")
+    article = markup[start:] if start >= 0 else markup
+    for tag in ("pre", "code", "script", "style"):
+        article = re.sub(rf"<{tag}\b.*?</{tag}>", " ", article, flags=re.S)
+    article = re.sub(r'<span class="arithmatex">.*?</span>', " ", article, flags=re.S)
+    article = re.sub(r'<div class="arithmatex">.*?</div>', " ", article, flags=re.S)
+    return visible_text(article)
+
+
+@pytest.mark.slow
+def test_no_page_shows_raw_markdown_outside_code(site):
+    """A fence, a bold marker, a link's bracket-paren or an exec block left as text means a page did not render."""
+    raw = re.compile(r"```|\*\*\S|\S\*\*|\]\(|exec=\"on\"")
+    found = {}
+    for path in sorted(site.rglob("index.html")):
+        rel = path.relative_to(site).as_posix()
+        if rel.startswith("tests/"):
+            continue  # a test page shows its source, which quotes such text on purpose
+        hits = [m.group(0) for m in raw.finditer(_prose_of(path.read_text(encoding="utf-8")))]
+        if hits:
+            found[rel] = hits[:5]
+    assert found == {}
+
+
+@pytest.mark.slow
+def test_each_report_box_of_the_kit_page_holds_its_own_entrys_report(site, gen):
+    """Each "The report the kit prints" box shows the report example 31 printed under its own section's title."""
+    record = gen.read_record(ROOT / "examples" / "31_mistakes_the_kit_catches.py")
+    markup = page(site, "paper", "testing")
+    sections = re.split(r"(?=<h[23][ >])", markup)  # each section from its heading to the next
+    boxes = [(re.match(r"<h3[^>]*>(.*?)</h3>", part, flags=re.S).group(1),
+              re.search(r"<summary>The report the kit prints</summary>(.*?)</details>", part, flags=re.S).group(1))
+             for part in sections if part.startswith("<h3") and "<summary>The report the kit prints</summary>" in part]
+    assert len(boxes) >= 10
+    for heading, box in boxes:
+        # The section's title as the example prints it: math rendered on the page is plain text in a console.
+        title = re.sub(r"\\\(|\\\)", "", visible_text(heading).rstrip("¶")).replace(" -th", "-th").strip()
+        own = gen.output_block(record.stdout, title)
+        assert own is not None, title
+        assert visible_text(box) == visible_text(html.escape(own)), (title, visible_text(box)[:120])
+    assert len({visible_text(box) for _, box in boxes}) == len(boxes)  # no two boxes show the same report

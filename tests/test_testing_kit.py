@@ -294,7 +294,7 @@ class TestStrategies:
     @settings(max_examples=200, deadline=None)
     @given(rst.routing_cases(distinct=True, max_tokens=16, max_experts=12), rst.bias_shifts())
     def test_distinct_cases_have_no_near_ties_even_after_a_shift(self, case, c):
-        """Within a token, biased scores differ by at least 2**-14, also after adding c in float32."""
+        """Within a token, biased scores differ by at least 2^-14, also after adding c in float32."""
         assert np.all((case.scores > 0) & (case.scores < 1))
         for bias in (case.bias, (case.bias + c).astype(np.float32)):
             biased = np.sort(case.scores.astype(np.float32) + bias.astype(np.float32), axis=1)

@@ -407,7 +407,7 @@ def histogram_range(bias: Array) -> tuple[float, float]:
     xp = array_namespace(bias)
     # $$r_{i,j} \in [\min_j b_j - 1,\ \max_j b_j + 1]$$
     low, high = float(xp.min(bias)) - 1.0, float(xp.max(bias)) + 1.0
-    # Its width is at least 2 on paper. A bias so large that float64 loses the margins of 1 (beyond 2**52),
+    # Its width is at least 2 on paper. A bias so large that float64 loses the margins of 1 (beyond $2^{52}$),
     # or whose spread overflows, leaves no interval to divide into bins: refused, not divided by zero.
     if not (math.isfinite(high - low) and high - low >= 1.0):
         raise ValueError(f"bias must span an interval the histogram's bins can divide: [min b - 1, max b + 1] is "
