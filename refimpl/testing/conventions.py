@@ -11,7 +11,7 @@ wrong, not only that its numbers differ.
 | entry | what the port does | where it shipped |
 |---|---|---|
 | `bias_in_weights` | mixture weights from the biased scores $s + b$ | vLLM #12002; transformers #41647 |
-| `scale_applied_twice` | `routed_scaling_factor` multiplied in twice | vLLM #24119; SGLang #35152 |
+| `scale_applied_twice` | `routed_scaling_factor` multiplied in twice | vLLM #24119; kvcache-ai/sglang #86 |
 | `scale_skipped_without_renormalization` | the factor dropped on the path that does not renormalize | sglang-jax #1282 |
 | `scale_never_applied` | the factor never applied | |
 | `top1_renormalized` | with `top_k = 1` the single weight renormalized to 1 (K3's code keeps it raw) | |
@@ -415,7 +415,7 @@ CATALOGUE: tuple[Convention, ...] = (
     Convention("bias_in_weights", "the mixture weights taken from the biased scores s + b instead of the raw s",
                "vLLM #12002; transformers #41647", _always, _bias_in_weights),
     Convention("scale_applied_twice", "routed_scaling_factor multiplied into the weights twice",
-               "vLLM #24119; SGLang #35152", _scaled, _scale_applied_twice),
+               "vLLM #24119; kvcache-ai/sglang #86", _scaled, _scale_applied_twice),
     Convention("scale_skipped_without_renormalization",
                "routed_scaling_factor dropped on the path that does not renormalize the weights",
                "sglang-jax #1282", lambda c: _scaled(c) and not c.config.renormalize, _scale_never_applied),
