@@ -59,7 +59,8 @@ is served; a number $c$: each expert serves at most $\lceil c\,mk/n \rceil$ and
 drops the rest) and `hash_routing` (the layer picks its experts by a fixed
 hash of the token id, DeepSeek-V4's first layers; `num_hash_layers` records how
 many of a model's MoE layers do). Presets give DeepSeek-V3 and, as far as the
-sources go, DeepSeek-V4 Flash and Pro.
+sources go, DeepSeek-V4 Flash and Pro, and NVIDIA's published LatentMoE
+(`nemotron_3_super`).
 
 Two more fields run NVIDIA's LatentMoE as published (Nemotron-H):
 `activation="relu2"`, ungated experts $W_\downarrow \operatorname{relu}(W_\uparrow z)^2$
@@ -387,6 +388,29 @@ class MoEConfig:
             hidden_size=7168, latent_size=7168, use_latent_projection=False, use_latent_norm=False,
             num_experts=256, top_k=8, intermediate_size=2048, num_shared_experts=1, activation="swiglu",
             n_group=8, topk_group=4, routed_scaling_factor=2.5, num_moe_layers=58)
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def nemotron_3_super(cls, **overrides: Any) -> MoEConfig:
+        r"""NVIDIA's LatentMoE as published: a MoE layer of Nemotron 3 Super (120B total, 12B active).
+
+        From the `config.json` of `nvidia/NVIDIA-Nemotron-3-Super-120B-A12B`
+        (model type `nemotron_h`), as public ports reproduce it: $d = 4096$, a
+        latent of `moe_latent_size` = 1024 ($\alpha = 4$, LatentMoE's
+        recommendation) without a norm, 512 routed experts of width 2688, top-22,
+        one shared expert of width 5376 on the full width, ungated ReLU$^2$
+        experts (`relu2`), sigmoid scores with the selection bias, weights
+        renormalized and scaled by 5.0, no groups, $\varepsilon = 10^{-5}$.
+        Not given here: how many of its 88 layers are MoE layers (its
+        `hybrid_override_pattern` says); `num_moe_layers` is left at 1, so set
+        it, or read the file with `MoEConfig.from_hf_config`, which counts them.
+        """
+        fields: dict[str, Any] = dict(
+            hidden_size=4096, latent_size=1024, use_latent_projection=True, use_latent_norm=False,
+            num_experts=512, top_k=22, intermediate_size=2688, num_shared_experts=1,
+            shared_intermediate_size=5376, activation="relu2", situ_linear_beta=None, score_function="sigmoid",
+            renormalize=True, routed_scaling_factor=5.0, rms_norm_eps=1e-5, num_moe_layers=1)
         fields.update(overrides)
         return cls(**fields)
 

@@ -36,7 +36,9 @@ weights one matrix (`activation="relu2"`, since $\max(u, 0)\,u = \max(u, 0)^2$),
 so the converters store `up_proj` as both `w1` and `w3`. Nemotron-H sums its
 experts in float32 even in a float64 block, which the tests' tolerance
 accounts for. A shared width of 0 falls back to the dense `intermediate_size`
-in its code, and the reader does the same.
+in its code, and the reader does the same. `MoEConfig.nemotron_3_super()` is the
+published layer (Nemotron 3 Super: $d = 4096$, a latent of 1024, 512 experts,
+top-22), and a test reads the same layer from its keys through `NemotronHConfig`.
 
 A porter of any of them starts from the model's own configuration and block:
 

@@ -545,3 +545,13 @@ def test_the_converters_refuse_what_they_cannot_lay_out_by_name():
     k3 = MoEConfig.tiny()
     with pytest.raises(ValueError, match=r"expert_layout='per_expert' chooses a transformers family's .*model_type"):
         hf_state_dict_from_params(refimpl.init_params(k3, 0), k3, expert_layout="per_expert")
+
+
+def test_the_nemotron_3_super_preset_is_what_nemotron_hs_class_reads_from_its_keys():
+    """The preset's numbers, written as the model's own keys and read by transformers' class, build the same layer."""
+    keys = dict(hidden_size=4096, n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=2688,
+                moe_latent_size=1024, moe_shared_expert_intermediate_size=5376, n_shared_experts=1,
+                routed_scaling_factor=5.0, n_group=1, topk_group=1, norm_topk_prob=True, mlp_hidden_act="relu2",
+                layer_norm_epsilon=1e-5, layers_block_type=["mamba", "moe", "attention", "moe"])
+    hf = transformers.NemotronHConfig(**ATTENTION, **keys).to_dict()
+    assert MoEConfig.from_hf_config(hf) == MoEConfig.nemotron_3_super(num_moe_layers=2)
