@@ -55,6 +55,9 @@ LAYERS: dict[str, MoEConfig] = {
                                                       situ_linear_beta=None),
     "Nemotron-H: relu2, latent without norm, own shared width": MoEConfig(
         **_SMALL, activation="relu2", use_latent_norm=False, situ_linear_beta=None, shared_intermediate_size=7),
+    "DeepSeek-V4: SwiGLU clamped at 0.5, sqrt-softplus": MoEConfig(
+        **{**_SMALL, "latent_size": 12}, use_latent_projection=False, use_latent_norm=False, activation="swiglu",
+        situ_linear_beta=None, swiglu_limit=0.5, score_function="sqrtsoftplus", routed_scaling_factor=1.5),
     "preset k3": MoEConfig.k3().replace(**_SMALL),
     "preset tiny": MoEConfig.tiny(num_experts=8),
     "preset small": MoEConfig.small(**_SMALL),

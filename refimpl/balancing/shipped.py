@@ -44,7 +44,7 @@ from collections.abc import Iterable
 from .._lib.validation import check_bias, check_finite, check_float_array, check_int
 from .._lib.values import is_real
 from .._lib.xp import Array, array_namespace, compute_dtype, is_array
-from .quantile import _kth_largest, cutoff_values, expert_major_margins
+from .quantile import cutoff_values, expert_major_margins, kth_largest
 
 __all__ = ["megatron_qb_update", "megatron_quantile"]
 
@@ -76,7 +76,7 @@ def megatron_quantile(logits: Array, beta: Array, top_k: int) -> Array:
     alpha = cutoff_values(logits, -beta, top_k)  # [m]
     margins_t = expert_major_margins(logits, xp.astype(alpha, compute_dtype(xp, logits, beta)))  # [n, m]
     # $$\beta^{\text{local}}_j = (z_{:,j} - \alpha)_{(q+1)}$$
-    return _kth_largest(margins_t, q + 1, overwrite=True)  # [n]
+    return kth_largest(margins_t, q + 1, overwrite=True)  # [n]
 
 
 def megatron_qb_update(blocks: Iterable[Array] | Array, beta: Array, top_k: int, *, ema: float = 0.0) -> Array:
@@ -99,8 +99,8 @@ def megatron_qb_update(blocks: Iterable[Array] | Array, beta: Array, top_k: int,
         raise ValueError("blocks must hold at least one micro-batch of logits")
     if not is_real(ema) or not 0.0 <= float(ema) <= 1.0:
         raise ValueError(f"ema must be a real number in [0, 1], got {ema!r}")
+    quantiles = [megatron_quantile(block, beta, top_k) for block in blocks]  # B x [n]; checks beta and k too
     xp = array_namespace(beta)
-    quantiles = [megatron_quantile(block, beta, top_k) for block in blocks]  # B x [n]
     # $$\bar\beta = \frac1B \sum_b \beta^{\text{local}}_b$$ (the all-reduce AVG over data-parallel ranks)
     average = sum(quantiles[1:], quantiles[0]) / len(quantiles)  # [n]
     blended = float(ema) * xp.astype(beta, average.dtype) + (1.0 - float(ema)) * average  # [n]
