@@ -32,15 +32,14 @@ from pathlib import Path
 import numpy as np
 
 from refimpl.balancing import (
-    cutoffs,
     histogram_balancing_update,
-    kth_largest,
     megatron_qb_update,
     quantile_balancing_update,
 )
 from refimpl.layer.routing import expert_load, route
 from refimpl.studies.figures import figures_wanted, show_figure
 from refimpl.studies.workloads import skewed_batch, skewed_router
+from refimpl.testing.qb_conventions import HISTOGRAM_CONVENTIONS
 
 N, K, WIDTH, SEED = 96, 8, 64, 15
 MICRO_BATCHES, MICRO_TOKENS = 8, 528  # 528 * 8 / 96 = 44: whole in every micro-batch
@@ -150,18 +149,17 @@ def whole_target_effect(steps: int, tokens: int) -> dict[str, float]:
         s = sigmoid(logits_of(weight, mean, tokens, step))
         for name, b in rules.items():
             violations[name].append(max_violation(np.asarray(route(s, b, K)[0]), tokens))
-            if name == "q rounded down":
-                rules[name] = _rounded_down(s, b, tokens * K // N)
+            if name == "q rounded down":  # the kit's catalogued convention, computed by the kit itself
+                rules[name] = np.asarray(convention_output("whole_target_rounded_down", [s], b))
             else:
                 rules[name] = np.asarray(quantile_balancing_update(s, b, K))
     return {name: float(np.median(v[steps // 2:])) for name, v in violations.items()}
 
 
-def _rounded_down(s: np.ndarray, b: np.ndarray, q: int) -> np.ndarray:
-    """Eq. (14) reading the (floor(q) + 1)-th largest margin, no interpolation."""
-    alpha = np.asarray(cutoffs(s, b, K))  # [m]
-    b_tilde = -np.asarray(kth_largest((s - alpha[:, None]).T.copy(), q + 1))  # [n]
-    return b_tilde - b_tilde.mean()
+def convention_output(name: str, blocks: list[np.ndarray], b: np.ndarray) -> np.ndarray:
+    """The new bias of one of the kit's catalogued ways of shipping Eq. (14) (`refimpl.testing.qb_conventions`)."""
+    entry = next(e for e in HISTOGRAM_CONVENTIONS if e.name == name)
+    return entry.output(blocks, b, K)
 
 
 # %%
