@@ -58,8 +58,6 @@ if TYPE_CHECKING:
     from ..config import MoEConfig
 
 __all__ = [
-    "clamp_branches",
-    "clamp_masks",
     "expert_glu",
     "expert_glu_and_grad",
     "glu_and_grad",
@@ -369,7 +367,7 @@ def rms_norm_backward(u: Array, weight: Array, dv: Array, eps: float) -> tuple[A
 # The layer's activation, as its configuration chooses it
 # ---------------------------------------------------------------------------
 
-def clamp_branches(a: Array, b: Array, limit: float) -> tuple[Array, Array]:
+def _clamp_branches(a: Array, b: Array, limit: float) -> tuple[Array, Array]:
     r"""DeepSeek-V4's clamp of SwiGLU's branches: $(\min(a, L),\ \operatorname{clip}(b, -L, L))$, new arrays.
 
     transformers' `DeepseekV4Experts` and `DeepseekV4MLP` clamp the gate
@@ -381,7 +379,7 @@ def clamp_branches(a: Array, b: Array, limit: float) -> tuple[Array, Array]:
     return xp.minimum(a, limit), xp.clip(b, -limit, limit)
 
 
-def clamp_masks(a: Array, b: Array, limit: float) -> tuple[Array, Array]:
+def _clamp_masks(a: Array, b: Array, limit: float) -> tuple[Array, Array]:
     r"""Where the clamp passes gradient: $a \le L$ and $-L \le b \le L$ (PyTorch's `clamp` counts the bounds in)."""
     xp = array_namespace(a, b)
     return xp.astype(a <= limit, a.dtype), xp.astype((b >= -limit) & (b <= limit), b.dtype)
@@ -393,10 +391,10 @@ def expert_glu(a: Array, b: Array, config: MoEConfig) -> Array:
     `a`, `b` are fresh products (gate and up pre-activations) in the compute
     dtype. On NumPy the fast path (`refimpl._lib.fast.glu_in_place`) overwrites
     them instead of allocating; the values are those of `situ_glu` / `swiglu`.
-    With `config.swiglu_limit` set, the branches are clamped first (`clamp_branches`).
+    With `config.swiglu_limit` set, the branches are clamped first (`_clamp_branches`).
     """
     if config.swiglu_limit is not None:
-        a, b = clamp_branches(a, b, config.swiglu_limit)
+        a, b = _clamp_branches(a, b, config.swiglu_limit)
     if fast_path_applies(a, b):
         return glu_in_place(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
     if config.activation == "situ":
@@ -417,8 +415,8 @@ def expert_glu_and_grad(a: Array, b: Array, config: MoEConfig) -> tuple[Array, A
     """
     limit = config.swiglu_limit
     if limit is not None:
-        pass_a, pass_b = clamp_masks(a, b, limit)  # [.., f] each
-        a, b = clamp_branches(a, b, limit)
+        pass_a, pass_b = _clamp_masks(a, b, limit)  # [.., f] each
+        a, b = _clamp_branches(a, b, limit)
     if fast_path_applies(a, b):
         h, d_gate, d_up = glu_and_grad_by_chunks(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
     else:
