@@ -1,7 +1,7 @@
 # The whole set-up is two commands:
 #
 #   make serve   create .venv with what the site needs (the `docs` extra), build the site, serve it on
-#                http://127.0.0.1:8000 (a few minutes the first time; it runs no example)
+#                http://127.0.0.1:8000/refimpl/ (a few minutes the first time; it runs no example)
 #   make test    add the rest to .venv (the `test`, `browser` and `examples` extras: PyTorch, MPICH,
 #                Playwright, Jupyter's kernel), then lint and run the entire test suite
 #
@@ -73,9 +73,9 @@ $(SITE)/.built: $(DOCS_STAMP) $(SITE_SOURCES)
 
 docs: $(SITE)/.built
 
+# Served as the host serves it: under the path of site_url (/refimpl/), with 404.html for a missing page.
 serve: docs
-	@echo "Serving the site on http://$(HOST):$(PORT)/ (Ctrl-C stops it)"
-	$(BIN)/python -m http.server $(PORT) --bind $(HOST) --directory $(SITE)
+	$(BIN)/python docs/serve.py --site $(SITE) --port $(PORT) --bind $(HOST)
 
 # --- tests and benchmarks --------------------------------------------------
 

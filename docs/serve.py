@@ -1,0 +1,120 @@
+"""Serve the built site the way its host does: under the path of `site_url`, with `404.html` for a missing page.
+
+MkDocs writes `404.html` with absolute links (`/refimpl/assets/...`), because the host shows that one page at
+whatever address was not found, at any depth, and only an absolute link works from every depth. Python's
+`http.server` would serve the site at `/` and answer a missing page with its own one-line error, so the
+links of `404.html` would never be tried. This server puts the site where `site_url` puts it
+(`http://127.0.0.1:8000/refimpl/`), sends `/` there, and answers a missing page with `404.html`, as the host
+does; what works here works there.
+
+    python docs/serve.py [--site site] [--port 8000] [--bind 127.0.0.1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import re
+import sys
+from http import HTTPStatus
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urlsplit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def site_prefix(config: Path = ROOT / "mkdocs.yml") -> str:
+    """The path part of `site_url` in `config`, with a slash at each end (`/refimpl/`); `/` when there is none."""
+    match = re.search(r"^site_url:\s*(\S+)\s*$", config.read_text(encoding="utf-8"), re.M)
+    path = urlsplit(match.group(1)).path if match else "/"
+    return "/" + path.strip("/") + "/" if path.strip("/") else "/"
+
+
+class SiteHandler(SimpleHTTPRequestHandler):
+    """Files of `directory` under `prefix`; a redirect from `/` to `prefix`; `404.html` for what is missing."""
+
+    def __init__(self, *args, directory: str, prefix: str, **kwargs) -> None:
+        self.prefix = prefix
+        super().__init__(*args, directory=directory, **kwargs)
+
+    def do_GET(self) -> None:
+        if self._redirected():
+            return
+        super().do_GET()
+
+    def do_HEAD(self) -> None:
+        if self._redirected():
+            return
+        super().do_HEAD()
+
+    def _redirected(self) -> bool:
+        """Send `/` (and the prefix without its last slash) to the site's own address."""
+        path = urlsplit(self.path).path
+        if self.prefix != "/" and path in ("/", self.prefix.rstrip("/")):
+            self.send_response(HTTPStatus.FOUND)
+            self.send_header("Location", self.prefix)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return True
+        return False
+
+    def translate_path(self, path: str) -> str:
+        """The file for `path`: only paths under the prefix name files of the site."""
+        plain = urlsplit(path).path
+        if not plain.startswith(self.prefix):
+            return str(Path(self.directory) / ".outside-the-site")  # no such file: answered with 404.html
+        return super().translate_path("/" + plain[len(self.prefix):])
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        page = Path(self.directory) / "404.html"
+        if code != HTTPStatus.NOT_FOUND or not page.is_file():
+            super().send_error(code, message, explain)
+            return
+        body = page.read_bytes()
+        self.send_response(code, message)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 (the name http.server gives it)
+        """Log only errors: a page the site lacks is worth a line, each asset served is not."""
+        if len(args) >= 2 and str(args[1]).startswith(("4", "5")):
+            super().log_message(format, *args)
+
+
+def make_server(site: Path, port: int, bind: str = "127.0.0.1", prefix: str | None = None) -> ThreadingHTTPServer:
+    """An HTTP server for the built site in `site` (not yet serving); port 0 takes a free port."""
+    site = Path(site)
+    if not (site / "index.html").is_file():
+        raise FileNotFoundError(f"site: {site} holds no index.html; build the site first (make docs)")
+    handler = functools.partial(SiteHandler, directory=str(site), prefix=prefix or site_prefix())
+    return ThreadingHTTPServer((bind, port), handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--site", type=Path, default=ROOT / "site", help="the built site (default: site/)")
+    parser.add_argument("--port", type=int, default=8000, help="the port (default: 8000)")
+    parser.add_argument("--bind", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
+    args = parser.parse_args(argv)
+    try:
+        server = make_server(args.site, args.port, args.bind)
+    except (FileNotFoundError, OSError) as exc:
+        print(f"docs/serve.py: {exc}", file=sys.stderr)
+        return 1
+    host, port = server.server_address[:2]
+    print(f"Serving the site on http://{host}:{port}{site_prefix()} (Ctrl-C stops it)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

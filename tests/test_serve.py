@@ -1,0 +1,105 @@
+"""`make serve`'s server (`docs/serve.py`): the site under the path of `site_url`, `404.html` for what is missing.
+
+MkDocs writes `404.html` with absolute links (`/refimpl/...`) so that the host can show it at any depth. These
+tests serve a small site and the real one and follow those links: the page the server sends for a missing
+address must load its stylesheets and scripts, as it does on the host.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def serve():
+    return load_script(ROOT / "docs" / "serve.py", "refimpl_docs_serve")
+
+
+class Running:
+    """A server from `docs/serve.py` on a free port, in a thread."""
+
+    def __init__(self, serve, site: Path, prefix: str | None = None) -> None:
+        self.server = serve.make_server(site, 0, prefix=prefix)
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> Running:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def get(self, path: str) -> tuple[int, str, bytes]:
+        """(status, final URL, body) of GET `path`, following redirects; an HTTP error is a status, not raised."""
+        try:
+            with urllib.request.urlopen(self.base + path, timeout=30) as response:
+                return response.status, response.url, response.read()
+        except urllib.error.HTTPError as error:
+            return error.code, error.url, error.read()
+
+
+def small_site(folder: Path) -> Path:
+    (folder / "assets").mkdir(parents=True)
+    (folder / "page").mkdir()
+    (folder / "index.html").write_text("<p>home</p>", encoding="utf-8")
+    (folder / "page" / "index.html").write_text("<p>a page</p>", encoding="utf-8")
+    (folder / "assets" / "style.css").write_text("p {}", encoding="utf-8")
+    (folder / "404.html").write_text('<link rel="stylesheet" href="/refimpl/assets/style.css"><p>not here</p>',
+                                     encoding="utf-8")
+    return folder
+
+
+def test_the_prefix_is_the_path_of_site_url(serve, tmp_path):
+    assert serve.site_prefix() == "/refimpl/"  # mkdocs.yml's site_url is https://refimpl.github.io/refimpl/
+    config = tmp_path / "mkdocs.yml"
+    for url, prefix in (("https://example.org/", "/"), ("https://example.org", "/"),
+                        ("https://example.org/a/b", "/a/b/"), ("http://127.0.0.1:8000/docs/", "/docs/")):
+        config.write_text(f"site_name: x\nsite_url: {url}\n", encoding="utf-8")
+        assert serve.site_prefix(config) == prefix, url
+    config.write_text("site_name: x\n", encoding="utf-8")
+    assert serve.site_prefix(config) == "/"
+
+
+def test_pages_are_served_under_the_prefix_and_root_is_sent_there(serve, tmp_path):
+    with Running(serve, small_site(tmp_path / "site"), "/refimpl/") as running:
+        assert running.get("/refimpl/")[:1] == (200,)
+        assert running.get("/refimpl/page/")[2] == b"<p>a page</p>"
+        status, url, body = running.get("/")
+        assert (status, url, body) == (200, running.base + "/refimpl/", b"<p>home</p>")
+        assert running.get("/refimpl")[1] == running.base + "/refimpl/"
+        assert running.get("/refimpl/page")[1] == running.base + "/refimpl/page/"  # a folder gets its slash
+
+
+def test_a_missing_page_gets_404_html_whose_links_work(serve, tmp_path):
+    with Running(serve, small_site(tmp_path / "site"), "/refimpl/") as running:
+        for missing in ("/refimpl/no/such/page/", "/refimpl/nothing.html", "/page/", "/other/index.html"):
+            status, _, body = running.get(missing)
+            assert status == 404, missing
+            assert b"not here" in body, missing
+            href = re.search(rb'href="([^"]+)"', body).group(1).decode()
+            assert running.get(href)[:1] == (200,), href
+
+
+def test_the_server_refuses_a_folder_that_holds_no_site(serve, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no index.html"):
+        serve.make_server(tmp_path, 0)
+
+
+def test_nothing_outside_the_site_is_served(serve, tmp_path):
+    site = small_site(tmp_path / "site")
+    (tmp_path / "secret.txt").write_text("secret", encoding="utf-8")
+    with Running(serve, site, "/refimpl/") as running:
+        for path in ("/refimpl/../secret.txt", "/refimpl/%2e%2e/secret.txt", "/secret.txt"):
+            status, _, body = running.get(path)
+            assert b"secret" not in body, path
