@@ -288,6 +288,20 @@ def options_cell(script: Path, source: str, main: ast.FunctionDef) -> tuple[str 
     return f"{head}\n{target} = argparse.Namespace(\n{body}\n)", last
 
 
+def _comment_prose(lines: list[str]) -> str:
+    """Comment lines (without their `#`) as Markdown: lines run together, an empty line starts a paragraph and
+    a line that starts a list item (`1. `, `- `) starts a line of its own."""
+    text = ""
+    for line in (part.strip() for part in lines):
+        if not line:
+            text = text.rstrip(" ") + "\n\n"
+        elif re.match(r"^(\d+\.|-)\s", line) and text and not text.endswith("\n"):
+            text = text.rstrip(" ") + "\n" + line + " "
+        else:
+            text += line + " "
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
 def _step_cells(code: str) -> list[Cell]:
     """Dedented code of `main` split into steps: each `# Step` comment block becomes a Markdown cell.
 
@@ -308,7 +322,7 @@ def _step_cells(code: str) -> list[Cell]:
             while i < len(lines) and lines[i].startswith("#") and not STEP.match(lines[i]):
                 comment.append(re.sub(r"^#\s?", "", lines[i]))
                 i += 1
-            text = re.sub(r"^What to see:\s*", "", " ".join(part.strip() for part in comment)).strip()
+            text = re.sub(r"^What to see:\s*", "", _comment_prose(comment)).strip()
             text = text[:1].upper() + text[1:]
             cells.append(Cell("markdown", f"**What to see.** {text}", {"refimpl": "reading"}))
             continue
@@ -333,6 +347,22 @@ def _step_cells(code: str) -> list[Cell]:
     return cells
 
 
+def _end_with_trailing_comments(lines: list[str], node: ast.FunctionDef) -> int:
+    """The last line of `node` (1-based), counting the comment lines right after it, indented as its body or more.
+
+    Python ends a function at its last statement; a `# What to see:` block after a final loop belongs to the
+    function all the same, as its reading of the last step.
+    """
+    indent = " " * node.body[0].col_offset
+    end = last = node.end_lineno
+    while end < len(lines) and (not lines[end].strip()
+                                or (lines[end].startswith(indent) and lines[end].lstrip().startswith("#"))):
+        end += 1
+        if lines[end - 1].strip():
+            last = end
+    return last
+
+
 def _unrolled_main(source: str, main: ast.FunctionDef, skip_until: int) -> list[Cell]:
     """The body of `main` as top-level cells (after line `skip_until`, the options), split at its steps."""
     lines = source.splitlines()
@@ -346,7 +376,7 @@ def _unrolled_main(source: str, main: ast.FunctionDef, skip_until: int) -> list[
             and len(lines[start - 2]) - len(lines[start - 2].lstrip()) == indent:
         start -= 1  # comments just above the first statement belong to it
     last = body[-1]
-    text = lines[start - 1: main.end_lineno]
+    text = lines[start - 1: _end_with_trailing_comments(lines, main)]
     if isinstance(last, ast.Return):
         row = last.lineno - start
         head = " " * indent + "return"
@@ -395,6 +425,7 @@ def script_cells(script: Path) -> list[Cell]:
     main = _main_node(tree)
     cells: list[Cell] = []
     title = ""
+    closing = ""  # the reading after a main that is called whole
     for kind, text in _percent_cells(source):
         if kind == "markdown":
             cells.append(Cell("markdown", text))
@@ -419,7 +450,13 @@ def script_cells(script: Path) -> list[Cell]:
             is_main = isinstance(node, ast.FunctionDef) and node.name == "main" and main is not None
             if _is_main_guard(node) or (is_main and problem is None):
                 first_line = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-                text = _remove_lines(text, first_line, node.end_lineno)
+                end = _end_with_trailing_comments(text.split("\n"), node) if is_main else node.end_lineno
+                text = _remove_lines(text, first_line, end)
+            elif is_main:
+                # A main called whole keeps its definition; its closing reading comes after the call.
+                end = _end_with_trailing_comments(text.split("\n"), node)
+                closing = textwrap.dedent("\n".join(text.split("\n")[node.end_lineno: end]))
+                text = _remove_lines(text, node.end_lineno + 1, end) if end > node.end_lineno else text
         if text.strip():
             cells.append(Cell("code", text.strip("\n")))
     if main is not None and problem is None:
@@ -430,6 +467,7 @@ def script_cells(script: Path) -> list[Cell]:
     elif main is not None:
         call = "result = main([])  # the script's defaults" if main.args.args else "result = main()"
         cells.append(Cell("code", call))
+        cells += [cell for cell in _step_cells(closing) if cell.kind == "markdown"]
     code = [c.source for c in cells if c.kind == "code"]
     if title and _uses_module_doc(code):
         # Code that reads `__doc__` (an argument parser's description) gets the title, as a script would.

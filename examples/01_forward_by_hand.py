@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     s = router_scores(x, params["gate.weight"])
     show("s", s, "one score in (0, 1) per token and expert; a sigmoid, so they do not sum to 1")
 
+    # What to see: each score is the sigmoid of one token's dot product with one row of W_r, so it lies in
+    # (0, 1) on its own, whatever the other scores are: token 0 scores 0.810 for e0 and 0.793 for e5 at once,
+    # and no row sums to 1. A token can like several experts strongly, or none.
+
     # Step 2: Selection by s + b, weights by raw s.
     step("2. Routing: choose by s + b, weigh by the raw s (Eq. 13)")
     show("b = gate.e_score_correction_bias", b, "the balancing bias")
@@ -118,10 +122,20 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     load = np.bincount(index.ravel(), minlength=n)
     print(f"tokens per expert: {load.tolist()} (total m*k = {load.sum()})")
 
+    # What to see: the bias changes one choice only. Token 1's raw scores for e0 and e3 (0.384 and 0.340)
+    # are closer together than their biases (-0.093 and +0.007) are apart, so by s + b e3 ranks above e0
+    # (0.347 against 0.291). The bias only ranks: e3's weight comes from its raw score, 0.340 / 1.105 = 0.308,
+    # and each token's weights sum to 1.000. Four tokens fill m*k = 8 slots over six experts, and experts 1
+    # and 2, which are never in a token's top 2, get no token.
+
     # Step 3: One down-projection for every routed expert.
     step("3. Down-projection to the latent: z = x W_down^T")
     z = x @ params["routed_expert_down_proj.weight"].T
     show("z", z, f"[m, l]: {d} -> {ell} values per token; this is what dispatch sends")
+
+    # What to see: each token leaves the full width d = 8 for the latent width l = 4 before it is sent, and
+    # this happens once per token, not once per chosen expert, because all routed experts share W_down. The
+    # dispatch therefore carries 4 values per token instead of 8.
 
     # Step 4: Dispatch: sort the m*k token-slots by expert.
     step("4. Dispatch: sort the m*k token-slots by expert")
@@ -141,6 +155,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print(f"    expert {e}: sorted slots {starts[e]}:{starts[e + 1]} -> tokens {tokens.tolist()}"
               + ("  (no token: this expert does no work in this batch)" if load[e] == 0 else ""))
 
+    # What to see: sorting the 8 slots by expert id puts each expert's tokens side by side: expert 3's slots
+    # 3, 5 and 6 (tokens 1, 2, 3) become sorted positions 2:5. The slice boundaries are the running sums of
+    # the loads [2, 0, 0, 3, 1, 2], so experts 1 and 2 get the empty slice 2:2 and do no work.
+
     # Step 5: Each expert runs one GLU on its contiguous slice.
     step("5. Each expert's SiTU-GLU on its slice: E_e(z) = SiTU-GLU(z G_e^T, z U_e^T) D_e^T")
     out_sorted = np.zeros((m * k, ell))
@@ -157,6 +175,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         show("    h = SiTU-GLU(a, b)", h, f"|h| <= beta1*beta2 = {config.situ_beta * config.situ_linear_beta:g}")
         show("    E_e(z_e) = h D_e^T", out_sorted[starts[e]:starts[e + 1]], "back to the latent width")
 
+    # What to see: every |h| stays far under the bound of 100; the largest, 6.201, is expert 3's on token 1,
+    # where the gate a = 3.141 and the up b = 2.475 are both large and positive. Where a is well below 0,
+    # sigmoid(a) is small and so is h, whatever b is: expert 3's token 3 has a = -2.425 and h = 0.114. Each
+    # expert runs one matrix product on its whole slice, and its output is back at the latent width 4.
+
     # Step 6: Combine: undo the sort and mix each token's k outputs in the latent space.
     step("6. Combine in the latent space: u_i = sum_e p_(i,e) E_e(z_i)")
     expert_out = np.empty_like(out_sorted)
@@ -164,6 +187,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     expert_out = expert_out.reshape(m, k, ell)  # [m, k, l]
     u = np.einsum("mk,mkl->ml", weights, expert_out)
     show("u", u, "[m, l]; what combine sends back, still l wide")
+
+    # What to see: each row of u is its token's two expert outputs mixed by its weights: token 3's row,
+    # [-0.003 -0.094 -0.038 -0.072], is 0.547 times expert 3's output for it plus 0.453 times expert 0's. The
+    # sum is taken at the latent width, so combine also carries 4 values per token. Token 3's row is much
+    # smaller than the others because both of its experts returned small outputs.
 
     # Step 7: The Stable addition, then the single up-projection.
     step("7. RMSNorm on the latent sum, then one up-projection")
@@ -178,6 +206,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     y_routed = v @ params["routed_expert_up_proj.weight"].T
     show("y_routed = v W_up^T", y_routed, f"[m, d]: {ell} -> {d}, once per token after the combine")
 
+    # What to see: the root mean square of u varies by a factor 12.1 across tokens (0.062 for token 3, 0.748
+    # for token 1); dividing by it brings every row of v to 1 (0.999 for token 3, where the eps of 1e-05 is
+    # not negligible next to its mean square). Token 3's routed output therefore enters the up-projection at
+    # the same size as the others', whatever the scale its experts gave it.
+
     # Step 8: The shared expert on the full width, and the output
     step("8. Shared expert on the full width, and the output")
     gate_s = x @ params["shared_experts.gate_proj.weight"].T
@@ -187,6 +220,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     show("y_shared = SiTU-GLU(x G_s^T, x U_s^T) D_s^T", y_shared)
     y = y_shared + y_routed
     show("y = y_shared + y_routed", y)
+
+    # What to see: the shared expert sees every token at full width, with no router and no norm; its entries
+    # here stay within 0.689 in size, while the normalized routed branch reaches 1.854. The output y is the
+    # plain sum of the two.
 
     # Step: The hand computation against the package
     step("Check against the package")
@@ -198,6 +235,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"max |y_by_hand - stable_latent_moe_reference(x)| = {diff_ref:.1e}")
     print(f"tokens whose choice the bias changed: {changed}")
     print(f"experts with no token: {np.flatnonzero(load == 0).tolist()}")
+
+    # What to see: the hand computation agrees with both package functions to 4.4e-16 and 8.9e-16, a few
+    # rounding errors of float64: the same sums, grouped differently (all tokens of an expert at once, or one
+    # token at a time), round differently in the last bits. Token 1 is the one whose choice the bias changed,
+    # and experts 1 and 2 stay idle.
 
     # Step: The figure
     if figures_wanted(args.out):

@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
           "strictly below the bound;")
     print("   further out tanh rounds to exactly 1 and the computed value saturates at the bound itself.")
 
+    # What to see: SwiGLU multiplies its two inputs almost as they are, so two large finite values overflow
+    # to inf in every format, float64 included. SiTU-GLU's factors are capped before they meet, at 4 and 25,
+    # so its output never passes 100. It reaches exactly 100 only because tanh and the sigmoid round to 1 far
+    # out; where they do not yet, as over |a| <= 60, |b| <= 300, it stays 7.6e-09 below.
+
     # Step 2: First-order equivalence near 0.
     print("\n2. First-order equivalence with SwiGLU near 0")
     t = np.geomspace(1e-3, 1e-1, 9)
@@ -133,6 +138,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"   each tenfold increase of the caps divides the gap by about "
           f"{np.exp(np.mean(np.diff(np.log(gaps[1:])) * -1)):.0f} (the 1/beta^2 of the Taylor term)")
 
+    # What to see: near 0 the cap's error is the Taylor term -t^3 / 48 to five digits (slope 3.00); only at
+    # t = 1e-01 does the next term show (-2.0828e-05 against -2.0833e-05). In the GLU one factor's third-order
+    # error is multiplied by the other factor, itself of size t, so the gap has slope 4.01. The gradients
+    # differ only where a cap bends its input: at b = 1 the up cap gives d/da 0.49973 for 0.50000, and at
+    # a = 1 the gate cap gives d/db 0.71620 for 0.73106. With the real caps the gap over |a|, |b| <= 8 is
+    # large (3.415e+01), since a = 8 is twice beta1; it shrinks as 1/beta^2, about 99 times per tenfold.
+
     # Step 3: Smooth saturation.
     print("\n3. Derivatives past the bound: softcap against a hard clamp (beta = 4)")
     print(f"   {'z':>6} {'softcap grad':>14} {'clamp grad':>11}")
@@ -150,6 +162,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     clamp_up_grad = clamped_glu(a0, np.ones(1)) * hard_clamp_grad(b0, BETA2)
     print(f"   d/db at (a, b) = (2, 40): SiTU-GLU {up_grad[0]:.4f}, clamped GLU {clamp_up_grad[0]:g}, "
           f"SwiGLU {swiglu_grad(a0, b0)[1][0]:.4f}")
+
+    # What to see: the softcap's derivative falls off exponentially past the cap (8.245e-09 at z = 40,
+    # 5.536e-87 at z = 400) but is never 0, while the clamp's is exactly 0 as soon as |z| passes 4, which is
+    # 90% of the range |z| <= 10 beta. In the GLU, with b = 40 past the up cap of 25, SiTU-GLU still passes a
+    # gradient of 0.2451 to the up projection (SwiGLU: 1.7616); the clamped GLU passes 0, and a unit stuck
+    # there stops learning.
 
     # Step 4: Where floating point gives out, and why the module avoids two textbook formulas.
     # 1 - tanh(z) = 2 / (e^{2z} + 1) falls below half the spacing of the floats just under 1, 2^-(p+1) for p
@@ -171,6 +189,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     z = np.array([40.0])
     print(f"   at z = {z[0]:g} in float64: 1 - tanh(z)^2 = {1 - np.tanh(z[0]) ** 2:g}, "
           f"while softcap_grad(z, 1) = {softcap_grad(z, 1.0)[0]:.3e} (the sech^2 form)")
+
+    # What to see: past z = 19.06 in float64 and 9.01 in float32, tanh(z) rounds to exactly 1, so a formula
+    # that subtracts it from 1 returns 0 where the true value is tiny but positive: 1 - tanh(z)^2 at z = 40
+    # gives 0, and a derivative computed that way would vanish like the clamp's. A sigmoid written with tanh
+    # hits 0 below -38.12 (float64), and a router whose chosen scores are all 0 divides 0 by 0. The module
+    # builds the small quantity from exp(-|z|) or exp(-2|z|) directly, with no subtraction: softcap_grad
+    # gives 7.219e-35 at z = 40.
 
     # Step: The figures
     if figures_wanted(args.out):

@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"m = {M} tokens, n = {N} experts, k = {K}: target load q = mk/n = {q}; starting bias b = 0")
     print()
 
+    # What to see: twelve tokens make 24 choices, so an even split gives each of the four experts q = 6. The
+    # update below moves the bias until each expert's load is measured against that number.
+
     # Step 1: route with the top-(k+1)
     # Each token keeps its top-2 experts by $s + b$; its third biased score is the cutoff $\alpha_i$.
     index, alpha = selection_cutoff(s, b, K)  # [12, 2], [12]

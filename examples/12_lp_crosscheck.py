@@ -127,6 +127,18 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print("  " + "  ".join(f"t={t}: {g:.4f}" for t, g in enumerate(first[:10])))
 
     print()
+
+    # What to see: HiGHS's solution is whole already (max|x-round(x)| = 0.0e+00) and its dual reaches the same
+    # value (+0.0e+00), so the relaxed LP gives the best balanced routing. Its vertex dual leaves some tokens
+    # exactly tied between their k-th and (k+1)-th expert (11, 28 and 52), where rounding alone decides the
+    # route; the separating dual keeps a positive gap (9.51e-06 at least), so its b = -beta routes every token
+    # as the LP does, every load exactly q. Eq. (14) repeated on one batch is block coordinate descent on D:
+    # it closes most of the gap at once (19.0048, 6.1924, 0.6695 on the first batch), then stalls where
+    # neither block, tokens' cutoffs or experts' bars, can improve alone: the first batch stops at t = 21 with
+    # the gap still 1.40e-01 and 12 of 16 experts off q, and the third is still above the LP after 40 steps.
+    # Its routing scores above the LP optimum (403.156531 against 401.777139) only because it breaks the
+    # balance the LP must keep.
+
     # Step: The subgradient of the dual
     rng = np.random.default_rng(SEED)
     small = skewed_scores(64, 8, SEED)
@@ -139,6 +151,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print("  (D(beta + h e_j) - D) / h  " + "".join(f"{v:>8.3f}" for v in check.finite_difference))
     print("  sign-rule step of beta     " + "".join(f"{v:>8.0f}" for v in check.sign_rule_step))
     print("  (the sign rule moves beta against the sign of the subgradient: SignSGD on D, with b = -beta)")
+
+    # What to see: the finite difference of D along each expert's beta is exactly q - load (8.000 for a load
+    # of 8, -23.000 for 39): D changes at rate q for expert j's own term and loses one for each token that
+    # takes j. The sign rule's step of beta has the opposite sign: 1 for the overloaded experts 2 and 4, -1
+    # for the others. It is a step of fixed size down the subgradient, whatever its magnitude.
 
     # Step: The figure
     if figures_wanted(args.out):

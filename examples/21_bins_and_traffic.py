@@ -96,6 +96,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
               f"(the bin width {first[1] / last[1]:,.0f}-fold)")
         print()
 
+    # What to see: at every B the largest error stays under one bin width, at most 0.774 w, so it shrinks with
+    # w: 925-fold while w shrinks 1,000-fold. Its ratio to w does not shrink, because the read-out takes the
+    # values inside a bin as evenly spread, and the exact value may sit anywhere in its bin. With q = 2048.19
+    # the read-out interpolates between two ranks, each read within one bin, and the bound holds just as well.
+
     # Step: The traffic
     print(f"bytes per layer and step at K3 sizes (n = {K3_N}, B = {K3_BINS}):")
     histogram_bytes = K3_N * K3_BINS * 8
@@ -104,6 +109,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         raw = m * K3_N * 4
         print(f"{m:>12,} {raw:>22,} {histogram_bytes:>18,} {raw / histogram_bytes:>8,.2f}")
     print(f"equal cost at m = 2B = {2 * K3_BINS:,} tokens; above it the histogram is cheaper by m / (2B)")
+
+    # What to see: the histogram costs 7,168,000 bytes (896 x 1000 int64 counts) at any batch size, while the
+    # raw margins grow with m. Below m = 2,000 gathering the margins is cheaper (a ratio of 0.26 at 512
+    # tokens); at K3's global batch of 4,194,304 tokens the histogram is 2,097.15 times smaller.
 
     # Step: The figure
     if figures_wanted(args.out):

@@ -177,9 +177,20 @@ def main(argv: list[str] | None = None) -> bool:
     parser.add_argument("--save-bias", type=Path, default=None, help="rank 0 saves the new bias here (.npy)")
     parser.add_argument("--out", type=Path, default=None, help="accepted and unused: this example draws no figures")
     args = parser.parse_args(argv)
+
+    # Step: One balancing step over the ranks
+    # Each rank counts its micro-batches, one sum of the counts is the only communication, and each rank then
+    # reads the new bias on its own.
     ok = run_mpi(args) if launched_by_mpiexec() else run_simulated(args)
     if not ok:
         raise SystemExit("the ranks disagree, or differ from the single-process result")
+
+    # What to see: each rank counts its own 16,384 tokens, one count per token and expert: 14,680,064 = 16,384
+    # x 896. After the sum every rank holds the same counts and reads the same bias bit for bit, equal to that
+    # of one process holding all 65,536 tokens, because a sum of integers is exact in any order. The
+    # all-reduce moves 7,168,000 bytes whatever the batch, 32.8x less than the raw margins of these tokens,
+    # and the new bias is centred: its mean, -1.3e-10, is float32 rounding.
+
     return ok
 
 

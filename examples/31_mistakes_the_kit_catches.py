@@ -196,18 +196,35 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="output directory (this example draws no figures)")
     parser.parse_args(argv)
+
+    # Step: Run each mistake through its check
     failures = {m.slug: m.run() for m in MISTAKES}
     print(f"{'mistake':52s} {'check':24s} caught by")
     for m in MISTAKES:
         failure = failures[m.slug]
         caught = "; ".join(failure.failed) if failure is not None else "NOT CAUGHT"
         print(f"{m.title:52s} {m.check.__name__:24s} {caught}")
+
+    # What to see: every mistake is caught (no line reads NOT CAUGHT), and several break two invariants at
+    # once. Weights taken from s + b also break bias-shift invariance, since a common shift of the bias then
+    # changes the weights; the look-ahead balancer breaks both invariants of check_balancer.
+
+    # Step: The reports, one by one
+    # Each report names the invariant, why it must hold, what came back and the simplest input found.
     for m in MISTAKES:
         print("\n" + "=" * 100)
         print(f"{m.title}: {m.fn.__doc__.strip()}")
         print("=" * 100)
         failure = failures[m.slug]
         print(failure if failure is not None else "every invariant held")
+
+    # What to see: stored in bfloat16, the shifted biases 100.01 to 100.09 and 99.87 all round to 100, so
+    # expert 6 loses its -0.13 handicap and the top-3 becomes [6, 7, 8] instead of [5, 7, 8]. Both rank-q
+    # mistakes fail on two tokens that already give each expert one token: Eq. (14) leaves the bias at 0, and
+    # the q-th margin moves it by 0.0625 (0.06275 from the histogram). Per-block biases averaged pass "within
+    # one bin", which runs on one block, and only "partition invariance", which splits the batch, catches
+    # them. RMSNorm is not linear, so normalizing each rank's partial sum before adding gives 0.13604, not
+    # 0.359.
 
 
 # %%

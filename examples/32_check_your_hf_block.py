@@ -210,15 +210,30 @@ def main(argv: list[str] | None = None) -> dict:
     print(report)
     print()
 
+    # What to see: on one token with n = 2 and k = 1, both entries of y come out too large by the same factor:
+    # with a single expert chosen, y is that expert's output times its weight, and the port's weight is s + b,
+    # not s. Shifting every bias by 8 should change nothing, yet y jumps to [1.40066, 0.11956], because the
+    # shift goes into the weight. The report names the mistake, bias_in_weights, after checking that it
+    # reproduces the port's output on 6 more cases.
+
     # Step 2: read the report: the catalogue entry it names, and the case it prints
     named = report.violations[0].conventions if isinstance(report, CheckFailure) else None
     print("the report names:", named)
     pasted = paste_case(report)
     print()
 
+    # What to see: the two lines pasted from the report rebuild its case exactly, and the port gives the same
+    # y as in the report: 0.07558 against the expected 0.0636 in its first entry. Its output is the larger
+    # because the chosen expert's bias is positive (0.0723), so s + b exceeds s; with a zero bias, as in a
+    # freshly initialized model, the two would agree.
+
     # Step 3: fix the one line and check again
     result = check_port(FixedK3Block)
     print(result)
+
+    # What to see: with the weights taken from the raw scores, all 3 invariants hold on up to 50 cases each,
+    # the bias shift included: the bias only selects the experts and never weighs them.
+
     return {"named": named, "pasted": pasted, "fixed": getattr(result, "passed", None)}
 
 

@@ -164,15 +164,29 @@ def main(argv: list[str] | None = None) -> dict:
     print(report)
     print()
 
+    # What to see: the first case has n = 6 experts in two groups of three, keeps one group and asks for
+    # k = 3, so a correct block takes that whole group. Masked at 0, the dropped experts beat any kept expert
+    # whose s + b is negative, so the port mixes in another group's expert and even flips the sign of y's
+    # second entry. Shifted by -40, every kept s + b is far below 0 and a masked expert always wins: y moves
+    # from [-1.48796, 1.61662] to [-0.864, 0.33607], where a correct block would give the same y twice.
+
     # Step 2: the names the report gives, invariant by invariant
     named = ({v.invariant.name: v.conventions for v in report.violations}
              if isinstance(report, CheckFailure) else None)
     print("the report names:", named)
     print()
 
+    # What to see: both failed invariants name the same known mistake, groups_masked_with_zero: replayed on
+    # each failing case, and on 2 and 6 more cases of the same configurations, it reproduces the port's
+    # output.
+
     # Step 3: fix the one line and check again
     result = check_port(FixedDeepseekV3Block)
     print(result)
+
+    # What to see: with the dropped groups masked at minus infinity, all 3 invariants hold: no expert of a
+    # dropped group can win, whatever the sign of s + b.
+
     return {"named": named, "fixed": getattr(result, "passed", None)}
 
 

@@ -37,7 +37,7 @@ LAYER = 1
 
 # %%
 def write_and_list(folder: Path) -> dict[str, np.ndarray]:
-    """Write the tiny layer as two shards and print what is in the folder; returns the original weights."""
+    """Write the tiny layer in shards of at most 20 kB and list the folder; returns the original weights."""
     params = init_params(CONFIG, 0, bias_scale=0.05)
     save_hf_layer(folder, CONFIG, params, layer=LAYER, shard_size=20_000)
     print("files:", ", ".join(sorted(p.name for p in folder.iterdir())))
@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="save the figure in this folder")
     args = parser.parse_args(argv)
+
+    # Step 1: a tiny layer, written, loaded back and decoded by hand
     with tempfile.TemporaryDirectory(prefix="k3-tiny-") as tmp:
         folder = Path(tmp)
         params = write_and_list(folder)
@@ -149,7 +151,24 @@ def main(argv: list[str] | None = None) -> None:
         decode_by_hand(folder)
         if figures_wanted(args.out):
             save_figure(args.out, folder, params)
+
+    # What to see: the router, its bias and the norm are stored whole, in float32, while each expert matrix
+    # becomes two uint8 tensors: [64, 16] codes, two 4-bit codes per byte for its 32 columns, and [64, 1]
+    # scales, one byte per block of 32. Rounding every expert weight to 4 bits moves the layer's output by a
+    # relative 0.184; on the same decoded weights, the float64 token-by-token reference agrees to about 1e-6,
+    # the float32 layer's rounding. By hand, byte 92 holds code 2 = +1.0 in its low nibble and code 9 = -0.5 in its high
+    # one (the nibble's top bit is the sign), and scale byte 123 multiplies both by 2^-4: 0.0625 and -0.0312.
+
+    # Step 2: the real checkpoint
+    # MXFP4 stores half a byte per weight plus one scale byte per 32 weights, about an eighth of float32's
+    # four bytes; since the forward pass decodes one expert at a time, the float32 copy it needs is one
+    # expert's.
     recipe()
+
+    # What to see: the experts of one K3 layer take 15.7 GB packed in the file and would take 118 GB as
+    # float32 arrays, 7.5 times more (4.25 bits a weight against 32). Loaded, they stay packed and
+    # memory-mapped, and the forward pass decodes one expert at a time, so float32 costs 132 MB at a time, not
+    # 118 GB. Only the bfloat16 router, projections and shared experts (0.38 GB) are widened, to 0.76 GB.
 
 
 if __name__ == "__main__":

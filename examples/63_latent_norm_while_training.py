@@ -269,10 +269,30 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     start = time.perf_counter()
     if args.full:
         run_full(RESULTS)
+
+    # Step 1: the recorded runs
     results = load_record(RESULTS.name)
     table = print_results(results)
+
+    # What to see: at step 1 the learning rate has not acted yet, so RMS u is the same at every rate (0.288
+    # off, 0.298 on; the first layer's u is the same with and without the norm, but the second layer's input
+    # already depends on whether the first normalizes). With the norm on, the scale of u is divided out before
+    # W_up, so nothing holds it back and it grows with the rate (97.155 at 0.03, against 16.417 off), while
+    # the gradient reaching W_down shrinks (0.0074 against 0.0746), since the gradient through a normalization
+    # scales as one over the size of what it normalizes. Up to 0.03 the two stay within a few hundredths of
+    # each other, both best at 0.01 (held-out 1.8276 off, 1.8410 on), the norm costing a little at the
+    # smallest rate (+0.0239 to +0.0404). From 0.1 on, a u of 1110.582 reaches W_up directly without the norm,
+    # and the norm wins by 0.6374 to 0.8442 held-out; at 0.3 one of the three runs without it diverges, at
+    # step 94.
+
+    # Step 2: a live check
     check = live_check(results)
     print(f"run time {time.perf_counter() - start:.1f} s")
+
+    # What to see: the replayed steps of a run without the norm match the record, so the tables above are what
+    # this code computes.
+
+    # Step: the figures
     if figures_wanted(args.out):
         plot(args.out, results)
     return {"table": table, "check": check}

@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--out", type=Path, default=None, help="unused: this example makes no figure")
     parser.parse_args(argv)
 
-    # Route: softmax scores, top-2, weights = softmax over the chosen logits (as the sketch's `score.softmax`).
+    # Step: Route the three tokens
+    # Softmax scores, top-2, weights = softmax over the chosen logits (as the sketch's `score.softmax`).
     scores = router_scores(X, ROUTER, "softmax")  # [3, 2]
     index, weights = route(scores, np.zeros(2), TOP_K)  # [3, 2] each
     print("Routes (best first) and softmax weights:")
@@ -66,7 +67,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
               f"weights {np.round(weights[i], 3).tolist()}")
     print()
 
-    # Serve, by hand and with refimpl.
+    # What to see: with two experts and top-2, every token is routed to both, and the route only orders them:
+    # tokens 0 and 1 put expert 0 first, token 2 puts expert 1 first. A weight is the softmax of the two
+    # logits, so a gap of 3 gives 0.953 and 0.047, and token 1's gap of 2 gives 0.881 and 0.119.
+
+    # Step: Serve, by hand and with refimpl
     print(f"Serving with capacity C = {CAPACITY}:")
     kept_by_hand, lines = serve_by_hand(index, CAPACITY)
     for line in lines:
@@ -82,19 +87,36 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print("Both of the sketch's asserts hold, and capacity_keep agrees with the loops.")
     print()
 
-    # What the combine sees: dropped weights become zero, the rest are not renormalized.
+    # What to see: all first choices are served before any second choice, so the three rank-1 assignments take
+    # the two slots in input order: token 0 fills expert 0, token 1 comes later and finds it full, and token 2
+    # fills expert 1. With C = 1 both experts are then full and every second choice is dropped. The rule looks
+    # at position, not weight: token 1 loses its 0.881 only because token 0 came first.
+
+    # Step: What the combine sees
+    # Dropped weights become zero, the rest are not renormalized.
     served = weights * kept
     print("Weights that reach the combine (dropped = 0, no renormalization):")
     for i in range(len(X)):
         print(f"  token {i}: {np.round(served[i], 3).tolist()}  (sum {served[i].sum():.3f})")
     print()
 
-    # The capacity formula at a few capacity factors, for this batch and for a K3-sized one.
+    # What to see: the combine multiplies each weight by its kept flag and rescales nothing, so tokens 0 and 2
+    # keep 0.953 of their routed output (the sum is 0.953, not 1) and token 1 gets no routed output at all
+    # (sum 0.000). A dropped token is not rerouted to another expert; it just loses that expert's share.
+
+    # Step: The capacity formula
+    # At a few capacity factors, for this batch and for a K3-sized one.
     print("C = ceil(c * m * k / n) (the sketch's C = 1 is a capacity factor of 1/3 on its batch):")
     for c in (0.5, 1.0, 1.25, 2.0):
         small = expert_capacity(3, 2, TOP_K, c)
         k3 = expert_capacity(4096, 896, 16, c)
         print(f"  c = {c:<4}: this batch (m=3, n=2, k=2) C = {small}; m=4096 tokens at K3's n=896, k=16: C = {k3}")
+
+    # What to see: on this batch mk/n = 3, so c = 1.0 gives C = 3, room for a perfectly even split, and even
+    # c = 0.5 gives C = 2: the sketch's C = 1 is a factor of 1/3, below any of these. At K3's sizes mk/n is
+    # not a whole number and the ceiling rounds it up (C = 74 at c = 1.0); a factor above 1, such as 1.25
+    # (C = 92), lets the busiest experts take more than their even share before anything is dropped.
+
     return {"kept": kept.tolist(), "load": load.tolist()}
 
 

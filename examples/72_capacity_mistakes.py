@@ -76,7 +76,19 @@ def main(argv: list[str] | None = None) -> dict[str, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="unused: this example makes no figure")
     parser.parse_args(argv)
+
+    # Step: The correct rule
+    # The sketch's rule, written with its loops, through every invariant.
     print(check_capacity(correct))
+
+    # What to see: all 8 invariants hold, each tried on up to 50 inputs that Hypothesis generates. Together
+    # they pin the rule down: no expert serves more than its capacity, nothing is dropped while its expert has
+    # room, first choices are served before second ones and earlier tokens before later ones, dropped weights
+    # are zero and kept ones unchanged, and the last check compares the kept flags with `capacity_keep`
+    # itself.
+
+    # Step: The three mistakes
+    # Each version breaks the rule in one place, and `check_capacity` reports what broke and on which input.
     failed = {}
     for name, fn in MISTAKES.items():
         print()
@@ -91,6 +103,15 @@ def main(argv: list[str] | None = None) -> dict[str, list[str]]:
         else:
             print("not caught")
             failed[name] = []
+
+    # What to see: token-order priority fails on the smallest input that can show it: two tokens choosing the
+    # same two experts in opposite order, with capacity 1, where token 0 takes both slots with its first and
+    # second choice and token 1 loses even its first ([True, True] and [False, False] instead of [True, False]
+    # for both). Renormalizing breaks only the weights invariant, since every other check reads the kept
+    # flags, which are right: the surviving 0.5 becomes 1.0, so a token that lost an expert still gets a
+    # full-size routed output. The off-by-one shows at capacity 0, where one expert serves the one assignment
+    # it has no room for.
+
     return failed
 
 

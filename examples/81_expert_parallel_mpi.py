@@ -386,6 +386,35 @@ def main(argv: list[str] | None = None) -> bool:
         raise SystemExit("the ranks disagree with the single-process layer")
     return ok
 
+    # What to see: in what `main` prints, part by part:
+    #
+    # 1. **The same layer.** The four ranks' outputs, gathered, equal the one-process layer to 4.4e-16, the
+    #    rounding of float64: spreading experts and tokens over ranks changes where the arithmetic runs, not
+    #    its result. Rank 2 holds no tokens yet sends 252,928 B in the combine, the outputs of its experts for
+    #    the other ranks' tokens.
+    # 2. **What travels.** Every rank's dispatch is 0.500 of the full-width MoE's, the ratio l/d, because the
+    #    latent layer sends l = 128 values where the full-width one sends d = 256. A token goes once to each
+    #    other rank that holds one of its experts, not once per expert: 970 latents for 1,792 slots, 2.17 per
+    #    token against 2.11 for uniform routing. In the K3 table a token reaches more other ranks as P grows
+    #    (15.98 other ranks for its k = 16 experts at P = 896), and its bytes approach the `k*l` bound of
+    #    114,688.
+    # 3. **The pitfall.** The RMSNorm of the routed sum is not linear: the norm of a sum is not the sum of the
+    #    norms of its parts. Normalizing each rank's partial sum is therefore wrong for the 447 of 448 tokens
+    #    whose experts span several ranks (relative error up to 0.73, median 0.37), and exact (0.0e+00) for
+    #    the one token whose experts all sit on one rank: a run whose tokens all keep their experts on one
+    #    rank cannot show the mistake.
+    # 4. **The balancer.** Its only exchange is one integer Allreduce of 32 x 1000 counts, 256,000 B. Integer
+    #    counts add exactly in any order, so every rank gets the same bias bit for bit, equal to the bias of
+    #    one process holding all the scores.
+    # 5. **Balance is speed.** A rank's load is the sum of its 8 experts' loads, so the expert imbalance
+    #    (max/mean 3.63 with zero bias) shows only partly per rank: the slowest rank holds 1.42 times the
+    #    mean, and 1.03 with Quantile Balancing (slots [4899, 5812, 2773, 2900] against [4060, 4220, 4027,
+    #    4077]). Each rank's processor time in its experts follows its slots, and the step time follows the
+    #    slowest rank, diluted by the router, the projections and the shared expert, which cost the same on
+    #    every rank whatever the routing. The loads are exact; the times are rough when, as the last line
+    #    shows, more ranks than CPUs share the machine.
 
+
+# %%
 if __name__ == "__main__":
     main()

@@ -161,6 +161,35 @@ def test_a_what_to_see_comment_becomes_prose_right_under_its_output(nb, tmp_path
     assert cells[8].source == "## Step 2: the second step"
 
 
+def test_a_what_to_see_after_mains_last_statement_is_the_reading_of_its_last_step(nb, tmp_path):
+    """Python ends `main` at its last statement (here a loop); the reading after it still belongs to main."""
+    source = SCRIPT.replace(
+        '    print("doubled", doubled)\n    return {"value": value, "doubled": doubled}\n',
+        '    for i in range(2):\n        print("doubled", doubled + i)\n'
+        '        # a comment inside the loop\n\n    # What to see: two lines,\n    # one apart.\n')
+    assert "# one apart" in source
+    cells = nb.script_cells(write_script(tmp_path, source))
+    assert [c.kind for c in cells] == ["markdown", "markdown", "code", "code", "code", "markdown", "code",
+                                       "markdown", "code", "markdown"]
+    assert cells[8].source.startswith("doubled = 2 * value\nfor i in range(2):")
+    assert "What to see" not in cells[8].source
+    assert cells[9].source == "**What to see.** Two lines, one apart."
+    assert cells[9].metadata == {"refimpl": "reading"}
+    assert not any(c.kind == "code" and "What to see" in c.source for c in cells)
+
+
+def test_the_reading_of_a_main_called_whole_comes_after_the_call_and_keeps_its_list(nb, tmp_path):
+    source = ('"""Title."""\n\n# %%\ndef main(argv=None):\n    if argv:\n        return 1\n    print(2)\n    return 2\n\n'
+              '    # What to see: two\n    # parts:\n    #\n    # 1. the first,\n    #    on two lines;\n'
+              '    # 2. the second.\n\n\n# %%\nif __name__ == "__main__":\n    main()\n')
+    cells = nb.script_cells(write_script(tmp_path, source))
+    assert [c.kind for c in cells] == ["markdown", "markdown", "code", "code", "markdown"]
+    assert cells[2].source.startswith("def main(") and "What to see" not in cells[2].source
+    assert cells[3].source == "result = main([])  # the script's defaults"
+    assert cells[4].source == "**What to see.** Two parts:\n\n1. the first, on two lines;\n2. the second."
+    assert cells[4].metadata == {"refimpl": "reading"}
+
+
 def test_an_indented_cell_marker_starts_a_step_not_a_cell(nb, tmp_path):
     source = SCRIPT.replace("    # Step 2: the second step", "    # %% the second step")
     cells = nb.script_cells(write_script(tmp_path, source))
@@ -238,6 +267,38 @@ def test_every_step_is_a_cell_that_shows_its_result(script):
             if following and not any(later.get("outputs") for later in following):
                 silent.append(cell.source.split("\n")[0])
     assert silent == [], f"steps of {script.name} whose cells show nothing: {silent}"
+
+
+def _prints(cell) -> bool:
+    """Whether a code cell printed text (a figure shows its own caption; printed numbers need reading)."""
+    return any(output.get("output_type") == "stream" and output.get("name") == "stdout"
+               for output in cell.get("outputs", []))
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.stem)
+def test_every_printed_step_is_followed_by_what_to_see_in_it(script):
+    """A step whose cells print something ends with a "What to see" cell (a `# What to see:` comment after the
+    step's code), so that the reader is told what the numbers show; a step that only draws has its caption."""
+    cells = read_record(script).cells
+    unread = []
+    for i, cell in enumerate(cells):
+        if cell.cell_type != "markdown" or (cell.get("metadata") or {}).get("refimpl") != "step":
+            continue
+        last_print, reading = None, None
+        for j in range(i + 1, len(cells)):
+            later = cells[j]
+            if later.cell_type == "markdown" and (later.get("metadata") or {}).get("refimpl") == "step":
+                break
+            if later.cell_type == "code" and _prints(later):
+                last_print = j
+            if later.cell_type == "markdown" and (later.get("metadata") or {}).get("refimpl") == "reading":
+                reading = j
+        if last_print is not None and (reading is None or reading < last_print):
+            unread.append(cell.source.split("\n")[0])
+    assert unread == [], f"steps of {script.name} whose printed output no 'What to see' follows: {unread}"
+    readings = [c for c in cells if c.cell_type == "markdown" and (c.get("metadata") or {}).get("refimpl") == "reading"]
+    assert readings or not any(c.cell_type == "code" and _prints(c) for c in cells), (
+        f"{script.name} prints but has no step with a 'What to see' reading")
 
 
 @pytest.mark.slow
