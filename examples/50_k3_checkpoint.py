@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     # becomes two uint8 tensors: [64, 16] codes, two 4-bit codes per byte for its 32 columns, and [64, 1]
     # scales, one byte per block of 32. Rounding every expert weight to 4 bits moves the layer's output by a
     # relative 0.184; on the same decoded weights, the float64 token-by-token reference agrees to about 1e-6,
-    # the float32 layer's rounding. By hand, byte 92 holds code 2 = +1.0 in its low nibble and code 9 = -0.5 in its high
-    # one (the nibble's top bit is the sign), and scale byte 123 multiplies both by 2^-4: 0.0625 and -0.0312.
+    # the float32 layer's rounding. By hand, byte 92 holds code 2 = +1.0 in its low nibble and code 9 = -0.5
+    # in its high one (the nibble's top bit is the sign), and scale byte 123 multiplies both by 2^-4: 0.0625 and -0.0312.
 
     # Step 2: the real checkpoint
     # MXFP4 stores half a byte per weight plus one scale byte per 32 weights, about an eighth of float32's
