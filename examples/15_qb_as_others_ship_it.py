@@ -8,7 +8,7 @@ the report does not (`refimpl.balancing.shipped` says where each comes from):
   needs $mk/n$ to be whole in every micro-batch; and it averages one quantile
   per micro-batch (over the data-parallel ranks too) instead of reading one
   quantile of the pooled batch.
-* **torchtitan's first K3 balancer** was reported to bin the fixed range
+* **torchtitan's K3 balancer** bins the fixed range
   $[-1, 1]$ into 512 bins, where Appendix D bins $[\min b - 1, \max b + 1]$
   into 1000.
 * **The sign.** The report adds $b$; the dual subtracts $\beta$. A port that

@@ -7,6 +7,12 @@ functions are transcribed below in PyTorch, line for line, from that commit:
 `qb_dual_update` (megatron/core/transformer/moe/moe_utils.py) and the body of
 `_update_router_qb_beta` (megatron/core/distributed/finalize_model_grads.py), with
 the data-parallel all-reduce AVG written as a mean over ranks.
+
+torchtitan's Kimi K3 balancer is on its main branch too (pytorch/torchtitan at
+7eb2dcbe5a4caaa81fdcfe3f1f5d8b3e0c847ece, torchtitan/models/kimi_k3/quantile_balance.py)
+and in no release on the package index; its histogram update (`topk_with_cutoff`,
+`margin_histogram`, `quantile_balance_bias_histogram` and `_interp_quantile`) is
+transcribed below the same way.
 """
 
 from __future__ import annotations
@@ -44,6 +50,33 @@ def update_router_qb_beta(qb_beta: torch.Tensor, ranks: list[list[torch.Tensor]]
     averaged = torch.stack(local_avg).mean(0)  # all_reduce(op=AVG) over the data-parallel ranks
     new_beta = ema * qb_beta + (1.0 - ema) * averaged
     return new_beta - new_beta.mean(dim=-1, keepdim=True)
+
+
+def torchtitan_histogram_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, num_bins: int = 512,
+                              lo: float = -1.0, hi: float = 1.0) -> torch.Tensor:
+    """torchtitan's K3 update from one pooled histogram: the cutoff of top-(k+1) routing, margins s - alpha
+    clamped into [lo, hi] and counted in `num_bins` bins, and minus the 1 - k/n quantile read by linear
+    interpolation inside its bin, centred; transcribed."""
+    values, _ = torch.topk(scores + bias, k + 1, dim=-1)  # topk_with_cutoff
+    cutoff = values[..., k]
+    num_experts = scores.size(-1)
+    margins = (scores - cutoff.unsqueeze(-1)).float()  # margin_histogram
+    edges = torch.linspace(lo, hi, num_bins + 1)
+    index = torch.bucketize(margins.clamp(lo, hi), edges[1:-1])
+    counts = torch.zeros(num_experts, num_bins, dtype=torch.long)
+    index_t = index.t().contiguous()
+    counts.scatter_add_(1, index_t, torch.ones_like(index_t))
+    target = 1.0 - k / num_experts  # quantile_balance_bias_histogram
+    total = counts.sum(dim=1, keepdim=True).clamp(min=1)
+    cdf = counts.cumsum(dim=1).float() / total.float()
+    bin_idx = (cdf < target).sum(dim=1).clamp(max=num_bins - 1)  # _interp_quantile
+    cdf_at = cdf.gather(1, bin_idx.unsqueeze(1)).squeeze(1)
+    below = (bin_idx - 1).clamp(min=0)
+    cdf_below = torch.where(bin_idx > 0, cdf.gather(1, below.unsqueeze(1)).squeeze(1), torch.zeros_like(cdf_at))
+    span = (cdf_at - cdf_below).clamp(min=1e-12)
+    frac = ((target - cdf_below) / span).clamp(0.0, 1.0)
+    b_hat = -(edges[bin_idx] + frac * (hi - lo) / num_bins)
+    return b_hat - b_hat.mean()
 
 
 @st.composite
@@ -120,6 +153,51 @@ def test_a_fixed_histogram_range_equal_to_the_adaptive_one_changes_nothing():
     s, b = rng.random((256, 16)), rng.normal(size=16)
     np.testing.assert_array_equal(histogram_balancing_update(s, b, 4, 300, value_range=histogram_range(b)),
                                   histogram_balancing_update(s, b, 4, 300))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), shape=st.sampled_from([(4096, 16, 2), (4224, 96, 8), (1000, 64, 6),
+                                                              (512, 8, 1)]))
+def test_the_fixed_range_update_is_torchtitans_to_within_its_bins(seed, shape):
+    """`histogram_balancing_update(..., bins=512, value_range=(-1, 1))` against torchtitan's K3 update.
+
+    Both bin the same margins into the same 512 bins and read each threshold inside the bin that holds it.
+    They read slightly different order statistics (torchtitan the point where the cumulative fraction
+    reaches 1 - k/n, refimpl the (q+1)-th largest margin, q = mk/n), which lie in the same bin or in
+    neighbouring ones, so the two biases differ by less than two bin widths, float32 rounding aside. Each is
+    within two bin widths of the exact Eq. (14) bias too, when every threshold lies inside [-1, 1].
+    """
+    m, n, k = shape
+    rng = np.random.default_rng(seed)
+    s = (1.0 / (1.0 + np.exp(-(rng.standard_normal((m, n)) + np.linspace(1.0, -1.0, n))))).astype(np.float32)
+    b = rng.normal(0.0, 0.05, n).astype(np.float32)
+    theirs = torchtitan_histogram_bias(torch.from_numpy(s), torch.from_numpy(b), k).double().numpy()
+    mine = histogram_balancing_update(s, b, k, bins=512, value_range=(-1.0, 1.0)).astype(np.float64)
+    width = 2.0 / 512
+    assert np.abs(mine - theirs).max() < 2 * width
+    exact = quantile_balancing_update(s.astype(np.float64), b.astype(np.float64), k, center=False)
+    if np.abs(exact).max() < 1.0 - 2 * width:
+        exact -= exact.mean()
+        assert np.abs(theirs - exact).max() < 2 * width and np.abs(mine - exact).max() < 2 * width
+
+
+def test_torchtitans_update_misses_thresholds_beyond_its_range_and_refimpls_fixed_range_with_it():
+    """The check above can fail: thresholds beyond [-1, 1] (here an uncentred current bias of 1.5 puts them
+    near 1.46) are clamped into the end bins, and the fixed range's bias is off by many bins; refimpl's
+    fixed range is off with it, and the adaptive range of Appendix D is not."""
+    rng = np.random.default_rng(3)
+    s = rng.random((2048, 8)).astype(np.float32)
+    b = np.full(8, 1.5, dtype=np.float32)
+    b[0] = 0.0
+    exact = quantile_balancing_update(s.astype(np.float64), b.astype(np.float64), 2, center=False)
+    assert exact.min() > 1.0  # every threshold lies beyond the fixed range
+    exact -= exact.mean()
+    theirs = torchtitan_histogram_bias(torch.from_numpy(s), torch.from_numpy(b), 2).double().numpy()
+    fixed = histogram_balancing_update(s, b, 2, bins=512, value_range=(-1.0, 1.0)).astype(np.float64)
+    adaptive = histogram_balancing_update(s, b, 2, bins=512).astype(np.float64)
+    assert np.abs(theirs - exact).max() > 8 * (2.0 / 512)
+    assert np.abs(fixed - theirs).max() < 2 * (2.0 / 512)
+    assert np.abs(adaptive - exact).max() < 2 * (b.max() - b.min() + 2) / 512
 
 
 def test_a_fixed_range_cannot_read_a_threshold_beyond_it():

@@ -191,8 +191,8 @@ class BiasHistogram:
     value_range
         `None` (the report's rule): the range $[\min b - 1, \max b + 1]$, which
         holds every required bias. A pair `(low, high)` fixes the range
-        instead, as a port may do (torchtitan's first K3 balancer was reported
-        to bin $[-1, 1]$ into 512 bins). Values outside a fixed range land in
+        instead, as a port may do (torchtitan's K3 balancer bins $[-1, 1]$
+        into 512 bins). Values outside a fixed range land in
         its edge bins, so a threshold beyond it cannot be read: the bias
         stops moving there.
 

@@ -25,11 +25,14 @@ three of them differ from the report's in ways that change the numbers:
       (with an optional moving average, `moe_router_quantile_balancing_ema`),
       where Eq. (14) and Appendix D read one quantile of the pooled batch.
 3. **A fixed histogram range.** Appendix D bins $[\min b - 1, \max b + 1]$
-   into $B = 1000$ bins. torchtitan's first K3 balancer was reported to bin
-   the fixed range $[-1, 1]$ into 512; `histogram_balancing_update(...,
-   bins=512, value_range=(-1.0, 1.0))` computes it. (The newest copy of
-   torchtitan we could read, `pytorch/torchtitan` at `b5bcd76`, 2026-08-21,
-   holds no Quantile Balancing, so that one is not read from source.)
+   into $B = 1000$ bins. torchtitan's K3 balancer (`pytorch/torchtitan` at
+   `7eb2dcb`, `torchtitan/models/kimi_k3/quantile_balance.py`) bins the fixed
+   range $[-1, 1]$ into 512, clamping margins outside it into the end bins.
+   `histogram_balancing_update(..., bins=512, value_range=(-1.0, 1.0))` bins
+   the same way; inside the bin it reads the $(q+1)$-th largest margin, where
+   torchtitan reads the point at which the cumulative fraction reaches
+   $1 - k/n$, so the two agree to within two bin widths. A threshold beyond $\pm 1$, which a bias far from zero
+   calls for, is read at the edge by both.
 
 With one micro-batch, scores for logits and a whole $mk/n$,
 `megatron_qb_update([s], -b, k)` is $-$`quantile_balancing_update(s, b, k)`

@@ -12,7 +12,7 @@ name is printed only once the relatives agree.
 | `beta_returned` | returns $\beta = -b$, the bias to subtract, where the kit's convention adds the bias it is given | Megatron-Core's `qb_beta` (selection by `scores - beta`) |
 | `beta_sign_throughout` | reads the bias it is given as $\beta$ in $s - \beta$ and returns the next $\beta$: Eq. (14) in the dual's sign throughout | Megatron-Core's `qb_dual_update` called with the kit's bias |
 | `whole_target_rounded_down` | reads the $(\lfloor mk/n\rfloor + 1)$-th largest margin, where Eq. (14) interpolates a fractional $q = mk/n$ | Megatron-Core asserts that $mk/n$ is whole |
-| `fixed_histogram_range` | bins the fixed range $[-1, 1]$ into 512 bins, where Appendix D bins $[\min b - 1, \max b + 1]$ into $B$ | reported for torchtitan's first K3 balancer |
+| `fixed_histogram_range` | bins the fixed range $[-1, 1]$ into 512 bins, where Appendix D bins $[\min b - 1, \max b + 1]$ into $B$ | torchtitan's K3 balancer (`quantile_balance.py`) |
 | `quantiles_averaged` | averages one quantile per block (rank and micro-batch), where Appendix D adds the counts and reads one quantile | Megatron-Core averages per-micro-batch quantiles over data-parallel ranks |
 
 The first three are tried by both checks, the last two by the histogram
@@ -127,7 +127,7 @@ UPDATE_CONVENTIONS: tuple[UpdateConvention, ...] = _SIGNS
 HISTOGRAM_CONVENTIONS: tuple[UpdateConvention, ...] = (
     *_SIGNS,
     UpdateConvention("fixed_histogram_range", "bins the fixed range [-1, 1] into 512 bins, where Appendix D bins "
-                     "[min b - 1, max b + 1] into B", "reported for torchtitan's first K3 balancer",
+                     "[min b - 1, max b + 1] into B", "torchtitan's K3 balancer (quantile_balance.py)",
                      _fixed_histogram_range),
     UpdateConvention("quantiles_averaged", "averages one quantile per block (rank and micro-batch), where "
                      "Appendix D adds the counts and reads one quantile",
