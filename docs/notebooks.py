@@ -448,15 +448,17 @@ def script_cells(script: Path) -> list[Cell]:
         # Remove from the bottom up, so earlier line numbers stay valid.
         for node in reversed(statements):
             is_main = isinstance(node, ast.FunctionDef) and node.name == "main" and main is not None
-            if _is_main_guard(node) or (is_main and problem is None):
+            if not (is_main or _is_main_guard(node)):
+                continue
+            lines = text.split("\n")
+            end = _end_with_trailing_comments(lines, node) if is_main else node.end_lineno
+            if is_main and problem is not None:
+                # A main called whole keeps its definition; the reading after it comes after the call.
+                closing = textwrap.dedent("\n".join(lines[node.end_lineno: end]))
+                text = _remove_lines(text, node.end_lineno + 1, end)
+            else:
                 first_line = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-                end = _end_with_trailing_comments(text.split("\n"), node) if is_main else node.end_lineno
                 text = _remove_lines(text, first_line, end)
-            elif is_main:
-                # A main called whole keeps its definition; its closing reading comes after the call.
-                end = _end_with_trailing_comments(text.split("\n"), node)
-                closing = textwrap.dedent("\n".join(text.split("\n")[node.end_lineno: end]))
-                text = _remove_lines(text, node.end_lineno + 1, end) if end > node.end_lineno else text
         if text.strip():
             cells.append(Cell("code", text.strip("\n")))
     if main is not None and problem is None:

@@ -99,6 +99,38 @@ def load_script(path: Path, name: str) -> ModuleType:
     return module
 
 
+class ServedSite:
+    """A built site served by `make serve`'s own server (`docs/serve.py`) on a free port, in a thread, while a
+    `with` block runs; `get(path)` answers (status, final URL, body), following redirects."""
+
+    def __init__(self, site: Path, prefix: str | None = None) -> None:
+        import threading
+
+        serve = load_script(ROOT / "docs" / "serve.py", "refimpl_docs_serve")
+        self.server = serve.make_server(site, 0, prefix=prefix)
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> ServedSite:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def get(self, path: str) -> tuple[int, str, bytes]:
+        """An HTTP error is a status here, not raised."""
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.base + path, timeout=30) as response:
+                return response.status, response.url, response.read()
+        except urllib.error.HTTPError as error:
+            return error.code, error.url, error.read()
+
+
 def load_example(stem: str) -> ModuleType:
     """`examples/<stem>.py` as a module."""
     return load_script(ROOT / "examples" / f"{stem}.py", f"example_{stem}")

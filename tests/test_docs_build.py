@@ -23,7 +23,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import load_script
+from conftest import ServedSite, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 READING_ORDER = ["config", "activations", "routing", "latent_moe", "backward", "accounting", "mx", "checkpoint",
@@ -749,31 +749,12 @@ def test_each_report_box_of_the_kit_page_holds_its_own_entrys_report(site, gen):
 @pytest.mark.slow
 def test_the_404_page_loads_everything_it_links_when_served_as_make_serve_serves_it(site):
     """`404.html` links absolutely (`/refimpl/...`); under `make serve`'s server each link of it answers."""
-    import threading
-    import urllib.error
-    import urllib.request
-
-    serve = load_script(ROOT / "docs" / "serve.py", "refimpl_docs_serve")
-    server = serve.make_server(site, 0)
-    base = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        with pytest.raises(urllib.error.HTTPError) as missing:
-            urllib.request.urlopen(base + "/refimpl/paper/no-such-page/", timeout=30)
-        assert missing.value.code == 404
-        body = missing.value.read().decode("utf-8")
-        assert "404" in visible_text(body)
-        links = sorted(set(re.findall(r'(?:href|src)="(/refimpl/[^"#?]*)', body)))
+    with ServedSite(site) as served:
+        status, _, body = served.get("/refimpl/paper/no-such-page/")
+        assert status == 404
+        text = body.decode("utf-8")
+        assert "404" in visible_text(text)
+        links = sorted(set(re.findall(r'(?:href|src)="(/refimpl/[^"#?]*)', text)))
         assert any(link.endswith(".css") for link in links) and any(link.endswith(".js") for link in links)
-        broken = []
-        for link in links:
-            try:
-                with urllib.request.urlopen(base + link, timeout=30) as response:
-                    response.read()
-            except urllib.error.HTTPError as error:
-                broken.append((link, error.code))
+        broken = [(link, code) for link in links if (code := served.get(link)[0]) != 200]
         assert broken == []
-    finally:
-        server.shutdown()
-        server.server_close()

@@ -8,13 +8,10 @@ address must load its stylesheets and scripts, as it does on the host.
 from __future__ import annotations
 
 import re
-import threading
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import load_script
+from conftest import ServedSite, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,31 +19,6 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def serve():
     return load_script(ROOT / "docs" / "serve.py", "refimpl_docs_serve")
-
-
-class Running:
-    """A server from `docs/serve.py` on a free port, in a thread."""
-
-    def __init__(self, serve, site: Path, prefix: str | None = None) -> None:
-        self.server = serve.make_server(site, 0, prefix=prefix)
-        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> Running:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-    def get(self, path: str) -> tuple[int, str, bytes]:
-        """(status, final URL, body) of GET `path`, following redirects; an HTTP error is a status, not raised."""
-        try:
-            with urllib.request.urlopen(self.base + path, timeout=30) as response:
-                return response.status, response.url, response.read()
-        except urllib.error.HTTPError as error:
-            return error.code, error.url, error.read()
 
 
 def small_site(folder: Path) -> Path:
@@ -71,8 +43,8 @@ def test_the_prefix_is_the_path_of_site_url(serve, tmp_path):
     assert serve.site_prefix(config) == "/"
 
 
-def test_pages_are_served_under_the_prefix_and_root_is_sent_there(serve, tmp_path):
-    with Running(serve, small_site(tmp_path / "site"), "/refimpl/") as running:
+def test_pages_are_served_under_the_prefix_and_root_is_sent_there(tmp_path):
+    with ServedSite(small_site(tmp_path / "site"), "/refimpl/") as running:
         assert running.get("/refimpl/")[:1] == (200,)
         assert running.get("/refimpl/page/")[2] == b"<p>a page</p>"
         status, url, body = running.get("/")
@@ -81,8 +53,8 @@ def test_pages_are_served_under_the_prefix_and_root_is_sent_there(serve, tmp_pat
         assert running.get("/refimpl/page")[1] == running.base + "/refimpl/page/"  # a folder gets its slash
 
 
-def test_a_missing_page_gets_404_html_whose_links_work(serve, tmp_path):
-    with Running(serve, small_site(tmp_path / "site"), "/refimpl/") as running:
+def test_a_missing_page_gets_404_html_whose_links_work(tmp_path):
+    with ServedSite(small_site(tmp_path / "site"), "/refimpl/") as running:
         for missing in ("/refimpl/no/such/page/", "/refimpl/nothing.html", "/page/", "/other/index.html"):
             status, _, body = running.get(missing)
             assert status == 404, missing
@@ -96,10 +68,10 @@ def test_the_server_refuses_a_folder_that_holds_no_site(serve, tmp_path):
         serve.make_server(tmp_path, 0)
 
 
-def test_nothing_outside_the_site_is_served(serve, tmp_path):
+def test_nothing_outside_the_site_is_served(tmp_path):
     site = small_site(tmp_path / "site")
     (tmp_path / "secret.txt").write_text("secret", encoding="utf-8")
-    with Running(serve, site, "/refimpl/") as running:
+    with ServedSite(site, "/refimpl/") as running:
         for path in ("/refimpl/../secret.txt", "/refimpl/%2e%2e/secret.txt", "/secret.txt"):
             status, _, body = running.get(path)
             assert b"secret" not in body, path

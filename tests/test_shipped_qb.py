@@ -1,16 +1,18 @@
 """Quantile Balancing as other code ships it, against that code: Megatron-Core's update and a fixed histogram range.
 
 Megatron-Core's Quantile Balancing is on its main branch (NVIDIA/Megatron-LM at
-d98e8a64ddf34856e74b24714e3bedb2f5a39553, 2026-08-22) but in no release on the
-package index (the newest there, megatron-core 0.16.1, has none), so its two
-functions are transcribed below in PyTorch, line for line, from that commit:
+d98e8a64ddf34856e74b24714e3bedb2f5a39553, 2026-08-22) and in the releases from
+megatron-core 0.17 on (0.19.2 holds the same two functions), but those releases need
+Python 3.12 and this project runs on 3.11, where the newest that installs, 0.16.1, has
+none. So its two functions are transcribed below in PyTorch, line for line:
 `qb_dual_update` (megatron/core/transformer/moe/moe_utils.py) and the body of
 `_update_router_qb_beta` (megatron/core/distributed/finalize_model_grads.py), with
 the data-parallel all-reduce AVG written as a mean over ranks.
 
 torchtitan's Kimi K3 balancer is on its main branch too (pytorch/torchtitan at
 7eb2dcbe5a4caaa81fdcfe3f1f5d8b3e0c847ece, torchtitan/models/kimi_k3/quantile_balance.py)
-and in no release on the package index; its histogram update (`topk_with_cutoff`,
+and in no release on the package index (torchtitan 0.3.0, the newest, has no Kimi K3
+model); its histogram update (`topk_with_cutoff`,
 `margin_histogram`, `quantile_balance_bias_histogram` and `_interp_quantile`) is
 transcribed below the same way.
 """
