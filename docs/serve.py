@@ -79,10 +79,10 @@ class SiteHandler(SimpleHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 (the name http.server gives it)
-        """Log only errors: a page the site lacks is worth a line, each asset served is not."""
-        if len(args) >= 2 and str(args[1]).startswith(("4", "5")):
-            super().log_message(format, *args)
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        """Log only the requests that failed: a page the site lacks is worth a line, each asset served is not."""
+        if str(int(code) if isinstance(code, int) else code).startswith(("4", "5")):
+            super().log_request(code, size)
 
 
 def make_server(site: Path, port: int, bind: str = "127.0.0.1", prefix: str | None = None) -> ThreadingHTTPServer:

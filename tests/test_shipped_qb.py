@@ -1,10 +1,10 @@
 """Quantile Balancing as other code ships it, against that code: Megatron-Core's update and a fixed histogram range.
 
 Megatron-Core's Quantile Balancing is on its main branch (NVIDIA/Megatron-LM at
-d98e8a64ddf34856e74b24714e3bedb2f5a39553, 2026-08-22) and in the releases from
-megatron-core 0.17 on (0.19.2 holds the same two functions), but those releases need
-Python 3.12 and this project runs on 3.11, where the newest that installs, 0.16.1, has
-none. So its two functions are transcribed below in PyTorch, line for line:
+d98e8a64ddf34856e74b24714e3bedb2f5a39553, 2026-08-22) and in the release
+megatron-core 0.19.2, which holds the same two functions; but the releases from 0.17 on
+need Python 3.12, this project runs on 3.11, and the newest that installs there, 0.16.1,
+has none. So its two functions are transcribed below in PyTorch, line for line:
 `qb_dual_update` (megatron/core/transformer/moe/moe_utils.py) and the body of
 `_update_router_qb_beta` (megatron/core/distributed/finalize_model_grads.py), with
 the data-parallel all-reduce AVG written as a mean over ranks.

@@ -13,7 +13,8 @@ three of them differ from the report's in ways that change the numbers:
 2. **Megatron-Core's update** (`qb_dual_update` in
    `megatron/core/transformer/moe/moe_utils.py` and `_update_router_qb_beta` in
    `megatron/core/distributed/finalize_model_grads.py`, NVIDIA/Megatron-LM at
-   commit `d98e8a6`, 2026-08-22), computed here by `megatron_qb_update`:
+   commit `d98e8a6`, 2026-08-22, and the release megatron-core 0.19.2, which
+   needs Python 3.12), computed here by `megatron_qb_update`:
     * it reads the router's **raw logits**, not the sigmoid scores: its bias
       lives in the logits' units, and so does its selection
       (`(logits - beta).topk(k)`);
