@@ -87,6 +87,8 @@ class SiteHandler(SimpleHTTPRequestHandler):
 
 def make_server(site: Path, port: int, bind: str = "127.0.0.1", prefix: str | None = None) -> ThreadingHTTPServer:
     """An HTTP server for the built site in `site` (not yet serving); port 0 takes a free port."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an integer from 0 to 65535, got {port!r}")
     site = Path(site)
     if not (site / "index.html").is_file():
         raise FileNotFoundError(f"site: {site} holds no index.html; build the site first (make docs)")
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         server = make_server(args.site, args.port, args.bind)
-    except (FileNotFoundError, OSError) as exc:
+    except (ValueError, OSError) as exc:  # a bad port, no built site, or an address already in use
         print(f"docs/serve.py: {exc}", file=sys.stderr)
         return 1
     host, port = server.server_address[:2]

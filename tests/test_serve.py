@@ -63,9 +63,14 @@ def test_a_missing_page_gets_404_html_whose_links_work(tmp_path):
             assert running.get(href)[:1] == (200,), href
 
 
-def test_the_server_refuses_a_folder_that_holds_no_site(serve, tmp_path):
+def test_the_server_refuses_a_folder_that_holds_no_site_and_a_bad_port(serve, tmp_path):
     with pytest.raises(FileNotFoundError, match="no index.html"):
         serve.make_server(tmp_path, 0)
+    site = small_site(tmp_path / "site")
+    for port in (-1, 65536, 80.0, "8000", True):
+        with pytest.raises(ValueError, match=r"port must be an integer from 0 to 65535, got"):
+            serve.make_server(site, port)
+    assert serve.main(["--site", str(tmp_path / "nothing"), "--port", "0"]) == 1  # a message, not a traceback
 
 
 def test_nothing_outside_the_site_is_served(tmp_path):
