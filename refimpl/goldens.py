@@ -185,7 +185,6 @@ from .families import FAMILIES, HFFamily
 from .layer.activations import expert_glu
 from .layer.backward import stable_latent_moe_vjp
 from .layer.latent_moe import MoEParams, parameter_shapes, stable_latent_moe
-from .layer.routing import router_scores
 
 __all__ = ["GRAD_TOLERANCE", "MANIFEST", "STAGE_TOLERANCE", "GoldenCase", "family_text_config", "golden_cases",
            "golden_tensors", "main", "relative_error", "route_margin",
@@ -364,7 +363,7 @@ _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloa
 
 
 def _router_exponent(d: int) -> int:
-    """$e$ with $2^{-e} \approx 1/\sqrt{d/2}$: logits of about unit size from half the weights nonzero."""
+    r"""$e$ with $2^{-e} \approx 1/\sqrt{d/2}$: logits of about unit size from half the weights nonzero."""
     return max(0, round(math.log2(math.sqrt(d / 2))))
 
 
