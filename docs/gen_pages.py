@@ -124,6 +124,7 @@ READING_PATH: list[tuple[str, str]] = [
     ("padded", "One device: padded experts"),
     ("train", "Training a small model"),
     ("testing", "The conformance kit"),
+    ("goldens", "Golden vectors"),
 ]
 
 #: Test files named after a module that has since been renamed: module -> the stem in `tests/test_<stem>.py`.

@@ -5,8 +5,8 @@ conformance kit, which drives a Python function. It can read files. This
 module writes them:
 
 ```bash
-python -m refimpl.goldens goldens/                   # every case (the published widths are large)
-python -m refimpl.goldens goldens/ --sizes test      # the small cases only: a few hundred kilobytes
+python -m refimpl.goldens goldens/                   # every case (the published widths: gigabytes)
+python -m refimpl.goldens goldens/ --sizes test      # the small cases only: about 350 kilobytes
 ```
 
 For Kimi K3 and for every MoE family of transformers this package reads
@@ -54,7 +54,9 @@ written under a temporary name and renamed once complete.
 * `capped` names what a published-width case reduces, `{key: [published,
   written]}`: the widths $d$, $\ell$, $f$ and the shared experts are the
   published ones, the routed experts are cut to $k + 1$ (with $k \le 2$, no
-  groups), so that one file stays below a gigabyte.
+  groups). Even so a published-width file is large: its shared experts and
+  its $k + 1$ experts at full width run to hundreds of megabytes, and Mixtral's
+  (experts 14336 wide) to about a gigabyte.
 * `route_margin` is the smallest gap, over the tokens, between two
   consecutive biased scores among each token's top $k + 1$ (and between the
   chosen and the first unchosen group score where the family has groups);
