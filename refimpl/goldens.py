@@ -5,8 +5,8 @@ conformance kit, which drives a Python function. It can read files. This
 module writes them:
 
 ```bash
-python -m refimpl.goldens goldens/                   # every case (the published widths: gigabytes)
-python -m refimpl.goldens goldens/ --sizes test      # the small cases only: about 350 kilobytes
+python -m refimpl.goldens goldens/                                  # the small cases: about 350 kilobytes
+python -m refimpl.goldens goldens/ --sizes published --model-type qwen3_moe   # one family's published widths
 ```
 
 For Kimi K3 and for every MoE family of transformers this package reads
@@ -323,10 +323,22 @@ def _spelled(changed: Mapping[str, list[Any]], family: HFFamily | None) -> dict[
     return {keys.get(name, name): value for name, value in changed.items()}
 
 
-def golden_cases(sizes: str = "all") -> list[GoldenCase]:
-    """Every case `write_goldens` writes: `sizes` is "test", "published" or "all"."""
+def golden_cases(sizes: str = "test", model_types: Sequence[str] | None = None) -> list[GoldenCase]:
+    """The cases `write_goldens` writes: `sizes` is "test", "published" or "all"; `model_types` keeps only
+    those families' cases ("kimi_k3" for K3's), all of them when None."""
     if sizes not in ("test", "published", "all"):
         raise ValueError(f"sizes must be 'test', 'published' or 'all', got {sizes!r}")
+    known = ["kimi_k3", *FAMILIES]
+    if model_types is not None:
+        unknown = [name for name in model_types if name not in known]
+        if isinstance(model_types, str) or unknown or not model_types:
+            raise ValueError(f"model_types must be a non-empty list of {known}, got {model_types!r}")
+    cases = _all_cases(sizes)
+    return [case for case in cases if model_types is None or case.model_type in model_types]
+
+
+def _all_cases(sizes: str) -> list[GoldenCase]:
+    """Every case of `sizes`, K3's first and then one per family record."""
     cases: list[GoldenCase] = []
     if sizes in ("test", "all"):
         k3 = MoEConfig.tiny(hidden_size=16, latent_size=8, num_experts=8, top_k=3, intermediate_size=6,
@@ -599,8 +611,8 @@ def _safetensors_bytes(tensors: Mapping[str, np.ndarray]) -> bytes:
     return save(dict(tensors), metadata={"format": "pt"})
 
 
-def write_goldens(folder: str | os.PathLike, *, sizes: str = "all", overwrite: bool = False,
-                  log: Any = None) -> dict[str, Any]:
+def write_goldens(folder: str | os.PathLike, *, sizes: str = "test", model_types: Sequence[str] | None = None,
+                  overwrite: bool = False, log: Any = None) -> dict[str, Any]:
     """Write the golden files and `manifest.json` into `folder` (created if absent); returns the manifest.
 
     A folder that holds a manifest already is refused (`FileExistsError`) unless `overwrite`; a path that is
@@ -610,7 +622,7 @@ def write_goldens(folder: str | os.PathLike, *, sizes: str = "all", overwrite: b
 
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be True or False, got {type(overwrite).__name__} {overwrite!r}")
-    cases = golden_cases(sizes)
+    cases = golden_cases(sizes, model_types)
     folder = Path(folder)
     if os.path.lexists(folder) and not folder.is_dir():
         raise NotADirectoryError(f"{folder} exists and is not a folder: the golden files need a folder")
@@ -632,16 +644,21 @@ def write_goldens(folder: str | os.PathLike, *, sizes: str = "all", overwrite: b
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m refimpl.goldens DIR [--sizes test|published|all] [--overwrite]`."""
+    """`python -m refimpl.goldens DIR [--sizes test|published|all] [--model-type NAME ...] [--overwrite]`."""
     parser = argparse.ArgumentParser(prog="python -m refimpl.goldens",
                                      description="Write golden vectors (safetensors files and manifest.json).")
     parser.add_argument("folder", help="the folder to write into (created if absent)")
-    parser.add_argument("--sizes", choices=("test", "published", "all"), default="all",
-                        help="the small cases, the published widths (large), or both (default)")
+    parser.add_argument("--sizes", choices=("test", "published", "all"), default="test",
+                        help="the small cases (default, about 350 kB), the published widths (hundreds of MB "
+                             "a family, about 3 GB in all), or both")
+    parser.add_argument("--model-type", action="append", dest="model_types", metavar="NAME",
+                        choices=["kimi_k3", *FAMILIES],
+                        help="only this family's cases (repeat for several; kimi_k3 for K3's); all by default")
     parser.add_argument("--overwrite", action="store_true", help="replace a manifest already in the folder")
     args = parser.parse_args(argv)
     try:
-        manifest = write_goldens(args.folder, sizes=args.sizes, overwrite=args.overwrite,
+        manifest = write_goldens(args.folder, sizes=args.sizes, model_types=args.model_types,
+                                 overwrite=args.overwrite,
                                  log=lambda line: print(line, flush=True))
     except (OSError, ValueError) as exc:
         print(f"python -m refimpl.goldens: {exc}", file=sys.stderr)

@@ -30,6 +30,7 @@ from hf_reference_block import KimiSparseMoeBlock
 from safetensors.torch import load_file
 
 import refimpl
+import refimpl.goldens
 from refimpl import MoEConfig
 from refimpl.families import FAMILIES
 
@@ -249,3 +250,32 @@ def test_the_balancing_updates_are_eq_14_and_its_histogram(goldens, model_type):
     assert within(eq14, t["balancing.eq14"], entry["tolerance"]["balancing.eq14"])
     width = (float(b.max()) - float(b.min()) + 2) / bins  # Appendix D: within a bin width, then centred
     assert float((t["balancing.appendix_d"] - t["balancing.eq14"]).abs().max()) <= 2 * width
+
+
+def test_one_familys_published_widths_match_its_block(tmp_path):
+    """`--sizes published --model-type qwen3_moe`: the published widths (Qwen3MoeConfig's own defaults, the
+    routed experts cut as the manifest says), stored in bfloat16, still match transformers' block."""
+    folder = tmp_path / "published"
+    done = run_goldens(folder, "--sizes", "published", "--model-type", "qwen3_moe")
+    assert done.returncode == 0, done.stderr
+    (entry,) = json.loads((folder / "manifest.json").read_text())["files"]
+    defaults = transformers.Qwen3MoeConfig()
+    assert entry["widths"] == "published" and entry["model_type"] == "qwen3_moe"
+    assert entry["text_config"]["hidden_size"] == defaults.hidden_size
+    assert entry["text_config"]["moe_intermediate_size"] == defaults.moe_intermediate_size
+    assert set(entry["capped"]) <= {"num_local_experts", "num_experts_per_tok"}
+    tensors = load_file(str(folder / entry["file"]))
+    assert tensors["x"].dtype == torch.bfloat16 and not any(name.startswith("grad.") for name in tensors)
+    block = family_block("qwen3_moe", entry["text_config"])
+    block.load_state_dict({name: value.double() for name, value in block_tensors(tensors).items()}, strict=True)
+    with torch.no_grad():
+        y = block(tensors["x"].double()[None])[0]
+    assert within(y, tensors["y"], entry["tolerance"]["y"])
+
+
+def test_an_unknown_family_is_refused_by_the_command_and_the_function(tmp_path):
+    refused = run_goldens(tmp_path / "out", "--model-type", "llama")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr and "llama" in refused.stderr
+    with pytest.raises(ValueError, match="model_types"):
+        refimpl.goldens.golden_cases("test", ["llama"])
+    assert not (tmp_path / "out").exists()
