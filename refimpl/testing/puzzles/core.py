@@ -66,7 +66,9 @@ class Mistake:
     up rather than down, say), which a check recognizes as well. `like(got,
     wrong, case)` says whether an answer gives what this mistake gives on
     `case`; by default it is the puzzle's own `agree`, and a mistake whose
-    answers vary with the order of the arithmetic (float32) loosens it.
+    answers vary with the order of the arithmetic (float32) loosens it, and
+    sets `narrow`: it is then named only for an answer whose results come
+    back in a floating type narrower than float64.
     """
 
     name: str
@@ -75,6 +77,7 @@ class Mistake:
     answer: Callable[..., Any]
     also: tuple[Callable[..., Any], ...] = ()
     like: Callable[[Any, Any, Case], bool] | None = None
+    narrow: bool = False
 
     @property
     def forms(self) -> tuple[Callable[..., Any], ...]:
@@ -140,10 +143,10 @@ class _Mismatch(Exception):
     """
 
     def __init__(self, case: Case, expected: Any, got: Any, problem: str, error: type | None = None,
-                 kind: str = "differs"):
+                 kind: str = "differs", narrow: bool = False):
         super().__init__(problem)
         self.case, self.expected, self.got, self.problem, self.error = case, expected, got, problem, error
-        self.kind = kind
+        self.kind, self.narrow = kind, narrow
 
 
 class _Stub(Exception):
@@ -250,6 +253,7 @@ class _Outcome:
     value: Any = None
     error: type | None = None
     malformed: bool = False
+    narrow: bool = False
 
     @property
     def answered(self) -> bool:
@@ -360,6 +364,8 @@ class Puzzle:
     explain: Callable[[Case, Any, Any], list[str]] | None = None
     probes: tuple[Case, ...] = ()
     differ: Callable[[Case, Any, Any], list[str]] | None = None
+    #: What naming a mistake computes once per process: the drawn inputs, the catalogued forms' outcomes.
+    _known: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # -- what the learner sees ---------------------------------------------
     @property
@@ -479,20 +485,21 @@ class Puzzle:
 
     def _worker(self, fn: Callable[..., Any], conn: Any) -> None:
         """The worker process: run the check, send its outcome as plain data (a failure's mistake by name)."""
+        known = set(self._known)
         try:
             outcome: tuple = ("passed", self._check(_Watched(fn, conn)))
         except PuzzleFailure as failure:
             outcome = ("failed", {"message": str(failure), "kind": failure.kind, "stub": isinstance(
                 failure, NotWrittenYet), "mistake": failure.mistake.name if failure.mistake else None,
                 "reproduced": failure.reproduced, "case": failure.case, "expected": failure.expected,
-                "got": failure.got})
+                "got": failure.got, "known": {k: v for k, v in self._known.items() if k not in known}})
         except BaseException:  # noqa: BLE001 - the check's own error, carried to the caller as text
             outcome = ("error", traceback.format_exc())
         try:
             conn.send(("result", outcome))
         except Exception:  # a value that does not pickle: send the message without the values
             if outcome[0] == "failed":
-                outcome[1].update(case=None, expected=None, got=None)
+                outcome[1].update(case=None, expected=None, got=None, known=None)
             conn.send(("result", outcome))
         conn.close()
 
@@ -503,6 +510,7 @@ class Puzzle:
             return data
         if tag == "error":
             raise RuntimeError(f"the check of puzzle {self.name!r} failed in its worker process:\n{data}")
+        self._known.update(data.get("known") or {})  # the next check's worker starts from them
         mistake = next((m for m in self.mistakes if m.name == data["mistake"]), None)
         cls = NotWrittenYet if data["stub"] else PuzzleFailure
         raise cls(data["message"], puzzle=self.name, kind=data["kind"], mistake=mistake,
@@ -590,7 +598,7 @@ class Puzzle:
             narrow = _narrow_floats(raw)
             note = (f"Your answer came back as {' and '.join(narrow)}; the arguments are float64, and the "
                     "expected values are computed in float64." if narrow else "")
-            raise _Mismatch(case, expected, got, note)
+            raise _Mismatch(case, expected, got, note, narrow=bool(narrow))
 
     def _first_mismatch(self, fn: _Watched, trial: Trial, examples: int) -> _Mismatch | None:
         """Run one family of inputs as a Hypothesis property; the shrunk mismatch, or None when all agree."""
@@ -622,60 +630,79 @@ class Puzzle:
     def _drawn(self) -> list[Case]:
         """The inputs a mistake must also explain before it is named: `DIAGNOSIS_EXAMPLES` of each family,
         drawn the same way on every run."""
-        cases: list[Case] = []
-        for trial in self.trials:
-            @Settings(_settings(DIAGNOSIS_EXAMPLES), phases=(Phase.generate,))
-            @given(trial.cases)
-            def collect(case: Case) -> None:
-                cases.append(case)
+        if "drawn" not in self._known:
+            cases: list[Case] = []
+            for trial in self.trials:
+                @Settings(_settings(DIAGNOSIS_EXAMPLES), phases=(Phase.generate,))
+                @given(trial.cases)
+                def collect(case: Case) -> None:
+                    cases.append(case)
 
-            collect()
-        return cases
+                collect()
+            self._known["drawn"] = cases
+        return self._known["drawn"]
+
+    def _form_outcomes(self, mistake: int, form: int) -> list[_Outcome]:
+        """What the catalogued wrong answer `self.mistakes[mistake].forms[form]` gives on `probes` and the
+        drawn inputs (computed once per process)."""
+        key = ("form", mistake, form)
+        if key not in self._known:
+            answer = self.mistakes[mistake].forms[form]
+            self._known[key] = [self._outcome(answer, case) for case in (*self.probes, *self._drawn())]
+        return self._known[key]
 
     def _outcome(self, fn: Callable[..., Any], case: Case, watched: _Watched | None = None) -> _Outcome:
         """What `fn` gives on `case` (inside `watched`'s window when it is the learner's function)."""
-        def call() -> Any:
-            return self._converted(_quietly(fn, case.args), case)
+        def call() -> _Outcome:
+            raw = _quietly(fn, case.args)
+            return _Outcome(value=self._converted(raw, case), narrow=bool(_narrow_floats(raw)))
 
         try:
             if watched is None:
-                return _Outcome(value=call())
+                return call()
             with watched.window(case):
-                return _Outcome(value=call())
+                return call()
         except _Malformed:
             return _Outcome(malformed=True)
         except (Exception, SystemExit) as exc:
             return _Outcome(error=type(exc))
 
-    def _gives(self, mistake: Mistake, form: Callable[..., Any], cases: list[Case],
-               answers: list[_Outcome]) -> bool:
-        """Whether the wrong answer `form` gives the learner's `answers` on `cases` (the first being the shrunk
-        input, which it must explain; on the others an input where `form` itself fails is passed over)."""
-        like = mistake.like or self.agree
-        for index, (case, mine) in enumerate(zip(cases, answers, strict=True)):
-            theirs = self._outcome(form, case)
+    def _gives(self, mistake: int, form: int, cases: list[Case], answers: list[_Outcome]) -> bool:
+        """Whether the wrong answer `self.mistakes[mistake].forms[form]` gives the learner's `answers` on
+        `cases` (the first being the shrunk input, which it must explain; on the others an input where the
+        wrong answer itself fails is passed over)."""
+        entry = self.mistakes[mistake]
+        like = entry.like or self.agree
+        outcomes = [self._outcome(entry.forms[form], cases[0]), *self._form_outcomes(mistake, form)]
+        evidence = False  # an input on which both returned a value, and the same one
+        for index, (case, mine, theirs) in enumerate(zip(cases, answers, outcomes, strict=True)):
             if not theirs.answered:
                 if index == 0 and not theirs.same_kind(mine):
                     return False
                 continue
-            if not mine.answered or not like(mine.value, theirs.value, case):
+            if not mine.answered or (entry.narrow and not mine.narrow) or not like(mine.value, theirs.value, case):
                 return False
-        return True
+            evidence = True
+        return evidence
 
     def _diagnose(self, fn: _Watched, found: _Mismatch) -> Mistake | None:
         """The catalogued mistake `fn` makes, or None when none can be named for sure.
 
         A mistake is named when one of its forms gives what `fn` gives on the
-        shrunk input, on every input of `probes` and on `DIAGNOSIS_EXAMPLES`
-        drawn inputs of each family, and no other catalogued mistake does:
-        a mistake that fits the shrunk input alone is not named.
+        shrunk input (the same value, the same kind of error, or a malformed
+        result too), on every input of `probes` and on `DIAGNOSIS_EXAMPLES`
+        drawn inputs of each family where the form returns a value (at least
+        one), and no other catalogued mistake does: a mistake that fits the
+        shrunk input alone is not named.
         """
-        if found.kind not in ("differs", "raised"):
+        if found.kind not in ("differs", "raised", "malformed"):
             return None
         cases = [found.case, *self.probes, *self._drawn()]
-        first = _Outcome(value=found.got) if found.kind == "differs" else _Outcome(error=found.error)
+        first = _Outcome(value=found.got, narrow=found.narrow, error=found.error,
+                         malformed=found.kind == "malformed")
         answers = [first, *(self._outcome(fn.fn, case, fn) for case in cases[1:])]
-        fitting = [m for m in self.mistakes if any(self._gives(m, form, cases, answers) for form in m.forms)]
+        fitting = [m for i, m in enumerate(self.mistakes)
+                   if any(self._gives(i, f, cases, answers) for f in range(len(m.forms)))]
         return fitting[0] if len(fitting) == 1 else None
 
     # -- the message -----------------------------------------------------------
@@ -762,6 +789,18 @@ def _differ_arrays(case: Case, expected: Any, got: Any, name: str = "") -> list[
             if np.all(np.abs(ratio - ratio.flat[0]) <= 1e-9 * np.abs(ratio.flat[0])):
                 text += f" Every entry is {ratio.flat[0]:.6g} times the expected one."
     return [text]
+
+
+def _float32_like(got: Any, wrong: Any, case: Case) -> bool:
+    """An answer is what a float32 computation gives when it agrees with it to float32's rounding (a few
+    hundred units of float32's last place, relative to the largest value): float32 answers that order their
+    arithmetic differently differ by that much."""
+    parts = zip(got, wrong, strict=True) if isinstance(got, tuple) else ((got, wrong),)
+    for g, w in parts:
+        g, w = np.asarray(g, dtype=np.float64), np.asarray(w, dtype=np.float64)
+        if not np.all(np.abs(g - w) <= 256 * np.finfo(np.float32).eps * (1.0 + np.max(np.abs(w), initial=0.0))):
+            return False
+    return True
 
 
 def _narrow_floats(raw: Any) -> list[str]:
