@@ -138,3 +138,24 @@ def test_bad_arguments_are_refused_by_name():
         check_balancer_lifecycle(ReferenceAdapter, estimator="hist")
     with pytest.raises(ValueError, match="bins must be a positive integer, got 0"):
         check_balancer_lifecycle(ReferenceAdapter, bins=0)
+
+
+@pytest.mark.slow
+def test_the_balancing_pages_lifecycle_record_is_what_the_balancers_do_now():
+    import json
+    import sys
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    sys.path.insert(0, str(docs))
+    try:
+        import measure_lifecycle
+    finally:
+        sys.path.remove(str(docs))
+    committed = json.loads(measure_lifecycle.RECORD.read_text(encoding="utf-8"))
+    assert measure_lifecycle.measure() == committed, (
+        "the lifecycle table differs from docs/pages/lifecycle_measured.json: run "
+        "`.venv/bin/python docs/measure_lifecycle.py write` and read the diff")
+    table = measure_lifecycle.markdown(committed)
+    assert "| no NaN and no move on an empty step | holds | holds | holds | **fails** |" in table
+    assert table.splitlines()[-1].endswith("| keeps the bias | keeps the bias | keeps the bias | NaN in 6 of 6 entries |")

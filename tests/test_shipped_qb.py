@@ -19,6 +19,8 @@ transcribed below the same way.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -231,11 +233,17 @@ def test_example_15_measures_each_convention(tmp_path, capsys):
     result = load_example("15_qb_as_others_ship_it").main(["--out", str(tmp_path), "--steps", "16"])
     medians = result["median_max_violation"]
     consistent = [v for name, v in medians.items() if "bias on the scores" not in name and "s - b" not in name]
-    assert len(consistent) == 5 and max(consistent) - min(consistent) < 0.08  # each rule in its own sign settles
+    assert len(consistent) == 7 and max(consistent) - min(consistent) < 0.08  # each rule in its own sign settles
     assert medians["Megatron-Core's bias on the scores"] > 5 and medians["s - b routed, b updated for s + b"] > 5
     assert result["micro_batches"][12] > result["micro_batches"][528] + 0.08  # tiny micro-batches cost balance
     rounded = result["rounded"]
     assert abs(rounded["q rounded down"] - rounded["interpolated q (Eq. 14)"]) < 0.02
+    gaps = result["read_gaps"]  # (largest, median) distance from Eq. (14), in bins
+    assert len(gaps) == 3 and all(largest < 2 for largest, _ in gaps.values())
+    empty = result["empty_step"]
+    assert empty["Megatron-Core global_batch"] == "keeps the bias"
+    assert empty["torchtitan QuantileBalancer"] == "NaN in 96 of 96 entries"
+    assert all(what.startswith("refuses it: ValueError") for name, what in empty.items() if "update" in name)
     assert "noise floor" in capsys.readouterr().out
     assert (tmp_path / "qb_as_shipped.png").stat().st_size > 10_000
 
@@ -384,3 +392,43 @@ def test_the_two_read_the_ceil_q_rank_and_part_on_a_bin_edge():
     titan.route(s)
     moved = np.flatnonzero(megatron.qb_histogram != titan.required_bias_histogram)
     assert moved.size > 0 and set(moved % 1000) <= {499, 500}  # only the bins either side of r = 0
+
+
+@pytest.mark.parametrize(("keywords", "error", "match"), [
+    (dict(num_bins=0), ValueError, "num_bins must be >= 2, got 0"),
+    (dict(num_bins=-3), ValueError, "num_bins must be >= 2, got -3"),
+    (dict(num_bins=1), ValueError, "num_bins must be >= 2, got 1"),
+    (dict(num_bins=2.5), TypeError, "num_bins must be an integer, got float 2.5"),
+    (dict(num_bins=True), TypeError, "num_bins must be an integer, got bool True"),
+    (dict(estimation_scope="global"), ValueError,
+     "estimation_scope must be 'micro_batch' or 'global_batch', got 'global'"),
+    (dict(estimation_scope=None), ValueError, "estimation_scope must be 'micro_batch' or 'global_batch', got None"),
+    (dict(ema=0.5), ValueError, "needs ema=0, got 0.5"),
+])
+def test_the_global_batch_update_refuses_bad_arguments_by_name(keywords, error, match):
+    s = np.random.default_rng(0).random((8, 8)).astype(np.float32)
+    arguments = {"estimation_scope": "global_batch", **keywords}
+    with pytest.raises(error, match=re.escape(match)):
+        megatron_qb_update([s], np.zeros(8, dtype=np.float32), 2, **arguments)
+
+
+@pytest.mark.parametrize("scope", ["micro_batch", "global_batch"])
+def test_num_bins_is_checked_in_either_scope(scope):
+    z = np.random.default_rng(0).random((8, 8))
+    with pytest.raises(ValueError, match="num_bins must be >= 2, got 0"):
+        megatron_qb_update([z], np.zeros(8), 2, estimation_scope=scope, num_bins=0)
+
+
+@pytest.mark.parametrize("make", ["MegatronGlobalBatchQB", "TorchtitanQuantileBalancer"])
+@pytest.mark.parametrize(("arguments", "error", "match"), [
+    ((8, 2, 0), ValueError, "num_bins must be >= 2, got 0"),
+    ((8, 2, 2.5), TypeError, "num_bins must be an integer, got float 2.5"),
+    ((8, 8, 1000), ValueError, "top_k"),
+    ((1, 1, 1000), ValueError, "num_experts"),
+])
+def test_the_shipped_balancers_refuse_bad_sizes_by_name(make, arguments, error, match):
+    import refimpl.balancing as balancing
+
+    num_experts, top_k, num_bins = arguments
+    with pytest.raises(error, match=re.escape(match)):
+        getattr(balancing, make)(num_experts, top_k, num_bins=num_bins)

@@ -77,9 +77,11 @@ name each of these when a port's update reproduces it.
    writes is NaN on every expert (measured in the tests).
 
 Both read the $\lceil q\rceil$-th smallest required bias where Eq. (14) reads
-the $(q+1)$-th: the two can lie many bins apart, since each column has an atom
-of about $m/n$ values at the old bias (Appendix D), so neither is within one bin
-of Eq. (14) in general; Example 15 measures what that costs.
+the $(q+1)$-th. The two are neighbours in each column, so how far apart they
+read depends on the batch: on Example 15's steps of 4,224 tokens both shipped
+updates read within a bin of Eq. (14), as close as refimpl's own histogram, and
+balance as well; on the lifecycle check's steps of 16 to 144 tokens they read
+many bins away from it (`docs/measure_lifecycle.py`).
 """
 
 from __future__ import annotations
@@ -162,6 +164,7 @@ def megatron_qb_update(blocks: Iterable[Array] | Array, beta: Array, top_k: int,
     blocks = list(blocks)
     if estimation_scope not in ("micro_batch", "global_batch"):
         raise ValueError(f"estimation_scope must be 'micro_batch' or 'global_batch', got {estimation_scope!r}")
+    check_int("num_bins", num_bins, low=2)  # read by the global_batch mode only, refused in both when wrong
     if not blocks:
         raise ValueError("blocks must hold at least one micro-batch of logits")
     if not is_real(ema) or not 0.0 <= float(ema) <= 1.0:
