@@ -140,6 +140,7 @@ from .forward_check import check_forward
 from .hf_block_check import check_hf_moe_block
 from .hf_cases import HFBlockCase, hf_block_case, hf_block_cases, hf_family_text_configs, hf_text_configs
 from .histogram_check import check_histogram_update
+from .lifecycle_check import check_balancer_lifecycle
 from .profiles import PROFILES, QUICK, THOROUGH, profile
 from .report import CheckFailure, CheckResult, Unsupported, call_deadline
 from .router_check import check_router
@@ -157,6 +158,7 @@ __all__ = [
     "Convention",
     "call_deadline",
     "check_balancer",
+    "check_balancer_lifecycle",
     "check_balancing_update",
     "check_capacity",
     "check_forward",
