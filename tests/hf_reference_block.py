@@ -177,11 +177,13 @@ class KimiSparseMoeBlock(nn.Module):
                 self.routed_expert_norm = KimiRMSNorm(latent, text.get("rms_norm_eps", 1e-6))
             self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
         self.experts = nn.ModuleList(KimiExpert(width, f, act, "gate_up_swapped" in mistakes) for _ in range(n))
-        shared = text.get("num_shared_experts", 0) or 0
-        self.has_shared = shared > 0
-        # The reference code builds the shared MLP whatever its width: with num_shared_experts absent or 0 it
-        # is a width-0 MLP, whose state_dict() holds zero-element tensors ([0, d], [0, d], [d, 0]).
-        self.shared_experts = KimiMLP(d, shared * f, act)
+        shared = text.get("num_shared_experts", 0)
+        self.has_shared = bool(shared)
+        # The reference code builds the shared MLP when num_shared_experts is not None (`if
+        # config.num_shared_experts is not None`): absent or 0 it is a width-0 MLP, whose state_dict() holds
+        # zero-element tensors ([0, d], [0, d], [d, 0]); null, there is no shared module at all.
+        if shared is not None:
+            self.shared_experts = KimiMLP(d, shared * f, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weight = self.gate(x)  # [m, k] each, float32 weights
