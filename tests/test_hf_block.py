@@ -259,6 +259,7 @@ def test_every_catalogue_entry_runs_and_changes_some_case():
             "num_expert_group": 4, "topk_group": 2}
     cases = [hf_block_case(text, 1, tokens=8, activation_scale=6.0, mxfp4=True),
              hf_block_case(dict(text, latent_moe_use_norm=False), 3, tokens=8),
+             hf_block_case(dict(text, hidden_size=32, num_shared_experts=None), 6, tokens=8),
              hf_block_case(dict(text, num_experts_per_token=1, latent_moe_use_norm=False, moe_renormalize=True), 2,
                            tokens=8),
              hf_block_case({"model_type": "deepseek_v3", "hidden_size": 8, "n_routed_experts": 8,

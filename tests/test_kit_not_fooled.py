@@ -30,8 +30,9 @@ FEW = settings(kit.QUICK, max_examples=15)  # these ports fail on most cases; th
 
 
 def _failure(build, **options) -> CheckFailure:
+    options = {"mxfp4": False, "settings": FEW, **options}
     with pytest.raises(CheckFailure) as info:
-        check_hf_moe_block(build, mxfp4=False, settings=FEW, **options)
+        check_hf_moe_block(build, **options)
     return info.value
 
 
@@ -228,3 +229,22 @@ def test_a_case_takes_only_integer_seeds_and_real_booleans(keyword, value):
 def test_the_check_takes_only_a_real_boolean_for_mxfp4():
     with pytest.raises(TypeError, match="mxfp4"):
         check_hf_moe_block(build_block, mxfp4="false")
+
+
+# ---------------------------------------------------------------------------
+# The catalogue's new entries, each planted in the PyTorch block and named
+# ---------------------------------------------------------------------------
+
+NORM = {"latent_moe_use_norm": True}
+
+
+@pytest.mark.parametrize(("mistake", "pinned"), [
+    ("norm_after_up_projection", {**NORM, "hidden_size": 6, "routed_expert_hidden_size": 6}),
+    ("norm_eps_other", NORM),
+    ("router_in_bfloat16", {}),
+    ("experts_summed_in_bfloat16", {}),
+])
+def test_a_new_catalogue_entry_planted_is_named(mistake, pinned):
+    failure = _failure(planted(mistake), pinned=pinned, settings=settings(kit.QUICK, max_examples=40))
+    named = [name for v in failure.violations for name in v.conventions]
+    assert mistake in named, str(failure)

@@ -65,7 +65,7 @@ it declines; the check draws others, and fails with a clear message when too
 few were covered to mean anything. There is no MXFP4 invariant for these
 models: their checkpoints store float experts.
 
-## The tolerance, and the float32 ceiling
+## The tolerance, and what float64 asks
 
 A token passes when its largest error is within
 
@@ -74,8 +74,8 @@ $$
 \qquad G = 2^{7},
 $$
 
-where $u$ is the unit roundoff of `dtype` ($2^{-24}$ for float32, $2^{-11}$
-for float16, $2^{-8}$ for bfloat16) and the token's size is taken before its
+where $u$ is the unit roundoff of `dtype` ($2^{-53}$ for float64, $2^{-24}$
+for float32, $2^{-11}$ for float16, $2^{-8}$ for bfloat16) and the token's size is taken before its
 shared and routed parts are added, since that sum may cancel. $G$ is the
 error growth of the block: about eight rounded stages (router,
 down-projection, two expert products, the activation, the weighted sum, the
@@ -89,13 +89,15 @@ as the output itself show. Conventions are the same in every dtype, so check
 them in float32, where the tolerance is $2^{16}$ times finer, and use
 bfloat16 for what only a bfloat16 path does.
 
-**The float32 ceiling.** `dtype=np.float64` is held to float32's $u$, not
-float64's: the reference code computes its router in float32 (it casts the
-input and the gate weight up, whatever the block's dtype) and accumulates
-the routed experts in float32. A port that follows it exactly is therefore a
-float32 computation, even when handed float64 tensors, and agrees with a
-float64 evaluation only to float32 rounding. Asking for more would fail the
-reference itself.
+**What float64 asks.** `dtype=np.float64` holds float64's $u$: a port
+checked in float64 must compute in float64. The reference modeling code (and
+transformers' blocks) compute the router in float32 and accumulate the routed
+experts in float32 whatever the block's dtype, and a JAX client without
+`jax_enable_x64` computes in float32 too: such a port fails the float64 check,
+and the report says so ("the block computes in float32, not in the float64
+it was asked for") with the precision it achieved, the largest error as a
+multiple of a token's size and the narrowest dtype whose tolerance holds it.
+Check such a port with `dtype=np.float32`.
 
 **Tokens that are not compared.** Two correct float32 blocks may route a token
 differently when two of its biased scores (or two group scores) are closer
