@@ -248,3 +248,10 @@ def test_a_new_catalogue_entry_planted_is_named(mistake, pinned):
     failure = _failure(planted(mistake), pinned=pinned, settings=settings(kit.QUICK, max_examples=40))
     named = [name for v in failure.violations for name in v.conventions]
     assert mistake in named, str(failure)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
+@given(hf_block_cases(model_type="deepseek_v3", pinned={"n_group": 2, "topk_group": 1, "norm_topk_prob": False}))
+def test_pinned_keys_hold_for_a_family_too(case):
+    assert (case.text_config["n_group"], case.text_config["topk_group"]) == (2, 1)
+    assert (case.config.n_group, case.config.topk_group, case.config.renormalize) == (2, 1, False)
