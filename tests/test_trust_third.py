@@ -15,13 +15,27 @@ Each family is closed by one design decision, tested here on the cases that foun
 
 from __future__ import annotations
 
+import math
 import os
 import socket
+from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import ServedSite
 from records import decimals_agree, same_by_meaning
+
+from refimpl import (
+    MoEConfig,
+    QuantileBalancer,
+    init_params,
+    quantile_balancing_update,
+    route,
+    stable_latent_moe,
+)
+from refimpl.layer.baselines import hash_route, route_by_hash, route_by_table
+from refimpl.layer.routing import mixture_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,3 +175,138 @@ def test_every_request_gets_an_answer(tmp_path, target, statuses):
         assert b"root:" not in answer
         # and the server still serves after it
         assert running.get("/refimpl/")[:1] == (200,)
+
+
+# ---------------------------------------------------------------------------
+# Switches are real booleans, seeds real integers, everywhere
+# ---------------------------------------------------------------------------
+
+def small_batch():
+    scores = np.random.default_rng(0).random((4, 6)).astype(np.float32)  # [m, n]
+    return scores, np.zeros(6, np.float32), np.array([[0, 1], [2, 3], [4, 5]]), np.array([0, 1, 2, 0])
+
+
+def switch_calls():
+    """Every public function or class that takes a switch, called with the switch set to `value`."""
+    from refimpl.balancing.quantile import kth_largest
+    from refimpl.layer.backward import route_backward, stable_latent_moe_vjp
+    from refimpl.train.checkpoints import check_checkpoint_folder
+
+    scores, bias, table, ids = small_batch()
+    config = MoEConfig.tiny()
+    params = init_params(config, 0)
+    x = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float32)
+    index = np.array([[0, 1]] * 4)
+    return {
+        "route(renormalize)": lambda v: route(scores, bias, 2, renormalize=v),
+        "route_by_hash(renormalize)": lambda v: route_by_hash(scores, ids, 2, renormalize=v),
+        "route_by_table(renormalize)": lambda v: route_by_table(scores, ids, table, renormalize=v),
+        "mixture_weights(renormalize)": lambda v: mixture_weights(scores[:, :2], renormalize=v),
+        "route_backward(renormalize)": lambda v: route_backward(scores, index, scores[:, :2], renormalize=v,
+                                                                scaling_factor=1.0),
+        "quantile_balancing_update(center)": lambda v: quantile_balancing_update(scores, bias, 2, center=v),
+        "quantile_balancing_update(leave_one_out)": lambda v: quantile_balancing_update(scores, bias, 2,
+                                                                                        leave_one_out=v),
+        "QuantileBalancer(leave_one_out)": lambda v: QuantileBalancer(6, 2, leave_one_out=v),
+        "kth_largest(previous)": lambda v: kth_largest(scores, 2, previous=v),
+        "kth_largest(overwrite)": lambda v: kth_largest(scores.copy(), 2, overwrite=v),
+        "stable_latent_moe(return_intermediates)": lambda v: stable_latent_moe(x, params, config,
+                                                                               return_intermediates=v),
+        "stable_latent_moe(mxfp8_inputs)": lambda v: stable_latent_moe(x, params, config, mxfp8_inputs=v),
+        "stable_latent_moe(save_for_backward)": lambda v: stable_latent_moe(x, params, config,
+                                                                            save_for_backward=v),
+        "stable_latent_moe_vjp(return_intermediates)": lambda v: stable_latent_moe_vjp(
+            x, params, config, return_intermediates=v),
+        "MoEConfig(renormalize)": lambda v: MoEConfig.tiny(renormalize=v),
+        "MoEConfig(hash_routing)": lambda v: MoEConfig.tiny(hash_routing=v),
+        "MoEConfig.to_hf_config(nested)": lambda v: config.to_hf_config(nested=v),
+        "check_checkpoint_folder(overwrite)": lambda v: check_checkpoint_folder("/nonexistent-i45", overwrite=v),
+    }
+
+
+@pytest.mark.parametrize("call", sorted(switch_calls()))
+@pytest.mark.parametrize("value", ["false", "true", "", 0, 1, None, 1.0, np.int64(0)], ids=repr)
+def test_a_switch_is_a_real_boolean_or_refused_by_name(call, value):
+    switch = call.split("(")[1].rstrip(")")
+    with pytest.raises(TypeError, match=rf"{switch} must be True or False, got"):
+        switch_calls()[call](value)
+
+
+@pytest.mark.parametrize("call", sorted(switch_calls()))
+def test_a_real_boolean_switch_is_taken_numpys_included(call):
+    for value in (True, False, np.True_, np.False_):
+        if call.startswith("stable_latent_moe(mxfp8_inputs)") and value:
+            continue  # MXFP8 needs widths that are multiples of 32: the tiny layer's are not
+        switch_calls()[call](value)
+
+
+def test_renormalize_false_as_a_string_is_not_true():
+    scores, bias, table, ids = small_batch()
+    # The string is refused; the real False keeps the raw scores (no division by their sum).
+    with pytest.raises(TypeError, match="renormalize must be True or False, got str 'false'"):
+        route_by_table(scores, ids, table, renormalize="false")
+    _, weights = route_by_table(scores, ids, table, renormalize=False)
+    assert np.array_equal(weights, np.take_along_axis(scores, table[ids], axis=1))
+
+
+@pytest.mark.parametrize("seed", [1.5, True, "7", None, np.float64(2.0), -1, 2**31])
+def test_a_seed_is_an_integer_or_refused_by_name(seed):
+    scores, _, _, ids = small_batch()
+    with pytest.raises((TypeError, ValueError), match="seed must be an integer"):
+        route_by_hash(scores, ids, 2, seed=seed)
+    with pytest.raises((TypeError, ValueError), match="seed must be an integer"):
+        hash_route(ids, 6, 2, seed=seed)
+
+
+@pytest.mark.parametrize("rng", [1.5, True, "7", -1, np.float32(3)])
+def test_init_params_takes_a_generator_an_integer_seed_or_none(rng):
+    config = MoEConfig.tiny()
+    with pytest.raises((TypeError, ValueError), match="rng must be"):
+        init_params(config, rng)
+    same = init_params(config, np.int64(3))["gate.weight"]
+    assert np.array_equal(same, init_params(config, 3)["gate.weight"])
+    assert np.array_equal(same, init_params(config, np.random.default_rng(3))["gate.weight"])
+
+
+def test_study_workloads_take_integer_seeds_only():
+    from refimpl.studies.workloads import skewed_batch, skewed_router
+
+    with pytest.raises(TypeError, match="seed must be an integer, got float 1.5"):
+        skewed_router(8, 4, 1.5)
+    weight, mean = skewed_router(8, 4, 1)
+    with pytest.raises(TypeError, match="step must be an integer, got bool True"):
+        skewed_batch(weight, mean, 3, 1, True)
+
+
+# ---------------------------------------------------------------------------
+# One validation of the scaling factor for every router
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("factor", [math.nan, math.inf, -math.inf, -1, 0, 0.0, 10**400])
+@pytest.mark.parametrize("router", ["route", "route_by_hash", "route_by_table", "mixture_weights"])
+def test_every_router_refuses_the_scaling_factors_route_refuses(router, factor):
+    scores, bias, table, ids = small_batch()
+    calls = {"route": lambda: route(scores, bias, 2, scaling_factor=factor),
+             "route_by_hash": lambda: route_by_hash(scores, ids, 2, scaling_factor=factor),
+             "route_by_table": lambda: route_by_table(scores, ids, table, scaling_factor=factor),
+             "mixture_weights": lambda: mixture_weights(scores[:, :2], scaling_factor=factor)}
+    with pytest.raises(ValueError, match="scaling_factor must be positive and finite, got"):
+        calls[router]()
+
+
+@pytest.mark.parametrize("factor", ["2", True, None, 1j])
+def test_a_scaling_factor_that_is_no_real_number_is_a_type_error(factor):
+    scores, _, table, ids = small_batch()
+    with pytest.raises(TypeError, match="scaling_factor must be a real number"):
+        route_by_table(scores, ids, table, scaling_factor=factor)
+
+
+def test_a_valid_scaling_factor_scales_every_router_alike():
+    scores, bias, table, ids = small_batch()
+    for factor in (2.5, np.float32(2.5), Fraction(5, 2), 2):
+        _, plain = route_by_table(scores, ids, table)
+        _, scaled = route_by_table(scores, ids, table, scaling_factor=factor)
+        np.testing.assert_allclose(scaled, plain * float(factor), rtol=1e-6)
+        _, plain = route_by_hash(scores, ids, 2)
+        _, scaled = route_by_hash(scores, ids, 2, scaling_factor=factor)
+        np.testing.assert_allclose(scaled, plain * float(factor), rtol=1e-6)

@@ -68,3 +68,39 @@ def factor_value(value: Any, label: str, *, allowed: str = "") -> float:
         raise ValueError(f"{label} must be a number float32 (the layer's compute dtype) holds: between {low:.4g} "
                          f"and {high:.8g}, got {value!r}")
     return number
+
+
+def switch_value(value: Any, label: str) -> bool:
+    """`value` as a Python bool if it is a real boolean (bool or np.bool_); else a `TypeError` naming `label`.
+
+    A switch is never read as truthy: the string "false" (from a JSON file, a command line or a form) is a
+    non-empty string, and 0, 1 or None are not answers to a yes-or-no question.
+    """
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{label} must be True or False, got {type(value).__name__} {shown(value)}")
+    return bool(value)
+
+
+def seed_value(value: Any, label: str = "seed", *, high: int = 2**63) -> int:
+    """`value` as a Python int if it is an integer seed in [0, `high`); else an error naming `label`.
+
+    A `TypeError` for what is not an integer (1.5 is not rounded to 1, True is not 1, "7" is not parsed); a
+    `ValueError` for an integer out of range.
+    """
+    if not is_integer(value):
+        raise TypeError(f"{label} must be an integer, got {type(value).__name__} {shown(value)}")
+    if not 0 <= value < high:
+        raise ValueError(f"{label} must be an integer in [0, {high}), got {value}")
+    return int(value)
+
+
+def generator_value(rng: Any, label: str = "rng") -> np.random.Generator:
+    """A NumPy `Generator` from `rng`: a `Generator` itself, an integer seed (`seed_value`), or None (fresh entropy)."""
+    if isinstance(rng, np.random.Generator):
+        return rng
+    if rng is None:
+        return np.random.default_rng()
+    if not is_integer(rng):
+        raise TypeError(f"{label} must be a numpy.random.Generator, an integer seed or None, "
+                        f"got {type(rng).__name__} {shown(rng)}")
+    return np.random.default_rng(seed_value(rng, label))

@@ -73,7 +73,8 @@ import array_api_compat
 import numpy as np
 
 from .._lib.fast import combine_in_buffers, fast_path_applies, routed_experts_in_buffers
-from .._lib.validation import check_finite, check_float_array
+from .._lib.validation import check_finite, check_float_array, check_float_dtype
+from .._lib.values import generator_value, switch_value
 from .._lib.xp import Array, array_namespace, bincount, compute_dtype, is_numpy, to_numpy
 from ..config import MoEConfig
 from ..mx import MX_BLOCK, mxfp8_round
@@ -133,6 +134,9 @@ def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, 
     `return_intermediates`).
     """
     check_layer_inputs(x, params, config)
+    return_intermediates = switch_value(return_intermediates, "return_intermediates")
+    mxfp8_inputs = switch_value(mxfp8_inputs, "mxfp8_inputs")
+    save_for_backward = switch_value(save_for_backward, "save_for_backward")
     if mxfp8_inputs and (config.latent_size % MX_BLOCK or config.intermediate_size % MX_BLOCK):
         raise ValueError(f"mxfp8_inputs=True needs latent_size and intermediate_size that are multiples of "
                          f"{MX_BLOCK} (MXFP8 blocks), got {config.latent_size} and {config.intermediate_size}")
@@ -468,7 +472,8 @@ def init_params(config: MoEConfig, rng: np.random.Generator | int | None = None,
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
-    rng = np.random.default_rng(rng)
+    rng = generator_value(rng, "rng")
+    dtype = check_float_dtype(dtype)
     params = MoEParams()
     for name, shape in parameter_shapes(config).items():
         if name == "routed_expert_norm.weight":

@@ -74,6 +74,7 @@ from .._lib.files import (
     write_atomically,
     write_new_file,
 )
+from .._lib.values import switch_value
 from ..balancing import Balancer
 from .config import TrainConfig, new_balancers
 from .data import Corpus
@@ -383,6 +384,7 @@ def check_checkpoint_folder(folder: str | Path, *, resume: str | Path | None = N
     checkpoint) only with `overwrite=True`. A folder without a checkpoint that holds other files is refused
     whatever the flags: they are someone else's. Nothing is written or created here.
     """
+    overwrite = switch_value(overwrite, "overwrite")
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"checkpoint: {folder} is a file, not a folder")
