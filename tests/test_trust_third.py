@@ -15,12 +15,17 @@ Each family is closed by one design decision, tested here on the cases that foun
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 import socket
+import subprocess
+import sys
 from fractions import Fraction
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import ServedSite
@@ -34,8 +39,12 @@ from refimpl import (
     route,
     stable_latent_moe,
 )
+from refimpl.balancing import Balancer, histogram_balancing_update, subgradient_check
+from refimpl.checkpoints.state_dict import hf_state_dict_from_params, params_from_hf_state_dict
 from refimpl.layer.baselines import hash_route, route_by_hash, route_by_table
 from refimpl.layer.routing import mixture_weights
+from refimpl.mx import mxfp4_decode, mxfp4_encode, mxfp8_round
+from refimpl.train import main, read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -310,3 +319,210 @@ def test_a_valid_scaling_factor_scales_every_router_alike():
         _, plain = route_by_hash(scores, ids, 2)
         _, scaled = route_by_hash(scores, ids, 2, scaling_factor=factor)
         np.testing.assert_allclose(scaled, plain * float(factor), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# dtype casts checked for overflow, dtypes checked where they are taken, tensors without values refused
+# ---------------------------------------------------------------------------
+
+def hf_block():
+    config = MoEConfig.tiny()
+    return config, hf_state_dict_from_params(init_params(config, 0, dtype=np.float64), config)
+
+
+@pytest.mark.parametrize("name", ["gate.weight", "experts.1.w2.weight", "shared_experts.up_proj.weight"])
+def test_a_float16_load_that_overflows_names_the_tensor(name):
+    config, state = hf_block()
+    state[name] = state[name].copy()
+    state[name].flat[3] = 1e5  # finite, beyond float16's 65504
+    with pytest.raises(ValueError, match=rf"tensor '{re.escape(name)}' holds 100000, beyond float16's largest"):
+        params_from_hf_state_dict(state, config, dtype=np.float16)
+    # float32 holds it: the same tensors load, and the value is kept.
+    loaded = params_from_hf_state_dict(state, config, dtype=np.float32)
+    assert np.float32(1e5) in np.asarray(loaded["gate.weight" if name == "gate.weight" else
+                                                 "experts.w2" if "w2" in name else
+                                                 "shared_experts.up_proj.weight"])
+
+
+@pytest.mark.parametrize("dtype", ["banana", np.int32, "int8", bool, np.complex64, object, "f4,f4", [1, 2]],
+                         ids=repr)
+def test_a_dtype_that_is_not_floating_is_blamed_on_dtype(dtype):
+    config, state = hf_block()
+    pattern = r"^dtype must be a floating dtype \(float16, bfloat16, float32 or float64\), got"
+    with pytest.raises(TypeError, match=pattern):
+        params_from_hf_state_dict(state, config, dtype=dtype)
+    with pytest.raises(TypeError, match=pattern):
+        init_params(config, 0, dtype=dtype)
+
+
+def test_every_floating_dtype_in_either_byte_order_is_taken():
+    config, state = hf_block()
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64, ">f4", "<f8", "float32"):
+        native = np.dtype(dtype).newbyteorder("=")
+        assert params_from_hf_state_dict(state, config, dtype=dtype)["gate.weight"].dtype == native
+        assert init_params(config, 0, dtype=dtype)["gate.weight"].dtype == native
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("kind", ["meta", "sparse_coo", "sparse_csr"])
+def test_a_pytorch_tensor_without_readable_values_is_refused_by_name(kind):
+    torch = pytest.importorskip("torch")
+    config, state = hf_block()
+    tensors = {name: torch.from_numpy(np.ascontiguousarray(value)) for name, value in state.items()}
+    dense = tensors["gate.weight"]
+    tensors["gate.weight"] = {"meta": lambda: torch.empty(dense.shape, device="meta"),
+                              "sparse_coo": dense.to_sparse, "sparse_csr": dense.to_sparse_csr}[kind]()
+    with pytest.raises(ValueError, match=r"tensor 'gate.weight' must be a dense tensor with values, got a "
+                                         rf"PyTorch {kind.split('_')[0]}"):
+        params_from_hf_state_dict(tensors, config)
+    tensors["gate.weight"] = dense  # the positive control: dense tensors load
+    params_from_hf_state_dict(tensors, config)
+
+
+# ---------------------------------------------------------------------------
+# Numbers at the edges
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value_range", [(0, 1e-40), (-1e308, 1e308), (0, 1e308), (-1e39, 0),
+                                         (0, 10**400), (-(10**400), 1), (1.0, 1.0 + 1e-12)], ids=repr)
+def test_a_value_range_the_arithmetic_cannot_bin_is_refused_by_name(value_range):
+    scores = np.random.default_rng(0).random((32, 4)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"^value_range must be"):
+        histogram_balancing_update(scores, np.zeros(4, np.float32), 1, value_range=value_range)
+
+
+def test_a_float64_bias_bins_a_range_float32_could_not():
+    scores = np.random.default_rng(0).random((32, 4))
+    # 1e39 is beyond float32 but inside float64, the arithmetic of a float64 bias.
+    out = histogram_balancing_update(scores, np.zeros(4), 1, value_range=(-1e39, 1e39))
+    assert np.all(np.isfinite(out))
+    with pytest.raises(ValueError, match=r"value_range must be a range float32"):
+        histogram_balancing_update(scores.astype(np.float32), np.zeros(4, np.float32), 1, value_range=(-1e39, 1e39))
+
+
+@pytest.mark.parametrize("order", [">", "<"])
+def test_the_mx_codecs_compute_arrays_of_either_byte_order(order):
+    w = np.random.default_rng(1).standard_normal((3, 64))  # [rows, K]
+    for dtype in ("f4", "f8", "f2"):
+        native = w.astype(dtype)
+        other = native.astype(order + dtype)
+        packed, scale = mxfp4_encode(native)
+        packed_other, scale_other = mxfp4_encode(other)
+        assert np.array_equal(packed, packed_other) and np.array_equal(scale, scale_other)
+        assert np.array_equal(mxfp8_round(native), mxfp8_round(other))
+        decoded = mxfp4_decode(packed, scale, dtype=order + dtype)
+        assert decoded.dtype == np.dtype(dtype) and np.array_equal(decoded, mxfp4_decode(packed, scale, dtype=dtype))
+
+
+def test_the_layer_and_the_codecs_agree_on_a_big_endian_input():
+    config = MoEConfig.tiny(latent_size=32, hidden_size=64, intermediate_size=32)
+    params = init_params(config, 0)
+    x = np.random.default_rng(2).standard_normal((5, 64)).astype(np.float32)  # [m, d]
+    y = stable_latent_moe(x, params, config, mxfp8_inputs=True)
+    assert np.array_equal(stable_latent_moe(x.astype(">f4"), params, config, mxfp8_inputs=True), y)
+
+
+@pytest.mark.parametrize("step", [0, 0.0, -1e-6, math.nan, math.inf, 1e-300, "1e-6", None])
+def test_a_finite_difference_step_that_measures_nothing_is_refused(step):
+    scores = np.random.default_rng(0).random((16, 4))
+    bias = np.array([0.1, -0.2, 0.3, -0.2])
+    with pytest.raises((TypeError, ValueError), match=r"^step must"):
+        subgradient_check(scores, bias, 2, step=step)
+    assert subgradient_check(scores, bias, 2, step=1e-6).finite_difference.shape == (4,)
+
+
+# ---------------------------------------------------------------------------
+# Files and command lines
+# ---------------------------------------------------------------------------
+
+FLAGS = ["--d", "16", "--latent", "8", "--experts", "8", "--top-k", "2", "--intermediate", "8", "--layers", "2",
+         "--context", "4", "--embed", "4", "--batch", "64", "--eval-every", "4", "--stats-every", "3", "--quiet",
+         "--seed", "3", "--balancer", "qb"]
+
+
+@pytest.mark.parametrize("target", ["folder", "file", "dangling"])
+def test_a_link_named_like_a_checkpoint_neither_crashes_the_run_nor_is_followed(tmp_path, target):
+    folder, out = tmp_path / "ck", tmp_path / "run.json"
+    main([*FLAGS, "--steps", "2", "--checkpoint", str(folder)])
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine", encoding="utf-8")
+    link = folder / "step-00000001-0123abcd"
+    partial = folder / ".latest.json.x.partial"
+    if target == "folder":
+        link.symlink_to(outside, target_is_directory=True)
+        partial.symlink_to(outside / "keep.txt")
+    elif target == "file":
+        link.symlink_to(outside / "keep.txt")
+    else:
+        link.symlink_to(tmp_path / "nothing")
+    main([*FLAGS, "--steps", "4", "--checkpoint", str(folder), "--resume", str(folder), "--out", str(out)])
+    assert json.loads(out.read_text(encoding="utf-8"))["steps"][-1]["step"] == 4  # the log is written
+    assert read_checkpoint(folder).step == 4
+    assert link.is_symlink() and (outside / "keep.txt").read_text(encoding="utf-8") == "mine"
+    assert target != "folder" or partial.is_symlink()
+    # Of the real checkpoints, only the current one is left.
+    assert [p.name for p in folder.iterdir() if p.is_dir() and not p.is_symlink()] == \
+        [read_checkpoint(folder).folder.name]
+
+
+def saved_balancer(tmp_path: Path, options) -> Path:
+    """A saved Quantile Balancing state whose 'options' field is replaced by `options`, as an edit would."""
+    path = tmp_path / "balancer.npz"
+    balancer = QuantileBalancer(8, 2)
+    balancer.step(np.random.default_rng(0).random((64, 8)).astype(np.float32))
+    balancer.save(path)
+    with np.load(path) as data:
+        fields = {name: data[name] for name in data.files}
+    fields["options"] = np.array(options if isinstance(options, str) else json.dumps(options))
+    with open(path, "wb") as file:
+        np.savez(file, **fields)
+    return path
+
+
+@pytest.mark.parametrize(("options", "pattern"), [
+    ({"leave_one_out": False, "damping": 1.0, "turbo": True}, r"holds \['turbo'\], which are no options of it"),
+    ({"rate": 0.1}, r"holds \['rate'\], which are no options of it: expected some of \['damping', 'leave_one_out'\]"),
+    ([1, 2], r"must be a JSON object of option names and values, got \[1, 2\]"),
+    ("3", r"must be a JSON object of option names and values, got 3"),
+    ("null", r"must be a JSON object of option names and values, got None"),
+    ({"leave_one_out": "false"}, r"describe no 'qb' balancer: leave_one_out must be True or False, got str"),
+    ({"damping": -1}, r"describe no 'qb' balancer: damping must be positive and finite"),
+])
+def test_a_balancer_file_with_edited_options_is_refused_naming_file_and_field(tmp_path, options, pattern):
+    path = saved_balancer(tmp_path, options)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: the field.* 'options'.*{pattern}"):
+        Balancer.restore(path)
+
+
+def test_a_balancer_file_with_an_edited_size_is_refused_naming_the_field(tmp_path):
+    path = saved_balancer(tmp_path, {"leave_one_out": False, "damping": 1.0})
+    assert Balancer.restore(path).options() == {"leave_one_out": False, "damping": 1.0}  # the control
+    with np.load(path) as data:
+        fields = {name: data[name] for name in data.files}
+    fields["top_k"] = np.array("two")
+    with open(path, "wb") as file:
+        np.savez(file, **fields)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: the field 'top_k' must be one integer"):
+        Balancer.restore(path)
+
+
+def test_a_second_run_on_a_held_folder_prints_one_line_and_no_traceback(tmp_path):
+    folder = tmp_path / "ck"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, refimpl.train.checkpoints as T\n"
+                               f"with T.checkpoint_lock({str(folder)!r}):\n"
+                               "    print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        run = subprocess.run([sys.executable, "-m", "refimpl.train", *FLAGS, "--steps", "2", "--checkpoint",
+                              str(folder), "--out", str(tmp_path / "run.json")],
+                             capture_output=True, text=True, cwd=ROOT, timeout=300)
+    finally:
+        holder.communicate("", timeout=60)
+    assert run.returncode == 1
+    assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.startswith("python -m refimpl.train: error: checkpoint: another run is writing checkpoints "
+                                 f"into {folder}")
+    assert not (tmp_path / "run.json").exists() and list(folder.iterdir()) == []
