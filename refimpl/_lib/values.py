@@ -1,7 +1,11 @@
-"""Checked values of a configuration: sizes, factors and how an error shows them.
+"""Checked values: sizes, factors, switches, seeds, and how an error shows them.
 
 `MoEConfig` and the readers of Hugging Face configurations (K3's keys and the
-other families') check every value the same way, with these.
+other families') check every value the same way, with these; every public
+function that takes a switch (`renormalize`, `return_intermediates`,
+`leave_one_out`, `overwrite`, ...) or a seed checks it with `switch_value`,
+`seed_value` or `generator_value`, so that no switch is read as truthy and
+no seed is rounded, anywhere.
 """
 
 from __future__ import annotations
