@@ -197,8 +197,9 @@ def small_batch():
 
 def switch_calls():
     """Every public function or class that takes a switch, called with the switch set to `value`."""
-    from refimpl.balancing.quantile import kth_largest
+    from refimpl.balancing.quantile import cutoff_values, kth_largest
     from refimpl.layer.backward import route_backward, stable_latent_moe_vjp
+    from refimpl.layer.latent_moe import routed_experts, shared_experts
     from refimpl.train.checkpoints import check_checkpoint_folder
 
     scores, bias, table, ids = small_batch()
@@ -230,6 +231,13 @@ def switch_calls():
         "MoEConfig(hash_routing)": lambda v: MoEConfig.tiny(hash_routing=v),
         "MoEConfig.to_hf_config(nested)": lambda v: config.to_hf_config(nested=v),
         "check_checkpoint_folder(overwrite)": lambda v: check_checkpoint_folder("/nonexistent-i45", overwrite=v),
+        "cutoff_values(with_kth)": lambda v: cutoff_values(scores, bias, 2, with_kth=v),
+        "routed_experts(save)": lambda v: routed_experts(
+            x[:, :4], index[:3], scores[:3, :2], params["experts.w1"], params["experts.w3"], params["experts.w2"],
+            config, save=v),
+        "shared_experts(save)": lambda v: shared_experts(
+            x, params["shared_experts.gate_proj.weight"], params["shared_experts.up_proj.weight"],
+            params["shared_experts.down_proj.weight"], config, save=v),
     }
 
 

@@ -279,6 +279,7 @@ def cutoff_values(scores: Array, bias: Array, top_k: int, *, with_kth: bool = Fa
     NumPy it runs by blocks of tokens (`refimpl._lib.fast.cutoffs_by_blocks`),
     so the whole `[m, n]` matrix of biased scores is never allocated.
     """
+    with_kth = switch_value(with_kth, "with_kth")  # the one check it makes: a switch is never read as truthy
     if enabled() and is_numpy(array_namespace(scores, bias)):
         return cutoffs_by_blocks(np.asarray(scores), np.asarray(bias), top_k, with_kth=with_kth)
     # $$\alpha_i = (s_i + b)_{(k+1)}, \qquad \kappa_i = (s_i + b)_{(k)}$$

@@ -274,6 +274,7 @@ def routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array,
     `expert_input=EXPERT_INPUT_PRECISIONS["mxfp8"]`. `save=True` also returns
     the `RoutedActivations` the backward pass reads.
     """
+    mxfp8_inputs, save = switch_value(mxfp8_inputs, "mxfp8_inputs"), switch_value(save, "save")
     if mxfp8_inputs:
         expert_input = EXPERT_INPUT_PRECISIONS["mxfp8"]
     xp = array_namespace(z, index, weights)
@@ -339,6 +340,7 @@ def shared_experts(x: Array, gate_proj: Array, up_proj: Array, down_proj: Array,
     which is how the checkpoint stores them. `save=True` also returns
     $(h, \partial_a\phi, \partial_b\phi)$ for the backward (None without shared experts).
     """
+    save = switch_value(save, "save")
     xp = array_namespace(x)
     if gate_proj.shape[0] == 0:  # no shared experts
         zero = xp.zeros(x.shape, dtype=x.dtype)
