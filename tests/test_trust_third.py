@@ -546,3 +546,15 @@ def test_every_rounding_entry_names_lines_its_record_holds(stem):
     for pattern, tolerance, _ in ROUNDING[stem]:
         assert any(re.search(pattern, line) for line in lines), (stem, pattern)
         assert 0 < tolerance < 1, (stem, pattern)
+
+
+@pytest.mark.parametrize("router", ["route", "route_by_hash", "route_by_table"])
+def test_a_scaling_factor_that_overflows_the_weights_is_refused_not_infinite(router):
+    scores, bias, table, ids = small_batch()  # float32 scores: weights in float32
+    calls = {"route": lambda c: route(scores, bias, 2, scaling_factor=c),
+             "route_by_hash": lambda c: route_by_hash(scores, ids, 2, scaling_factor=c),
+             "route_by_table": lambda c: route_by_table(scores, ids, table, scaling_factor=c)}
+    with pytest.raises(ValueError, match=r"scaling_factor must keep the weights within float32's range, got 1e\+300"):
+        calls[router](1e300)
+    _, weights = route_by_table(scores.astype(np.float64), ids, table, scaling_factor=1e300)
+    assert np.all(np.isfinite(weights))  # float64 weights hold it

@@ -56,9 +56,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .._lib.validation import check_bias, check_finite, check_float_array, check_int, check_positive
 from .._lib.values import switch_value
-from .._lib.xp import Array, array_namespace, bincount, compute_dtype, is_array, is_real_floating, topk
+from .._lib.xp import (
+    Array,
+    array_namespace,
+    bincount,
+    compute_dtype,
+    dtype_name,
+    is_array,
+    is_real_floating,
+    topk,
+)
 from ..config import SCORE_FUNCTIONS
 from .activations import sigmoid
 
@@ -183,15 +194,20 @@ def mixture_weights(raw: Array, *, renormalize: bool = True, scaling_factor: flo
     """
     renormalize, scaling_factor = weighting(renormalize, scaling_factor)
     xp = array_namespace(raw)
-    if not renormalize:
-        return raw * scaling_factor
-    total = xp.sum(raw, axis=-1, keepdims=True)  # [m, 1]
-    if raw.shape[0] and not bool(xp.all(total > 0)):
-        raise ValueError("scores of the chosen experts must have a positive sum for every token to be "
-                         "renormalized, got a sum <= 0 for "
-                         f"{int(xp.sum(xp.astype(~(total > 0), xp.int64)))} token(s) (the scores underflowed)")
-    # $$p_{i,r} = c\,\hat s_{i,r} / \textstyle\sum_{r'} \hat s_{i,r'}$$
-    return raw / total * scaling_factor
+    if renormalize:
+        total = xp.sum(raw, axis=-1, keepdims=True)  # [m, 1]
+        if raw.shape[0] and not bool(xp.all(total > 0)):
+            raise ValueError("scores of the chosen experts must have a positive sum for every token to be "
+                             "renormalized, got a sum <= 0 for "
+                             f"{int(xp.sum(xp.astype(~(total > 0), xp.int64)))} token(s) (the scores underflowed)")
+    with np.errstate(over="ignore"):  # an overflow is refused below, by name
+        # $$p_{i,r} = c\,\hat s_{i,r} / \textstyle\sum_{r'} \hat s_{i,r'}$$ (or $c\,\hat s_{i,r}$)
+        weights = raw / total * scaling_factor if renormalize else raw * scaling_factor  # [m, k]
+    if raw.shape[0] and not bool(xp.all(xp.isfinite(weights))):
+        raise ValueError(f"scaling_factor must keep the weights within {dtype_name(weights.dtype)}'s range, got "
+                         f"{scaling_factor:g}, which makes some weights infinite (the weights are computed in "
+                         "the scores' dtype)")
+    return weights
 
 
 def weighting(renormalize: Any, scaling_factor: Any) -> tuple[bool, float]:
