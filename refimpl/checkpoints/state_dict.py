@@ -473,8 +473,10 @@ def _read_stack(module: str, out: int, inp: int, n: int, ours: Mapping[str, str]
     if packed:
         parts = tuple((np.array(p, dtype=np.uint8), np.array(s, dtype=np.uint8)) for p, s in packed)
         return ExpertStack("mxfp4", parts, (n, out, inp), np.dtype(_float_dtype(np.float32, dtype)))
-    return np.stack([to_dtype(w, np.dtype(_float_dtype(w.dtype, dtype)), f"{base}experts.{e}.{module}.weight")
-                     for e, w in enumerate(dense)])  # [n, out, in], each cast checked for overflow
+    stack = np.empty((n, out, inp), dtype=np.result_type(*(np.dtype(_float_dtype(w.dtype, dtype)) for w in dense)))
+    for e, w in enumerate(dense):  # one expert at a time, each cast checked for overflow by name
+        stack[e] = to_dtype(w, stack.dtype, f"{base}experts.{e}.{module}.weight")
+    return stack  # [n, out, in]
 
 
 # ---------------------------------------------------------------------------
