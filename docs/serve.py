@@ -82,9 +82,11 @@ class SiteHandler(SimpleHTTPRequestHandler):
         try:
             if os.path.isdir(name):
                 if not urlsplit(self.path).path.endswith("/"):  # a folder gets its slash, as on the host
-                    if self.open_inside(os.path.join(name, "index.html")) is None:
+                    index = self.open_inside(os.path.join(name, "index.html"))
+                    if index is None:
                         self.send_error(HTTPStatus.NOT_FOUND)
                         return None
+                    index.close()
                     parts = urlsplit(self.path)
                     self.send_response(HTTPStatus.MOVED_PERMANENTLY)
                     self.send_header("Location", parts._replace(path=parts.path + "/").geturl())
