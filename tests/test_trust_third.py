@@ -283,6 +283,8 @@ def test_init_params_takes_a_generator_an_integer_seed_or_none(rng):
     same = init_params(config, np.int64(3))["gate.weight"]
     assert np.array_equal(same, init_params(config, 3)["gate.weight"])
     assert np.array_equal(same, init_params(config, np.random.default_rng(3))["gate.weight"])
+    assert np.array_equal(same, init_params(config, np.random.PCG64(3))["gate.weight"])
+    assert np.array_equal(same, init_params(config, np.random.SeedSequence(3))["gate.weight"])
 
 
 def test_study_workloads_take_integer_seeds_only():

@@ -99,12 +99,13 @@ def seed_value(value: Any, label: str = "seed", *, high: int = 2**63) -> int:
 
 
 def generator_value(rng: Any, label: str = "rng") -> np.random.Generator:
-    """A NumPy `Generator` from `rng`: a `Generator` itself, an integer seed (`seed_value`), or None (fresh entropy)."""
+    """A NumPy `Generator` from `rng`: a `Generator` itself, a `BitGenerator` or `SeedSequence`, an integer seed
+    (`seed_value`), or None (fresh entropy). A float, a bool or a string is refused, never rounded or hashed."""
     if isinstance(rng, np.random.Generator):
         return rng
-    if rng is None:
-        return np.random.default_rng()
+    if rng is None or isinstance(rng, np.random.BitGenerator | np.random.SeedSequence):
+        return np.random.default_rng(rng)
     if not is_integer(rng):
-        raise TypeError(f"{label} must be a numpy.random.Generator, an integer seed or None, "
-                        f"got {type(rng).__name__} {shown(rng)}")
+        raise TypeError(f"{label} must be a numpy.random.Generator (or BitGenerator, SeedSequence), an integer "
+                        f"seed or None, got {type(rng).__name__} {shown(rng)}")
     return np.random.default_rng(seed_value(rng, label))
