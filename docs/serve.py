@@ -5,7 +5,9 @@ whatever address was not found, at any depth, and only an absolute link works fr
 `http.server` would serve the site at `/` and answer a missing page with its own one-line error, so the
 links of `404.html` would never be tried. This server puts the site where `site_url` puts it
 (`http://127.0.0.1:8000/refimpl/`), sends `/` there, and answers a missing page with `404.html`, as the host
-does; what works here works there.
+does; what works here works there. Like the host, it serves only the files of the site: a symbolic link that
+leads out of the site, a folder without `index.html` (no listings) and anything that is not a regular file
+are answered with 404, and a path no file can have (an encoded NUL, bytes that are not UTF-8) with 400.
 
     python docs/serve.py [--site site] [--port 8000] [--bind 127.0.0.1]
 """
@@ -14,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import re
+import stat
 import sys
 from http import HTTPStatus
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,19 +63,101 @@ class SiteHandler(SimpleHTTPRequestHandler):
             return True
         return False
 
-    def translate_path(self, path: str) -> str:
-        """The file for `path`: only paths under the prefix name files of the site."""
-        plain = urlsplit(path).path
-        if not plain.startswith(self.prefix):
-            return str(Path(self.directory) / ".outside-the-site")  # no such file: answered with 404.html
-        return super().translate_path("/" + plain[len(self.prefix):])
+    def send_head(self):
+        """The response's head for the file `self.path` names, and the open file; or an error already answered.
+
+        Only a regular file whose real path (every symbolic link followed) lies inside the site is served, as
+        the host serves only what was uploaded: a link out of the site, a folder without `index.html` (never a
+        listing), a FIFO or a device is answered as missing. A path no file can have (an encoded NUL, bytes
+        that are not UTF-8) is a bad request. Every request gets an answer, never a dropped connection.
+        """
+        try:
+            name = self.site_path(urlsplit(self.path).path)
+        except ValueError as exc:
+            self.send_error(HTTPStatus.BAD_REQUEST, str(exc))
+            return None
+        if name is None:
+            self.send_error(HTTPStatus.NOT_FOUND)
+            return None
+        try:
+            if os.path.isdir(name):
+                if not urlsplit(self.path).path.endswith("/"):  # a folder gets its slash, as on the host
+                    index = self.open_inside(os.path.join(name, "index.html"))
+                    if index is None:
+                        self.send_error(HTTPStatus.NOT_FOUND)
+                        return None
+                    index.close()
+                    parts = urlsplit(self.path)
+                    self.send_response(HTTPStatus.MOVED_PERMANENTLY)
+                    self.send_header("Location", parts._replace(path=parts.path + "/").geturl())
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return None
+                name = os.path.join(name, "index.html")
+            file = self.open_inside(name)
+        except OSError:  # a name too long for the file system, or one that vanished meanwhile
+            file = None
+        if file is None:
+            self.send_error(HTTPStatus.NOT_FOUND)
+            return None
+        try:
+            size = os.fstat(file.fileno()).st_size
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Type", self.guess_type(name))
+            self.send_header("Content-Length", str(size))
+            self.send_header("Last-Modified", self.date_time_string(int(os.fstat(file.fileno()).st_mtime)))
+            self.end_headers()
+        except BaseException:
+            file.close()
+            raise
+        return file
+
+    def site_path(self, path: str) -> str | None:
+        """The file name in the site for the URL path `path`; None when `path` is outside the prefix.
+
+        Raises ValueError for a path no file can have: bytes that are not UTF-8 once decoded, or a NUL."""
+        if not path.startswith(self.prefix):
+            return None
+        try:
+            relative = unquote(path[len(self.prefix):], errors="strict")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"the path is not UTF-8 once decoded: {exc.reason}") from None
+        if "\0" in relative:
+            raise ValueError("the path holds a NUL character")
+        parts = [part for part in relative.split("/") if part not in ("", ".", "..")]
+        return os.path.join(self.directory, *parts)
+
+    def open_inside(self, name: str):
+        """`name` opened for reading when its real path is a regular file inside the site; None otherwise.
+
+        The file is opened without blocking (a FIFO would wait for a writer) and checked again once open, so
+        that what is read is what was checked."""
+        real = os.path.realpath(name)
+        site = os.path.realpath(self.directory)
+        if os.path.commonpath([real, site]) != site:
+            return None
+        try:
+            descriptor = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return None
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            os.close(descriptor)
+            return None
+        os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "rb")
+
+    def list_directory(self, path):
+        """No listings: the host answers a folder without `index.html` with 404."""
+        self.send_error(HTTPStatus.NOT_FOUND)
+        return None
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        page = Path(self.directory) / "404.html"
-        if code != HTTPStatus.NOT_FOUND or not page.is_file():
+        page = self.open_inside(os.path.join(self.directory, "404.html")) if code == HTTPStatus.NOT_FOUND else None
+        if page is None:
             super().send_error(code, message, explain)
             return
-        body = page.read_bytes()
+        with page:
+            body = page.read()
         self.send_response(code, message)
         self.send_header("Content-Type", "text/html; charset=utf-8")
         self.send_header("Content-Length", str(len(body)))

@@ -97,8 +97,6 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from ._lib.values import (
     FLOAT32_RANGE,
     factor_value,
@@ -107,6 +105,7 @@ from ._lib.values import (
     is_real,
     same_json_value,
     shown,
+    switch_value,
 )
 from .families import FAMILIES, K3_ONLY_KEYS, HFFamily, family_of, read_family_fields
 
@@ -301,10 +300,7 @@ class MoEConfig:
             self._store(name, factor_value(value, f"MoEConfig.{name}", allowed=allowed))
         # Switches must be real booleans: a JSON string "false" is truthy and would turn the norm on.
         for name in ("renormalize", "use_latent_norm", "use_latent_projection", "hash_routing"):
-            value = getattr(self, name)
-            if not isinstance(value, bool | np.bool_):
-                raise TypeError(f"MoEConfig.{name} must be True or False, got {type(value).__name__} {value!r}")
-            self._store(name, bool(value))
+            self._store(name, switch_value(getattr(self, name), f"MoEConfig.{name}"))
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig.top_k must be <= num_experts={self.num_experts}, got {self.top_k}")
         if self.latent_size > self.hidden_size:
@@ -565,6 +561,7 @@ class MoEConfig:
         latent projections, or `top_k = 1` with renormalization (the
         reference keeps the raw score of a single expert).
         """
+        nested = switch_value(nested, "nested")
         if self.use_latent_norm and not self.use_latent_projection:
             raise ValueError("a latent norm without the latent projections (use_latent_norm=True, "
                              "use_latent_projection=False) has no Hugging Face configuration: the "

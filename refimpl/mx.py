@@ -138,6 +138,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ._lib.validation import FLOAT_DTYPES, check_float_dtype
 from ._lib.xp import is_array
 
 __all__ = [
@@ -165,16 +166,13 @@ _E4M3_MAX, _E4M3_EMAX = 448.0, 8
 _E8M0_MIN, _E8M0_MAX = -127, 127
 
 
-#: The dtypes a decoder may return: the real floating types, bfloat16 included.
-FLOAT_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16,
-                                                                    np.float32, np.float64))
-
-
 def _check_blocks(name: str, x: Any, *, kind: str) -> np.ndarray:
     """`x` as a NumPy array with at least one axis; `kind` is 'float' or 'uint8'."""
     if not is_array(x):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     x = np.asarray(x)
+    if not x.dtype.isnative:  # big-endian bytes (read from a file): the same values in the machine's order
+        x = x.astype(x.dtype.newbyteorder("="))
     if kind == "uint8" and x.dtype != np.uint8:
         raise TypeError(f"{name} must be a uint8 array, got dtype {x.dtype}")
     if kind == "float" and np.dtype(x.dtype) not in FLOAT_DTYPES:
@@ -182,23 +180,6 @@ def _check_blocks(name: str, x: Any, *, kind: str) -> np.ndarray:
     if x.ndim < 1:
         raise ValueError(f"{name} must have at least one axis, got a scalar")
     return x
-
-
-def check_float_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
-    """`dtype` as a NumPy dtype if it is a real floating type (float16, bfloat16, float32, float64).
-
-    Anything else is a `TypeError` naming the argument: decoding into an
-    integer type would truncate every weight to zero or a small integer.
-    """
-    try:
-        resolved = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"{name} must be a floating dtype (float16, bfloat16, float32 or float64), "
-                        f"got {dtype!r}") from None
-    if resolved not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be a floating dtype (float16, bfloat16, float32 or float64), "
-                        f"got {resolved.name}")
-    return resolved
 
 
 def _in_working_dtype(name: str, x: np.ndarray, work: type) -> np.ndarray:

@@ -5,8 +5,9 @@ every random input moved by one unit in the last place (`test_records_nudged.py`
 
 * the words between numbers must be equal (runs of spaces count as one), and so must whole numbers:
   counts, sizes and ids are facts of the method;
-* a decimal agrees when it is within one unit of the last digit it prints (a value on a rounding
-  boundary prints either neighbour), or, on the lines an example's `ROUNDING` entry names, within a
+* a decimal agrees when it is within one unit of the last digit the record prints (a value on a
+  rounding boundary prints either neighbour; a fresh run that prints fewer digits gets no wider
+  tolerance from them), or, on the lines an example's `ROUNDING` entry names, within a
   tolerance that follows from the arithmetic that computed it (a difference quotient's rounding, float32
   sums in another order, a solver's tolerance);
 * run times are masked, and for the examples whose subject is a timing every decimal is.
@@ -94,13 +95,29 @@ def last_digit(token: str) -> float:
     return 10.0 ** (int(exponent or 0) - decimals)
 
 
+def decimals_agree(recorded: str, fresh: str, tolerance: float = 0.0) -> bool:
+    """Whether a fresh run's printed decimal reproduces the record's, to the record's own precision.
+
+    The record is the reference: the fresh value must lie within one unit of the last digit the record
+    prints (a value on a rounding boundary prints either neighbour). A fresh value printed with more digits
+    is held closer still: the two printed values must be roundings of one number, that is, their
+    half-unit intervals must touch (|x - y| <= (u_record + u_fresh) / 2). A fresh value printed with fewer
+    digits never widens the tolerance: "1" does not reproduce "0.02", nor "1e-11" "1e-12". On the lines an
+    example's `ROUNDING` entry names, `tolerance` (from the arithmetic) may widen it.
+    """
+    x, y = float(recorded.replace(",", "")), float(fresh.replace(",", ""))
+    unit, unit_fresh = last_digit(recorded), last_digit(fresh)
+    allowed = max(min(unit, (unit + unit_fresh) / 2), tolerance)
+    return abs(x - y) <= allowed * (1 + 1e-9)
+
+
 def same_by_meaning(was: str, now: str, stem: str) -> list[str]:
     """What differs in meaning between two printed texts (masked already): an empty list when nothing does.
 
     Line by line, runs of spaces are one space (a number one digit wider shifts its column); the words
-    between numbers must be equal, and so must whole numbers (counts, sizes, ids); two decimals agree when
-    they are within one unit of the last digit either prints, or within the example's `ROUNDING` tolerance
-    on the lines it names.
+    between numbers must be equal, and so must whole numbers (counts, sizes, ids); a decimal agrees with
+    the record's when it is within one unit of the last digit the record prints (`decimals_agree`), or
+    within the example's `ROUNDING` tolerance on the lines it names.
     """
     old_lines, new_lines = was.split("\n"), now.split("\n")
     if len(old_lines) != len(new_lines):
@@ -118,8 +135,7 @@ def same_by_meaning(was: str, now: str, stem: str) -> list[str]:
             if x == y:
                 continue
             if any(c in x + y for c in ".eE"):
-                gap = abs(float(x.replace(",", "")) - float(y.replace(",", "")))
-                ok = gap <= max(last_digit(x), last_digit(y), tolerance) * (1 + 1e-9)
+                ok = decimals_agree(x, y, tolerance)
             else:
                 ok = False
             if not ok:

@@ -11,7 +11,7 @@ notebook the site renders and serves) is checked the way a reader uses it:
 * copied alone into an empty folder and run top to bottom by `nbclient` in a
   fresh Jupyter kernel, it prints and draws what the record holds, compared
   by meaning rather than as text (see `same_by_meaning`: words and counts
-  exactly, a decimal to the last digit it prints or to the rounding its
+  exactly, a decimal to the last digit the record prints or to the rounding its
   arithmetic allows; run times, and every decimal of the examples whose
   subject is a timing, masked). A record that differs is stale, and the
   failure says how to refresh it;

@@ -12,16 +12,46 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
+import ml_dtypes
+import numpy as np
+
+from .values import shown
 from .xp import Array, array_namespace, dtype_name, is_array, is_real_floating
 
 __all__ = [
     "check_bias",
     "check_finite",
     "check_float_array",
+    "check_float_dtype",
     "check_int",
     "check_positive",
     "check_shape",
 ]
+
+
+#: The floating dtypes weights and decoded values may have, in NumPy's native byte order.
+FLOAT_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16,
+                                                                    np.float32, np.float64))
+
+
+def check_float_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
+    """`dtype` as a native-order NumPy dtype if it is a real floating type (float16, bfloat16, float32, float64).
+
+    The one check of every `dtype=` argument that chooses what weights or decoded values are stored in
+    (`init_params`, `params_from_hf_state_dict`, `load_hf_layer`, `mxfp4_decode`). Anything else is a
+    `TypeError` naming the argument, before any array is made: "banana" is no dtype, and an integer,
+    boolean or complex dtype would truncate every weight or carry an imaginary part the layer has no
+    use for. A big-endian float32 (">f4") is float32: values are computed in the machine's own order.
+    """
+    expected = "a floating dtype (float16, bfloat16, float32 or float64)"
+    try:
+        resolved = np.dtype(dtype)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be {expected}, got {shown(dtype)}") from None
+    native = resolved.newbyteorder("=") if resolved.byteorder not in ("=", "|") else resolved
+    if native not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be {expected}, got {resolved.name}")
+    return native
 
 
 def _describe(x: Any) -> str:
@@ -74,10 +104,13 @@ def check_positive(name: str, value: Any) -> float:
     """`value` must be a positive finite real number; returns it as `float`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be positive and finite, got {value}")
-    return value
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond float64 (10**400)
+        raise ValueError(f"{name} must be positive and finite, got {shown(value)} (beyond float64)") from None
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{name} must be positive and finite, got {number}")
+    return number
 
 
 def check_bias(bias: Any, n: int | None = None, *, name: str = "bias", context: str = "(one entry per expert)") -> None:

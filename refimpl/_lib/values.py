@@ -1,7 +1,11 @@
-"""Checked values of a configuration: sizes, factors and how an error shows them.
+"""Checked values: sizes, factors, switches, seeds, and how an error shows them.
 
 `MoEConfig` and the readers of Hugging Face configurations (K3's keys and the
-other families') check every value the same way, with these.
+other families') check every value the same way, with these; every public
+function that takes a switch (`renormalize`, `return_intermediates`,
+`leave_one_out`, `overwrite`, ...) or a seed checks it with `switch_value`,
+`seed_value` or `generator_value`, so that no switch is read as truthy and
+no seed is rounded, anywhere.
 """
 
 from __future__ import annotations
@@ -68,3 +72,40 @@ def factor_value(value: Any, label: str, *, allowed: str = "") -> float:
         raise ValueError(f"{label} must be a number float32 (the layer's compute dtype) holds: between {low:.4g} "
                          f"and {high:.8g}, got {value!r}")
     return number
+
+
+def switch_value(value: Any, label: str) -> bool:
+    """`value` as a Python bool if it is a real boolean (bool or np.bool_); else a `TypeError` naming `label`.
+
+    A switch is never read as truthy: the string "false" (from a JSON file, a command line or a form) is a
+    non-empty string, and 0, 1 or None are not answers to a yes-or-no question.
+    """
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{label} must be True or False, got {type(value).__name__} {shown(value)}")
+    return bool(value)
+
+
+def seed_value(value: Any, label: str = "seed", *, high: int = 2**63) -> int:
+    """`value` as a Python int if it is an integer seed in [0, `high`); else an error naming `label`.
+
+    A `TypeError` for what is not an integer (1.5 is not rounded to 1, True is not 1, "7" is not parsed); a
+    `ValueError` for an integer out of range.
+    """
+    if not is_integer(value):
+        raise TypeError(f"{label} must be an integer, got {type(value).__name__} {shown(value)}")
+    if not 0 <= value < high:
+        raise ValueError(f"{label} must be an integer in [0, {high}), got {value}")
+    return int(value)
+
+
+def generator_value(rng: Any, label: str = "rng") -> np.random.Generator:
+    """A NumPy `Generator` from `rng`: a `Generator` itself, a `BitGenerator` or `SeedSequence`, an integer seed
+    (`seed_value`), or None (fresh entropy). A float, a bool or a string is refused, never rounded or hashed."""
+    if isinstance(rng, np.random.Generator):
+        return rng
+    if rng is None or isinstance(rng, np.random.BitGenerator | np.random.SeedSequence):
+        return np.random.default_rng(rng)
+    if not is_integer(rng):
+        raise TypeError(f"{label} must be a numpy.random.Generator (or BitGenerator, SeedSequence), an integer "
+                        f"seed or None, got {type(rng).__name__} {shown(rng)}")
+    return np.random.default_rng(seed_value(rng, label))

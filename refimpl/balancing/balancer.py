@@ -22,6 +22,7 @@ never interrupted.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import zipfile
@@ -33,6 +34,7 @@ import numpy as np
 
 from .._lib.files import check_regular_file, parse_json, write_atomically
 from .._lib.validation import check_float_array, check_int, check_shape
+from .._lib.values import shown
 from .._lib.xp import Array, array_namespace, to_numpy
 from ..config import MoEConfig
 from ..layer.routing import expert_load, route
@@ -296,13 +298,43 @@ class Balancer:
         if kind not in Balancer.kinds:
             raise ValueError(f"{path} holds an unknown balancer kind {kind!r} (defined in {module!r}); known kinds: "
                              f"{sorted(Balancer.kinds)}")
-        options = parse_json(str(fields["options"]), f"{path}: the balancer's options")
-        balancer = Balancer.kinds[kind](int(fields["num_experts"]), int(fields["top_k"]), bias=fields["bias"],
-                                        dtype=fields["bias"].dtype, **options)
-        balancer.step_count = int(fields["step_count"])
+        factory = Balancer.kinds[kind]
+        options = _checked_options(parse_json(str(fields["options"]), f"{path}: the balancer's options"), factory,
+                                   f"{path}: the field 'options' of a {kind!r} balancer")
+        sizes = {}
+        for name in ("num_experts", "top_k", "step_count"):
+            if fields[name].shape != () or fields[name].dtype.kind not in "iu":
+                raise ValueError(f"{path}: the field {name!r} must be one integer, got {fields[name].dtype} "
+                                 f"of shape {list(fields[name].shape)}")
+            sizes[name] = int(fields[name])
+        try:
+            balancer = factory(sizes["num_experts"], sizes["top_k"], bias=fields["bias"], dtype=fields["bias"].dtype,
+                               **options)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: the fields 'options', 'num_experts', 'top_k' and 'bias' describe no "
+                             f"{kind!r} balancer: {exc}") from None
+        balancer.step_count = sizes["step_count"]
         balancer.loads = [row.copy() for row in fields["loads"]]
         balancer.ratios = [float(r) for r in fields["ratios"]]
         balancer.biases = [row.copy() for row in fields["biases"]]
         return balancer
 
 
+def _checked_options(options: Any, factory: type, where: str) -> dict[str, Any]:
+    """The options read from a saved balancer, as keywords `factory` takes; a `ValueError` naming `where` else.
+
+    They must be a JSON object whose names are keywords of the balancer's constructor (besides the sizes,
+    the bias and the dtype, which the file holds in fields of their own): an edited file that adds a name or
+    replaces the object by a list is refused by name, not passed on to fail inside the constructor.
+    """
+    if not isinstance(options, dict):
+        raise ValueError(f"{where} must be a JSON object of option names and values, got {shown(options)}")
+    parameters = inspect.signature(factory).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return options
+    accepted = sorted(name for name, p in parameters.items()
+                      if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("bias", "dtype"))
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"{where} holds {unknown}, which are no options of it: expected some of {accepted}")
+    return options

@@ -75,7 +75,7 @@ import numpy as np
 import scipy.optimize
 import scipy.sparse
 
-from .._lib.validation import check_finite, check_float_array, check_int, check_shape
+from .._lib.validation import check_finite, check_float_array, check_int, check_positive, check_shape
 from .._lib.xp import Array, array_namespace, compute_dtype, to_numpy
 from ..layer.routing import expert_load, route
 from .quantile import kth_largest, quantile_rank, quantile_thresholds, sign_balancing_update
@@ -497,9 +497,13 @@ def subgradient_check(scores: Array, bias: Array, top_k: int, *, step: float = 1
     m, n = _check_scores(scores)
     top_k = check_int("top_k", top_k, low=1, high=n - 1)
     _check_vector("bias", bias, n)
+    step = check_positive("step", step)
     xp = array_namespace(scores, bias)
     s = xp.astype(scores, xp.float64)
     beta = -xp.astype(bias, xp.float64)  # [n]
+    if bool(xp.any(beta + step == beta)):  # a step below float64's spacing at beta_j measures nothing
+        raise ValueError(f"step must move every beta_j = -b_j in float64, got {step:g}, which is below the "
+                         f"spacing of float64 at max |b| = {float(xp.max(xp.abs(beta))):.6g}")
     alpha = alpha_step(s, beta, top_k)  # [m]
     base = dual_objective(s, alpha, beta, top_k)
     finite_difference = np.empty(n)

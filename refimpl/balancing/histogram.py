@@ -148,7 +148,7 @@ import numpy as np
 
 from .._lib.fast import fast_path_applies, histogram_count_by_experts
 from .._lib.validation import check_bias, check_finite, check_float_array, check_int
-from .._lib.values import is_real
+from .._lib.values import is_real, shown
 from .._lib.xp import Array, array_namespace, bincount, compute_dtype, dtype_name, is_array
 from .balancer import Balancer
 from .quantile import cutoff_values
@@ -215,7 +215,8 @@ class BiasHistogram:
         self.chunk_size = check_int("chunk_size", chunk_size, low=1)
         self.bias = bias
         self.n = n
-        self.low, self.high = histogram_range(bias) if value_range is None else _fixed_range(value_range)
+        self.low, self.high = (histogram_range(bias) if value_range is None
+                               else _fixed_range(value_range, self.bins, bias))
         # $$w = \frac{(\max b + 1) - (\min b - 1)}{B}$$
         self.width = (self.high - self.low) / self.bins
         xp = array_namespace(bias)
@@ -416,15 +417,35 @@ def histogram_range(bias: Array) -> tuple[float, float]:
     return low, high
 
 
-def _fixed_range(value_range: Any) -> tuple[float, float]:
-    """A range `(low, high)` given by the caller, as two floats with `low < high`, both finite."""
+def _fixed_range(value_range: Any, bins: int, bias: Array) -> tuple[float, float]:
+    r"""A range `(low, high)` given by the caller, as two floats with `low < high`, that the counting can bin.
+
+    The margins are binned in the dtype of the arithmetic, float32 unless the bias is float64:
+    $h = \lfloor (r - \text{low}) \cdot B / (\text{high} - \text{low}) \rfloor$. A range whose ends or
+    whose bins per unit that dtype cannot hold (ends of $\pm 10^{308}$ are infinite in float32; a range
+    of width $10^{-40}$ has $10^{43}$ bins per unit) would turn every index into NaN or infinity, so it is
+    refused by name, and so is a number beyond float64 ($10^{400}$).
+    """
     if not isinstance(value_range, tuple | list) or len(value_range) != 2:
-        raise TypeError(f"value_range must be a pair (low, high) or None, got {value_range!r}")
+        raise TypeError(f"value_range must be a pair (low, high) or None, got {shown(value_range)}")
     if not all(is_real(v) for v in value_range):
-        raise TypeError(f"value_range must hold two real numbers, got {value_range!r}")
-    low, high = float(value_range[0]), float(value_range[1])
+        raise TypeError(f"value_range must hold two real numbers, got {shown(value_range)}")
+    try:
+        low, high = float(value_range[0]), float(value_range[1])
+    except OverflowError:  # an integer beyond float64
+        raise ValueError(f"value_range must be finite with low < high, got {shown(value_range)} "
+                         "(beyond float64)") from None
     if not (math.isfinite(low) and math.isfinite(high) and low < high):
         raise ValueError(f"value_range must be finite with low < high, got ({low:g}, {high:g})")
+    work = np.float64 if dtype_name(bias.dtype) == "float64" else np.float32
+    with np.errstate(over="ignore"):
+        ends = np.array([low, high]).astype(work)
+        per_unit = np.float64(bins) / (high - low)  # bins per unit of the margin
+    largest = float(np.finfo(work).max)
+    if not (np.all(np.isfinite(ends)) and ends[0] < ends[1] and math.isfinite(per_unit) and per_unit <= largest):
+        raise ValueError(f"value_range must be a range {np.dtype(work).name} (the histogram's arithmetic) can "
+                         f"divide into {bins} bins: ends within +-{largest:.4g}, distinct in "
+                         f"{np.dtype(work).name}, and high - low >= {bins / largest:.3g}; got ({low:g}, {high:g})")
     return low, high
 
 

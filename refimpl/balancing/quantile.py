@@ -148,6 +148,7 @@ from .._lib.validation import (
     check_positive,
     check_shape,
 )
+from .._lib.values import switch_value
 from .._lib.xp import Array, array_namespace, compute_dtype, dtype_name, is_cupy, is_numpy
 from ..layer.routing import expert_load, selection_cutoff
 from .balancer import Balancer
@@ -208,6 +209,8 @@ def quantile_balancing_update(scores: Array, bias: Array, top_k: int, *, center:
     """
     check_float_array("scores", scores, ndim=2)
     check_bias(bias, scores.shape[1], context=f"to match scores {list(scores.shape)}")
+    center = switch_value(center, "center")
+    leave_one_out = switch_value(leave_one_out, "leave_one_out")
     m, n = scores.shape
     whole, frac = quantile_rank(m, n, top_k)
     check_finite("scores", scores)
@@ -276,6 +279,7 @@ def cutoff_values(scores: Array, bias: Array, top_k: int, *, with_kth: bool = Fa
     NumPy it runs by blocks of tokens (`refimpl._lib.fast.cutoffs_by_blocks`),
     so the whole `[m, n]` matrix of biased scores is never allocated.
     """
+    with_kth = switch_value(with_kth, "with_kth")  # the one check it makes: a switch is never read as truthy
     if enabled() and is_numpy(array_namespace(scores, bias)):
         return cutoffs_by_blocks(np.asarray(scores), np.asarray(bias), top_k, with_kth=with_kth)
     # $$\alpha_i = (s_i + b)_{(k+1)}, \qquad \kappa_i = (s_i + b)_{(k)}$$
@@ -377,6 +381,7 @@ def kth_largest(x: Array, r: int, *, previous: bool = False, overwrite: bool = F
     `TypeError` or `ValueError` naming it. Infinities are ordered as usual.
     """
     check_float_array("x", x, ndim=2)
+    previous, overwrite = switch_value(previous, "previous"), switch_value(overwrite, "overwrite")
     r = check_int("r", r, low=2 if previous else 1, high=x.shape[-1])
     _check_no_nan("x", x)
     return _kth_largest(x, r, previous=previous, overwrite=overwrite)
@@ -535,7 +540,7 @@ class QuantileBalancer(Balancer):
     def __init__(self, num_experts: int, top_k: int, *, bias: Array | None = None,
                  dtype: Any = np.float32, leave_one_out: bool = False, damping: float = 1.0) -> None:
         super().__init__(num_experts, top_k, bias=bias, dtype=dtype)
-        self.leave_one_out = bool(leave_one_out)
+        self.leave_one_out = switch_value(leave_one_out, "leave_one_out")
         self.damping = check_positive("damping", damping)
         if self.damping > 1.0:
             raise ValueError(f"damping must be in (0, 1], got {self.damping}")

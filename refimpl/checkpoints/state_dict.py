@@ -113,12 +113,14 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .._lib.validation import check_float_dtype
 from .._lib.xp import dtype_name
 from ..config import MoEConfig
 from ..families import HFFamily, family_activation, family_of
 from ..layer.latent_moe import MoEParams, check_params, parameter_shapes
 from ..mx import MX_BLOCK, mxfp4_encode
 from .hf_checkpoint import ExpertStack, layer_prefix
+from .safetensors import to_dtype
 
 __all__ = [
     "EXPERT_LAYOUTS",
@@ -230,6 +232,9 @@ def as_numpy(value: Any, name: str = "value") -> np.ndarray:
         return value
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
+        if value.is_meta or value.layout != torch.strided or value.is_quantized:  # no values to read as they are
+            raise ValueError(f"tensor {name!r} must be a dense tensor with values, got a PyTorch "
+                             f"{'meta' if value.is_meta else str(value.layout).removeprefix('torch.')} tensor")
         return _torch_to_numpy(torch, value)
     if hasattr(value, "__array__"):
         return np.asarray(value)
@@ -373,6 +378,7 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, 
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping from tensor names to tensors, got {type(state_dict).__name__}")
+    dtype = None if dtype is None else check_float_dtype(dtype)
     base = block_prefix(layer, prefix, model_type)
     _check_hash_layer(hash_layer, model_type)
     if model_type is not None:
@@ -409,8 +415,8 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, 
             continue
         value = take(name, shape, "float")
         if value is not None:
-            params[name] = np.array(value, dtype=_float_dtype(value.dtype, dtype,
-                                                              bias=name == "gate.e_score_correction_bias"))
+            params[name] = to_dtype(value, np.dtype(_float_dtype(value.dtype, dtype,
+                                                                 bias=name == "gate.e_score_correction_bias")), base + name)
     shapes = parameter_shapes(config)
     for module, stack in EXPERT_MATRICES.items():
         out, inp = shapes[stack][1:]
@@ -467,7 +473,10 @@ def _read_stack(module: str, out: int, inp: int, n: int, ours: Mapping[str, str]
     if packed:
         parts = tuple((np.array(p, dtype=np.uint8), np.array(s, dtype=np.uint8)) for p, s in packed)
         return ExpertStack("mxfp4", parts, (n, out, inp), np.dtype(_float_dtype(np.float32, dtype)))
-    return np.stack([np.asarray(w, dtype=_float_dtype(w.dtype, dtype)) for w in dense])  # [n, out, in]
+    stack = np.empty((n, out, inp), dtype=np.result_type(*(np.dtype(_float_dtype(w.dtype, dtype)) for w in dense)))
+    for e, w in enumerate(dense):  # one expert at a time, each cast checked for overflow by name
+        stack[e] = to_dtype(w, stack.dtype, f"{base}experts.{e}.{module}.weight")
+    return stack  # [n, out, in]
 
 
 # ---------------------------------------------------------------------------

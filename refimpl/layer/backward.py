@@ -79,11 +79,12 @@ import numpy as np
 
 from .._lib.fast import fast_path_applies, routed_experts_backward_in_buffers
 from .._lib.validation import check_finite, check_float_array
+from .._lib.values import switch_value
 from .._lib.xp import Array, array_namespace, compute_dtype
 from ..config import MoEConfig
 from .activations import rms_norm_backward
 from .latent_moe import MoEOutput, MoEParams, RoutedActivations, combine, stable_latent_moe
-from .routing import score_function_grad
+from .routing import score_function_grad, weighting
 
 __all__ = [
     "check_upstream",
@@ -140,6 +141,7 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConf
     the benchmark size), are written where they lie instead of being
     allocated and faulted in by the kernel again at every step.
     """
+    return_intermediates = switch_value(return_intermediates, "return_intermediates")
     # The forward pass of `refimpl.layer.latent_moe`, keeping what the backward reads.
     fwd = stable_latent_moe(x, params, config, token_ids=token_ids, save_for_backward=True)
     xp = array_namespace(x)
@@ -365,6 +367,7 @@ def route_backward(scores: Array, index: Array, dweights: Array, *, renormalize:
     gradient is exactly zero. Without renormalization, $\bar{\hat s} = c\,\bar p$.
     The selection itself is piecewise constant and contributes nothing.
     """
+    renormalize, scaling_factor = weighting(renormalize, scaling_factor)
     xp = array_namespace(scores, index, dweights)
     s_hat = xp.take_along_axis(xp.astype(scores, dweights.dtype), index, axis=-1)  # [m, k]
     if not renormalize:

@@ -115,9 +115,10 @@ import numbers
 from fractions import Fraction
 
 from .._lib.validation import check_finite, check_float_array, check_int
+from .._lib.values import seed_value
 from .._lib.xp import Array, array_namespace, bincount, is_array, to_numpy, topk
 from ..config import MoEConfig
-from .routing import mixture_weights, score_function_vjp
+from .routing import mixture_weights, score_function_vjp, weighting
 
 __all__ = [
     "capacity_keep",
@@ -348,7 +349,7 @@ def hash_route(token_ids: Array, num_experts: int, top_k: int, seed: int = 0) ->
     _check_integers("token_ids", token_ids, "[m]", 0, 2**32)
     num_experts = check_int("num_experts", num_experts, low=1)
     top_k = check_int("top_k", top_k, low=1, high=num_experts)
-    seed = check_int("seed", seed, low=0, high=2**31 - 1)
+    seed = seed_value(seed, "seed", high=2**31)
     xp = array_namespace(token_ids)
     v = xp.astype(token_ids, xp.uint64) + xp.asarray(seed << 32, dtype=xp.uint64)  # [m]
     e = xp.arange(1, num_experts + 1, dtype=xp.uint64) * xp.asarray(_GOLDEN, dtype=xp.uint64)  # [n]
@@ -372,6 +373,7 @@ def route_by_hash(scores: Array, token_ids: Array, top_k: int, *, renormalize: b
     """
     check_float_array("scores", scores, ndim=2)
     check_finite("scores", scores)
+    renormalize, scaling_factor = weighting(renormalize, scaling_factor)
     m, n = scores.shape
     index = hash_route(token_ids, n, top_k, seed)  # [m', k]
     if index.shape[0] != m:
@@ -402,6 +404,7 @@ def route_by_table(scores: Array, token_ids: Array, tid2eid: Array, *, renormali
     """
     check_float_array("scores", scores, ndim=2)
     check_finite("scores", scores)
+    renormalize, scaling_factor = weighting(renormalize, scaling_factor)
     m, n = scores.shape
     _check_integers("tid2eid", tid2eid, "[vocab, k]", 0, n)
     _check_integers("token_ids", token_ids, "[m]", 0, tid2eid.shape[0])

@@ -73,7 +73,8 @@ import array_api_compat
 import numpy as np
 
 from .._lib.fast import combine_in_buffers, fast_path_applies, routed_experts_in_buffers
-from .._lib.validation import check_finite, check_float_array
+from .._lib.validation import check_finite, check_float_array, check_float_dtype
+from .._lib.values import generator_value, switch_value
 from .._lib.xp import Array, array_namespace, bincount, compute_dtype, is_numpy, to_numpy
 from ..config import MoEConfig
 from ..mx import MX_BLOCK, mxfp8_round
@@ -133,6 +134,9 @@ def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, 
     `return_intermediates`).
     """
     check_layer_inputs(x, params, config)
+    return_intermediates = switch_value(return_intermediates, "return_intermediates")
+    mxfp8_inputs = switch_value(mxfp8_inputs, "mxfp8_inputs")
+    save_for_backward = switch_value(save_for_backward, "save_for_backward")
     if mxfp8_inputs and (config.latent_size % MX_BLOCK or config.intermediate_size % MX_BLOCK):
         raise ValueError(f"mxfp8_inputs=True needs latent_size and intermediate_size that are multiples of "
                          f"{MX_BLOCK} (MXFP8 blocks), got {config.latent_size} and {config.intermediate_size}")
@@ -270,6 +274,7 @@ def routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array,
     `expert_input=EXPERT_INPUT_PRECISIONS["mxfp8"]`. `save=True` also returns
     the `RoutedActivations` the backward pass reads.
     """
+    mxfp8_inputs, save = switch_value(mxfp8_inputs, "mxfp8_inputs"), switch_value(save, "save")
     if mxfp8_inputs:
         expert_input = EXPERT_INPUT_PRECISIONS["mxfp8"]
     xp = array_namespace(z, index, weights)
@@ -335,6 +340,7 @@ def shared_experts(x: Array, gate_proj: Array, up_proj: Array, down_proj: Array,
     which is how the checkpoint stores them. `save=True` also returns
     $(h, \partial_a\phi, \partial_b\phi)$ for the backward (None without shared experts).
     """
+    save = switch_value(save, "save")
     xp = array_namespace(x)
     if gate_proj.shape[0] == 0:  # no shared experts
         zero = xp.zeros(x.shape, dtype=x.dtype)
@@ -468,7 +474,8 @@ def init_params(config: MoEConfig, rng: np.random.Generator | int | None = None,
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
-    rng = np.random.default_rng(rng)
+    rng = generator_value(rng, "rng")
+    dtype = check_float_dtype(dtype)
     params = MoEParams()
     for name, shape in parameter_shapes(config).items():
         if name == "routed_expert_norm.weight":

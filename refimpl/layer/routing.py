@@ -54,8 +54,22 @@ Pitfalls this module guards against, each a bug seen in real routers:
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 from .._lib.validation import check_bias, check_finite, check_float_array, check_int, check_positive
-from .._lib.xp import Array, array_namespace, bincount, compute_dtype, is_array, is_real_floating, topk
+from .._lib.values import switch_value
+from .._lib.xp import (
+    Array,
+    array_namespace,
+    bincount,
+    compute_dtype,
+    dtype_name,
+    is_array,
+    is_real_floating,
+    topk,
+)
 from ..config import SCORE_FUNCTIONS
 from .activations import sigmoid
 
@@ -72,6 +86,7 @@ __all__ = [
     "selection_cutoff",
     "softmax",
     "softplus",
+    "weighting",
 ]
 
 
@@ -111,7 +126,7 @@ def route(scores: Array, bias: Array, top_k: int, *, renormalize: bool = True,
     _check_scores_and_bias(scores, bias)
     m, n = scores.shape
     top_k = check_int("top_k", top_k, low=1, high=n)
-    scaling_factor = check_positive("scaling_factor", scaling_factor)
+    renormalize, scaling_factor = weighting(renormalize, scaling_factor)
     n_group = check_int("n_group", n_group, low=1, high=n)
     topk_group = check_int("topk_group", topk_group, low=1, high=n_group)
     if n % n_group:
@@ -177,16 +192,33 @@ def mixture_weights(raw: Array, *, renormalize: bool = True, scaling_factor: flo
     float32, a $\sqrt{\operatorname{softplus}}$ below $-104$) would divide 0
     by 0 and let NaN flow into the layer: that is a `ValueError`.
     """
+    renormalize, scaling_factor = weighting(renormalize, scaling_factor)
     xp = array_namespace(raw)
-    if not renormalize:
-        return raw * scaling_factor
-    total = xp.sum(raw, axis=-1, keepdims=True)  # [m, 1]
-    if raw.shape[0] and not bool(xp.all(total > 0)):
-        raise ValueError("scores of the chosen experts must have a positive sum for every token to be "
-                         "renormalized, got a sum <= 0 for "
-                         f"{int(xp.sum(xp.astype(~(total > 0), xp.int64)))} token(s) (the scores underflowed)")
-    # $$p_{i,r} = c\,\hat s_{i,r} / \textstyle\sum_{r'} \hat s_{i,r'}$$
-    return raw / total * scaling_factor
+    if renormalize:
+        total = xp.sum(raw, axis=-1, keepdims=True)  # [m, 1]
+        if raw.shape[0] and not bool(xp.all(total > 0)):
+            raise ValueError("scores of the chosen experts must have a positive sum for every token to be "
+                             "renormalized, got a sum <= 0 for "
+                             f"{int(xp.sum(xp.astype(~(total > 0), xp.int64)))} token(s) (the scores underflowed)")
+    with np.errstate(over="ignore"):  # an overflow is refused below, by name
+        # $$p_{i,r} = c\,\hat s_{i,r} / \textstyle\sum_{r'} \hat s_{i,r'}$$ (or $c\,\hat s_{i,r}$)
+        weights = raw / total * scaling_factor if renormalize else raw * scaling_factor  # [m, k]
+    if raw.shape[0] and not bool(xp.all(xp.isfinite(weights))):
+        raise ValueError(f"scaling_factor must keep the weights within {dtype_name(weights.dtype)}'s range, got "
+                         f"{scaling_factor:g}, which makes some weights infinite (the weights are computed in "
+                         "the scores' dtype)")
+    return weights
+
+
+def weighting(renormalize: Any, scaling_factor: Any) -> tuple[bool, float]:
+    """How every router weighs its chosen experts, checked once for all of them: `(renormalize, scaling_factor)`.
+
+    `route`, `route_by_hash`, `route_by_table` and `mixture_weights` (and the backward of the weights) take
+    the same two options and check them here, so that no router accepts what another refuses:
+    `renormalize` must be a real boolean (the string "false" is not false, it is refused), and
+    `scaling_factor` a positive finite real (NaN, infinity, 0 and negative factors are refused by name).
+    """
+    return switch_value(renormalize, "renormalize"), check_positive("scaling_factor", scaling_factor)
 
 
 def selection_cutoff(scores: Array, bias: Array, top_k: int) -> tuple[Array, Array]:

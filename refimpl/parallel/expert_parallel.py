@@ -136,6 +136,7 @@ from typing import Any
 
 import numpy as np
 
+from .._lib.values import switch_value
 from .._lib.xp import Array, array_namespace, compute_dtype, dtype_name, to_numpy
 from ..balancing.histogram import BiasHistogram
 from ..config import MoEConfig
@@ -315,6 +316,8 @@ def _ep_layer(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: An
     error: Exception | None = None
     try:
         per_rank = check_ep_inputs(x, params, config, size)
+        padded, mxfp8_inputs = switch_value(padded, "padded"), switch_value(mxfp8_inputs, "mxfp8_inputs")
+        reduce_before_norm = switch_value(reduce_before_norm, "reduce_before_norm")
         if mxfp8_inputs and padded:
             raise ValueError("mxfp8_inputs=True runs the grouped expert loop: pass padded=False")
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the first exchange

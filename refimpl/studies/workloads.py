@@ -21,13 +21,14 @@ import numpy as np
 
 # The public names, as every user imports them (the package's own modules may move them around).
 from .. import QuantileBalancer, SignBalancer, router_scores
+from .._lib.values import seed_value
 
 __all__ = ["skewed_batch", "skewed_router", "trained_biases"]
 
 
 def skewed_router(n: int, width: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Router weights `[n, width]` and a mean token that the first experts agree with: a few experts are popular."""
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed_value(seed, "seed"))
     weight = rng.standard_normal((n, width)) / np.sqrt(width)
     mean = rng.standard_normal(width)
     # Popularity falls with the expert id: expert e leans towards the mean token by (1 - e/n).
@@ -37,7 +38,7 @@ def skewed_router(n: int, width: int, seed: int) -> tuple[np.ndarray, np.ndarray
 
 def skewed_batch(weight: np.ndarray, mean: np.ndarray, tokens: int, seed: int, step: int) -> np.ndarray:
     """Router inputs of one batch `[tokens, width]`, a fresh draw for each step."""
-    x = np.random.default_rng([seed, step]).standard_normal((tokens, weight.shape[1]))
+    x = np.random.default_rng([seed_value(seed, "seed"), seed_value(step, "step")]).standard_normal((tokens, weight.shape[1]))
     return (x + mean).astype(np.float32)
 
 

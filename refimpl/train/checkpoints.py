@@ -58,6 +58,7 @@ import re
 import secrets
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,7 @@ from .._lib.files import (
     write_atomically,
     write_new_file,
 )
+from .._lib.values import switch_value
 from ..balancing import Balancer
 from .config import TrainConfig, new_balancers
 from .data import Corpus
@@ -222,15 +224,32 @@ def write_checkpoint(folder: str | Path, run: RunState, config: TrainConfig, cor
     pointer = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "checkpoint": final.name,
                "step": run.step, "manifest": _digest(final / "manifest.json")}
     write_atomically(folder / POINTER_FILE, json.dumps(pointer, indent=1))
-    # The new checkpoint is current: the earlier ones, and any left half-written by a killed run, go.
-    for entry in folder.iterdir():
-        if entry.name == final.name:
-            continue
-        if entry.is_dir() and (CHECKPOINT_NAME.fullmatch(entry.name) or PARTIAL_NAME.fullmatch(entry.name)):
-            shutil.rmtree(entry)
-        elif entry.is_file() and POINTER_PARTIAL.fullmatch(entry.name):
-            entry.unlink()
+    prune_checkpoints(folder, keep=final.name)
     return final
+
+
+def prune_checkpoints(folder: Path, keep: str) -> None:
+    """Remove from `folder` the checkpoints other than `keep`, and any left half-written by a killed run.
+
+    Only what a run writes is removed: a real folder with a checkpoint's name, a regular file with the
+    pointer's temporary name. Anything else stays, whatever its name: a symbolic link named like a
+    checkpoint is not one of ours (removing it would not free its target, and following it would delete
+    files outside the folder), and a folder that vanished meanwhile is gone already. Pruning never fails
+    the run whose checkpoint is already written and current: what cannot be removed is a warning.
+    """
+    for entry in folder.iterdir():
+        if entry.name == keep or entry.is_symlink():
+            continue
+        try:
+            if entry.is_dir() and (CHECKPOINT_NAME.fullmatch(entry.name) or PARTIAL_NAME.fullmatch(entry.name)):
+                shutil.rmtree(entry)
+            elif entry.is_file() and POINTER_PARTIAL.fullmatch(entry.name):
+                entry.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:  # a file the process may not remove: the run's checkpoint is current anyway
+            warnings.warn(f"checkpoint: could not remove the earlier checkpoint {entry}: {exc.strerror or exc}",
+                          RuntimeWarning, stacklevel=2)
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -383,6 +402,7 @@ def check_checkpoint_folder(folder: str | Path, *, resume: str | Path | None = N
     checkpoint) only with `overwrite=True`. A folder without a checkpoint that holds other files is refused
     whatever the flags: they are someone else's. Nothing is written or created here.
     """
+    overwrite = switch_value(overwrite, "overwrite")
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"checkpoint: {folder} is a file, not a folder")

@@ -352,13 +352,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     corpus = _checked_corpus(parser, config)
     say = (lambda text: None) if args.quiet else print
     say(corpus.describe())
-    result = train(config, corpus=corpus, progress=not args.quiet and config.steps >= 50, log=say,
-                   checkpoint=checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume,
-                   overwrite=args.overwrite)
+    try:
+        result = train(config, corpus=corpus, progress=not args.quiet and config.steps >= 50, log=say,
+                       checkpoint=checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume,
+                       overwrite=args.overwrite)
+    except ValueError as exc:  # refused while running: a folder another run holds, a checkpoint edited meanwhile
+        _refused(parser, exc)
     result["command"] = "python -m refimpl.train " + " ".join(argv)
     if args.out is not None:
         _write_out(parser, args.out, result, checkpoint, say)
     return result
+
+
+def _refused(parser: argparse.ArgumentParser, exc: ValueError) -> NoReturn:
+    """End the command with one line on stderr and status 1: an input refused once the run had started.
+
+    Every refusal is a `ValueError` that names the file or folder and what was expected; the traceback
+    under it would only show where in this package the check runs.
+    """
+    message = " ".join(str(exc).split())  # one line, whatever the message holds
+    parser.exit(1, f"{parser.prog}: error: {message}\n")
 
 
 def _main_expert_parallel(argv: list[str]) -> dict[str, Any]:

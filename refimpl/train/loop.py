@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from .._lib.files import write_atomically
+from .._lib.values import seed_value, switch_value
 from ..balancing import Balancer
 from ..layer.routing import route
 from .checkpoints import (
@@ -149,6 +150,7 @@ def train(config: TrainConfig, *, corpus: Corpus | None = None, progress: bool =
     ranks, and each step's record then adds what `ranks.step_record()`
     gives. Checkpoints are written and resumed by one process only.
     """
+    progress, overwrite = switch_value(progress, "progress"), switch_value(overwrite, "overwrite")
     corpus = load_corpus() if corpus is None else corpus
     check_resources(config, corpus)
     if type(ranks) is not Ranks and (checkpoint is not None or resume is not None):
@@ -289,7 +291,7 @@ def noise_floor(m: int, n: int, top_k: int, *, draws: int = 200, seed: int = 0) 
     exactly $q = mk/n$; what remains is sampling noise. No bias computed from
     a past batch can do better on a fresh batch of independent tokens.
     """
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed_value(seed, "seed"))
     q = m * top_k / n
     floor = np.empty(draws)
     for draw in range(draws):
