@@ -226,3 +226,80 @@ def test_a_build_that_reads_only_weight_is_told_about_mxfp4_false():
                                                                        "experts")
     assert "the function raised KeyError" in mxfp4.summary
     assert any("checked with mxfp4=False" in line for line in mxfp4.details)
+
+
+# ---------------------------------------------------------------------------
+# The kit's switches are real booleans, its seeds integers: anything else is refused, naming the argument
+# ---------------------------------------------------------------------------
+
+def kit_switch_calls() -> dict[str, object]:
+    """Every switch of the kit's public functions, each called with a value `v` and nothing else wrong."""
+    from refimpl.testing import (
+        check_balancing_update,
+        check_hf_moe_block,
+        hf_block_case,
+        hf_block_cases,
+        hf_text_configs,
+    )
+    from refimpl.testing import strategies as rst
+    from refimpl.testing.lifecycle_check import (
+        MegatronGlobalBatchAdapter,
+        ReferenceAdapter,
+        TorchtitanAdapter,
+    )
+    from refimpl.testing.outputs import float_output
+    from refimpl.testing.update_check import update_cases
+
+    text = {"hidden_size": 4, "num_experts": 4, "num_experts_per_token": 1, "moe_intermediate_size": 2}
+    scores = np.full((8, 4), 0.5, dtype=np.float32)
+    calls = {
+        "check_router(renormalize)": lambda v: check_router(route, renormalize=v, settings="quick"),
+        "check_hf_moe_block(mxfp4)": lambda v: check_hf_moe_block(lambda t, s: None, mxfp4=v),
+        "check_balancing_update(integer_q_only)": lambda v: check_balancing_update(
+            quantile_balancing_update, integer_q_only=v),
+        "update_cases(integer_q)": lambda v: update_cases(v, 12, 8),
+        "hf_block_case(mxfp4)": lambda v: hf_block_case(text, 1, mxfp4=v),
+        "hf_block_cases(mxfp4)": lambda v: hf_block_cases(mxfp4=v),
+        "hf_text_configs(mxfp4)": lambda v: hf_text_configs(mxfp4=v),
+        "min_tokens_for_update(integer_q)": lambda v: rst.min_tokens_for_update(4, 2, integer_q=v),
+        "routing_sizes(for_update)": lambda v: rst.routing_sizes(for_update=v),
+        "configs(vary_switches)": lambda v: rst.configs(vary_switches=v),
+        "scores(ties)": lambda v: rst.scores(3, 4, ties=v),
+        "routing_cases(distinct)": lambda v: rst.routing_cases(distinct=v),
+        "routing_cases(allow_all_experts)": lambda v: rst.routing_cases(allow_all_experts=v),
+        "partitions(allow_empty)": lambda v: rst.partitions(4, allow_empty=v),
+        "float_output(finite)": lambda v: float_output("y", scores, (8, 4), "[m, n]", finite=v),
+    }
+    for adapter in (ReferenceAdapter, MegatronGlobalBatchAdapter, TorchtitanAdapter):
+        for flag in ("training", "grad", "recomputing", "replica"):
+            calls[f"{adapter.__name__}.observe({flag})"] = (
+                lambda v, adapter=adapter, flag=flag: adapter(4, 2).observe(scores, **{flag: v}))
+    return calls
+
+
+@pytest.mark.parametrize("call", sorted(kit_switch_calls()))
+@pytest.mark.parametrize("value", ["false", 0, 1, None], ids=repr)
+def test_a_kit_switch_is_a_real_boolean_or_refused_by_name(call, value):
+    switch = call.split("(")[1].rstrip(")")
+    with pytest.raises(TypeError, match=rf"^{switch} must be True or False, got {type(value).__name__}"):
+        kit_switch_calls()[call](value)
+
+
+@pytest.mark.parametrize("call", sorted(kit_switch_calls()))
+def test_a_real_boolean_is_taken_by_every_kit_switch(call):
+    if call.startswith("check_"):
+        return  # a check runs for seconds: refusing "false" before it runs is what matters there
+    for value in (True, False, np.True_, np.False_):
+        kit_switch_calls()[call](value)
+
+
+@pytest.mark.parametrize(("seed", "error"), [(1.5, TypeError), (True, TypeError), ("3", TypeError),
+                                             (None, TypeError), (np.float64(2.0), TypeError), (-1, ValueError),
+                                             (2**32, ValueError)])
+def test_a_case_seed_is_an_integer_or_refused_by_name(seed, error):
+    from refimpl.testing import hf_block_case
+
+    text = {"hidden_size": 4, "num_experts": 4, "num_experts_per_token": 1, "moe_intermediate_size": 2}
+    with pytest.raises(error, match="^seed must be an integer"):
+        hf_block_case(text, seed)
+    assert hf_block_case(text, np.int64(2**32 - 1)).seed == 2**32 - 1

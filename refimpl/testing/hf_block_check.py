@@ -154,6 +154,7 @@ import numpy as np
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
+from .._lib.values import switch_value
 from .._lib.xp import dtype_name
 from ..families import FAMILIES, family_of
 from ..layer.latent_moe import stable_latent_moe
@@ -524,8 +525,7 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
     """
     tolerance(dtype)  # an unsupported dtype is an error before anything runs
     pinned = check_pinned(pinned)
-    if not isinstance(mxfp4, bool | np.bool_):
-        raise TypeError(f"mxfp4 must be True or False, got {type(mxfp4).__name__} {mxfp4!r}")
+    mxfp4 = switch_value(mxfp4, "mxfp4")
     if model_type is not None:
         family_of(model_type)  # an unknown family is an error before anything runs
         mxfp4 = False

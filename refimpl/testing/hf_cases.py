@@ -11,6 +11,7 @@ import numpy as np
 from hypothesis import reject
 from hypothesis import strategies as st
 
+from .._lib.values import seed_value, switch_value
 from .._lib.xp import dtype_name
 from ..checkpoints import ExpertStack
 from ..checkpoints.state_dict import hf_state_dict_from_params
@@ -18,6 +19,7 @@ from ..config import MoEConfig
 from ..families import FAMILIES, family_of
 from ..layer.latent_moe import MoEParams, init_params, stable_latent_moe
 from ..mx import mxfp4_decode, mxfp4_encode
+from .strategies import checked_switches
 
 __all__ = ["CONDITIONING", "GROWTH", "K3_AUTO_MAP", "ROUTING_RESOLUTION", "UNIT_ROUNDOFF", "HFBlockCase", "check_pinned", "hf_block_case",
            "hf_block_cases", "hf_family_text_configs", "hf_text_configs", "tolerance"]
@@ -190,10 +192,9 @@ def hf_block_case(text_config: Mapping[str, Any], seed: int, *, tokens: int = 4,
     """
     if not isinstance(text_config, Mapping):
         raise TypeError(f"text_config must be a mapping of config keys, got {type(text_config).__name__}")
-    seed = _integer("seed", seed, 0, 2**32 - 1)
+    seed = seed_value(seed, "seed", high=2**32)
     batch = _integer("batch", batch, 0)
-    if not isinstance(mxfp4, bool | np.bool_):
-        raise TypeError(f"mxfp4 must be True or False, got {type(mxfp4).__name__} {mxfp4!r}")
+    mxfp4 = switch_value(mxfp4, "mxfp4")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
     if not (isinstance(bias_offset, int | float | np.floating | np.integer) and not isinstance(bias_offset, bool)
@@ -268,6 +269,7 @@ def _integer_at_most(limit: Any, low: int, high: int) -> st.SearchStrategy:
     return st.integers(low, max(low, top))
 
 
+@checked_switches("mxfp4")
 @st.composite
 def hf_text_configs(draw: st.DrawFn, *, mxfp4: bool = False, max_experts: int = 8,
                     pinned: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -376,6 +378,7 @@ def hf_family_text_configs(draw: st.DrawFn, model_type: str, *, max_experts: int
     return keys.done()
 
 
+@checked_switches("mxfp4")
 @st.composite
 def hf_block_cases(draw: st.DrawFn, *, mxfp4: bool = False, dtype: Any = np.float32, max_tokens: int = 6,
                    max_experts: int = 8, model_type: str | None = None,

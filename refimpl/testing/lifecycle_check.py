@@ -181,6 +181,7 @@ import numpy as np
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
+from .._lib.values import switch_value
 from .outputs import fmt, user_array
 from .profiles import kit_settings
 from .report import CheckResult, Invariant, Violation, call_user, format_array, run_check
@@ -192,6 +193,7 @@ __all__ = [
     "TorchtitanAdapter",
     "check_balancer_lifecycle",
     "lifecycle_cases",
+    "observe_switches",
 ]
 
 #: How far two biases that must be equal may differ (float32 rounding of a different order of counting).
@@ -518,6 +520,7 @@ class ReferenceAdapter:
 
     def observe(self, scores: np.ndarray, *, training: bool = True, grad: bool = True, recomputing: bool = False,
                 rank: int = 0, replica: bool = False) -> None:
+        training, grad, recomputing, replica = observe_switches(training, grad, recomputing, replica)
         if training and grad and not recomputing and not replica and not self.frozen:
             self.blocks.append(np.array(scores, dtype=np.float32))
 
@@ -538,6 +541,12 @@ class ReferenceAdapter:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.bias = np.array(state["bias"], dtype=np.float32)
         self.blocks = [np.array(b, dtype=np.float32) for b in state["blocks"]]
+
+
+def observe_switches(training: Any, grad: Any, recomputing: Any, replica: Any) -> tuple[bool, bool, bool, bool]:
+    """The switches of an adapter's `observe`, each a real boolean (the string "false" is not read as true)."""
+    return (switch_value(training, "training"), switch_value(grad, "grad"),
+            switch_value(recomputing, "recomputing"), switch_value(replica, "replica"))
 
 
 class _RanksOf:
@@ -585,6 +594,7 @@ class MegatronGlobalBatchAdapter:
 
     def observe(self, scores: np.ndarray, *, training: bool = True, grad: bool = True, recomputing: bool = False,
                 rank: int = 0, replica: bool = False) -> None:
+        training, grad, recomputing, replica = observe_switches(training, grad, recomputing, replica)
         router = self.main if rank == 0 else self.others.at(rank, self.main.qb_bias)
         router.training, router.frozen_expert_bias = training, self.frozen
         router.route(scores, grad_enabled=grad)
@@ -629,6 +639,7 @@ class TorchtitanAdapter:
 
     def observe(self, scores: np.ndarray, *, training: bool = True, grad: bool = True, recomputing: bool = False,
                 rank: int = 0, replica: bool = False) -> None:
+        training, grad, recomputing, replica = observe_switches(training, grad, recomputing, replica)
         balancer = self.main if rank == 0 else self.others.at(rank, self.main.expert_bias)
         balancer.training = training
         balancer.route(scores)

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from .._lib.values import switch_value
 from .._lib.xp import dtype_name, is_array
 from .report import (
     Violation,
@@ -76,6 +77,7 @@ def float_output(name: str, out: Any, shape: tuple[int, ...], shape_text: str, *
     `shape_text` names the expected shape in symbols, e.g. `"[m, d]"`, for the report. With `finite=False`
     non-finite entries are kept, for a check that reports them as disagreements of their own.
     """
+    finite = switch_value(finite, "finite")
     if not is_array(out) and not isinstance(out, list | tuple) and not hasattr(out, "__array__"):
         raise Violation(f"{name} must be an array {shape_text}, got {type(out).__name__}")
     out = user_array(name, out)

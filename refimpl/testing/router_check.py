@@ -22,6 +22,7 @@ import numpy as np
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
+from .._lib.values import switch_value
 from ..config import MoEConfig
 from ..families import family_of
 from ..layer.routing import route, score_function_values
@@ -393,6 +394,7 @@ def check_router(fn: Callable[..., tuple[Any, Any]], *, renormalize: bool = True
     family's token whose group scores nearly tie is not compared for its groups), so any correct float32 router
     agrees. `rtol` and `atol` apply to the weights. `settings` is a profile name or a `hypothesis.settings`.
     """
+    renormalize = switch_value(renormalize, "renormalize")
     if tie_order not in (None, "lower_id"):
         raise ValueError(f"tie_order must be None or 'lower_id', got {tie_order!r}")
     if model_type is not None:

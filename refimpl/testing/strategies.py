@@ -48,12 +48,15 @@ and tie order is the only thing that can differ.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from hypothesis import strategies as st
 
+from .._lib.values import switch_value
 from ..config import MoEConfig
 from ..layer.latent_moe import init_params
 
@@ -66,6 +69,7 @@ __all__ = [
     "batch_sequences",
     "bias_shifts",
     "biases",
+    "checked_switches",
     "configs",
     "forward_cases",
     "min_tokens_for_update",
@@ -174,6 +178,27 @@ class BalancerCase:
 
 
 # ---------------------------------------------------------------------------
+# Switches, checked when a strategy is built
+# ---------------------------------------------------------------------------
+
+def checked_switches(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Check the keyword switches `names` of a strategy when the strategy is built, not when it is drawn from.
+
+    `routing_cases(ties="false")` is refused on the spot, naming `ties`: a switch is a real boolean
+    (`refimpl._lib.values.switch_value`), and a composite strategy's body runs only once Hypothesis draws.
+    """
+    def wrap(strategy: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(strategy)
+        def built(*args: Any, **kwargs: Any) -> Any:
+            for name in names:
+                if name in kwargs:
+                    switch_value(kwargs[name], name)
+            return strategy(*args, **kwargs)
+        return built
+    return wrap
+
+
+# ---------------------------------------------------------------------------
 # Sizes and configurations
 # ---------------------------------------------------------------------------
 
@@ -184,6 +209,7 @@ def min_tokens_for_update(n: int, top_k: int, *, integer_q: bool = False) -> int
     that many tokens (about $n/(n-k)$). With `integer_q=True` the answer is
     also a multiple of $n/\gcd(n, k)$, so that $q$ is an integer.
     """
+    integer_q = switch_value(integer_q, "integer_q")
     if not 1 <= top_k < n:
         raise ValueError(f"min_tokens_for_update needs 1 <= top_k < n, got top_k={top_k}, n={n}")
     step = n // int(np.gcd(n, top_k)) if integer_q else 1
@@ -193,6 +219,7 @@ def min_tokens_for_update(n: int, top_k: int, *, integer_q: bool = False) -> int
     return m
 
 
+@checked_switches("allow_all_experts", "integer_q", "for_update")
 @st.composite
 def routing_sizes(draw: st.DrawFn, *, max_tokens: int = 12, min_experts: int = 2, max_experts: int = 10,
                   allow_all_experts: bool = False, integer_q: bool = False,
@@ -213,6 +240,7 @@ def routing_sizes(draw: st.DrawFn, *, max_tokens: int = 12, min_experts: int = 2
     return m, n, k
 
 
+@checked_switches("vary_switches")
 @st.composite
 def configs(draw: st.DrawFn, *, max_experts: int = 8, max_width: int = 12, vary_switches: bool = False) -> MoEConfig:
     """Small `MoEConfig`s: a few experts, widths of a few units.
@@ -242,6 +270,7 @@ def configs(draw: st.DrawFn, *, max_experts: int = 8, max_width: int = 12, vary_
 # Scores, biases, shifts
 # ---------------------------------------------------------------------------
 
+@checked_switches("distinct", "ties")
 @st.composite
 def scores(draw: st.DrawFn, m: int, n: int, *, distinct: bool = False, ties: bool = False,
            dtype: Any = np.float64) -> np.ndarray:
@@ -289,6 +318,7 @@ def bias_shifts(max_abs: float = 100.0) -> st.SearchStrategy[float]:
     return st.one_of(special, general)
 
 
+@checked_switches("distinct", "ties", "allow_all_experts", "integer_q", "for_update")
 @st.composite
 def routing_cases(draw: st.DrawFn, *, max_tokens: int = 12, max_experts: int = 10, distinct: bool = True,
                   ties: bool = False, allow_all_experts: bool = True, integer_q: bool = False,
@@ -369,6 +399,7 @@ def forward_cases(draw: st.DrawFn, *, config: MoEConfig | st.SearchStrategy[MoEC
     return ForwardCase(config, x, seed, bias_scale)
 
 
+@checked_switches("allow_empty")
 @st.composite
 def partitions(draw: st.DrawFn, m: int, *, max_ranks: int = 4, max_micro_batches: int = 3,
                allow_empty: bool = True) -> Partition:

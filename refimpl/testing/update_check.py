@@ -9,6 +9,7 @@ import numpy as np
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
+from .._lib.values import switch_value
 from . import strategies as rst
 from .outputs import bias_output, error_sizes, fmt
 from .profiles import kit_settings
@@ -29,6 +30,7 @@ __all__ = ["bias_invariants", "check_balancing_update", "update_cases"]
 
 def update_cases(integer_q: bool, max_tokens: int, max_experts: int) -> st.SearchStrategy[rst.RoutingCase]:
     """Batches valid for Eq. (14): tie-free grids and tie-heavy eighths, `k < n`, enough tokens."""
+    integer_q = switch_value(integer_q, "integer_q")
     sizes = dict(max_tokens=max_tokens, max_experts=max_experts, integer_q=integer_q, for_update=True)
     return st.one_of(rst.routing_cases(distinct=True, **sizes), rst.routing_cases(ties=True, **sizes))
 
@@ -189,7 +191,7 @@ def check_balancing_update(fn: Callable[[np.ndarray, np.ndarray, int], Any], *, 
         return name_conventions(UPDATE_CONVENTIONS, call, case, [case.scores.astype(dtype)], new, agree,
                                 np.dtype(dtype))
 
-    cases = update_cases(integer_q_only, max_tokens, max_experts)
+    cases = update_cases(switch_value(integer_q_only, "integer_q_only"), max_tokens, max_experts)
     invariants = bias_invariants(
         new_bias, reference, close, cases, dtype, "matches Eq. (14)",
         "b~_j = -(the (q+1)-th largest margin s_ij - alpha_i of expert j), alpha_i the (k+1)-th of s_i + b",
