@@ -233,6 +233,25 @@ class TestWhatTheReportsSay:
 
         assert "centred" in failure_of(kit.check_balancing_update, uncentred).failed
 
+    def test_each_update_invariant_is_a_named_function_and_the_report_names_the_one_that_failed(self):
+        """check_balancing_update runs one function of update_check per invariant; the report says which failed."""
+        from refimpl.balancing import quantile_balancing_update
+        from refimpl.testing import update_check
+
+        def shifted_by_half(scores, bias, top_k):  # Eq. (14) plus 0.5 on every expert: no longer centred
+            return quantile_balancing_update(scores, bias, top_k) + 0.5
+
+        failure = failure_of(kit.check_balancing_update, shifted_by_half)
+        assert failure.failed == ["centred", "matches Eq. (14)"], str(failure)
+        assert failure.passed == ["output shape and dtype", "bias-shift invariance", "token-permutation invariance",
+                                  "expert-permutation equivariance"]
+        centred = failure.violations[0]
+        assert centred.invariant.body.func is update_check.centred
+        assert centred.summary == "the new bias has mean 0.5, not 0"
+        report = str(failure)
+        assert "[1] FAILED: centred\n    why: Eq. (14) step 3: b(t+1) = b~ - mean(b~)" in report
+        assert "[2] FAILED: matches Eq. (14)" in report
+
 
 # ---------------------------------------------------------------------------
 # Settings profiles

@@ -74,9 +74,10 @@ class _Histogram:
                     other_bias: np.ndarray | None = None) -> np.ndarray:
         return np.abs(actual - expected) <= self.float_tol(case, other_bias)
 
-    def diagnose(self, case: rst.RoutingCase, blocks: list[np.ndarray], new: np.ndarray
+    def diagnose(self, case: rst.RoutingCase, new: np.ndarray, blocks: list[np.ndarray] | None = None
                  ) -> tuple[list[str], list[str]]:
-        """The known ways of shipping the update that reproduce `new`, and the report's lines about them."""
+        """The known ways of shipping the update that reproduce `new` (on `blocks`, or the batch whole)."""
+        blocks = [case.scores.astype(self.dtype)] if blocks is None else blocks
         from .qb_conventions import HISTOGRAM_CONVENTIONS, name_conventions
 
         def call(on: list[np.ndarray], bias: np.ndarray) -> np.ndarray:
@@ -102,7 +103,7 @@ def within_bin(update: _Histogram, case: rst.RoutingCase) -> None:
     spread = float(d.max() - d.min())
     if spread <= 2.0 * w + 2.0 * update.float_tol(case):
         return
-    names, lines = update.diagnose(case, [case.scores.astype(update.dtype)], new)
+    names, lines = update.diagnose(case, new)
     v = Violation(f"no common shift brings every expert within one bin width (w = {w:.4g}) of Eq. (14)",
                   [f"exact (Eq. 14) {fmt(exact)}", f"histogram      {fmt(new)}",
                    f"differences    {fmt(d)}: spread {spread:.4g} > 2w = {2 * w:.4g}",
@@ -123,7 +124,7 @@ def partition_invariance(update: _Histogram, drawn: tuple[rst.RoutingCase, rst.P
         return
     from .qb_conventions import averaged_per_block  # imported here: the kit loads without refimpl.balancing
 
-    names, lines = update.diagnose(case, part.split(s), split)
+    names, lines = update.diagnose(case, split, part.split(s))
     if not names:
         names, lines = averaged_per_block(
             lambda on, bias: bias_output(call_user(update.fn, on, bias, case.top_k), case.n), case, part.split(s),
@@ -187,10 +188,9 @@ def check_histogram_update(fn: Callable[[list[np.ndarray], np.ndarray, int], Any
                                                        max_micro_batches=max_micro_batches))
 
     invariants = bias_invariants(
-        update.new_bias, update.reference, update.close, cases, dtype, "within one bin of Eq. (14)",
+        update, cases, "within one bin of Eq. (14)",
         "Appendix D: each threshold is read inside the bin holding the exact one; centring adds a common shift",
-        reference_body=partial(within_bin, update),
-        diagnose=lambda case, new: update.diagnose(case, [case.scores.astype(dtype)], new))
+        reference_body=partial(within_bin, update))
     invariants.insert(3, Invariant("partition invariance", partition_invariance.__doc__.strip(),
                                    cases.flatmap(with_partition), partial(partition_invariance, update),
                                    describe=partial(_partition_inputs, update)))
