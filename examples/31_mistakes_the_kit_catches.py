@@ -221,7 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     # What to see: stored in bfloat16, the shifted biases 100.01 to 100.09 and 99.87 all round to 100, so
     # expert 6 loses its -0.13 handicap and the top-3 becomes [6, 7, 8] instead of [5, 7, 8]. Both rank-q
     # mistakes fail on two tokens that already give each expert one token: Eq. (14) leaves the bias at 0, and
-    # the q-th margin moves it by 0.0625 (0.06275 from the histogram). Per-block biases averaged pass "within
+    # the q-th margin moves it by 0.0625 (0.06275 from the histogram). Both are named ceil_q_rank: with a whole
+    # q, the q-th is the rank Megatron-Core's global_batch mode and torchtitan's QuantileBalancer read, so the
+    # same report tells a port of either why it differs. Per-block biases averaged pass "within
     # one bin", which runs on one block, and only "partition invariance", which splits the batch, catches
     # them. RMSNorm is not linear, so normalizing each rank's partial sum before adding gives 0.13604, not
     # 0.359.

@@ -8,6 +8,8 @@ call it, a fixed-range histogram, and an average of per-block quantiles.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -18,6 +20,7 @@ from refimpl.balancing import (
     kth_largest,
     megatron_qb_update,
     quantile_balancing_update,
+    torchtitan_qb_update,
 )
 from refimpl.testing.qb_conventions import HISTOGRAM_CONVENTIONS, UPDATE_CONVENTIONS
 
@@ -70,6 +73,51 @@ def test_a_target_rounded_down_is_named():
     assert named(failure) == {"whole_target_rounded_down"}, str(failure)
     # and it passes where Megatron-Core runs at all: whole targets
     kit.check_balancing_update(whole_target, integer_q_only=True, settings=FEW)
+
+
+def logit(scores):
+    return np.log(scores) - np.log1p(-scores)
+
+
+def megatron_on_logits(scores, bias, top_k):
+    """Megatron-Core's micro-batch update, each sign read as its own, on the logits of the scores handed in."""
+    return -megatron_qb_update([logit(scores)], -bias, top_k)
+
+
+def ceil_q_rank(scores, bias, top_k):
+    """The ceil(q)-th smallest required bias alpha - s, q = m * (k/n) in float32, as the two trainers read it."""
+    m, n = scores.shape
+    rank = max(1, math.ceil(np.float32(m) * np.float32(top_k / n)))
+    alpha = np.asarray(cutoffs(scores, bias, top_k))
+    b = -np.asarray(kth_largest((scores - alpha[:, None]).T.copy(), rank))
+    return b - b.mean()
+
+
+def test_reading_logits_is_named():
+    failure = failure_of(kit.check_balancing_update, megatron_on_logits, integer_q_only=True)
+    assert failure.failed == ["matches Eq. (14)"], str(failure)
+    assert named(failure) == {"read_on_logits"}, str(failure)
+    assert "qb_dual_update on the router's raw logits" in str(failure)
+
+
+def test_the_ceil_q_rank_is_named_by_the_exact_check():
+    failure = failure_of(kit.check_balancing_update, ceil_q_rank)
+    assert failure.failed == ["matches Eq. (14)"], str(failure)
+    assert named(failure) == {"ceil_q_rank"}, str(failure)
+
+
+@pytest.mark.parametrize("shipped", ["torchtitan", "megatron_global_batch"])
+def test_the_shipped_histogram_updates_are_named_for_their_ceil_q_rank(shipped):
+    """torchtitan's QuantileBalancer and Megatron-Core's global_batch mode, as shipped, bin [min b - 1, max b + 1]
+    into 1000 bins and pool the blocks, as Appendix D does: the rank they read is the one difference named."""
+    update = {"torchtitan": torchtitan_qb_update,
+              "megatron_global_batch": lambda blocks, bias, top_k: megatron_qb_update(
+                  blocks, bias, top_k, estimation_scope="global_batch")}[shipped]
+    failure = failure_of(kit.check_histogram_update, update)
+    assert "within one bin of Eq. (14)" in failure.failed, str(failure)
+    assert "partition invariance" not in failure.failed and "bias-shift invariance" not in failure.failed
+    assert named(failure) == {"ceil_q_rank"}, str(failure)
+    assert "Megatron-Core's global_batch mode and torchtitan's QuantileBalancer" in str(failure)
 
 
 def test_a_fixed_histogram_range_fails_and_is_named():

@@ -176,8 +176,10 @@ def check_histogram_update(fn: Callable[[list[np.ndarray], np.ndarray, int], Any
 
     When the update is off, the report names the known ways of shipping it
     that reproduce its output (`refimpl.testing.qb_conventions`): the bias in
-    the other sign, a fractional target rounded down, a fixed range $[-1, 1]$
-    of 512 bins, quantiles averaged over the blocks.
+    the other sign, the logits read for the scores, a fractional target
+    rounded down, the $\lceil q \rceil$-th required bias (Megatron-Core's
+    `global_batch` mode and torchtitan's `QuantileBalancer`), a fixed range
+    $[-1, 1]$ of 512 bins, quantiles averaged over the blocks.
     """
     update = _Histogram(fn, bins, dtype, rtol, atol)
     sizes = dict(max_tokens=max_tokens, max_experts=max_experts, for_update=True)

@@ -11,13 +11,26 @@ name is printed only once the relatives agree.
 |---|---|---|
 | `beta_returned` | returns $\beta = -b$, the bias to subtract, where the kit's convention adds the bias it is given | Megatron-Core's `qb_beta` (selection by `scores - beta`) |
 | `beta_sign_throughout` | reads the bias it is given as $\beta$ in $s - \beta$ and returns the next $\beta$: Eq. (14) in the dual's sign throughout | Megatron-Core's `qb_dual_update` called with the kit's bias |
+| `read_on_logits` | reads the logits $z = \log\frac{s}{1 - s}$ of the scores it is handed (its bias in the logits' units), where Eq. (14) reads the scores | Megatron-Core's micro-batch mode: `qb_dual_update` on the router's raw logits, selection by `logits - beta` |
 | `whole_target_rounded_down` | reads the $(\lfloor mk/n\rfloor + 1)$-th largest margin, where Eq. (14) interpolates a fractional $q = mk/n$ | Megatron-Core asserts that $mk/n$ is whole |
+| `ceil_q_rank` | reads the $\lceil q \rceil$-th smallest required bias $\alpha_i - s_{i,j}$ ($q = mk/n$ in float32, at least 1), where Eq. (14) reads the $(q+1)$-th | Megatron-Core's `global_batch` mode and torchtitan's `QuantileBalancer`, each within a bin of it |
 | `fixed_histogram_range` | bins the fixed range $[-1, 1]$ into 512 bins, where Appendix D bins $[\min b - 1, \max b + 1]$ into $B$ | torchtitan's K3 balancer (`quantile_balance.py`) |
 | `quantiles_averaged` | averages one quantile per block (rank and micro-batch), where Appendix D adds the counts and reads one quantile | Megatron-Core averages per-micro-batch quantiles over data-parallel ranks |
 
-The first three are tried by both checks, the last two by the histogram
-check (the only one whose function sees the blocks). `refimpl.balancing.shipped`
-computes Megatron-Core's update and says where each comes from.
+The first five are tried by both checks, the last two by the histogram
+check (the only one whose function sees the blocks and bins them). Between
+them they name each way the shipped updates part from Eq. (14): the sign of
+the bias, logits or scores, the rank read, the bins and their range, pooled
+or averaged. `refimpl.balancing.shipped` computes Megatron-Core's and
+torchtitan's updates and says where each comes from.
+
+For a fractional $q$, $\lceil q \rceil = \lfloor q \rfloor + 1$, so
+`whole_target_rounded_down` and `ceil_q_rank` read the same order statistic;
+they part where $q$ is whole (Eq. (14)'s $(q+1)$-th against the $q$-th), and a
+fractional failing case is confirmed on relatives of both kinds, so that only
+the one that holds on both is named. The shipped code computes $q$ in float32,
+and so does `ceil_q_rank`: $25 \cdot \text{float32}(3/5) = 15.000001$, whose
+ceiling is 16, Eq. (14)'s rank.
 """
 
 from __future__ import annotations
@@ -75,8 +88,9 @@ def _beta_sign_throughout(blocks: Blocks, bias: np.ndarray, top_k: int) -> np.nd
     return -_exact(blocks, -bias, top_k)
 
 
-def _fractional(blocks: Blocks, bias: np.ndarray, top_k: int) -> bool:
-    return (_pooled(blocks).shape[0] * top_k) % bias.shape[0] != 0
+def _read_on_logits(blocks: Blocks, bias: np.ndarray, top_k: int) -> np.ndarray:
+    # Eq. (14) on $$z = \log s - \log(1 - s)$$, the logits whose sigmoid is the scores handed in
+    return _exact([np.log(b) - np.log1p(-b) for b in (np.asarray(x, dtype=np.float64) for x in blocks)], bias, top_k)
 
 
 def _whole_target_rounded_down(blocks: Blocks, bias: np.ndarray, top_k: int) -> np.ndarray:
@@ -86,6 +100,17 @@ def _whole_target_rounded_down(blocks: Blocks, bias: np.ndarray, top_k: int) -> 
     # does not give it, so the order statistic is read directly.
     alpha = np.asarray(cutoffs(s, bias.astype(np.float64), top_k))  # [m]
     b_tilde = -np.asarray(kth_largest((s - alpha[:, None]).T.copy(), m * top_k // n + 1))  # [n]
+    return b_tilde - b_tilde.mean()
+
+
+def _ceil_q_rank(blocks: Blocks, bias: np.ndarray, top_k: int) -> np.ndarray:
+    s = _pooled(blocks)
+    m, n = s.shape
+    # $$t = \max(1, \lceil q \rceil)$$, with $q = m \cdot (k/n)$ in float32, as both trainers compute it
+    rank = max(1, math.ceil(np.float32(m) * np.float32(top_k / n)))
+    alpha = np.asarray(cutoffs(s, bias.astype(np.float64), top_k))  # [m]
+    # The $t$-th smallest required bias $\alpha_i - s_{i,j}$ is minus the $t$-th largest margin.
+    b_tilde = -np.asarray(kth_largest((s - alpha[:, None]).T.copy(), rank))  # [n]
     return b_tilde - b_tilde.mean()
 
 
@@ -109,23 +134,31 @@ def _several_blocks(blocks: Blocks, bias: np.ndarray, top_k: int) -> bool:
     return sum(_has_quantile(b, top_k) for b in blocks) >= 2
 
 
-_SIGNS = (
+_EITHER_CHECK = (
     UpdateConvention("beta_returned", "returns beta = -b, the bias to subtract, where the kit's convention adds "
                      "the bias it is given", "Megatron-Core's qb_beta, selection by scores - beta", _beta_returned),
     UpdateConvention("beta_sign_throughout", "reads the bias it is given as beta in s - beta and returns the next "
                      "beta: Eq. (14) in the dual's sign throughout",
                      "Megatron-Core's qb_dual_update called with the kit's bias", _beta_sign_throughout),
+    UpdateConvention("read_on_logits", "reads the logits z = log(s / (1 - s)) of the scores it is handed (its bias "
+                     "in the logits' units), where Eq. (14) reads the scores",
+                     "Megatron-Core's micro-batch mode: qb_dual_update on the router's raw logits, selection by "
+                     "logits - beta", _read_on_logits),
     UpdateConvention("whole_target_rounded_down", "reads the (floor(mk/n) + 1)-th largest margin, where Eq. (14) "
                      "interpolates a fractional q = mk/n", "Megatron-Core asserts that mk/n is whole",
-                     _whole_target_rounded_down, _fractional),
+                     _whole_target_rounded_down),
+    UpdateConvention("ceil_q_rank", "reads the ceil(q)-th smallest required bias alpha - s (q = mk/n in float32, "
+                     "at least 1), where Eq. (14) reads the (q+1)-th",
+                     "Megatron-Core's global_batch mode and torchtitan's QuantileBalancer, each within a bin of it",
+                     _ceil_q_rank),
 )
 
 #: The conventions `check_balancing_update` names.
-UPDATE_CONVENTIONS: tuple[UpdateConvention, ...] = _SIGNS
+UPDATE_CONVENTIONS: tuple[UpdateConvention, ...] = _EITHER_CHECK
 
 #: The conventions `check_histogram_update` names.
 HISTOGRAM_CONVENTIONS: tuple[UpdateConvention, ...] = (
-    *_SIGNS,
+    *_EITHER_CHECK,
     UpdateConvention("fixed_histogram_range", "bins the fixed range [-1, 1] into 512 bins, where Appendix D bins "
                      "[min b - 1, max b + 1] into B", "torchtitan's K3 balancer (quantile_balance.py)",
                      _fixed_histogram_range),
@@ -137,18 +170,22 @@ HISTOGRAM_CONVENTIONS: tuple[UpdateConvention, ...] = (
 
 
 def _relatives(case: rst.RoutingCase, blocks: int, dtype: np.dtype) -> list[tuple[list[np.ndarray], np.ndarray]]:
-    """Larger cases of the same shape: fresh scores in (0, 1), the case's bias moved a little, more tokens.
+    r"""Larger cases of the same shape: fresh scores in (0, 1), the case's bias moved a little, more tokens.
 
     A case whose target $q = mk/n$ is whole gets relatives whose target is whole too (an update written for
-    whole targets only is still confirmed on them); a fractional one gets fractional ones where the shape allows.
+    whole targets only is still confirmed on them); a fractional one gets fractional and whole ones in turn,
+    since two rules that read the same rank for a fractional $q$ (the $(\lfloor q \rfloor + 1)$-th and the
+    $\lceil q \rceil$-th) part only where $q$ is whole.
     """
     seed = int.from_bytes(case.scores.tobytes()[:8].ljust(8, b"\0"), "little") ^ case.top_k
     rng = np.random.default_rng(seed)
-    unit = case.n // math.gcd(case.n, case.top_k)  # the smallest m with a whole m*k/n
+    unit = case.n // math.gcd(case.n, case.top_k)  # the smallest m with a whole m*k/n (at least 2, as k < n)
     whole = (case.m * case.top_k) % case.n == 0
+    base = -(-case.m // unit) * unit  # the case's m rounded up to a whole q
     out = []
     for r in range(1, RELATIVES + 1):
-        m = case.m + r * unit * 2 if whole else case.m + r * unit * 2 + 1  # more tokens, the same kind of q
+        # More tokens: m a multiple of `unit` (q whole), or one token more (q fractional: k/n is)
+        m = base + r * unit * 2 + (0 if whole or r % 2 == 0 else 1)
         scores = rng.uniform(0.01, 0.99, size=(m, case.n)).astype(dtype)
         bias = (case.bias.astype(np.float64) + rng.normal(scale=0.1, size=case.n)).astype(dtype)
         out.append((np.array_split(scores, blocks), bias))

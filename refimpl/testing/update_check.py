@@ -262,7 +262,8 @@ def check_balancing_update(fn: Callable[[np.ndarray, np.ndarray, int], Any], *, 
     When the update is not Eq. (14), the report names the known ways of
     shipping it that reproduce its output (`refimpl.testing.qb_conventions`):
     the bias returned or read in the other sign, as Megatron-Core keeps it,
-    and a fractional target rounded down.
+    the logits read for the scores, a fractional target rounded down, and the
+    $\lceil q \rceil$-th required bias read for the $(q+1)$-th.
     """
     update = ExactUpdate(fn, dtype, rtol, atol)
     cases = update_cases(switch_value(integer_q_only, "integer_q_only"), max_tokens, max_experts)
