@@ -108,11 +108,11 @@ from ._lib.values import (
     same_json_value,
     shown,
 )
-from .families import FAMILIES, K3_ONLY_KEYS, HFFamily, family_of, read_family_fields
+from .families import ALL_RECORDS, FAMILIES, K3_ONLY_KEYS, HFFamily, family_of, read_family_fields
 
 __all__ = ["ACTIVATIONS", "FLOAT32_RANGE", "HF_ABSENT", "HF_CODES", "HF_KEYS", "HF_SYNONYMS",
            "SCORE_FUNCTIONS", "TOPK_METHODS", "HFSynonym", "MoEConfig", "count_moe_layers",
-           "is_moe_layer"]
+           "hf_reading_family", "is_moe_layer"]
 
 #: Activations the experts may use: K3's SiTU-GLU, the SwiGLU it replaces, and the ungated squared ReLU of
 #: NVIDIA's LatentMoE (Nemotron-H), computed as the GLU relu(a) b with tied gate and up weights.
@@ -700,6 +700,19 @@ def _keys_of_fields_in(message: str, keys: Mapping[str, str]) -> str:
 
 #: The codes `MoEConfig.from_hf_config` can read a file as (its `code=` keyword).
 HF_CODES = ("k3", "transformers")
+
+
+def hf_reading_family(hf: Mapping[str, Any], *, code: str | None = None) -> HFFamily | None:
+    """The family record whose code reads the configuration `hf` (`MoEConfig.from_hf_config`'s choice), or None
+    for K3's own modeling code. A multimodal model's record (Kimi K2.5) when `hf` is one that wraps the family."""
+    text = hf.get("text_config", hf) if isinstance(hf, Mapping) else hf
+    if not isinstance(text, Mapping):
+        raise ValueError(f"hf['text_config'] must be a mapping of the language model's keys, got {shown(text)}")
+    family = _reading_code(hf, text, "hf['text_config']" if text is not hf else "hf", code)
+    wrapper = ALL_RECORDS.get(hf.get("model_type")) if "text_config" in hf else None
+    if family is not None and wrapper is not None and wrapper.wraps == family.model_type:
+        return wrapper
+    return family
 
 
 def _reading_code(hf: Mapping[str, Any], text: Mapping[str, Any], where: str, code: str | None) -> HFFamily | None:

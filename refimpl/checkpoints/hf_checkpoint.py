@@ -132,7 +132,8 @@ import ml_dtypes
 import numpy as np
 
 from .._lib.files import flush_file, fsync_folder, new_file_mode
-from ..config import MoEConfig, is_moe_layer
+from ..config import MoEConfig, hf_reading_family, is_moe_layer
+from ..families import ALL_RECORDS, HFFamily, family_prefix, read_layer_keys
 from ..layer.latent_moe import MoEParams, check_params, parameter_shapes
 from ..mx import MX_BLOCK, check_float_dtype, mxfp4_decode, mxfp4_encode
 from .safetensors import (
@@ -375,6 +376,9 @@ def load_hf_layer(path: str | os.PathLike, layer: int, *,
     except ValueError as exc:
         raise ValueError(f"{config_file}: {exc}") from None
     text = hf.get("text_config", hf)
+    family = hf_reading_family(hf)
+    if family is not None:
+        return _load_family_layer(path, hf, text, family, config, layer, dtype)
     total = text.get("num_hidden_layers")
     if total is not None and not 0 <= layer < total:
         raise ValueError(f"layer must be in [0, {total - 1}] (num_hidden_layers={total}), got {layer}")
@@ -384,6 +388,13 @@ def load_hf_layer(path: str | os.PathLike, layer: int, *,
                          f"moe_layer_freq={freq}), not an MoE layer")
     quantized = _check_quantization(text, hf)
     shards = Shards(path)
+    draft = ALL_RECORDS["kimi_k3"]  # K3 as transformers' draft holds it: fused experts under mlp.
+    if not any(f"{layer_prefix(layer, prefix)}gate.weight" in shards for prefix in ("language_model.", "")) \
+            and f"{family_prefix(draft, layer)}gate.weight" in shards:
+        if quantized:
+            raise ValueError(f"{config_file}: quantization_config declares MXFP4 experts, but {path} holds K3 in "
+                             "transformers' fused layout, whose experts are floating")
+        return config, _read_block(shards, draft, config, layer, "fused", False, dtype)
     base = layer_prefix(layer, _find_prefix(shards, layer))
 
     params = MoEParams()
@@ -401,6 +412,53 @@ def load_hf_layer(path: str | os.PathLike, layer: int, *,
         params[stack] = _expert_stack(shards, base, hf_name, config.num_experts, shapes[stack][1:], quantized, dtype)
     # Order as parameter_shapes, the order every other function lists them in.
     return config, MoEParams((name, params[name]) for name in shapes)
+
+
+def _load_family_layer(path: Path, hf: Mapping[str, Any], text: Mapping[str, Any], family: HFFamily,
+                       config: MoEConfig, layer: int, dtype: np.dtype) -> tuple[MoEConfig, MoEParams]:
+    """`load_hf_layer` for a family of `refimpl.families`: its MoE-layer rule, its prefixes, its names."""
+    where = "config.json" + ("['text_config']" if text is not hf else "")
+    total, layer_keys = read_layer_keys(text, where, family)
+    if not 0 <= layer < total:
+        raise ValueError(f"layer must be in [0, {total - 1}] ({family.model_type} has {total} layers), got {layer}")
+    if not family.rule.is_moe(layer, layer_keys):
+        shown_keys = {key: text[key] for key in family.rule.keys if key in text}
+        raise ValueError(f"layer {layer} is a dense layer of this {family.model_type} model, not an MoE layer "
+                         f"(by {family.config_class}'s layer keys {shown_keys or 'at their defaults'})")
+    if text.get("quantization_config", hf.get("quantization_config")) is not None:
+        raise ValueError(f"config.json: quantization_config is read for K3's released layout only; this "
+                         f"{family.model_type} folder's experts must be stored as floating tensors")
+    shards = Shards(path)
+    layouts = [layout for layout in ("per_expert", "fused")
+               if any(name.startswith(family_prefix(family, layer, layout)) for name in shards.file_of)]
+    if not layouts:
+        raise ValueError(f"{path} has no tensor under {family_prefix(family, layer, 'per_expert')!r} (as "
+                         f"save_pretrained writes {family.model_type}) nor under "
+                         f"{family_prefix(family, layer, 'fused')!r} (with save_original_format=False): "
+                         f"layer {layer}'s block is missing")
+    hashed = family.rule.hashed(layer, layer_keys)
+    same = family.block == family.block_on_disk  # then the names tell the layouts apart
+    return config, _read_block(shards, family, config, layer, None if same else layouts[0], hashed, dtype)
+
+
+def _read_block(shards: Shards, family: HFFamily, config: MoEConfig, layer: int, layout: str | None, hashed: bool,
+                dtype: np.dtype) -> MoEParams:
+    """Every tensor under the block's prefix, read strictly through the converter; a hash layer's table attached.
+
+    `layout` is "fused" or "per_expert", or None when both have one prefix (then the names tell them apart).
+    """
+    from .state_dict import hf_hash_table, params_from_hf_state_dict  # that module imports this one
+
+    base = family_prefix(family, layer, layout or "fused")
+    tensors = {name: shards.get(name) for name in shards.file_of if name.startswith(base)}  # memory-mapped
+    try:
+        params = params_from_hf_state_dict(tensors, config, layer=layer, model_type=family.model_type, dtype=dtype,
+                                           hash_layer=hashed, expert_layout=layout)
+        table = hf_hash_table(tensors, config, layer=layer, model_type=family.model_type) if hashed else None
+    except ValueError as exc:
+        raise ValueError(f"{shards.path}, layer {layer}: {exc}") from None
+    params.tid2eid = table
+    return params
 
 
 # ---------------------------------------------------------------------------

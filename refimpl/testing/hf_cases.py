@@ -253,7 +253,8 @@ def hf_family_text_configs(draw: st.DrawFn, model_type: str, *, max_experts: int
 
     def maybe(field: str, values: list[Any]) -> None:
         if field in spelled:
-            value = draw(st.sampled_from([_ABSENT, *values]), label=spelled[field])
+            absent = [] if family.keys[field].required else [_ABSENT]  # a key the class leaves None is written
+            value = draw(st.sampled_from([*absent, *values]), label=spelled[field])
             if value is not _ABSENT:
                 text[spelled[field]] = value
 
