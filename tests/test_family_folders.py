@@ -127,3 +127,19 @@ def test_the_files_a_sharded_layer_is_read_from_are_named_by_the_index(family_mo
     layer = moe_layers(folder)[0]
     files = files_read(folder, family, layer)
     assert files and all((folder / file).exists() for file in files)
+
+
+# By hand: Kimi Linear's absent list makes the first `first_k_dense_replace` (default 1) layers dense;
+# DeepSeek-V4's every layer is MoE; Qwen3-MoE's step 1 with no listed layer too; DeepSeek-V3 from layer 1 on.
+@pytest.mark.parametrize(("model_type", "moe_layers"), [("kimi_linear", 10**12 - 1), ("deepseek_v4", 10**12),
+                                                        ("qwen3_moe", 10**12), ("deepseek_v3", 10**12 - 1)])
+def test_a_layer_count_of_a_trillion_is_read_in_closed_form(model_type, moe_layers, tmp_path):
+    """No per-layer list is built from a count: 10^12 layers read at once, through the config and the folder."""
+    family = ALL_RECORDS[model_type]
+    keys = {key: value for key, value in family.test_keys.items() if key not in ("mlp_layer_types", "mlp_only_layers")}
+    hf = {"model_type": model_type, **keys, "num_hidden_layers": 10**12}
+    assert refimpl.MoEConfig.from_hf_config(hf).num_moe_layers == moe_layers
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    save_file({"other": np.zeros(1, np.float32)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"layer {10**12 - 1}'s block is missing"):
+        refimpl.load_hf_layer(tmp_path, 10**12 - 1)
