@@ -21,6 +21,7 @@ or shared experts), and which decoder layers hold the MoE block.
 |---|---|---|---|---|---|
 | `deepseek_v3` | `DeepseekV3MoE` | sigmoid, groups | `n_shared_experts` | yes | $L \ge$ `first_k_dense_replace` |
 | `deepseek_v4` | `DeepseekV4SparseMoeBlock` | $\sqrt{\operatorname{softplus}}$, always renormalized | one, the routed width | yes (none in hash layers) | every layer; `mlp_layer_types[L] == "hash_moe"` routes by a table |
+| `dots1` | `Dots1MoE` | sigmoid, groups (DeepSeek-V3's router) | `n_shared_experts` (required) | yes | $L \ge$ `first_k_dense_replace` |
 | `glm4_moe` | `Glm4MoeMoE` | sigmoid, groups | `n_shared_experts` | yes | $L \ge$ `first_k_dense_replace` |
 | `kimi_linear` | `KimiLinearMoE` | sigmoid, groups | `num_shared_experts` | yes | `mlp_layer_types[L] == "sparse"` |
 | `qwen3_moe` | `Qwen3MoeSparseMoeBlock` | softmax | none | none | $L \notin$ `mlp_only_layers`, `decoder_sparse_step` divides $L + 1$ |
