@@ -124,7 +124,7 @@ from ._lib.values import factor_value, integer_value, is_integer, same_json_valu
 
 __all__ = ["ALL_RECORDS", "EXPERT_ROLES", "FAMILIES", "HFFamily", "HFFamilyKey", "K3_ONLY_KEYS", "LAYER_RULES",
            "MoELayerRule", "count_family_moe_layers", "family_activation", "family_of", "family_prefix",
-           "is_family_moe_layer", "read_family_fields", "read_layer_keys", "record_of"]
+           "is_family_moe_layer", "read_family_fields", "read_layer_keys", "record_of", "write_family_keys"]
 
 
 class HFFamilyKey(NamedTuple):
@@ -194,8 +194,13 @@ class HFFamily:
     draft: str | None = None
     #: reads the family's own extra keys (Nemotron-H's latent and shared width) into `MoEConfig` fields
     extra_fields: Callable[[Mapping[str, Any], str, Mapping[str, Any]], dict[str, Any]] | None = None
+    #: writes the family's own extra keys from `MoEConfig` fields (a mapping): the inverse of `extra_fields`
+    extra_keys: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     #: the block's constructor takes the decoder layer's index (Nemotron-H, DeepSeek-V4)
     block_takes_layer: bool = False
+    #: the expert layout of the family's folder as `save_pretrained` writes it by default: "per_expert" (the
+    #: original checkpoint's modules) or "fused" (the in-memory names, for a draft whose conversion is unknown)
+    saved_layout: str = "per_expert"
     #: a small configuration of the whole model in the family's own keys, for the tests (hidden 64, 8 experts)
     test_keys: dict[str, Any] = field(default_factory=dict)
 
@@ -213,6 +218,11 @@ class HFFamily:
     def gated(self) -> bool:
         """Whether each expert has a gate matrix (SwiGLU, SiTU-GLU) or only an up matrix (Nemotron-H's ReLU²)."""
         return "gate" in self.expert_modules
+
+    @property
+    def k3_configuration(self) -> bool:
+        """Whether the configuration is K3's own (`MoEConfig.to_hf_config`), not keys of a transformers class."""
+        return not self.keys
 
     @property
     def rule(self) -> MoELayerRule:
@@ -247,6 +257,10 @@ class MoELayerRule:
     hashed: Callable[[int, Mapping[str, Any]], bool] = lambda layer, keys: False
     #: the layer count is the length of a list of layer kinds (Nemotron-H), not `num_hidden_layers`
     counts_by_list: bool = False
+    #: `write(layer, num_moe_layers, num_hash_layers)`: the layer keys of a file whose layer `layer` is an MoE
+    #: layer and that has `num_moe_layers` of them (the first `num_hash_layers` routed by a table); a
+    #: `ValueError` naming `layer` when the rule has no such file
+    write: Callable[[int, int, int], dict[str, Any]] = lambda layer, n, hashed: {}
 
 
 def _first_k_dense_keys(text: Mapping[str, Any], where: str, family: HFFamily, total: int) -> dict[str, Any]:
@@ -339,25 +353,46 @@ def _sparse_step_count(total: int, keys: Mapping[str, Any]) -> int:
     return total // step - sum(1 for L in listed if 0 <= L < total and (L + 1) % step == 0)
 
 
-#: The MoE-layer rules of the families, by name (`HFFamily.layers`).
+def _write_every(layer: int, n: int, hashed: int) -> dict[str, Any]:
+    """Every layer is MoE: a file of `n` layers, layer `layer` among them."""
+    if layer >= n:
+        raise ValueError(f"layer must be in [0, {n - 1}]: every layer of this family is an MoE layer, and the "
+                         f"configuration has num_moe_layers = {n}, got layer {layer}")
+    return {"num_hidden_layers": n}
+
+
+def _write_hash(layer: int, n: int, hashed: int) -> dict[str, Any]:
+    """DeepSeek-V4: every layer is MoE, the first `hashed` routed by a table."""
+    return {**_write_every(layer, n, hashed), "mlp_layer_types": ["hash_moe"] * hashed + ["moe"] * (n - hashed)}
+
+
+#: The MoE-layer rules of the families, by name (`HFFamily.layers`). Each writes its keys with the layers
+#: before `layer` dense and `layer` the first of the `n` MoE layers (as K3's own files do from layer 1).
 LAYER_RULES: dict[str, MoELayerRule] = {rule.name: rule for rule in (
     MoELayerRule(name="every", keys=(), read=lambda text, where, family, total: {},
-                 count=lambda total, keys: total, is_moe=lambda layer, keys: True),
+                 count=lambda total, keys: total, is_moe=lambda layer, keys: True, write=_write_every),
     MoELayerRule(name="first_k_dense", keys=("first_k_dense_replace",), read=_first_k_dense_keys,
                  count=lambda total, keys: max(0, total - keys["first_k_dense_replace"]),  # #{L < N : L >= f}
-                 is_moe=lambda layer, keys: layer >= keys["first_k_dense_replace"]),
+                 is_moe=lambda layer, keys: layer >= keys["first_k_dense_replace"],
+                 write=lambda layer, n, hashed: {"num_hidden_layers": layer + n, "first_k_dense_replace": layer}),
     MoELayerRule(name="mlp_layer_types", keys=("mlp_layer_types", "first_k_dense_replace"),
-                 read=_mlp_layer_types_keys, count=_mlp_layer_types_count, is_moe=_mlp_layer_types_is_moe),
+                 read=_mlp_layer_types_keys, count=_mlp_layer_types_count, is_moe=_mlp_layer_types_is_moe,
+                 write=lambda layer, n, hashed: {"num_hidden_layers": layer + n, "first_k_dense_replace": layer,
+                                                 "mlp_layer_types": ["dense"] * layer + ["sparse"] * n}),
     MoELayerRule(name="layers_block_type", keys=("layers_block_type", "hybrid_override_pattern"),
                  read=_block_type_keys, counts_by_list=True,
                  count=lambda total, keys: sum(kind == "moe" for kind in keys["layers_block_type"]),
-                 is_moe=lambda layer, keys: keys["layers_block_type"][layer] == "moe"),
+                 is_moe=lambda layer, keys: keys["layers_block_type"][layer] == "moe",
+                 write=lambda layer, n, hashed: {"layers_block_type": ["mlp"] * layer + ["moe"] * n}),
     MoELayerRule(name="hash_mlp_layer_types", keys=("mlp_layer_types", "num_hash_layers"), read=_hash_keys,
-                 count=lambda total, keys: total, is_moe=lambda layer, keys: True, hashed=_hash_is_hashed),
+                 count=lambda total, keys: total, is_moe=lambda layer, keys: True, hashed=_hash_is_hashed,
+                 write=_write_hash),
     MoELayerRule(name="sparse_step", keys=("decoder_sparse_step", "mlp_only_layers"), read=_sparse_step_keys,
                  count=_sparse_step_count,
                  is_moe=lambda layer, keys: layer not in keys["mlp_only_layers"]
-                 and (layer + 1) % keys["decoder_sparse_step"] == 0),
+                 and (layer + 1) % keys["decoder_sparse_step"] == 0,
+                 write=lambda layer, n, hashed: {"num_hidden_layers": layer + n, "decoder_sparse_step": 1,
+                                                 "mlp_only_layers": list(range(layer))}),
 )}
 
 
@@ -407,6 +442,11 @@ def _nemotron_h_fields(text: Mapping[str, Any], where: str, fields: Mapping[str,
         out["shared_intermediate_size"] = integer_value(text.get("intermediate_size", 21504),
                                                         f"{where}['intermediate_size']", low=1)
     return out
+
+
+def _nemotron_h_keys(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Nemotron-H's latent width (none without projections) and its unbiased MLPs, as `NemotronHConfig` keys."""
+    return {"moe_latent_size": fields["latent_size"] if fields["use_latent_projection"] else None, "mlp_bias": False}
 
 
 _DEEPSEEK_ALIASES = {"n_routed_experts": ("num_local_experts",)}
@@ -524,7 +564,7 @@ _RECORDS: tuple[HFFamily, ...] = (
         expert_modules={"up": "up_proj", "down": "down_proj"},
         shared_modules={"up": "up_proj", "down": "down_proj"},
         latent_projections=("fc1_latent_proj.weight", "fc2_latent_proj.weight"),
-        extra_fields=_nemotron_h_fields, block_takes_layer=True,
+        extra_fields=_nemotron_h_fields, extra_keys=_nemotron_h_keys, block_takes_layer=True,
         test_keys={**_TINY, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                    "moe_shared_expert_intermediate_size": 32, "intermediate_size": 48, "moe_latent_size": 32,
                    "n_group": 2, "topk_group": 1, "layers_block_type": ["moe", "mlp", "full_attention", "moe"]}),
@@ -571,7 +611,14 @@ ALL_RECORDS: dict[str, HFFamily] = {
                                                                             "use_latent_norm": True},
         layers="mlp_layer_types", num_hidden_layers=93, layer_defaults={"first_k_dense_replace": 1},
         activation="situ", latent_projections=("routed_expert_down_proj.weight", "routed_expert_up_proj.weight"),
-        latent_norm="routed_expert_norm.weight", draft="huggingface/transformers PR #47670, "
+        latent_norm="routed_expert_norm.weight", saved_layout="fused",
+        test_keys={"text_config": {"model_type": "kimi_linear", "hidden_size": 64, "routed_expert_hidden_size": 32,
+                                   "num_experts": 8, "num_experts_per_token": 2, "moe_intermediate_size": 32,
+                                   "num_shared_experts": 1, "num_expert_group": 2, "topk_group": 1,
+                                   "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+                                   "latent_moe_use_norm": True, "hidden_act": "situ", "num_hidden_layers": 3,
+                                   "first_k_dense_replace": 1, "moe_layer_freq": 1}},
+        draft="huggingface/transformers PR #47670, "
         "src/transformers/models/kimi_k3/modular_kimi_k3.py at aa83b548"),
 }
 
@@ -694,3 +741,33 @@ def read_family_fields(text: Mapping[str, Any], where: str, family: HFFamily) ->
                          f"{family.block_class} by {family.config_class}'s layer keys")
     fields["num_moe_layers"] = count
     return fields
+
+
+def write_family_keys(fields: Mapping[str, Any], family: HFFamily, layer: int) -> dict[str, Any]:
+    """The keys of `family`'s configuration class for a layer with `fields` (`MoEConfig` fields, as a mapping).
+
+    The inverse of `read_family_fields`: each quantity under the family's own key, the family's extra keys,
+    and the layer keys of its rule (`MoELayerRule.write`) that make decoder layer `layer` the first of
+    `num_moe_layers` MoE layers. A quantity the family's keys cannot hold (a `None` where the class needs a
+    value) is a `ValueError` naming the field; whether the whole layer is expressed is for the caller to
+    check by reading the keys back.
+    """
+    activation_name = {ours: theirs for theirs, ours in _ACTIVATION_OF.items()}
+    score_name = {ours: theirs for theirs, ours in _SCORES_OF.items()}
+    keys: dict[str, Any] = {}
+    for name, spec in family.keys.items():
+        value = fields[name]
+        if name == "shared_intermediate_size" and value is None:  # None: num_shared_experts x intermediate_size
+            value = fields["num_shared_experts"] * fields["intermediate_size"]
+        if spec.kind == "activation":
+            value = activation_name.get(value, value)
+        elif spec.kind == "score":
+            value = score_name.get(value, value)
+        if value is None:
+            raise ValueError(f"{name}=None has no {family.config_class} key: {spec.key!r} needs a value "
+                             f"(the class's default is {spec.default!r})")
+        keys[spec.key] = value
+    if family.extra_keys is not None:
+        keys.update(family.extra_keys(fields))
+    keys.update(family.rule.write(layer, fields["num_moe_layers"], fields["num_hash_layers"]))
+    return keys
