@@ -122,7 +122,7 @@ from .families import (
 
 __all__ = ["ACTIVATIONS", "FLOAT32_RANGE", "HF_ABSENT", "HF_CODES", "HF_KEYS", "HF_SYNONYMS",
            "SCORE_FUNCTIONS", "TOPK_METHODS", "HFSynonym", "MoEConfig", "count_moe_layers",
-           "family_hf_config", "hf_reading_family", "is_moe_layer"]
+           "family_hf_config", "family_layer_keys", "hf_reading_family", "is_moe_layer"]
 
 #: Activations the experts may use: K3's SiTU-GLU, the SwiGLU it replaces, and the ungated squared ReLU of
 #: NVIDIA's LatentMoE (Nemotron-H), computed as the GLU relu(a) b with tied gate and up weights.
@@ -839,3 +839,20 @@ def family_hf_config(config: MoEConfig, model_type: str, layer: int) -> dict[str
     total, layer_keys = read_layer_keys(text, "config", family)
     assert family.rule.is_moe(layer, layer_keys) and layer < total, (model_type, layer)  # the rule's own writer
     return hf
+
+
+def family_layer_keys(model_type: str, **fields: Any) -> dict[str, Any]:
+    """A one-layer configuration of `model_type` in the family's own keys, its layer 0 the MoE layer.
+
+    The record's small test configuration (`HFFamily.test_keys`), with `fields` (`MoEConfig` field names:
+    `hidden_size=16`, `n_group=4`, ...) applied wherever the family has a key for them (and `latent_size`
+    where it has a latent); the rest is left as the family has it. This is how the measurements choose one
+    configuration for every family without a list of families: Qwen3-MoE simply has no key for `n_group`.
+    """
+    family = record_of(model_type)
+    values = asdict(MoEConfig.from_hf_config({"model_type": model_type, **family.test_keys}))
+    for name, value in fields.items():
+        if name in family.keys or (name == "latent_size" and family.latent_projections is not None):
+            values[name] = value
+    values.update(num_moe_layers=1, num_hash_layers=0)
+    return write_family_keys(values, family, 0)

@@ -96,12 +96,13 @@ relative to the largest output:
 | `model_type` | largest relative difference |
 |---|---|
 | `deepseek_v3` | 1.24e-07 |
-| `deepseek_v4` | 5.08e-16 |
+| `deepseek_v4` | 5.45e-16 |
+| `dots1` | 1.24e-07 |
 | `glm4_moe` | 1.24e-07 |
-| `kimi_linear` | 1.10e-07 |
-| `qwen3_moe` | 1.16e-07 |
+| `kimi_linear` | 1.24e-07 |
 | `mixtral` | 9.98e-08 |
-| `nemotron_h` | 8.13e-08 |
+| `nemotron_h` | 1.21e-07 |
+| `qwen3_moe` | 1.16e-07 |
 
 float32's rounding, where float64's would be $10^{-16}$: the one place the two
 differ is the precision of the router (and Nemotron-H's float32 sum of its

@@ -552,3 +552,12 @@ def test_the_nemotron_3_super_preset_is_what_nemotron_hs_class_reads_from_its_ke
                 layer_norm_epsilon=1e-5, layers_block_type=["mamba", "moe", "attention", "moe"])
     hf = transformers.NemotronHConfig(**ATTENTION, **keys).to_dict()
     assert MoEConfig.from_hf_config(hf) == MoEConfig.nemotron_3_super(num_moe_layers=2)
+
+
+def test_the_families_pages_tables_list_exactly_the_records():
+    """The page's two tables (the families, the measured agreement) name each family of the records once."""
+    doc = refimpl.families.__doc__
+    for header in ("| `model_type` | block |", "| `model_type` | largest relative difference |"):
+        rows = doc[doc.index(header):].split("\n\n")[0].splitlines()[2:]
+        named = [row.split("`")[1] for row in rows]
+        assert sorted(named) == sorted(FAMILIES), header
