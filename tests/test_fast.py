@@ -218,3 +218,46 @@ def test_histogram_count_equals_the_portable_scatter_add():
     fast = BiasHistogram(bias, 2, bins=50).add(s)
     portable = BiasHistogram(array_api_strict.asarray(bias), 2, bins=50).add(array_api_strict.asarray(s))
     np.testing.assert_array_equal(fast.counts, to_numpy(portable.counts))
+
+
+# ---------------------------------------------------------------------------
+# The pool of workspaces
+# ---------------------------------------------------------------------------
+
+def test_pool_hands_out_an_array_again_only_once_nothing_refers_to_it():
+    """Held, viewed or wrapped arrays are never handed out; dropped ones are, by kind; the bounds hold."""
+    pool = _fast.WorkspacePool(keep=2, kinds=2)
+    a = pool.empty((3, 4), np.float32)
+    b = pool.empty((3, 4), np.float32)
+    assert a.shape == (3, 4) and a.dtype == np.float32 and a.flags.c_contiguous
+    assert not np.shares_memory(a, b)
+    view, window = a[1:], memoryview(b)
+    del a, b
+    assert pool.held_bytes() == 0  # a view holds a, a memoryview holds b
+    c = pool.empty((3, 4), np.float32)
+    assert not np.shares_memory(c, view) and not np.shares_memory(c, np.asarray(window))
+    assert len(pool._arrays[((3, 4), "<f4")]) == 2  # keep=2: the third made it forget the first (a)
+    del view, window, c
+    assert pool.held_bytes() == 2 * 3 * 4 * 4  # b and c; a is gone with its view
+    wide = pool.empty((3, 4), np.float64)
+    assert wide.dtype == np.float64 and pool.held_bytes() == 2 * 3 * 4 * 4  # another kind, made new
+    assert pool.release() == 2 * 3 * 4 * 4 and pool.held_bytes() == 0
+    kept = [pool.empty((size,), np.float32) for size in (1, 2, 3)]
+    assert len(pool._arrays) == 2 and ((1,), "<f4") not in pool._arrays  # kinds=2: the oldest kind forgotten
+    assert [k.shape for k in kept] == [(1,), (2,), (3,)]
+
+
+def test_pool_reuses_the_memory_of_a_dropped_array():
+    pool = _fast.WorkspacePool()
+    a = pool.empty((5,), np.float64)
+    address = a.__array_interface__["data"][0]
+    del a
+    assert pool.empty((5,), np.float64).__array_interface__["data"][0] == address
+
+
+def test_pool_without_exact_reference_counts_makes_new_arrays():
+    pool = _fast.WorkspacePool()
+    pool._exact = False  # what a free-threaded interpreter gets
+    pool.empty((5,), np.float64)  # dropped at once
+    b = pool.empty((5,), np.float64)
+    assert pool.held_bytes() == 0 and b.shape == (5,) and not pool._arrays

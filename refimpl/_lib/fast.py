@@ -13,6 +13,7 @@ selection would do. This module holds the versions that avoid those costs,
 |---|---|---|
 | `glu_in_place`, `glu_and_grad_by_chunks` | `refimpl.layer.activations.expert_glu`, `expert_glu_and_grad` | writing every step into the products' own buffers, fewer exponentials |
 | `routed_experts_in_buffers`, `routed_experts_backward_in_buffers`, `combine_in_buffers` | the routed expert loops of `refimpl.layer.latent_moe` and `refimpl.layer.backward`, `combine` | gathering into reused buffers, writing products with `out=` |
+| `WorkspacePool`, `WORKSPACES`, `release_workspaces` | every large array of the two loops above, from one call to the next | handing an array out again only once nothing outside the pool refers to it |
 | `topk_by_partition` | `refimpl._lib.xp.topk` | partitioning instead of sorting each row |
 | `kth_largest_by_sampling`, `kth_largest_cupy` | `refimpl.balancing.kth_largest` | a sample that discards most entries first (Floyd and Rivest), CuPy's selection kernel |
 | `cutoffs_by_blocks`, `expert_major_margins_by_blocks` | Eq. (14)'s cutoffs and margins | blocks of tokens that stay in cache |
@@ -28,6 +29,8 @@ path applies (`fast_path_applies`); a reader can ignore this page entirely.
 from __future__ import annotations
 
 import math
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +43,8 @@ __all__ = [
     "GLU_CHUNK",
     "PASS_MARGINS",
     "TRANSPOSE_BLOCK",
+    "WORKSPACES",
+    "WorkspacePool",
     "combine_in_buffers",
     "cutoffs_by_blocks",
     "expert_major_margins_by_blocks",
@@ -50,6 +55,7 @@ __all__ = [
     "histogram_count_by_experts",
     "kth_largest_by_sampling",
     "kth_largest_cupy",
+    "release_workspaces",
     "routed_experts_backward_in_buffers",
     "routed_experts_in_buffers",
     "topk_by_partition",
@@ -71,6 +77,100 @@ def fast_path_applies(*arrays: Any) -> bool:
         return False
     dtype = arrays[0].dtype
     return dtype in (np.float32, np.float64) and all(a.dtype == dtype for a in arrays)
+
+
+# ---------------------------------------------------------------------------
+# Workspaces kept between calls
+# ---------------------------------------------------------------------------
+
+def _references(arrays: list, i: int) -> int:
+    """How many references the interpreter counts to `arrays[i]` (the list's own included), asked one fixed way."""
+    return sys.getrefcount(arrays[i])
+
+
+#: What `_references` answers for an array that only its list holds, measured once on this interpreter.
+_ALONE = _references([np.empty(1)], 0)
+
+
+class WorkspacePool:
+    r"""Arrays kept from one call to the next, by shape and dtype, so that a training step maps no fresh memory.
+
+    A large NumPy array is memory the operating system maps for it and
+    zeroes page by page when it is first written; at the benchmark size the
+    expert gradient stacks alone are 300 MB a step, and mapping them again
+    at every step costs as much as a third of the step's arithmetic.
+    `empty(shape, dtype)` returns an array this pool made before **only when
+    nothing outside the pool refers to it any more** — no variable, no view
+    or slice of it, no memoryview or tensor built on it, no `MoEOutput` or
+    `backward` function that keeps it — and a new one otherwise. So an array
+    returned to a caller is never handed out again while the caller can
+    still see it: a caller's gradients stay the caller's until the caller
+    lets them go, and only then does their memory serve a later call (what
+    PyTorch's caching allocator does with freed tensors). Only a raw address
+    taken out of an array (`a.ctypes.data`) escapes this count.
+
+    The pool remembers at most `keep` arrays of each shape and dtype; when
+    all of them are in use it makes a new one and forgets the oldest (which
+    stays its holder's). It remembers at most `kinds` shapes and dtypes,
+    forgetting the one used longest ago. So the memory it holds on its own
+    is at most `keep` arrays of each of `kinds` kinds, and `release()` gives
+    all of it back.
+    Thread-safe: the search for an unreferenced array and the handing out
+    happen under one lock, and an array handed out is referenced by its
+    taker before the lock is released. On an interpreter without the global
+    lock (a free-threaded build) reference counts are not exact, and the
+    pool makes a new array every time.
+    """
+
+    def __init__(self, keep: int = 4, kinds: int = 16) -> None:
+        self.keep, self.kinds = keep, kinds
+        self._arrays: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+        self._exact = getattr(sys, "_is_gil_enabled", lambda: True)()
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """An uninitialized C-contiguous array of `shape` and `dtype` that nothing else refers to."""
+        shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
+        if not self._exact:
+            return np.empty(shape, dtype=dtype)
+        with self._lock:
+            arrays = self._arrays.pop((shape, dtype.str), [])
+            self._arrays[(shape, dtype.str)] = arrays  # the kind used last goes last
+            if len(self._arrays) > self.kinds:  # batches of many sizes: forget the kind used longest ago
+                del self._arrays[next(iter(self._arrays))]
+            for i in range(len(arrays)):
+                if _references(arrays, i) == _ALONE:
+                    return arrays[i]
+            arrays.append(np.empty(shape, dtype=dtype))
+            if len(arrays) > self.keep:
+                del arrays[0]  # every one is in use: its holder keeps it, the pool stops recycling it
+            return arrays[-1]
+
+    def held_bytes(self) -> int:
+        """Bytes of the arrays the pool remembers and nobody else refers to: what `release()` would free."""
+        with self._lock:
+            return sum(arrays[i].nbytes for arrays in self._arrays.values() for i in range(len(arrays))
+                       if _references(arrays, i) == _ALONE)
+
+    def release(self) -> int:
+        """Forget every array; returns the bytes that were held by the pool alone (now freed)."""
+        held = self.held_bytes()
+        with self._lock:
+            self._arrays.clear()
+        return held
+
+
+#: The pool of the NumPy fast paths of the layer's forward and backward.
+WORKSPACES = WorkspacePool()
+
+
+def release_workspaces() -> int:
+    """Free the memory the layer's fast paths keep between calls (`WORKSPACES`); returns the bytes freed.
+
+    The next call makes its arrays anew (and keeps them again). Arrays a
+    caller still holds (gradients, a `MoEOutput`) are not touched.
+    """
+    return WORKSPACES.release()
 
 
 # ---------------------------------------------------------------------------
@@ -225,18 +325,23 @@ def routed_experts_in_buffers(z: np.ndarray, dispatch: Any, w1: Any, w3: Any, w2
     products (`refimpl.layer.activations.expert_glu` and `expert_glu_and_grad`
     bound to the config, which run `glu_in_place` and `glu_and_grad_by_chunks`
     after any clamp the config asks for). Each expert's
-    latents are gathered into one buffer sized for the busiest expert, $p\,h$
-    is formed in another, and the down-projection is written straight into
-    its rows of the sorted output (`out=`). With `save=True` the activation's
+    latents are gathered into one buffer sized for the busiest expert, its
+    two products are written into its rows of two `[m*k, f]` arrays of the
+    pool (`WORKSPACES`), where the activation then runs in place, $p\,h$ is
+    formed in another buffer, and the down-projection is written straight
+    into its rows of the sorted output (`out=`, also from the pool). With `save=True` the activation's
     partials are kept per expert (`hidden[e] = (h, da, db)`) for the backward;
     the sorted output is returned so that the backward can reuse its memory.
     """
     dtype = z.dtype
-    out_sorted = np.empty((dispatch.token.shape[0], w2.shape[1]), dtype=dtype)  # [m*k, l]
+    slots, f = dispatch.token.shape[0], w1.shape[1]
+    out_sorted = WORKSPACES.empty((slots, w2.shape[1]), dtype)  # [m*k, l]
     experts = dispatch.experts()
     busiest = int(np.max(np.diff(dispatch.start))) if experts else 0
     z_buf = np.empty((busiest, z.shape[1]), dtype=dtype)  # [m_e, l]
-    ph_buf = np.empty((busiest, w1.shape[1]), dtype=dtype)  # [m_e, f]
+    ph_buf = np.empty((busiest, f), dtype=dtype)  # [m_e, f]
+    # The two products of every slot, in sorted order: [m*k, f] each (kept as h and d_b phi when saving).
+    gate_all, up_all = WORKSPACES.empty((slots, f), dtype), WORKSPACES.empty((slots, f), dtype)
     hidden: dict[int, tuple] | None = {} if save else None
     for e in experts:
         rows = dispatch.rows(e)
@@ -245,11 +350,12 @@ def routed_experts_in_buffers(z: np.ndarray, dispatch: Any, w1: Any, w3: Any, w2
         np.take(z, dispatch.token[rows], axis=0, out=z_e, mode="clip")  # [m_e, l]
         g_e, u_e, d_e = (np.asarray(w[e, ...], dtype=dtype) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
         glu, glu_and_grad = activation
+        gate, up = np.matmul(z_e, g_e.T, out=gate_all[rows]), np.matmul(z_e, u_e.T, out=up_all[rows])
         if save:
-            hidden[e] = glu_and_grad(z_e @ g_e.T, z_e @ u_e.T)  # [m_e, f] x3
+            hidden[e] = glu_and_grad(gate, up)  # [m_e, f] x3
             h = hidden[e][0]
         else:
-            h = glu(z_e @ g_e.T, z_e @ u_e.T)  # [m_e, f]
+            h = glu(gate, up)  # [m_e, f]
         np.multiply(h, dispatch.weight[rows, :], out=ph)
         np.matmul(ph, d_e.T, out=out_sorted[rows, :])  # [m_e, l]
         del g_e, u_e, d_e, h  # drop this expert before the next one is decoded (packed stacks)
@@ -268,7 +374,9 @@ def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: A
     per-expert array is a slice of one of six buffers sized for the busiest
     expert, and the three weight gradients are written by their product
     straight into the stacks (`out=dw[e]`), zeroed only for experts without
-    tokens. A transposed operand (`a.T` of a C-contiguous block) costs no
+    tokens. New stacks come from the pool (`WORKSPACES`): at the second step
+    they are the memory of gradients the caller has let go of, not fresh
+    pages. A transposed operand (`a.T` of a C-contiguous block) costs no
     copy: BLAS reads it with its transpose flag. With `out` (three stacks of
     the gradients' shapes and dtype) the gradients are written there.
     """
@@ -277,11 +385,12 @@ def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: A
     dtype = z.dtype
     workspace = saved.workspace
     reuse = workspace is not None and workspace.dtype == dtype and workspace.shape == (m * k, ell)
-    dz_sorted = workspace if reuse else np.empty((m * k, ell), dtype=dtype)  # [m*k, l]
-    dp_sorted = np.empty((m * k,), dtype=dtype)  # [m*k]
-    dw1, dw3, dw2 = out if out is not None else (np.empty((n, f, ell), dtype=dtype),
-                                                 np.empty((n, f, ell), dtype=dtype),
-                                                 np.empty((n, ell, f), dtype=dtype))
+    dz_sorted = workspace if reuse else WORKSPACES.empty((m * k, ell), dtype)  # [m*k, l]
+    dp_sorted = WORKSPACES.empty((m * k,), dtype)  # [m*k]
+    # New gradient stacks come from the pool: memory a caller let go of at an earlier step, never one it holds.
+    dw1, dw3, dw2 = out if out is not None else (WORKSPACES.empty((n, f, ell), dtype),
+                                                 WORKSPACES.empty((n, f, ell), dtype),
+                                                 WORKSPACES.empty((n, ell, f), dtype))
     experts = dispatch.experts()
     idle = np.setdiff1d(np.arange(n), experts)
     dw1[idle], dw3[idle], dw2[idle] = 0, 0, 0

@@ -68,6 +68,25 @@ read): the same products, written into a few reused buffers and straight
 into the gradient stacks, because at the benchmark size the fresh
 per-expert temporaries of the readable loops cost a large share of the
 step in the allocator and in page faults (the speed section below).
+
+**Workspaces kept between calls.** A step's largest arrays — the three
+expert gradient stacks ($3 n f \ell$ numbers, 300 MB at the benchmark
+size), the sorted expert outputs and products of the forward — are memory
+the operating system must map and zero again whenever they are made anew,
+which costs a step about half of its arithmetic again. On NumPy the fast
+path takes them from a pool kept between calls (`release_workspaces()`
+frees it), so `backward(dy)` costs what `backward(dy, out=grads)` costs. The
+pool hands an array out again **only when nothing outside it refers to the
+array any more**: gradients returned to you stay yours, and are never
+written by a later call, for as long as you keep them or any view of them
+(a slice, a memoryview, a tensor made by `torch.from_numpy`). When you let
+them go — the next step's assignment to `grads` does — their memory serves
+the step after, as PyTorch's caching allocator reuses freed tensors. So a
+loop that keeps one step's gradients at a time holds two sets of them,
+yours and the pool's spare. Several threads may run the layer at once:
+the pool's lock and the same count keep their arrays apart. The one thing
+the count cannot see is a raw address taken out of an array
+(`a.ctypes.data`); code that keeps one must keep the array too.
 """
 
 from __future__ import annotations
@@ -77,7 +96,7 @@ from typing import Any
 
 import numpy as np
 
-from .._lib.fast import fast_path_applies, routed_experts_backward_in_buffers
+from .._lib.fast import fast_path_applies, release_workspaces, routed_experts_backward_in_buffers
 from .._lib.validation import check_finite, check_float_array
 from .._lib.xp import Array, array_namespace, compute_dtype
 from ..config import MoEConfig
@@ -88,6 +107,7 @@ from .routing import score_function_grad
 __all__ = [
     "check_upstream",
     "latent_output_backward",
+    "release_workspaces",
     "route_backward",
     "routed_experts_backward",
     "router_and_input_backward",
@@ -138,7 +158,11 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConf
     `x` or `dy`. A training loop saves by it what matters most on a CPU at
     scale: the three expert gradient stacks, $3 n f \ell$ numbers (300 MB at
     the benchmark size), are written where they lie instead of being
-    allocated and faulted in by the kernel again at every step.
+    allocated and faulted in by the kernel again at every step. Without
+    `out=`, on NumPy, the new gradient arrays come from the layer's pool of
+    workspaces (`release_workspaces`): memory of gradients you have let go
+    of, never of ones you still hold, so the default call costs what `out=`
+    costs once the loop has run a step.
     """
     # The forward pass of `refimpl.layer.latent_moe`, keeping what the backward reads.
     fwd = stable_latent_moe(x, params, config, token_ids=token_ids, save_for_backward=True)
