@@ -261,3 +261,40 @@ def test_pool_without_exact_reference_counts_makes_new_arrays():
     pool.empty((5,), np.float64)  # dropped at once
     b = pool.empty((5,), np.float64)
     assert pool.held_bytes() == 0 and b.shape == (5,) and not pool._arrays
+
+
+# ---------------------------------------------------------------------------
+# The input's gradient as one product
+# ---------------------------------------------------------------------------
+
+@given(st.integers(0, 2), st.sampled_from([np.float32, np.float64]), st.integers(1, 30),
+       st.integers(0, 2**32 - 1))
+@settings(max_examples=20)
+def test_input_backward_in_one_product_equals_the_readable_stages(shared_experts, dtype, m, seed):
+    """`router_and_input_backward` with the fused product against its readable code: x_bar and every gradient."""
+    from refimpl.layer.backward import router_and_input_backward
+    from refimpl.layer.latent_moe import stable_latent_moe
+
+    config = MoEConfig.small(hidden_size=24, latent_size=12, num_experts=6, top_k=2, intermediate_size=8,
+                             num_shared_experts=shared_experts)
+    rng = np.random.default_rng(seed)
+    params = init_params(config, rng, dtype=dtype)
+    x = rng.standard_normal((m, config.d)).astype(dtype)
+    y_bar = rng.standard_normal((m, config.d)).astype(dtype)
+    p_bar = rng.standard_normal((m, config.k)).astype(dtype)
+    z_bar = rng.standard_normal((m, config.ell)).astype(dtype)
+    fwd = stable_latent_moe(x, params, config, save_for_backward=True)
+
+    def run():
+        return router_and_input_backward(x, y_bar, fwd.scores, fwd.index, fwd.kept, p_bar, z_bar, fwd.shared,
+                                         lambda name: params[name], params, config)
+
+    x_bar, grads = run()
+    with readable:
+        x_bar_want, want = run()
+    close(x_bar, x_bar_want, dtype)
+    assert grads.keys() == want.keys()
+    for name, g in want.items():
+        assert grads[name].dtype == g.dtype and grads[name].shape == g.shape, name
+        if g.size:  # without shared experts their gradients are empty
+            close(grads[name], g, dtype)

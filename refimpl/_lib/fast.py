@@ -14,6 +14,7 @@ selection would do. This module holds the versions that avoid those costs,
 | `glu_in_place`, `glu_and_grad_by_chunks` | `refimpl.layer.activations.expert_glu`, `expert_glu_and_grad` | writing every step into the products' own buffers, fewer exponentials |
 | `routed_experts_in_buffers`, `routed_experts_backward_in_buffers`, `combine_in_buffers` | the routed expert loops of `refimpl.layer.latent_moe` and `refimpl.layer.backward`, `combine` | gathering into reused buffers, writing products with `out=` |
 | `WorkspacePool`, `WORKSPACES`, `release_workspaces` | every large array of the two loops above, from one call to the next | handing an array out again only once nothing outside the pool refers to it |
+| `input_backward_in_one_product` | the input's gradient in `refimpl.layer.backward.router_and_input_backward` | four products that are summed, as one product of concatenated operands |
 | `topk_by_partition` | `refimpl._lib.xp.topk` | partitioning instead of sorting each row |
 | `kth_largest_by_sampling`, `kth_largest_cupy` | `refimpl.balancing.kth_largest` | a sample that discards most entries first (Floyd and Rivest), CuPy's selection kernel |
 | `cutoffs_by_blocks`, `expert_major_margins_by_blocks` | Eq. (14)'s cutoffs and margins | blocks of tokens that stay in cache |
@@ -53,6 +54,7 @@ __all__ = [
     "glu_and_grad_in_place",
     "glu_in_place",
     "histogram_count_by_experts",
+    "input_backward_in_one_product",
     "kth_largest_by_sampling",
     "kth_largest_cupy",
     "release_workspaces",
@@ -420,6 +422,57 @@ def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: A
         dz_sorted[rows] += np.matmul(b_bar, u_e, out=lat)  # + b_bar U_e
     dweights = np.take(dp_sorted, dispatch.position.reshape(m * k)).reshape(m, k)  # [m, k]
     return combine_in_buffers(dz_sorted, dispatch.position), dweights, dw1, dw3, dw2
+
+
+def input_backward_in_one_product(h: np.ndarray, y_bar: np.ndarray, logit_bar: np.ndarray, z_bar: np.ndarray,
+                                  shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None, w_gate: np.ndarray,
+                                  w_down: np.ndarray, gate_proj: np.ndarray, up_proj: np.ndarray,
+                                  down_proj: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    r"""Stages 1, 3 and 8 of `refimpl.layer.backward.router_and_input_backward` on NumPy, the input's gradient as one product.
+
+    The readable code adds four products for $\bar x$ (the router's, the
+    down-projection's, the shared gate's and the shared up's), each a pass
+    over an `[m, d]` array, and the router's has only $n$ terms per entry,
+    too few for the BLAS to run at speed. Their sum is one product of
+    concatenated operands,
+
+    $$\bar x = [\bar z_r \,|\, \bar z \,|\, \bar a_s \,|\, \bar b_s]\,
+    [W_r;\, W_\downarrow;\, G_s;\, U_s],$$
+
+    with $n + \ell + 2 N_s f$ terms per entry, written once. The shared
+    experts' $\bar a_s$, $\bar b_s$ are formed straight into their columns
+    of the left operand (from the pool); the weight gradients are the same
+    products as the readable code's, read from those columns. `h` `[m, d]`
+    is the input, `y_bar` `[m, d]` the upstream gradient, `logit_bar` `[m, n]`
+    and `z_bar` `[m, l]` the gradients in the router logits and the latent,
+    `shared` the shared experts' saved `(h, da, db)` or None. Returns
+    `(x_bar, grads)` with the router's, the down-projection's and the shared
+    experts' weight gradients by name.
+    """
+    m, n, ell = h.shape[0], logit_bar.shape[1], z_bar.shape[1]
+    width_s = gate_proj.shape[0] if shared is not None else 0
+    left = WORKSPACES.empty((m, n + ell + 2 * width_s), h.dtype)  # [m, n + l + 2 N_s f]
+    logit_cols, latent_cols = left[:, :n], left[:, n:n + ell]
+    np.copyto(logit_cols, logit_bar)
+    np.copyto(latent_cols, z_bar)
+    grads = {"gate.weight": np.matmul(logit_cols.T, h),  # [n, d]
+             "routed_expert_down_proj.weight": np.matmul(latent_cols.T, h)}  # [l, d]
+    right = [w_gate, w_down]
+    if shared is not None:
+        hidden, dh_da, dh_db = shared  # [m, N_s f] each
+        h_bar = y_bar @ down_proj  # [m, N_s f]
+        a_bar = np.multiply(h_bar, dh_da, out=left[:, n + ell:n + ell + width_s])
+        b_bar = np.multiply(h_bar, dh_db, out=left[:, n + ell + width_s:])
+        grads["shared_experts.gate_proj.weight"] = np.matmul(a_bar.T, h)  # [N_s f, d]
+        grads["shared_experts.up_proj.weight"] = np.matmul(b_bar.T, h)
+        grads["shared_experts.down_proj.weight"] = np.matmul(y_bar.T, hidden)  # [d, N_s f]
+        right += [gate_proj, up_proj]
+    else:  # no shared experts: zero gradients of their (empty) weights
+        grads.update({name: np.zeros(w.shape, dtype=h.dtype) for name, w in (
+            ("shared_experts.gate_proj.weight", gate_proj), ("shared_experts.up_proj.weight", up_proj),
+            ("shared_experts.down_proj.weight", down_proj))})
+    x_bar = left @ np.concatenate(right, axis=0)  # [m, d]
+    return x_bar, grads
 
 
 # ---------------------------------------------------------------------------

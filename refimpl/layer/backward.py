@@ -96,7 +96,12 @@ from typing import Any
 
 import numpy as np
 
-from .._lib.fast import fast_path_applies, release_workspaces, routed_experts_backward_in_buffers
+from .._lib.fast import (
+    fast_path_applies,
+    input_backward_in_one_product,
+    release_workspaces,
+    routed_experts_backward_in_buffers,
+)
 from .._lib.validation import check_finite, check_float_array
 from .._lib.xp import Array, array_namespace, compute_dtype
 from ..config import MoEConfig
@@ -516,11 +521,18 @@ def router_and_input_backward(h: Array, y_bar: Array, scores: Array, index: Arra
                                scaling_factor=config.routed_scaling_factor)  # [m, k]
     # 1. The score function, to the router logits (for the sigmoid: zero off the chosen experts).
     logit_bar = router_backward(scores, index, s_hat_bar, config.score_function, dscores)  # [m, n]
+    # The bias only selects: $$\bar b = 0$$
+    grads["gate.e_score_correction_bias"] = xp.zeros(params["gate.e_score_correction_bias"].shape, dtype=h.dtype)
+    if config.use_latent_projection and fast_path_applies(h, y_bar, logit_bar, z_bar):
+        # On NumPy the four products of $\bar x$ below run as one (`refimpl._lib.fast`); same gradients.
+        x_bar, more = input_backward_in_one_product(
+            h, y_bar, logit_bar, z_bar, shared, weight("gate.weight"), weight("routed_expert_down_proj.weight"),
+            weight("shared_experts.gate_proj.weight"), weight("shared_experts.up_proj.weight"),
+            weight("shared_experts.down_proj.weight"))
+        return x_bar, {**grads, **more}
     # $$\bar W_r = \bar z^\top x, \qquad \bar x = \bar z\, W_r$$
     grads["gate.weight"] = logit_bar.T @ h  # [n, d]
     x_bar = logit_bar @ weight("gate.weight")  # [m, d]
-    # The bias only selects: $$\bar b = 0$$
-    grads["gate.e_score_correction_bias"] = xp.zeros(params["gate.e_score_correction_bias"].shape, dtype=h.dtype)
     # 3. The down-projection: $$\bar W_\downarrow = \bar z^\top x, \qquad \bar x \mathrel{+}= \bar z W_\downarrow$$
     if config.use_latent_projection:
         grads["routed_expert_down_proj.weight"] = z_bar.T @ h  # [l, d]
