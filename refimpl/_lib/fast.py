@@ -409,8 +409,7 @@ def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: A
         h, dh_da, dh_db = saved.hidden[e]  # [m_e, f] each
         g_e, u_e, d_e = (np.asarray(w[e, ...], dtype=dtype) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
         np.matmul(du_e, d_e, out=o_bar)  # o_bar = du_e D_e
-        np.multiply(o_bar, h, out=a_bar)
-        np.sum(a_bar, axis=1, out=dp_sorted[rows])  # dp = o_bar . h
+        np.einsum("tf,tf->t", o_bar, h, out=dp_sorted[rows])  # dp = o_bar . h, one pass and no temporary
         np.multiply(h, p_e, out=a_bar)
         np.matmul(du_e.T, a_bar, out=dw2[e])  # dD_e = du_e^T (p h)
         o_bar *= p_e  # h_bar
