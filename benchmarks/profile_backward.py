@@ -200,6 +200,9 @@ def stage_table(config, x, dy, p, params, repeats: int) -> None:
                   (left[:, -2 * gs.shape[0]:-gs.shape[0]].T, x), (left[:, -gs.shape[0]:].T, x), (dy.T, hs),
                   (left, right))),
     ]
+    stages.append(("trust: 2 weight fingerprints, x kept, finite checks",
+                   lambda: (bw.weight_fingerprints(params), bw.weight_fingerprints(params), x.astype(x.dtype),
+                            np.isfinite(x).all(), np.isfinite(dy).all()), Products()))
     everything = Products()
     for _, _, gemms in stages:
         everything.calls += gemms.calls
@@ -213,8 +216,8 @@ def stage_table(config, x, dy, p, params, repeats: int) -> None:
     print(f"  {'stage':52s} {'stage':>7s} {'GEMMs':>7s} {'beyond':>7s} {'GFLOP':>6s} {'GEMM GFLOP/s':>12s}")
     for name, stage, gemms in stages:
         t_stage, t_gemm = best_time(stage, repeats), best_time(gemms.run, repeats)
-        print(f"  {name:52s} {t_stage:7.3f} {t_gemm:7.3f} {t_stage - t_gemm:7.3f} {gemms.flops / 1e9:6.1f} "
-              f"{gemms.flops / t_gemm / 1e9:12.1f}")
+        speed = f"{gemms.flops / t_gemm / 1e9:12.1f}" if gemms.flops else f"{'-':>12s}"
+        print(f"  {name:52s} {t_stage:7.3f} {t_gemm:7.3f} {t_stage - t_gemm:7.3f} {gemms.flops / 1e9:6.1f} {speed}")
 
 
 def scores_route_down(x, p, config):

@@ -67,7 +67,12 @@ labelled fast path (after the readable functions, which are the ones to
 read): the same products, written into a few reused buffers and straight
 into the gradient stacks, because at the benchmark size the fresh
 per-expert temporaries of the readable loops cost a large share of the
-step in the allocator and in page faults (the speed section below).
+step in the allocator and in page faults (the speed section below). The
+four products that add up to $\bar x$ (router, down-projection, shared
+gate and up) run there as one product of concatenated operands,
+$[\bar z_r \,|\, \bar z \,|\, \bar a_s \,|\, \bar b_s]\,[W_r;\, W_\downarrow;\, G_s;\, U_s]$:
+the same sum, one pass over the `[m, d]` result instead of four, and
+enough terms per entry for the BLAS to run at its speed.
 
 **Workspaces kept between calls.** A step's largest arrays — the three
 expert gradient stacks ($3 n f \ell$ numbers, 300 MB at the benchmark
