@@ -295,12 +295,19 @@ def main(argv: list[str] | None = None) -> None:
         with readable:
             print(f"  {kernel_time(lambda: bw.routed_experts_backward(z, routed, *stacks, u_bar))}  readable loop")
         print(f"  {kernel_time(lambda: _fast.routed_experts_backward_in_buffers(z, routed, *stacks, u_bar))}  fast path")
-    print("one whole step (forward + backward), three times, with new gradient arrays and with out=:")
+    print("one whole step (forward + backward), three times: with new gradient arrays, with out=, and with new "
+          "arrays after emptying the pool of workspaces (what every step would cost without it):")
     grads = backward_of(bw.stable_latent_moe_vjp(x, params, config))(dy)[1]
+
+    def without_pool():
+        bw.release_workspaces()
+        return backward_of(bw.stable_latent_moe_vjp(x, params, config))(dy)
+
     for _ in range(3):
         print(f"  {kernel_time(lambda: backward_of(bw.stable_latent_moe_vjp(x, params, config))(dy))}  step")
         print(f"  {kernel_time(lambda: backward_of(bw.stable_latent_moe_vjp(x, params, config))(dy, out=grads))}"
               f"  step, backward(dy, out=grads)")
+        print(f"  {kernel_time(without_pool)}  step, pool emptied first")
     a_bar = rng.standard_normal((256, config.f), dtype=np.float32)
     z_e = rng.standard_normal((256, config.ell), dtype=np.float32)
     a_bar_t = np.ascontiguousarray(a_bar.T)
