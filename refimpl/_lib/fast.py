@@ -328,8 +328,9 @@ def routed_experts_in_buffers(z: np.ndarray, dispatch: Any, w1: Any, w3: Any, w2
     bound to the config, which run `glu_in_place` and `glu_and_grad_by_chunks`
     after any clamp the config asks for). Each expert's
     latents are gathered into one buffer sized for the busiest expert, its
-    two products are written into its rows of two `[m*k, f]` arrays of the
-    pool (`WORKSPACES`), where the activation then runs in place, $p\,h$ is
+    two products are written into two more (with `save=True`, into its rows
+    of two `[m*k, f]` arrays of the pool, `WORKSPACES`, which the backward
+    reads), where the activation then runs in place, $p\,h$ is
     formed in another buffer, and the down-projection is written straight
     into its rows of the sorted output (`out=`, also from the pool). With `save=True` the activation's
     partials are kept per expert (`hidden[e] = (h, da, db)`) for the backward;
@@ -342,8 +343,11 @@ def routed_experts_in_buffers(z: np.ndarray, dispatch: Any, w1: Any, w3: Any, w2
     busiest = int(np.max(np.diff(dispatch.start))) if experts else 0
     z_buf = np.empty((busiest, z.shape[1]), dtype=dtype)  # [m_e, l]
     ph_buf = np.empty((busiest, f), dtype=dtype)  # [m_e, f]
-    # The two products of every slot, in sorted order: [m*k, f] each (kept as h and d_b phi when saving).
-    gate_all, up_all = WORKSPACES.empty((slots, f), dtype), WORKSPACES.empty((slots, f), dtype)
+    # The two products: kept for the backward (as h and d_b phi), those of every slot in sorted order, [m*k, f]
+    # each, from the pool; otherwise one expert's at a time, in buffers sized for the busiest expert.
+    products = (slots if save else busiest, f)
+    gate_all, up_all = (WORKSPACES.empty(products, dtype) if save else np.empty(products, dtype=dtype)
+                        for _ in range(2))
     hidden: dict[int, tuple] | None = {} if save else None
     for e in experts:
         rows = dispatch.rows(e)
@@ -352,7 +356,8 @@ def routed_experts_in_buffers(z: np.ndarray, dispatch: Any, w1: Any, w3: Any, w2
         np.take(z, dispatch.token[rows], axis=0, out=z_e, mode="clip")  # [m_e, l]
         g_e, u_e, d_e = (np.asarray(w[e, ...], dtype=dtype) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
         glu, glu_and_grad = activation
-        gate, up = np.matmul(z_e, g_e.T, out=gate_all[rows]), np.matmul(z_e, u_e.T, out=up_all[rows])
+        kept = rows if save else slice(0, m_e)
+        gate, up = np.matmul(z_e, g_e.T, out=gate_all[kept]), np.matmul(z_e, u_e.T, out=up_all[kept])
         if save:
             hidden[e] = glu_and_grad(gate, up)  # [m_e, f] x3
             h = hidden[e][0]
