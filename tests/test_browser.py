@@ -423,7 +423,7 @@ def test_internal_links_and_anchors_resolve(visits, server):
 def test_the_reading_path_leads_from_the_landing_page_to_its_end(server, browser):
     """Follow the footer's "next" link from the landing page; the paper's pages come in reading order."""
     base, site = server
-    order = ["config", "activations", "routing", "latent_moe", "backward", "accounting", "mx", "checkpoint",
+    order = ["latent_moe", "activations", "routing", "config", "backward", "accounting", "mx", "checkpoint",
              "balancing", "dual", "histogram", "baselines", "expert_parallel", "train", "testing"]
     expected = [f"paper/{m}/" for m in order if (site / "paper" / m / "index.html").is_file()]
     visitor = Visitor(browser, base)

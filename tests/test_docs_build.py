@@ -26,7 +26,7 @@ import pytest
 from conftest import ServedSite, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-READING_ORDER = ["config", "activations", "routing", "latent_moe", "backward", "accounting", "mx", "checkpoint",
+READING_ORDER = ["latent_moe", "activations", "routing", "config", "backward", "accounting", "mx", "checkpoint",
                  "balancing", "dual", "histogram", "baselines", "expert_parallel", "train", "testing"]
 #: The stand-alone pages that open the "Studies" section, in this order (any other follows alphabetically).
 STUDIES = ["why-stable", "balance-is-speed", "report-card"]
