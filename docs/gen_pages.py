@@ -85,6 +85,11 @@ PAGES = DOCS / "pages"
 #: modules and what it exports. The other packages (`train`, `testing`) read as one page, file by file.
 SPLIT_PACKAGES = ("layer", "balancing", "checkpoints", "parallel", "studies", "_lib")
 
+#: Folders of a package whose files have pages of their own, left out of the package's page: the puzzles
+#: (`docs/puzzles.py` makes their pages, each answer folded), whose source printed on the kit's page would
+#: give every answer away.
+OWN_PAGES = {"testing": ("puzzles",)}
+
 #: A split package whose page opens with one of its modules, shown on the package's page rather than its own:
 #: the room of balancing is read first as Eq. (14).
 ROOM_OPENERS = {"balancing": "quantile"}
@@ -268,6 +273,12 @@ def normalize_display_math(text: str) -> str:
     as `# 1. Scores: $$s = \sigma(x W^\top)$$` and docstring lines that end in
     a formula are split into text, a blank line, the formula and a blank line,
     keeping the indentation of list items. Fenced code is left alone.
+
+    The sentence stays whole around its formula: the punctuation that follows
+    a formula goes inside the display, as typesetting puts it, so the text
+    after it reads on ("$$u = ...$$, in rank order" shows the formula with
+    its comma, then "in rank order"), never as a paragraph that opens with
+    ", in rank order".
     """
     out: list[str] = []
     in_math = False
@@ -292,6 +303,10 @@ def normalize_display_math(text: str) -> str:
         if in_math:
             if "$$" in line:
                 head, _, tail = line.partition("$$")
+                mark, tail = _leading_punctuation(tail)
+                if mark:
+                    out.append(f"{head.rstrip()}{mark}" if head.strip() else f"{indent}{mark}")
+                    head = ""
                 out.append(f"{head.rstrip()}$$" if head.strip() else f"{indent}$$")
                 out.append("")
                 if tail.strip():
@@ -312,7 +327,10 @@ def normalize_display_math(text: str) -> str:
                 if piece.strip():
                     out.append(f"{indent}{piece.strip()}")
             else:
-                out += ["", f"{indent}$$", f"{indent}{piece.strip()}", f"{indent}$$", ""]
+                mark = ""
+                if position + 1 < len(complete):  # the text after the formula: its punctuation joins it
+                    mark, complete[position + 1] = _leading_punctuation(complete[position + 1])
+                out += ["", f"{indent}$$", f"{indent}{piece.strip()}{mark}", f"{indent}$$", ""]
                 in_item = in_item or bool(indent)
         if len(pieces) % 2 == 0:
             out += ["", f"{indent}$$"]
@@ -320,6 +338,12 @@ def normalize_display_math(text: str) -> str:
                 out.append(f"{indent}{pieces[-1].strip()}")
             in_math = True
     return "\n".join(out)
+
+
+def _leading_punctuation(text: str) -> tuple[str, str]:
+    """The punctuation mark that opens `text` (after spaces) and the rest: `", then x"` -> `(",", "then x")`."""
+    match = re.match(r"\s*([,;:.])(?!\.)\s*(.*)", text, flags=re.S)
+    return (match.group(1), match.group(2)) if match else ("", text)
 
 
 _NUMPYDOC_ITEM_SECTIONS = {"Parameters", "Other Parameters", "Returns", "Yields", "Receives", "Raises",
@@ -495,7 +519,7 @@ def _comment_prose(block: list[str]) -> tuple[str, str]:
             return "heading", banner.group("text")
         texts.append(body.rstrip())
     text = "\n".join(texts).strip("\n")
-    if had_rule and text and "\n" not in text and len(text) < 70:
+    if had_rule and text and "\n" not in text:  # one line between rulers is a section's title, however long
         return "heading", text
     text = "\n".join(_ORDERED_ITEM.sub(r"\1\2\\.\3", line) for line in text.split("\n"))
     return "prose", normalize_display_math(text)
@@ -686,7 +710,9 @@ def discover_modules() -> dict[str, Module]:
         if path.suffix == ".py" and path.stem != "__init__":
             found[path.stem] = Module(path.stem, [path])
         elif path.is_dir() and (path / "__init__.py").is_file():
-            subs = sorted(p for p in path.rglob("*.py") if p.name != "__init__.py" and "__pycache__" not in p.parts)
+            apart = OWN_PAGES.get(path.name, ())
+            subs = sorted(p for p in path.rglob("*.py") if p.name != "__init__.py" and "__pycache__" not in p.parts
+                          and p.relative_to(path).parts[0] not in apart)
             if path.name not in SPLIT_PACKAGES:
                 found[path.name] = Module(path.name, [path / "__init__.py", *subs])
                 continue
@@ -943,6 +969,21 @@ def _fold(title: str, body: str, kind: str = "note") -> str:
     return f'??? {kind} "{title}"\n\n' + textwrap.indent(body.strip("\n") + "\n", "    ") + "\n"
 
 
+#: Printed output longer than this many lines is shown in a box of its own height that scrolls, its long lines
+#: wrapped: a page stays readable past it, and no line is cut at the right edge (`refimpl-output--long`).
+LONG_OUTPUT_LINES = 80
+
+
+def output_markdown(text: str) -> str:
+    """What a cell printed, set apart from its code; a long output in a box that scrolls, saying how long."""
+    lines = text.rstrip("\n").count("\n") + 1
+    if lines <= LONG_OUTPUT_LINES:
+        return '<div class="refimpl-output" markdown>\n\n' + fence(text, "text") + "\n</div>\n"
+    return (f'<div class="refimpl-output refimpl-output--long" markdown>\n\n'
+            f"<small>It printed {lines} lines; the box scrolls, and long lines wrap.</small>\n\n"
+            + fence(text, "text") + "\n</div>\n")
+
+
 def cell_markdown(cell: dict, stem: str, figures: dict[str, Figure]) -> str:
     """One notebook cell as page Markdown: prose, or code followed by what it printed and drew."""
     source = _text(cell.get("source", ""))
@@ -959,7 +1000,7 @@ def cell_markdown(cell: dict, stem: str, figures: dict[str, Figure]) -> str:
     parts = [fence(source, "python")]
     printed = _stream(cell)
     if printed.strip():
-        parts.append('<div class="refimpl-output" markdown>\n\n' + fence(printed, "text") + "\n</div>\n")
+        parts.append(output_markdown(printed))
     for output in outputs:
         meta = (output.get("metadata") or {}).get("refimpl") or {}
         if meta.get("filename") in figures:
@@ -967,7 +1008,7 @@ def cell_markdown(cell: dict, stem: str, figures: dict[str, Figure]) -> str:
         elif output.get("output_type") == "execute_result" and not meta:
             value = _text((output.get("data") or {}).get("text/plain", ""))
             if value.strip():
-                parts.append('<div class="refimpl-output" markdown>\n\n' + fence(value, "text") + "\n</div>\n")
+                parts.append(output_markdown(value))
         elif output.get("output_type") == "error":
             parts.append("!!! failure \"This cell raised an error when the record was made\"\n\n"
                          + textwrap.indent(fence(f"{output.get('ename')}: {output.get('evalue')}", "text"), "    "))
