@@ -154,8 +154,10 @@ INTERNALS = {"_lib": "the private helpers, together", "studies": "what the worke
              "values": "checked sizes and factors, shared by the configuration readers"}
 
 #: Modules whose page is reached from another page rather than from the navigation: the report card from its
-#: study page, the smaller modules of a room from the room's page (the sidebar holds at most 60 links).
-NOT_IN_NAV = {"report_card", "safetensors", "exchange", "padded", "balancer", "other_balancers", "shipped"}
+#: study page, the smaller modules of a room from the room's page, whose table links each of its modules (the
+#: sidebar holds at most 60 links).
+NOT_IN_NAV = {"report_card", "safetensors", "exchange", "padded", "balancer", "other_balancers", "shipped",
+              "selection"}
 
 #: Examples whose page is reached from the page they measure, the examples index and the reading paths rather
 #: than from the navigation (the sidebar holds at most 60 links).
