@@ -131,6 +131,7 @@ READING_PATH: list[tuple[str, str]] = [
     ("padded", "One device: padded experts"),
     ("train", "Training a small model"),
     ("testing", "The conformance kit"),
+    ("goldens", "Golden vectors"),
 ]
 
 #: Worked examples read on the reading path, right after a module's page: module -> example. They stand there

@@ -1,4 +1,4 @@
-r"""Quantile Balancing as others ship it: the bias's sign, Megatron-Core's update, a fixed histogram range
+r"""Quantile Balancing as others ship it: the bias's sign, Megatron-Core's updates, torchtitan's histograms
 
 Eq. (14) reaches users through other code too, and that code makes choices
 the report does not (`refimpl.balancing.shipped` says where each comes from):
@@ -11,6 +11,12 @@ the report does not (`refimpl.balancing.shipped` says where each comes from):
 * **torchtitan's K3 balancer** bins the fixed range
   $[-1, 1]$ into 512 bins, where Appendix D bins $[\min b - 1, \max b + 1]$
   into 1000.
+* **Megatron-Core's `global_batch` mode and torchtitan's `QuantileBalancer`**
+  ship Appendix D itself: an added bias on the sigmoid scores, one histogram
+  of 1000 bins over $[\min b - 1, \max b + 1]$ pooled over the micro-batches,
+  float32 throughout, but they read the $\lceil q \rceil$-th smallest required
+  bias where Eq. (14) reads the $(q+1)$-th, and they differ on a step that saw
+  no token: Megatron-Core keeps the bias, torchtitan divides zero by zero.
 * **The sign.** The report adds $b$; the dual subtracts $\beta$. A port that
   mixes the two routes with $s - b$ while updating $b$ for $s + b$.
 
@@ -35,6 +41,7 @@ from refimpl.balancing import (
     histogram_balancing_update,
     megatron_qb_update,
     quantile_balancing_update,
+    torchtitan_qb_update,
 )
 from refimpl.layer.routing import expert_load, route
 from refimpl.studies.figures import figures_wanted, show_figure
@@ -85,6 +92,18 @@ def micro(z: np.ndarray, tokens: int = MICRO_TOKENS) -> list[np.ndarray]:
     return np.split(z, z.shape[0] // tokens)
 
 
+def megatron_global_batch(z: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Megatron-Core's `global_batch` update: float32 sigmoid scores of every micro-batch in one histogram."""
+    scores = [block.astype(np.float32) for block in micro(sigmoid(z))]
+    return np.asarray(megatron_qb_update(scores, b.astype(np.float32), K, estimation_scope="global_batch"))
+
+
+def torchtitan(z: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """torchtitan's `QuantileBalancer`: observed micro-batch by micro-batch, estimated at the optimizer step."""
+    scores = [block.astype(np.float32) for block in micro(sigmoid(z))]
+    return np.asarray(torchtitan_qb_update(scores, b.astype(np.float32), K))
+
+
 def conventions() -> list[Convention]:
     """The rules compared, each with its own selection and update."""
 
@@ -105,6 +124,8 @@ def conventions() -> list[Convention]:
         Convention("histogram, fixed [-1, 1], 512 bins", report_select,
                    lambda z, b: np.asarray(histogram_balancing_update(micro(sigmoid(z)), b, K, 512,
                                                                       value_range=(-1.0, 1.0)))),
+        Convention("Megatron-Core global_batch: ceil(q) rank", report_select, megatron_global_batch),
+        Convention("torchtitan QuantileBalancer: ceil(q) rank", report_select, torchtitan),
         Convention("Megatron-Core's bias on the scores", lambda z, beta: topk(sigmoid(z) - beta),
                    lambda z, beta: np.asarray(megatron_qb_update(micro(z), beta, K))),
         Convention("s - b routed, b updated for s + b", lambda z, b: topk(sigmoid(z) - b), report_update),
@@ -156,6 +177,48 @@ def whole_target_effect(steps: int, tokens: int) -> dict[str, float]:
     return {name: float(np.median(v[steps // 2:])) for name, v in violations.items()}
 
 
+def read_gaps(bias: np.ndarray, step: int) -> dict[str, object]:
+    """Each histogram update of one fresh batch against Eq. (14)'s, from `bias`: (largest, median) in bins."""
+    weight, mean = skewed_router(N, WIDTH, SEED)
+    z = logits_of(weight, mean, MICRO_BATCHES * MICRO_TOKENS, step)  # [m, n], a batch the run has not seen
+    exact = np.asarray(quantile_balancing_update(sigmoid(z), bias, K))  # [n]
+    width = (bias.max() - bias.min() + 2.0) / 1000
+    updates = {
+        "refimpl's Appendix D: (q+1)-th, 1000 bins": np.asarray(
+            histogram_balancing_update(micro(sigmoid(z)), bias, K, 1000)),
+        "Megatron-Core global_batch: ceil(q)-th": megatron_global_batch(z, bias),
+        "torchtitan QuantileBalancer: ceil(q)-th": torchtitan(z, bias),
+    }
+    in_bins = {name: (float(np.abs(new - exact).max() / width), float(np.median(np.abs(new - exact)) / width))
+               for name, new in updates.items()}
+    return {"bin width": float(width), "in bins": in_bins}
+
+
+def empty_step(bias: np.ndarray) -> dict[str, str]:
+    """What each update does with a step whose micro-batches hold no token."""
+    nothing = [np.zeros((0, N), dtype=np.float32)] * MICRO_BATCHES  # [0, n] each
+    held = bias.astype(np.float32)
+
+    def outcome(update) -> str:
+        try:
+            new = np.asarray(update())
+        except ValueError as error:
+            return f"refuses it: ValueError({str(error).split(':')[0]!r})"
+        if np.isnan(new).any():
+            return f"NaN in {int(np.isnan(new).sum())} of {N} entries"
+        return "keeps the bias" if np.array_equal(new, held) else f"moves it by {np.abs(new - held).max():.3g}"
+
+    return {
+        "Eq. (14), quantile_balancing_update": outcome(lambda: quantile_balancing_update(
+            np.concatenate(nothing), held, K)),
+        "Appendix D, histogram_balancing_update": outcome(lambda: histogram_balancing_update(
+            nothing, held, K, 1000)),
+        "Megatron-Core global_batch": outcome(lambda: megatron_qb_update(nothing, held, K,
+                                                                          estimation_scope="global_batch")),
+        "torchtitan QuantileBalancer": outcome(lambda: torchtitan_qb_update(nothing, held, K)),
+    }
+
+
 def convention_output(name: str, blocks: list[np.ndarray], b: np.ndarray) -> np.ndarray:
     """The new bias of one of the kit's catalogued ways of shipping Eq. (14) (`refimpl.testing.qb_conventions`)."""
     entry = next(e for e in HISTOGRAM_CONVENTIONS if e.name == name)
@@ -183,8 +246,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     print(f"   {'no preference, no bias (the noise floor)':<44}{'':>24}{np.median(floor[settle:]):>24.3f}")
 
     # What to see: every rule read in its own sign settles within a few steps near 0.17, a little above the
-    # noise floor, whether it works on logits or scores, pooled or averaged, exact or binned. The two rows that
-    # mix conventions never settle: 11 = n/k - 1 means one set of k experts takes every token.
+    # noise floor, whether it works on logits or scores, pooled or averaged, exact or binned; Megatron-Core's
+    # global_batch mode and torchtitan's QuantileBalancer, with their ceil(q) rank, among them. The two rows
+    # that mix conventions never settle: 11 = n/k - 1 means one set of k experts takes every token.
 
     # Step 2: How small the micro-batches may be
     # The same batches split into smaller micro-batches, one quantile per micro-batch averaged.
@@ -213,12 +277,39 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     # What to see: rounding q down moves each threshold by less than one token's margin, far below the noise
     # of a fresh batch, so the two rules balance alike.
 
+    # Step 4: Where the shipped histograms read
+    # From the bias Eq. (14) holds after the run, one fresh batch, and each histogram update beside Eq. (14)'s,
+    # in bins of the adaptive range: refimpl's Appendix D reads the (q+1)-th smallest required bias in its bin,
+    # Megatron-Core's global_batch mode and torchtitan the ceil(q)-th.
+    gaps = read_gaps(rules[0].bias, args.steps)
+    print(f"one fresh batch from the settled bias (q = {MICRO_BATCHES * MICRO_TOKENS * K // N}, 1000 bins of "
+          f"{gaps['bin width']:.2e}); |update - Eq. (14)| in bins:")
+    for name, (largest, median) in gaps["in bins"].items():
+        print(f"   {name:<44}largest {largest:>6.2f}   median {median:>5.2f}")
+
+    # What to see: all three read within a bin of Eq. (14), and the two shipped ones as close as refimpl's: the
+    # ceil(q)-th and the (q+1)-th smallest required bias are neighbours in the column, here in the same bin, so
+    # the rank costs nothing on batches of this size. Neighbours lie further apart as the batch shrinks: on steps
+    # of a few dozen tokens the two ranks read many bins apart.
+
+    # Step 5: A step with nothing counted
+    # Every micro-batch of the step is empty (a pipeline stage that received no token, or every forward of
+    # the step in eval): what each update does with the bias Eq. (14) holds.
+    empty = empty_step(rules[0].bias)
+    print("an update from a step with no token:")
+    for name, what in empty.items():
+        print(f"   {name:<44}{what}")
+
+    # What to see: Megatron-Core keeps the bias (its update is guarded by `has_tokens`); torchtitan's estimate
+    # divides an empty bin's count into zero and writes NaN on every expert, which routes every later token by
+    # NaN; refimpl's updates refuse the empty step, so the trainer keeps the bias it has.
+
     # Step: The figure
     # Step 1's rules, step by step.
     if figures_wanted(args.out):
         plot(args.out, rules, floor)
     return {"median_max_violation": summary, "floor": float(np.median(floor[settle:])), "micro_batches": sweep,
-            "rounded": rounded}
+            "rounded": rounded, "read_gaps": gaps["in bins"], "empty_step": empty}
 
 
 # %%
@@ -240,7 +331,7 @@ def plot(out: Path, rules: list[Convention], floor: np.ndarray) -> None:
     show_figure(fig, out, "qb_as_shipped.png",
                 caption="Every rule read in its own sign settles near the noise floor within a few steps; "
                         "the bias read in the other sign, or a logit-space bias added to the scores, does not.",
-                alt="Max violation per step on a log scale for seven balancing rules and the noise floor")
+                alt="Max violation per step on a log scale for nine balancing rules and the noise floor")
 
 
 # %%

@@ -78,15 +78,17 @@ class MyK3Block(Module):
                 self.routed_expert_norm = nn.RMSNorm(latent, eps=cfg.get("rms_norm_eps", 1e-6))
             self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
         self.experts = nn.ModuleList(Expert(width, f) for _ in range(n))
-        # The shared MLP exists whatever its width, as in the reference code: with no shared experts it has
-        # width 0, and the checkpoint's state dict holds its zero-element tensors.
+        # The shared MLP exists unless num_shared_experts is null, as in the reference code: absent or 0 it has
+        # width 0, and the checkpoint's state dict holds its zero-element tensors; null, there is none.
         # (PyTorch warns that initializing a zero-element tensor does nothing: true, and harmless here.)
-        shared = cfg.get("num_shared_experts") or 0
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op")
-            self.shared_experts = nn.ModuleDict({
-                "gate_proj": nn.Linear(d, shared * f, bias=False), "up_proj": nn.Linear(d, shared * f, bias=False),
-                "down_proj": nn.Linear(shared * f, d, bias=False)})
+        shared = cfg.get("num_shared_experts", 0)
+        if shared is not None:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op")
+                self.shared_experts = nn.ModuleDict({
+                    "gate_proj": nn.Linear(d, shared * f, bias=False),
+                    "up_proj": nn.Linear(d, shared * f, bias=False),
+                    "down_proj": nn.Linear(shared * f, d, bias=False)})
 
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """SiTU-GLU (or SwiGLU for hidden_act "silu"), with the reference's meaning of absent caps."""

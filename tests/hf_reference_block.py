@@ -33,7 +33,8 @@ MISTAKES = {
     "bias_in_weights", "scale_applied_twice", "scale_skipped_without_renormalization", "top1_renormalized",
     "groups_by_max", "up_cap_flipped", "latent_norm_dropped", "silu_for_situ", "bf16_router",
     "mxfp4_nibbles_swapped", "e8m0_bias_125", "e8m0_as_e4m3", "gate_up_swapped", "bias_subtracted",
-    "shared_experts_dropped", "bias_on_logits",
+    "shared_experts_dropped", "bias_on_logits", "router_in_bfloat16", "norm_after_up_projection", "norm_eps_other",
+    "experts_summed_in_bfloat16",
 }
 
 
@@ -52,6 +53,8 @@ class KimiMoEGate(nn.Module):
         n, top_k = text["num_experts"], text["num_experts_per_token"]
         if "bf16_router" in mistakes:
             logits = (x.bfloat16() @ self.weight.bfloat16().T).float()  # the GEMM's output rounded to bfloat16
+        elif "router_in_bfloat16" in mistakes:
+            logits = x.bfloat16() @ self.weight.bfloat16().T  # and everything after it stays bfloat16
         else:
             logits = x.float() @ self.weight.float().T  # [m, n], float32 whatever the block's dtype
         if text.get("moe_router_activation_func", "sigmoid") == "softmax":
@@ -59,6 +62,8 @@ class KimiMoEGate(nn.Module):
         else:
             scores = logits.sigmoid()
         bias = self.e_score_correction_bias.float()
+        if "router_in_bfloat16" in mistakes:
+            bias = bias.bfloat16()
         choice = scores - bias if "bias_subtracted" in mistakes else scores + bias  # [m, n]
         if "bias_on_logits" in mistakes:
             choice = logits + bias  # Megatron-Core's QB router: top-k of logits - qb_beta
@@ -72,7 +77,10 @@ class KimiMoEGate(nn.Module):
             chosen = group_score.topk(keep, dim=-1).indices
             mask = torch.zeros_like(group_score).scatter_(1, chosen, 1.0).bool()
             choice = choice.masked_fill(~mask[:, :, None].expand_as(grouped).reshape(len(x), n), float("-inf"))
-        idx = torch.topk(choice, top_k, dim=-1).indices  # [m, k]
+        if "router_in_bfloat16" in mistakes:  # bfloat16 ties are common: a stable sort keeps the lower id first
+            idx = torch.sort(choice.float(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+        else:
+            idx = torch.topk(choice, top_k, dim=-1).indices  # [m, k]
         weight = (choice if "bias_in_weights" in mistakes else scores).gather(1, idx)
         renormalize = top_k > 1 or "top1_renormalized" in mistakes
         if renormalize and text.get("moe_renormalize", True):
@@ -83,7 +91,7 @@ class KimiMoEGate(nn.Module):
         renormalized = top_k > 1 and text.get("moe_renormalize", True)
         if renormalized or "scale_skipped_without_renormalization" not in mistakes:
             weight = weight * scale
-        return idx, weight
+        return idx, weight.float()
 
 
 class SiTU(nn.Module):
@@ -174,31 +182,44 @@ class KimiSparseMoeBlock(nn.Module):
         if self.latent:
             self.routed_expert_down_proj = nn.Linear(d, latent, bias=False)
             if self.use_norm:
-                self.routed_expert_norm = KimiRMSNorm(latent, text.get("rms_norm_eps", 1e-6))
+                eps = text.get("rms_norm_eps", 1e-6)
+                if "norm_eps_other" in mistakes:
+                    eps = 1e-6 if eps == 1e-5 else 1e-5
+                self.routed_expert_norm = KimiRMSNorm(latent, eps)
+            if "norm_after_up_projection" in mistakes and latent != d:
+                from refimpl.testing import Unsupported
+
+                raise Unsupported("a norm after the up-projection needs a gain as wide as the model")
             self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
         self.experts = nn.ModuleList(KimiExpert(width, f, act, "gate_up_swapped" in mistakes) for _ in range(n))
-        shared = text.get("num_shared_experts", 0) or 0
-        self.has_shared = shared > 0
-        # The reference code builds the shared MLP whatever its width: with num_shared_experts absent or 0 it
-        # is a width-0 MLP, whose state_dict() holds zero-element tensors ([0, d], [0, d], [d, 0]).
-        self.shared_experts = KimiMLP(d, shared * f, act)
+        shared = text.get("num_shared_experts", 0)
+        self.has_shared = bool(shared)
+        # The reference code builds the shared MLP when num_shared_experts is not None (`if
+        # config.num_shared_experts is not None`): absent or 0 it is a width-0 MLP, whose state_dict() holds
+        # zero-element tensors ([0, d], [0, d], [d, 0]); null, there is no shared module at all.
+        if shared is not None:
+            self.shared_experts = KimiMLP(d, shared * f, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weight = self.gate(x)  # [m, k] each, float32 weights
         h = self.routed_expert_down_proj(x) if self.latent else x  # [m, width]
-        u = torch.zeros(h.shape, dtype=torch.float32)  # the routed sum, accumulated in float32
+        summed = torch.bfloat16 if "experts_summed_in_bfloat16" in self.mistakes else torch.float32
+        u = torch.zeros(h.shape, dtype=summed)  # the routed sum, accumulated in float32
         for e, expert in enumerate(self.experts):
             token, slot = torch.nonzero(idx == e, as_tuple=True)
             if len(token) == 0:
                 continue
             out = expert(h[token])  # [m_e, width]
-            u.index_add_(0, token, out.float() * weight[token, slot, None])
-        if self.use_norm and "latent_norm_dropped" not in self.mistakes:
+            u.index_add_(0, token, (out.float() * weight[token, slot, None]).to(summed))
+        after_up = "norm_after_up_projection" in self.mistakes
+        if self.use_norm and "latent_norm_dropped" not in self.mistakes and not after_up:
             y = self.routed_expert_norm(u.to(h.dtype))
         else:
             y = u.to(h.dtype)
         if self.latent:
             y = self.routed_expert_up_proj(y)
+        if self.use_norm and after_up:
+            y = self.routed_expert_norm(y)
         if self.has_shared and "shared_experts_dropped" not in self.mistakes:
             y = y + self.shared_experts(x)
         return y

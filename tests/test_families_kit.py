@@ -40,7 +40,7 @@ def literal_build(model_type: str):
 def test_a_literal_build_of_the_real_block_passes(model_type):
     result = check_hf_moe_block(literal_build(model_type), model_type=model_type, settings="quick")
     shift = ["unchanged when every bias shifts by one constant"] if FAMILIES[model_type].has_bias else []
-    assert result.passed == ["builds and runs", "matches the reference block", *shift]
+    assert result.passed == ["builds and runs", "one build answers every input", "matches the reference block", *shift]
 
 
 @pytest.mark.parametrize("model_type", sorted(BLOCKS))
@@ -96,7 +96,7 @@ def test_a_port_declines_what_it_does_not_cover_and_still_passes_on_the_rest():
         return real(text_config, state_dict)
 
     result = check_hf_moe_block(build, model_type="deepseek_v3", settings="quick")
-    assert result.passed == ["builds and runs", "matches the reference block",
+    assert result.passed == ["builds and runs", "one build answers every input", "matches the reference block",
                              "unchanged when every bias shifts by one constant"]
 
 

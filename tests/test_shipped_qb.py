@@ -19,6 +19,8 @@ transcribed below the same way.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -231,10 +233,202 @@ def test_example_15_measures_each_convention(tmp_path, capsys):
     result = load_example("15_qb_as_others_ship_it").main(["--out", str(tmp_path), "--steps", "16"])
     medians = result["median_max_violation"]
     consistent = [v for name, v in medians.items() if "bias on the scores" not in name and "s - b" not in name]
-    assert len(consistent) == 5 and max(consistent) - min(consistent) < 0.08  # each rule in its own sign settles
+    assert len(consistent) == 7 and max(consistent) - min(consistent) < 0.08  # each rule in its own sign settles
     assert medians["Megatron-Core's bias on the scores"] > 5 and medians["s - b routed, b updated for s + b"] > 5
     assert result["micro_batches"][12] > result["micro_batches"][528] + 0.08  # tiny micro-batches cost balance
     rounded = result["rounded"]
     assert abs(rounded["q rounded down"] - rounded["interpolated q (Eq. 14)"]) < 0.02
+    gaps = result["read_gaps"]  # (largest, median) distance from Eq. (14), in bins
+    assert len(gaps) == 3 and all(largest < 2 for largest, _ in gaps.values())
+    empty = result["empty_step"]
+    assert empty["Megatron-Core global_batch"] == "keeps the bias"
+    assert empty["torchtitan QuantileBalancer"] == "NaN in 96 of 96 entries"
+    assert all(what.startswith("refuses it: ValueError") for name, what in empty.items() if "update" in name)
     assert "noise floor" in capsys.readouterr().out
     assert (tmp_path / "qb_as_shipped.png").stat().st_size > 10_000
+
+
+# Megatron-Core's global_batch mode (NVIDIA/Megatron-LM PR #6638 at fe35272c0556ac74b382e51b55b17c57bc1c447b:
+# the histogram branch of topk_routing_with_score_function and get_updated_expert_bias_with_quantile in
+# moe_utils.py) and torchtitan's QuantileBalancer (PR #4577, observe and estimate_expert_bias), transcribed
+# after their sigmoid (NumPy's float32 sigmoid is not torch's bit for bit, so both start from the scores).
+
+def megatron_histogram_branch(scores, expert_bias, topk, qb_histogram, qb_bin_bounds):
+    num_experts = scores.shape[1]
+    scores_for_routing = scores + expert_bias.float()
+    topk_result = torch.topk(scores_for_routing, topk + 1, dim=1, sorted=True)
+    cutoff = topk_result.values[:, -1:]
+    num_bins = qb_histogram.shape[1]
+    lower, upper = qb_bin_bounds.unbind()
+    bin_indices = torch.floor((cutoff - scores.detach() - lower) * (num_bins / (upper - lower))).to(torch.int64)
+    bin_indices.clamp_(0, num_bins - 1)
+    expert_offsets = torch.arange(num_experts, dtype=torch.int64) * num_bins
+    flat_indices = (bin_indices + expert_offsets).reshape(-1)
+    qb_histogram.view(-1).scatter_add_(0, flat_indices, torch.ones_like(flat_indices, dtype=torch.int32))
+
+
+def get_updated_expert_bias_with_quantile(histogram, bin_bounds, expert_bias, topk):
+    num_experts, num_bins = histogram.shape[-2:]
+    cumulative_counts = torch.cumsum(histogram, dim=-1, dtype=torch.int64)
+    tokens_per_expert = cumulative_counts[..., -1]
+    total_tokens = tokens_per_expert[..., 0]
+    target_quantile = total_tokens.to(torch.float32) * (topk / num_experts)
+    target_rank = torch.ceil(target_quantile).to(torch.int64).clamp_min_(1)
+    selected_bins = (cumulative_counts >= target_rank[..., None, None]).to(torch.int64).argmax(dim=-1)
+    selected_counts = torch.gather(histogram, -1, selected_bins.unsqueeze(-1)).squeeze(-1)
+    previous_bins = (selected_bins - 1).clamp_min(0)
+    counts_before = torch.gather(cumulative_counts, -1, previous_bins.unsqueeze(-1)).squeeze(-1)
+    counts_before = torch.where(selected_bins == 0, torch.zeros_like(counts_before), counts_before)
+    interpolation = ((target_quantile[..., None] - counts_before.to(torch.float32))
+                     / selected_counts.clamp_min(1).to(torch.float32)).clamp_(0.0, 1.0)
+    lower = bin_bounds[..., 0, None]
+    upper = bin_bounds[..., 1, None]
+    bin_width = (upper - lower) / num_bins
+    updated_expert_bias = lower + (selected_bins.to(torch.float32) + interpolation) * bin_width
+    updated_expert_bias -= updated_expert_bias.mean(dim=-1, keepdim=True)
+    has_tokens = total_tokens > 0
+    updated_expert_bias = torch.where(has_tokens[..., None], updated_expert_bias, expert_bias)
+    bias_min, bias_max = torch.aminmax(updated_expert_bias, dim=-1)
+    updated_bin_bounds = torch.stack((bias_min - 1.0, bias_max + 1.0), dim=-1)
+    updated_bin_bounds = torch.where(has_tokens[..., None], updated_bin_bounds, bin_bounds)
+    return updated_expert_bias, updated_bin_bounds
+
+
+def torchtitan_observe(histogram_EB, scores_TE, cutoff_T1, expert_bias_E, num_bins):
+    lower_bound = expert_bias_E.min() - 1.0
+    bin_width = (expert_bias_E.max() - expert_bias_E.min() + 2.0) / num_bins
+    required_bias_TE = cutoff_T1 - scores_TE
+    bin_indices_TE = torch.floor((required_bias_TE - lower_bound) / bin_width).to(torch.int64)
+    bin_indices_ET = bin_indices_TE.clamp_(0, num_bins - 1).transpose(0, 1)
+    microbatch_histogram_EB = torch.zeros_like(histogram_EB)
+    microbatch_histogram_EB.scatter_add_(1, bin_indices_ET, torch.ones_like(bin_indices_ET,
+                                                                             dtype=microbatch_histogram_EB.dtype))
+    histogram_EB.add_(microbatch_histogram_EB)
+
+
+def torchtitan_estimate_expert_bias(histogram_EB, expert_bias_E, top_k, num_experts, num_bins):
+    counts_E = histogram_EB.sum(dim=-1, dtype=torch.int64)
+    target_count_E = counts_E.float() * (top_k / num_experts)
+    cumulative_counts_EB = histogram_EB.cumsum(dim=-1, dtype=torch.int64)
+    target_rank_E = target_count_E.ceil().to(torch.int64)
+    target_bin_E = (cumulative_counts_EB < target_rank_E.unsqueeze(-1)).sum(dim=-1)
+    target_bin_E1 = target_bin_E.unsqueeze(-1)
+    counts_in_bin_E = histogram_EB.gather(-1, target_bin_E1).squeeze(-1)
+    counts_before_E = cumulative_counts_EB.gather(-1, target_bin_E1).squeeze(-1) - counts_in_bin_E
+    fraction_E = (target_count_E - counts_before_E.float()) / counts_in_bin_E.float()
+    bin_width = (expert_bias_E.max() - expert_bias_E.min() + 2.0) / num_bins
+    quantile_position_E = target_bin_E.float() + fraction_E
+    return (quantile_position_E - quantile_position_E.mean()) * bin_width
+
+
+@st.composite
+def histogram_steps(draw: st.DrawFn) -> tuple[list[np.ndarray], np.ndarray, int, int]:
+    """Micro-batches of float32 sigmoid scores (some empty), a float32 bias, k and a number of bins."""
+    n = draw(st.sampled_from([4, 6, 8, 16]))
+    k = draw(st.integers(1, n - 1))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    blocks = [(1.0 / (1.0 + np.exp(-(rng.normal(size=(m, n)) + rng.normal(0, 1.5, n))))).astype(np.float32)
+              for m in draw(st.lists(st.integers(0, 40), min_size=1, max_size=4))]
+    bias = (rng.normal(0, draw(st.sampled_from([0.0, 0.05, 0.5])), n)).astype(np.float32)
+    return blocks, bias, k, draw(st.sampled_from([2, 7, 100, 1000]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(histogram_steps())
+def test_megatron_global_batch_is_megatron_cores(drawn):
+    """Histogram, bias and range as Megatron-Core's code computes them, bit for bit (both float32)."""
+    from refimpl.balancing import MegatronGlobalBatchQB, megatron_global_batch_update
+
+    blocks, bias, k, bins = drawn
+    n = bias.shape[0]
+    router = MegatronGlobalBatchQB(n, k, num_bins=bins, bias=bias)
+    histogram = torch.zeros(n, bins, dtype=torch.int32)
+    bounds = torch.tensor([bias.min() - np.float32(1), bias.max() + np.float32(1)], dtype=torch.float32)
+    for block in blocks:
+        router.route(block)
+        megatron_histogram_branch(torch.from_numpy(block), torch.from_numpy(bias), k, histogram, bounds)
+    np.testing.assert_array_equal(router.qb_histogram, histogram.numpy())
+    expected_bias, expected_bounds = get_updated_expert_bias_with_quantile(histogram, bounds, torch.from_numpy(bias), k)
+    got_bias, got_bounds = megatron_global_batch_update(router.qb_histogram, router.qb_bin_bounds, bias, k)
+    np.testing.assert_allclose(got_bias, expected_bias.numpy(), rtol=0, atol=4 * np.finfo(np.float32).eps * 8)
+    np.testing.assert_allclose(got_bounds, expected_bounds.numpy(), rtol=0, atol=4 * np.finfo(np.float32).eps * 8)
+    if sum(b.shape[0] for b in blocks) == 0:  # an empty step: bias and range kept, measured
+        np.testing.assert_array_equal(got_bias, bias)
+
+
+@settings(max_examples=60, deadline=None)
+@given(histogram_steps())
+def test_torchtitan_quantile_balancer_is_torchtitans(drawn):
+    """Histogram bit for bit and the estimate to float32 rounding; on an empty step both give NaN everywhere."""
+    from refimpl.balancing import TorchtitanQuantileBalancer, torchtitan_estimate
+
+    blocks, bias, k, bins = drawn
+    n = bias.shape[0]
+    mine = TorchtitanQuantileBalancer(n, k, num_bins=bins, bias=bias)
+    histogram = torch.zeros(n, bins, dtype=torch.int32)
+    for block in blocks:
+        mine.route(block)
+        s, b = torch.from_numpy(block), torch.from_numpy(bias)
+        cutoff = torch.topk(s + b, k + 1, dim=-1, sorted=True).values[:, k:]
+        torchtitan_observe(histogram, s, cutoff, b, bins)
+    np.testing.assert_array_equal(mine.required_bias_histogram, histogram.numpy())
+    expected = torchtitan_estimate_expert_bias(histogram, torch.from_numpy(bias), k, n, bins).numpy()
+    got = torchtitan_estimate(mine.required_bias_histogram, bias, k)
+    if sum(b.shape[0] for b in blocks) == 0:
+        assert np.isnan(expected).all() and np.isnan(got).all()  # 0/0, as shipped: measured, not guessed
+    else:
+        np.testing.assert_allclose(got, expected, rtol=0, atol=64 * np.finfo(np.float32).eps)
+
+
+def test_the_two_read_the_ceil_q_rank_and_part_on_a_bin_edge():
+    """Conventions the update checks name: both read the ceil(q)-th smallest required bias (Eq. 14 the
+    (q+1)-th); Megatron-Core multiplies by bins/(u - l), torchtitan divides by the width, and the atom at the old
+    bias, which lies exactly on a bin edge, falls on either side."""
+    from refimpl.balancing import MegatronGlobalBatchQB, TorchtitanQuantileBalancer
+
+    s = np.random.default_rng(0).random((64, 8)).astype(np.float32)
+    megatron, titan = MegatronGlobalBatchQB(8, 2), TorchtitanQuantileBalancer(8, 2)
+    megatron.route(s)
+    titan.route(s)
+    moved = np.flatnonzero(megatron.qb_histogram != titan.required_bias_histogram)
+    assert moved.size > 0 and set(moved % 1000) <= {499, 500}  # only the bins either side of r = 0
+
+
+@pytest.mark.parametrize(("keywords", "error", "match"), [
+    (dict(num_bins=0), ValueError, "num_bins must be >= 2, got 0"),
+    (dict(num_bins=-3), ValueError, "num_bins must be >= 2, got -3"),
+    (dict(num_bins=1), ValueError, "num_bins must be >= 2, got 1"),
+    (dict(num_bins=2.5), TypeError, "num_bins must be an integer, got float 2.5"),
+    (dict(num_bins=True), TypeError, "num_bins must be an integer, got bool True"),
+    (dict(estimation_scope="global"), ValueError,
+     "estimation_scope must be 'micro_batch' or 'global_batch', got 'global'"),
+    (dict(estimation_scope=None), ValueError, "estimation_scope must be 'micro_batch' or 'global_batch', got None"),
+    (dict(ema=0.5), ValueError, "needs ema=0, got 0.5"),
+])
+def test_the_global_batch_update_refuses_bad_arguments_by_name(keywords, error, match):
+    s = np.random.default_rng(0).random((8, 8)).astype(np.float32)
+    arguments = {"estimation_scope": "global_batch", **keywords}
+    with pytest.raises(error, match=re.escape(match)):
+        megatron_qb_update([s], np.zeros(8, dtype=np.float32), 2, **arguments)
+
+
+@pytest.mark.parametrize("scope", ["micro_batch", "global_batch"])
+def test_num_bins_is_checked_in_either_scope(scope):
+    z = np.random.default_rng(0).random((8, 8))
+    with pytest.raises(ValueError, match="num_bins must be >= 2, got 0"):
+        megatron_qb_update([z], np.zeros(8), 2, estimation_scope=scope, num_bins=0)
+
+
+@pytest.mark.parametrize("make", ["MegatronGlobalBatchQB", "TorchtitanQuantileBalancer"])
+@pytest.mark.parametrize(("arguments", "error", "match"), [
+    ((8, 2, 0), ValueError, "num_bins must be >= 2, got 0"),
+    ((8, 2, 2.5), TypeError, "num_bins must be an integer, got float 2.5"),
+    ((8, 8, 1000), ValueError, "top_k"),
+    ((1, 1, 1000), ValueError, "num_experts"),
+])
+def test_the_shipped_balancers_refuse_bad_sizes_by_name(make, arguments, error, match):
+    import refimpl.balancing as balancing
+
+    num_experts, top_k, num_bins = arguments
+    with pytest.raises(error, match=re.escape(match)):
+        getattr(balancing, make)(num_experts, top_k, num_bins=num_bins)

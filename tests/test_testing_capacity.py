@@ -8,6 +8,7 @@ from conftest import load_example
 
 from refimpl import capacity_keep
 from refimpl.testing import CheckFailure, check_capacity
+from refimpl.testing.capacity_check import token_major_keep
 
 example = load_example("72_capacity_mistakes")
 
@@ -52,3 +53,30 @@ def test_catches_needless_drops_and_token_order():
     with pytest.raises(CheckFailure) as info:
         check_capacity(reversed_tokens)
     assert "token order within a rank" in info.value.failed
+
+
+def test_token_major_order_is_a_convention_a_port_declares():
+    """MaxText's documented order: declared, it passes; undeclared, the report names the declaration."""
+    result = check_capacity(example.token_order_priority, order="token_major")
+    assert "token order" in result.passed and "same as token_major_keep" in result.passed
+    with pytest.raises(CheckFailure) as info:
+        check_capacity(example.token_order_priority)
+    assert "order='token_major'" in str(info.value)
+    with pytest.raises(CheckFailure) as info:  # a rank-major port is not token-major
+        check_capacity(example.correct, order="token_major")
+    assert "same as token_major_keep" in info.value.failed
+
+
+def test_token_major_keep_is_the_loop_it_names():
+    index = np.array([[0, 1], [0, 2], [1, 0]])
+    # Capacity 1, token by token: token 0 fills experts 0 and 1; token 1 finds 0 full and takes 2; token 2 finds
+    # 1 and 0 full. Rank-major serves the first choices first: 0, 0 (full), 1; then the second choices.
+    kept = np.asarray(token_major_keep(index, 3, 1))
+    assert kept.tolist() == [[True, True], [False, True], [False, False]]
+    assert np.asarray(capacity_keep(index, 3, 1)).tolist() == [[True, False], [False, True], [True, False]]
+
+
+@pytest.mark.parametrize("order", ["token-major", "", None, "rank"])
+def test_an_unknown_order_is_refused(order):
+    with pytest.raises(ValueError, match="order"):
+        check_capacity(example.correct, order=order)

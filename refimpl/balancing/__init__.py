@@ -59,14 +59,22 @@ from .quantile import (
     sign_balancing_update,
     target_load,
 )
-from .shipped import megatron_qb_update, megatron_quantile
+from .shipped import (
+    MegatronGlobalBatchQB,
+    TorchtitanQuantileBalancer,
+    megatron_global_batch_update,
+    megatron_qb_update,
+    megatron_quantile,
+    torchtitan_estimate,
+    torchtitan_qb_update,
+)
 
 __all__ = [
-    "FORMER_KINDS", "AssignmentLP", "AuxLossBalancer", "BalanceStep", "Balancer", "BiasHistogram",
+    "FORMER_KINDS", "AssignmentLP", "MegatronGlobalBatchQB", "TorchtitanQuantileBalancer", "AuxLossBalancer", "BalanceStep", "Balancer", "BiasHistogram",
     "CapacityBalancer", "DescentTrace", "FrozenBalancer", "HashBalancer", "HistogramBalancer", "QuantileBalancer",
     "SeparatingDual", "SequenceLossBalancer", "SignBalancer", "SubgradientCheck", "alpha_step", "beta_step",
     "beta_subgradient", "coordinate_descent", "cutoff_values", "cutoffs", "dual_objective", "expert_major_margins",
     "histogram_balancing_update", "histogram_range", "interpolated_kth_largest", "kth_largest", "load_ratio",
-    "margins", "megatron_qb_update", "megatron_quantile", "quantile_balancing_update", "quantile_rank", "quantile_thresholds", "required_bias",
-    "separating_dual", "sign_balancing_update", "solve_assignment_lp", "subgradient_check", "target_load",
+    "margins", "megatron_global_batch_update", "megatron_qb_update", "megatron_quantile", "quantile_balancing_update", "quantile_rank", "quantile_thresholds", "required_bias",
+    "separating_dual", "sign_balancing_update", "solve_assignment_lp", "subgradient_check", "target_load", "torchtitan_estimate", "torchtitan_qb_update",
 ]

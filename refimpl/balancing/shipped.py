@@ -39,18 +39,73 @@ With one micro-batch, scores for logits and a whole $mk/n$,
 `megatron_qb_update([s], -b, k)` is $-$`quantile_balancing_update(s, b, k)`
 exactly: the same order statistic in the other sign. The kit's update checks
 name each of these when a port's update reproduces it.
+
+**The histogram modes, round two.** Two trainers now ship Appendix D itself:
+
+4. **Megatron-Core's `estimation_scope="global_batch"`** (NVIDIA/Megatron-LM PR
+   #6638, read at its head `fe35272`, 2026-08-19: `get_updated_expert_bias_with_quantile`
+   and the histogram branch of `topk_routing_with_score_function` in
+   `moe_utils.py`, `_update_router_qb_histogram` in `finalize_model_grads.py`,
+   the router's buffers in `router.py`), computed here by `MegatronGlobalBatchQB`
+   and `megatron_qb_update(..., estimation_scope="global_batch", num_bins=1000)`.
+   Its conventions: an **added** bias `qb_bias` ($b$, not $\beta$) on the
+   **sigmoid scores** (`torch.sigmoid(logits.float())`; the micro-batch mode
+   subtracts $\beta$ from raw logits); an int32 histogram `[E, bins]` of
+   `cutoff - score` **pooled** over micro-batches and summed over TP×DP×CP;
+   the range $[\min b - 1, \max b + 1]$ kept as a buffer `qb_bin_bounds`
+   (`[-1, 1]` at the start, recomputed from each new bias); the
+   $\lceil mk/E \rceil$-th smallest required bias (Eq. 14 reads the
+   $(q+1)$-th), interpolated at $(q - \text{before})/c$ in its bin; centred.
+   It counts a forward only when `training and torch.is_grad_enabled() and
+   not frozen_expert_bias`, and a frozen router is not updated. **On a step
+   with nothing counted** it keeps the bias and the range
+   (`torch.where(has_tokens, ...)`). Its histogram is a non-persistent buffer:
+   a checkpoint holds `qb_bias` and `qb_bin_bounds`, not the counts of a step
+   in progress. The tests of PR #6638's later commit `17c811a` are not in the
+   store this module was written from; the head's are.
+5. **torchtitan's `QuantileBalancer`** (pytorch/torchtitan PR #4577:
+   `QuantileBalancedTopKRouter`, `QuantileBalancer` and
+   `register_moe_quantile_balancing_hook`; read from the code index, which
+   holds the file's text but not its commit, and which the newest stored
+   snapshot of the repository, `b5bcd76`, does not yet contain), computed here
+   by `TorchtitanQuantileBalancer` and `torchtitan_qb_update`. The same added
+   bias on sigmoid scores, 1000 bins over $[\min b - 1, \max b + 1]$ recomputed
+   from the bias at each forward, the $\lceil q \rceil$ rank, pooled, centred.
+   It observes only when the module is in training mode (`self.training`;
+   grad mode is not consulted). **On a step with nothing counted** its
+   estimate divides the target bin's count into zero: $0/0$, and the bias it
+   writes is NaN on every expert (measured in the tests).
+
+Both read the $\lceil q\rceil$-th smallest required bias where Eq. (14) reads
+the $(q+1)$-th. The two are neighbours in each column, so how far apart they
+read depends on the batch: on Example 15's steps of 4,224 tokens both shipped
+updates read within a bin of Eq. (14), as close as refimpl's own histogram, and
+balance as well; on the lifecycle check's steps of 16 to 144 tokens they read
+many bins away from it (`docs/measure_lifecycle.py`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
 
 from .._lib.validation import check_bias, check_finite, check_float_array, check_int
 from .._lib.values import is_real
 from .._lib.xp import Array, array_namespace, compute_dtype, is_array
 from .quantile import cutoff_values, expert_major_margins, kth_largest
 
-__all__ = ["megatron_qb_update", "megatron_quantile"]
+__all__ = [
+    "MegatronGlobalBatchQB",
+    "TorchtitanQuantileBalancer",
+    "megatron_global_batch_update",
+    "megatron_qb_update",
+    "megatron_quantile",
+    "torchtitan_estimate",
+    "torchtitan_qb_update",
+]
 
 
 def megatron_quantile(logits: Array, beta: Array, top_k: int) -> Array:
@@ -83,8 +138,16 @@ def megatron_quantile(logits: Array, beta: Array, top_k: int) -> Array:
     return kth_largest(margins_t, q + 1, overwrite=True)  # [n]
 
 
-def megatron_qb_update(blocks: Iterable[Array] | Array, beta: Array, top_k: int, *, ema: float = 0.0) -> Array:
+def megatron_qb_update(blocks: Iterable[Array] | Array, beta: Array, top_k: int, *, ema: float = 0.0,
+                       estimation_scope: str = "micro_batch", num_bins: int = 1000) -> Array:
     r"""Megatron-Core's Quantile Balancing update: the next `qb_beta` `[n]`, in the subtracted sign.
+
+    With `estimation_scope="global_batch"` it is the other mode instead: `blocks`
+    are **sigmoid scores** `[m_i, n]` (Megatron-Core's `torch.sigmoid(logits.float())`),
+    `beta` is its `qb_bias`, **added** to them, and the result is
+    `MegatronGlobalBatchQB`'s next `qb_bias` from one histogram of `num_bins`
+    bins pooled over every block (`ema` must be 0, as Megatron-Core requires).
+    The rest of this paragraph is the micro-batch mode.
 
     `blocks` are the micro-batches' logits `[m_i, n]` of every data-parallel
     rank, each rank with the same number of micro-batches as in Megatron-Core's
@@ -99,13 +162,260 @@ def megatron_qb_update(blocks: Iterable[Array] | Array, beta: Array, top_k: int,
     if is_array(blocks):
         blocks = [blocks]
     blocks = list(blocks)
+    if estimation_scope not in ("micro_batch", "global_batch"):
+        raise ValueError(f"estimation_scope must be 'micro_batch' or 'global_batch', got {estimation_scope!r}")
+    check_int("num_bins", num_bins, low=2)  # read by the global_batch mode only, refused in both when wrong
     if not blocks:
         raise ValueError("blocks must hold at least one micro-batch of logits")
     if not is_real(ema) or not 0.0 <= float(ema) <= 1.0:
         raise ValueError(f"ema must be a real number in [0, 1], got {ema!r}")
+    if estimation_scope == "global_batch":
+        if float(ema) != 0.0:
+            raise ValueError(f"the global_batch mode derives the bias directly and needs ema=0, got {ema!r}")
+        router = MegatronGlobalBatchQB(beta.shape[0] if is_array(beta) else -1, top_k, num_bins=num_bins, bias=beta)
+        for block in blocks:
+            router.route(block)
+        router.finalize()
+        return router.qb_bias.copy()
     quantiles = [megatron_quantile(block, beta, top_k) for block in blocks]  # B x [n]; checks beta and k too
     xp = array_namespace(beta)
     # $$\bar\beta = \frac1B \sum_b \beta^{\text{local}}_b$$ (the all-reduce AVG over data-parallel ranks)
     average = sum(quantiles[1:], quantiles[0]) / len(quantiles)  # [n]
     blended = float(ema) * xp.astype(beta, average.dtype) + (1.0 - float(ema)) * average  # [n]
     return blended - xp.mean(blended)
+
+
+# ---------------------------------------------------------------------------
+# The histogram modes: Megatron-Core's global_batch scope and torchtitan's QuantileBalancer
+# ---------------------------------------------------------------------------
+
+def _checked_sizes(num_experts: int, top_k: int, num_bins: int, bias: Any) -> np.ndarray:
+    """The sizes both histogram modes accept (0 < k < n, at least two bins), and the starting bias, float32 `[n]`."""
+    if bias is not None:
+        num_experts = np.asarray(bias).shape[0] if np.asarray(bias).ndim == 1 else num_experts
+    num_experts = check_int("num_experts", num_experts, low=2)
+    check_int("top_k", top_k, low=1, high=num_experts - 1)
+    check_int("num_bins", num_bins, low=2)
+    if bias is None:
+        return np.zeros(num_experts, dtype=np.float32)
+    check_bias(bias, num_experts)
+    held = np.array(bias, dtype=np.float32)
+    check_finite("bias", held)
+    return held
+
+
+def _checked_scores(scores: Any, n: int) -> np.ndarray:
+    """A block of sigmoid scores `[m, n]`, as float32 (both trainers compute their scores in float32)."""
+    check_float_array("scores", scores, ndim=2)
+    if scores.shape[1] != n:
+        raise ValueError(f"scores must have shape [m, {n}], got {list(scores.shape)}")
+    check_finite("scores", scores)
+    return np.asarray(scores, dtype=np.float32)
+
+
+def _biased_cutoff(scores: np.ndarray, bias: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Biased top-(k+1), as both trainers take it: the k routed ids `[m, k]` and the cutoff `[m, 1]`, float32."""
+    biased = scores + bias  # [m, n], float32
+    order = np.argsort(-biased, axis=1, kind="stable")[:, : top_k + 1]  # [m, k+1]
+    cutoff = np.take_along_axis(biased, order[:, top_k:], axis=1)  # [m, 1], the (k+1)-th biased score
+    return order[:, :top_k], cutoff
+
+
+def megatron_global_batch_update(histogram: Array, bin_bounds: Array, bias: Array,
+                                 top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    r"""Megatron-Core's `get_updated_expert_bias_with_quantile`: the next `qb_bias` `[E]` and `qb_bin_bounds` `[2]`.
+
+    From the pooled int32 `histogram` `[E, B]` of required biases
+    $r = \alpha_i - s_{i,j}$ over the range `bin_bounds` $= (\ell, u)$, with
+    $m$ the tokens counted, $q = mk/E$ (float32) and $t = \max(1, \lceil q
+    \rceil)$: the first bin $h$ whose cumulative count reaches $t$, then
+    $$\tilde b_j = \ell + \Bigl(h + \operatorname{clip}\bigl(\tfrac{q -
+    \text{before}}{\max(c, 1)}, 0, 1\bigr)\Bigr) w, \qquad
+    b = \tilde b - \operatorname{mean}(\tilde b),$$
+    and the new range $[\min b - 1, \max b + 1]$. A histogram with no token
+    returns the bias and the range unchanged. All in float32, as shipped.
+    """
+    counts = np.asarray(histogram)
+    if counts.ndim != 2 or not np.issubdtype(counts.dtype, np.integer):
+        raise ValueError(f"histogram must be integer counts [E, bins], got {counts.dtype} {list(counts.shape)}")
+    num_experts, num_bins = counts.shape
+    check_int("top_k", top_k, low=1, high=num_experts - 1)
+    bounds = np.asarray(bin_bounds, dtype=np.float32)
+    old = np.asarray(bias, dtype=np.float32)
+    if bounds.shape != (2,) or old.shape != (num_experts,):
+        raise ValueError(f"bin_bounds must be [2] and bias [{num_experts}], got {list(bounds.shape)} and "
+                         f"{list(old.shape)}")
+    cumulative = np.cumsum(counts, axis=1, dtype=np.int64)  # [E, B]
+    total_tokens = cumulative[0, -1]  # every token adds one count to every expert's row
+    # $$q = m k / E$$ in float32, and the rank $$t = \max(1, \lceil q \rceil)$$
+    target_quantile = np.float32(total_tokens) * np.float32(top_k / num_experts)
+    target_rank = max(1, int(math.ceil(target_quantile)))
+    selected = np.argmax(cumulative >= target_rank, axis=1)  # [E], the first bin reaching the rank
+    selected_counts = np.take_along_axis(counts, selected[:, None], axis=1)[:, 0]  # [E], c
+    before = np.where(selected == 0, 0, np.take_along_axis(cumulative, np.maximum(selected - 1, 0)[:, None],
+                                                           axis=1)[:, 0])  # [E]
+    interpolation = np.clip((target_quantile - before.astype(np.float32))
+                            / np.maximum(selected_counts, 1).astype(np.float32), 0.0, 1.0).astype(np.float32)
+    lower, upper = bounds[0], bounds[1]
+    width = (upper - lower) / np.float32(num_bins)
+    new = lower + (selected.astype(np.float32) + interpolation) * width  # [E]
+    new = (new - new.mean(dtype=np.float32)).astype(np.float32)
+    if total_tokens == 0:  # torch.where(has_tokens, ...): nothing counted, nothing moves
+        return old.copy(), bounds.copy()
+    return new, np.array([new.min() - np.float32(1.0), new.max() + np.float32(1.0)], dtype=np.float32)
+
+
+class MegatronGlobalBatchQB:
+    r"""Megatron-Core's router in `estimation_scope="global_batch"`: its buffers and the two places that touch them.
+
+    `qb_bias` `[E]` (float32, added to the sigmoid scores), `qb_histogram`
+    `[E, B]` (int32, non-persistent), `qb_bin_bounds` `[2]` (float32, `[-1, 1]`
+    at the start), and the switches `training` and `frozen_expert_bias`.
+    `route(scores, grad_enabled=)` is the histogram branch of
+    `topk_routing_with_score_function` (it counts only when `training and
+    grad_enabled and not frozen_expert_bias`); `finalize(*other_ranks)` is
+    `_update_router_qb_histogram` (the all-reduce is the sum of the ranks'
+    histograms; a router not in training or frozen is skipped) followed by
+    `reset_model_temporary_tensors`, which zeroes every histogram.
+    `state_dict()` holds the persistent buffers only, as Megatron-Core's does.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, *, num_bins: int = 1000, bias: Array | None = None) -> None:
+        self.qb_bias = _checked_sizes(num_experts, top_k, num_bins, bias)  # [E]
+        self.num_experts, self.top_k, self.num_bins = self.qb_bias.shape[0], top_k, num_bins
+        self.qb_histogram = np.zeros((self.num_experts, num_bins), dtype=np.int32)  # [E, B]
+        # The range of the bias it holds; [-1, 1] for the zero bias a router starts with.
+        self.qb_bin_bounds = np.array([self.qb_bias.min() - np.float32(1.0), self.qb_bias.max() + np.float32(1.0)],
+                                      dtype=np.float32)
+        self.training = True
+        self.frozen_expert_bias = False
+
+    def route(self, scores: Array, *, grad_enabled: bool = True) -> np.ndarray:
+        """Route one micro-batch of sigmoid scores `[m, E]` with `qb_bias`; count it when the switches allow. Ids `[m, k]`."""
+        s = _checked_scores(scores, self.num_experts)  # [m, E]
+        top_indices, cutoff = _biased_cutoff(s, self.qb_bias, self.top_k)
+        if self.training and grad_enabled and not self.frozen_expert_bias:
+            lower, upper = self.qb_bin_bounds[0], self.qb_bin_bounds[1]
+            # floor((cutoff - scores - lower) * (num_bins / (upper - lower))), clamped into the end bins
+            scale = np.float32(self.num_bins) / (upper - lower)
+            bins = np.floor((cutoff - s - lower) * scale).astype(np.int64)  # [m, E]
+            np.clip(bins, 0, self.num_bins - 1, out=bins)
+            flat = (bins + np.arange(self.num_experts, dtype=np.int64) * self.num_bins).reshape(-1)
+            self.qb_histogram += np.bincount(flat, minlength=self.qb_histogram.size).reshape(
+                self.qb_histogram.shape).astype(np.int32)
+        return top_indices
+
+    def finalize(self, *other_ranks: MegatronGlobalBatchQB) -> None:
+        """The end of a global batch: pool the ranks' histograms, update the bias once, zero every histogram."""
+        routers = (self, *other_ranks)
+        if self.training and not self.frozen_expert_bias:
+            pooled = sum((r.qb_histogram.astype(np.int64) for r in routers[1:]), self.qb_histogram.astype(np.int64))
+            new_bias, new_bounds = megatron_global_batch_update(pooled.astype(np.int32), self.qb_bin_bounds,
+                                                                self.qb_bias, self.top_k)
+            for router in routers:
+                router.qb_bias, router.qb_bin_bounds = new_bias.copy(), new_bounds.copy()
+        for router in routers:
+            router.qb_histogram[...] = 0
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The persistent buffers, `qb_bias` and `qb_bin_bounds` (the histogram is registered `persistent=False`)."""
+        return {"qb_bias": self.qb_bias.copy(), "qb_bin_bounds": self.qb_bin_bounds.copy()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.qb_bias = np.array(state["qb_bias"], dtype=np.float32)
+        self.qb_bin_bounds = np.array(state["qb_bin_bounds"], dtype=np.float32)
+
+
+def torchtitan_estimate(histogram: Array, bias: Array, top_k: int) -> np.ndarray:
+    r"""torchtitan's `QuantileBalancer.estimate_expert_bias`: the next centred bias `[E]` from a pooled histogram.
+
+    With $q = c_j k / E$ (float32, $c_j$ the expert's count), $t = \lceil q
+    \rceil$, $h$ the first bin whose cumulative count reaches $t$ and $c$ its
+    count: $p_j = h + (q - \text{before})/c$ and $b = (p - \operatorname{mean}
+    p)\, w$, $w = (\max b - \min b + 2)/B$. The division is unguarded, as
+    shipped: a histogram with no token gives $0/0$ and a NaN bias.
+    """
+    counts = np.asarray(histogram)
+    num_experts, num_bins = counts.shape
+    check_int("top_k", top_k, low=1, high=num_experts - 1)
+    old = np.asarray(bias, dtype=np.float32)
+    counts_e = counts.sum(axis=-1, dtype=np.int64)  # [E]
+    target_count = counts_e.astype(np.float32) * np.float32(top_k / num_experts)  # [E]
+    cumulative = np.cumsum(counts, axis=-1, dtype=np.int64)  # [E, B]
+    target_rank = np.ceil(target_count).astype(np.int64)  # [E]
+    target_bin = (cumulative < target_rank[:, None]).sum(axis=-1)  # [E]
+    in_bin = np.take_along_axis(counts, target_bin[:, None], axis=-1)[:, 0]  # [E]
+    before = np.take_along_axis(cumulative, target_bin[:, None], axis=-1)[:, 0] - in_bin  # [E]
+    with np.errstate(invalid="ignore", divide="ignore"):  # 0/0 on an empty histogram, as shipped
+        fraction = (target_count - before.astype(np.float32)) / in_bin.astype(np.float32)
+    width = (old.max() - old.min() + np.float32(2.0)) / np.float32(num_bins)
+    position = target_bin.astype(np.float32) + fraction  # [E]
+    return ((position - position.mean(dtype=np.float32)) * width).astype(np.float32)
+
+
+class TorchtitanQuantileBalancer:
+    r"""torchtitan's `QuantileBalancedTopKRouter` and `QuantileBalancer`, with the optimizer hook that reads them.
+
+    `expert_bias` `[E]` (float32, the MoE's `expert_bias_E`),
+    `required_bias_histogram` `[E, B]` (int32, non-persistent) and `training`.
+    `route(scores)` takes the biased top-(k+1) and, in training mode only,
+    `observe`s the micro-batch: bins of width $(\max b - \min b + 2)/B$ from
+    $\min b - 1$, clamped into the end bins. `step(*other_ranks)` is the
+    optimizer's pre-hook: the histograms summed over the ranks (the
+    all-reduce), `torchtitan_estimate` copied into the bias, every histogram
+    zeroed. It has no frozen switch. `state_dict()` holds the bias only.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, *, num_bins: int = 1000, bias: Array | None = None) -> None:
+        self.expert_bias = _checked_sizes(num_experts, top_k, num_bins, bias)  # [E]
+        self.num_experts, self.top_k, self.num_bins = self.expert_bias.shape[0], top_k, num_bins
+        self.required_bias_histogram = np.zeros((self.num_experts, num_bins), dtype=np.int32)  # [E, B]
+        self.training = True
+
+    def route(self, scores: Array) -> np.ndarray:
+        """Route one micro-batch of sigmoid scores `[m, E]`; observe it in training mode. Ids `[m, k]`."""
+        s = _checked_scores(scores, self.num_experts)
+        top_indices, cutoff = _biased_cutoff(s, self.expert_bias, self.top_k)
+        self.observe(s, cutoff)
+        return top_indices
+
+    def observe(self, scores: np.ndarray, cutoff: np.ndarray) -> None:
+        """Add one micro-batch's required biases `cutoff - scores` to the histogram (nothing outside training)."""
+        if not self.training:
+            return
+        b = self.expert_bias
+        lower_bound = b.min() - np.float32(1.0)
+        bin_width = (b.max() - b.min() + np.float32(2.0)) / np.float32(self.num_bins)
+        required_bias = cutoff - scores  # [m, E]
+        bins = np.floor((required_bias - lower_bound) / bin_width).astype(np.int64)
+        np.clip(bins, 0, self.num_bins - 1, out=bins)
+        flat = (bins + np.arange(self.num_experts, dtype=np.int64) * self.num_bins).reshape(-1)
+        self.required_bias_histogram += np.bincount(flat, minlength=self.required_bias_histogram.size).reshape(
+            self.required_bias_histogram.shape).astype(np.int32)
+
+    def step(self, *other_ranks: TorchtitanQuantileBalancer) -> None:
+        """The optimizer's pre-hook: pool the ranks' histograms, write the estimate into the bias, zero them."""
+        balancers = (self, *other_ranks)
+        pooled = sum((b.required_bias_histogram.astype(np.int64) for b in balancers[1:]),
+                     self.required_bias_histogram.astype(np.int64))
+        new = torchtitan_estimate(pooled, self.expert_bias, self.top_k)
+        for balancer in balancers:
+            balancer.expert_bias = new.copy()
+            balancer.required_bias_histogram[...] = 0
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The bias; the histogram is registered `persistent=False`."""
+        return {"expert_bias_E": self.expert_bias.copy()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.expert_bias = np.array(state["expert_bias_E"], dtype=np.float32)
+
+
+def torchtitan_qb_update(blocks: Iterable[Array] | Array, bias: Array, top_k: int, *,
+                         num_bins: int = 1000) -> np.ndarray:
+    """torchtitan's next bias `[E]` from one step whose micro-batches of sigmoid scores are `blocks` (NaN when all are empty)."""
+    balancer = TorchtitanQuantileBalancer(-1, top_k, num_bins=num_bins, bias=bias)
+    for block in [blocks] if is_array(blocks) else list(blocks):
+        balancer.route(block)
+    balancer.step()
+    return balancer.expert_bias.copy()

@@ -32,13 +32,13 @@ is shown with the kit's installation).
 
 | check | your callable | compared with | invariants beyond agreement |
 |---|---|---|---|
-| `check_router` | `fn(scores, bias, top_k) -> (index, weights)` | `route` | distinct ids; weights from the raw scores, summing to the scaling factor; a common shift of the bias changes nothing; a valid top-$k$ under ties; lower id first on ties (if you declare it) |
+| `check_router` | `fn(scores, bias, top_k) -> (index, weights)`; with `model_type`, `fn(logits, bias, text_config)` | `route` (with the family's score function, groups and renormalization) | distinct ids; weights from the raw scores, summing to the scaling factor; a common shift of the bias changes nothing; experts only from the chosen groups; a valid top-$k$ under ties; lower id first on ties (if you declare it) |
 | `check_balancing_update` | `fn(scores, bias, top_k) -> new_bias` | `quantile_balancing_update` | centred; bias-shift invariant; token-permutation invariant; expert-permutation equivariant |
 | `check_histogram_update` | `fn(blocks, bias, top_k) -> new_bias` | Eq. (14), within one bin | the same, plus the same bias for any split of the batch over ranks and micro-batches |
 | `check_balancer` | `make(initial_bias, top_k) -> step`, `step(scores) -> index` | `route` with the biases of Eq. (14) | no look-ahead: a batch is routed with a bias fixed before it was seen |
 | `check_forward` | `fn(x, params, config) -> y` | `stable_latent_moe` | within the `rtol`/`atol` you choose for your dtype |
-| `check_capacity` | `fn(index, weights, num_experts, capacity) -> (kept, new_weights)` | `capacity_keep` | capacity never exceeded; nothing dropped without need; rank order, then token order; no renormalization after a drop |
-| `check_hf_moe_block` | `build(text_config, state_dict) -> forward`, `forward(x) -> y` | `stable_latent_moe` on the same weights | configurations of K3's modeling code (or, with `model_type`, of DeepSeek-V3, GLM-4 MoE, Kimi Linear, Qwen3-MoE, Mixtral or Nemotron-H in transformers), MXFP4 experts, biases shifted far from zero; a failure names the catalogued convention difference that reproduces it (`conventions.CATALOGUE`) |
+| `check_capacity` | `fn(index, weights, num_experts, capacity) -> (kept, new_weights)` | `capacity_keep` (or, declared with `order="token_major"`, MaxText's token-major order) | capacity never exceeded; nothing dropped without need; rank order, then token order; no renormalization after a drop |
+| `check_hf_moe_block` | `build(text_config, state_dict) -> forward`, `forward(x) -> y` | `stable_latent_moe` on the same weights | configurations of K3's modeling code (or, with `model_type`, of DeepSeek-V3, GLM-4 MoE, Kimi Linear, Qwen3-MoE, Mixtral or Nemotron-H in transformers), MXFP4 experts, biases shifted far from zero; one build asked several inputs; a failure names every catalogued convention difference that reproduces it (`conventions.CATALOGUE`) |
 
 `check_hf_moe_block` is the way in for a whole block written against
 Hugging Face names (an `nn.Module` that loads the checkpoint's tensors): it
@@ -94,6 +94,41 @@ your code at most five seconds, and one that takes longer is reported as
 a broken invariant (the call itself is left running in a background
 thread, since Python cannot stop it).
 
+## A router of another family
+
+`check_router(fn, model_type="qwen3_moe")` (or `"mixtral"`, `"deepseek_v3"`,
+...) checks a family's router at the router level: `fn(logits, bias,
+text_config)` gets float32 logits, the family's selection bias or `None`
+(softmax families have none, and no bias is drawn for them), and the
+family's config keys, with groups drawn where the family has them. It is
+held to that family's rules: its score function, the group mask, and its
+rule for a single chosen weight (DeepSeek-V3 renormalizes it when
+`norm_topk_prob`; K3's code keeps it raw). `hidden_size` in those keys is the
+number of experts, so transformers' own router module, built from the keys
+with an identity gate weight, takes the logits as its hidden states.
+
+## What a check covered, and keys a port fixes
+
+Every result says how many cases each invariant covered and how many your
+code declined with `Unsupported`: `print(check_hf_moe_block(build))` after a
+pass shows one line per invariant (`result.covered` and `result.declined` are
+the totals), and a failure's report ends with the same lines. A port that
+fixes some configuration keys (always SiTU, always the latent norm) pins them,
+`check_hf_moe_block(build, pinned={"hidden_act": "situ",
+"latent_moe_use_norm": True})`, and every draw keeps them, so the draws are
+spent on what the port covers instead of being declined.
+
+## Every difference, not only the first
+
+When `check_hf_moe_block`'s comparison fails and a catalogue entry names the
+difference, the comparison runs again with the cases on which that
+difference shows left out ("scoped out"), and again after the next named
+difference, so a port with two differences (the scaling factor applied twice
+and the latent norm skipped, say) is reported with both names, each with
+its own pasteable case. A port that computes in float32 when asked for
+float64 is named as such, and the next round holds it at float32's
+tolerance.
+
 ## Cases your port does not cover
 
 A port need not cover everything the kit draws: a DeepSeek-style block
@@ -105,6 +140,13 @@ neither a pass nor a failure; an invariant that covered fewer than
 check that saw almost nothing never passes for one that saw enough.
 
 ## What the kit refuses to be fooled by
+
+A block is built once and asked several batches: a forward that returns its
+answer to an earlier input ("stale output"), or whose answer to the same
+input changes from call to call ("drift"), fails, and so does a build that
+writes into the `state_dict` or `text_config` it was handed, then or later
+from its forward. A check asked for float64 holds float64's tolerance, and
+its report says the precision the port achieved.
 
 Your function receives copies of the inputs, so the reference never sees
 what it did to them; and if it writes into them, that is reported,
@@ -140,6 +182,7 @@ from .forward_check import check_forward
 from .hf_block_check import check_hf_moe_block
 from .hf_cases import HFBlockCase, hf_block_case, hf_block_cases, hf_family_text_configs, hf_text_configs
 from .histogram_check import check_histogram_update
+from .lifecycle_check import check_balancer_lifecycle
 from .profiles import PROFILES, QUICK, THOROUGH, profile
 from .report import CheckFailure, CheckResult, Unsupported, call_deadline
 from .router_check import check_router
@@ -157,6 +200,7 @@ __all__ = [
     "Convention",
     "call_deadline",
     "check_balancer",
+    "check_balancer_lifecycle",
     "check_balancing_update",
     "check_capacity",
     "check_forward",

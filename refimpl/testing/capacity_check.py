@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,7 @@ from .outputs import user_array
 from .profiles import kit_settings
 from .report import CheckResult, Invariant, Violation, call_user, errors, run_check
 
-__all__ = ["CapacityCase", "capacity_cases", "check_capacity"]
+__all__ = ["CAPACITY_ORDERS", "CapacityCase", "capacity_cases", "check_capacity", "token_major_keep"]
 
 
 @dataclass(frozen=True)
@@ -113,140 +114,214 @@ def _loads(index: np.ndarray, kept: np.ndarray, n: int) -> np.ndarray:
     return np.bincount(index[kept], minlength=n)[:n]
 
 
+#: The orders in which a port may serve the assignments of a batch, by the name it declares.
+CAPACITY_ORDERS = {
+    "rank_major": "rank by rank (every token's first choice before any token's second), tokens in order within "
+                  "a rank: Switch Transformer's dispatch, refimpl.layer.baselines.capacity_keep",
+    "token_major": "token by token, each token's k choices together in rank order: MaxText's documented order "
+                   "(a convention of its own, not a mistake, when a port declares it)",
+}
+
+
+def token_major_keep(index: np.ndarray, num_experts: int, capacity: int) -> np.ndarray:
+    """`kept` `[m, k]` when a port serves each token's choices together, token after token (MaxText's order)."""
+    load = np.zeros(num_experts, dtype=np.int64)
+    kept = np.zeros(index.shape, dtype=bool)
+    for i in range(index.shape[0]):  # token by token
+        for r in range(index.shape[1]):  # its choices in rank order
+            e = index[i, r]
+            if load[e] < capacity:
+                kept[i, r], load[e] = True, load[e] + 1
+    return kept
+
+
+def _expected_keep(case: CapacityCase, order: str) -> np.ndarray:
+    if order == "token_major":
+        return token_major_keep(case.index, case.num_experts, case.capacity)
+    return np.asarray(capacity_keep(case.index, case.num_experts, case.capacity))
+
+
+@dataclass(frozen=True)
+class _Capacity:
+    """The user's function and what it declared: its serving order and the tolerance on the weights."""
+
+    fn: Callable[..., Any]
+    order: str = "rank_major"
+    rtol: float = 1e-12
+    atol: float = 0.0
+
+    def run(self, case: CapacityCase) -> tuple[np.ndarray, np.ndarray]:
+        return _output(call_user(self.fn, case.index, case.weights, case.num_experts, case.capacity), case)
+
+
+# ---------------------------------------------------------------------------
+# The invariants, one function each
+# ---------------------------------------------------------------------------
+
+def output_form(port: _Capacity, case: CapacityCase) -> None:
+    """kept [m, k] bool and new_weights [m, k] finite floats."""
+    port.run(case)
+
+
+def not_exceeded(port: _Capacity, case: CapacityCase) -> None:
+    """An expert of capacity C serves at most C assignments."""
+    kept, _ = port.run(case)
+    load = _loads(case.index, kept, case.num_experts)
+    over = np.flatnonzero(load > case.capacity)
+    if over.size:
+        raise Violation(f"{over.size} of {case.num_experts} experts serve more than the capacity {case.capacity}",
+                        [f"loads of the kept assignments: {load.tolist()}"], case.inputs())
+
+
+def nothing_dropped(port: _Capacity, case: CapacityCase) -> None:
+    """An expert receives at most m assignments (one per token): with C >= m nothing is dropped."""
+    kept, _ = port.run(case)
+    if not kept.all():
+        raise Violation(f"{int((~kept).sum())} assignments dropped with capacity {case.capacity} >= m = "
+                        f"{case.m}, where no expert can overflow", [], case.inputs())
+
+
+def work_conserving(port: _Capacity, case: CapacityCase) -> None:
+    r"""An assignment is kept while its expert has room: $\neg\text{kept}_{i,r} \Rightarrow L_e = C$."""
+    kept, _ = port.run(case)
+    load = _loads(case.index, kept, case.num_experts)
+    needless = ~kept & (load[case.index] < case.capacity)
+    if needless.any():
+        i, r = np.argwhere(needless)[0]
+        raise Violation(f"{int(needless.sum())} assignments were dropped although their expert had room",
+                        [f"token {i}, rank {r + 1}: expert {case.index[i, r]} serves {load[case.index[i, r]]} "
+                         f"< capacity {case.capacity}"], case.inputs())
+
+
+def rank_order(port: _Capacity, case: CapacityCase) -> None:
+    """Rank-major order: every token's first choice is served before any token's second choice."""
+    kept, _ = port.run(case)
+    for e in range(case.num_experts):  # loop over experts; the tokens are compared at once
+        at = case.index == e  # [m, k]
+        ranks = np.nonzero(at)[1]
+        served_rank, dropped_rank = ranks[kept[at]], ranks[~kept[at]]
+        if served_rank.size and dropped_rank.size and dropped_rank.min() < served_rank.max():
+            details = ["slots must be served rank by rank: every token's first choice before any token's second "
+                       "choice (serving each token's k choices together, token after token, gives this)"]
+            if np.array_equal(kept, token_major_keep(case.index, case.num_experts, case.capacity)):
+                details.append("the port serves token-major, MaxText's documented order: if that is its "
+                               "convention, declare it with check_capacity(fn, order='token_major')")
+            raise Violation(f"expert {e} served a choice of rank {served_rank.max() + 1} while it dropped a choice "
+                            f"of rank {dropped_rank.min() + 1} (rank 1 = a token's first choice)", details,
+                            case.inputs())
+
+
+def token_order(port: _Capacity, case: CapacityCase) -> None:
+    """Within a rank (rank-major) or at all (token-major), an earlier token is served before a later one."""
+    kept, _ = port.run(case)
+    if port.order == "token_major":  # every assignment of one expert, in token order
+        for e in range(case.num_experts):
+            tokens, ranks = np.nonzero(case.index == e)
+            served, dropped = tokens[kept[tokens, ranks]], tokens[~kept[tokens, ranks]]
+            if served.size and dropped.size and dropped.min() < served.max():
+                raise Violation(f"expert {e} served token {served.max()} but dropped the earlier token "
+                                f"{dropped.min()}", ["token-major order serves tokens in input order, each with "
+                                                     "its k choices together"], case.inputs())
+        return
+    for r in range(case.k):
+        for e in range(case.num_experts):
+            tokens = np.flatnonzero(case.index[:, r] == e)
+            served, dropped = tokens[kept[tokens, r]], tokens[~kept[tokens, r]]
+            if served.size and dropped.size and dropped.min() < served.max():
+                raise Violation(f"at rank {r + 1}, expert {e} served token {served.max()} but dropped the earlier "
+                                f"token {dropped.min()}", ["within a rank, tokens are served in input order"],
+                                case.inputs())
+
+
+def weights_kept(port: _Capacity, case: CapacityCase) -> None:
+    r"""No renormalization after a drop: $p'_{i,r} = p_{i,r}\,\text{kept}_{i,r}$."""
+    kept, w = port.run(case)
+    expected = case.weights * kept
+    bad = ~(np.abs(w - expected) <= port.atol + port.rtol * np.abs(expected))
+    if not bad.any():
+        return
+    rows = np.flatnonzero(bad.any(axis=1))
+    details = [f"token {i}: kept {kept[i].tolist()}, weights in {np.round(case.weights[i], 6).tolist()}, "
+               f"expected {np.round(expected[i], 6).tolist()}, got {np.round(w[i], 6).tolist()}" for i in rows[:3]]
+    abs_err, _ = errors(w, expected)
+    details.append(f"max abs error {abs_err:.3g}")
+    partial = rows[(kept[rows].any(axis=1)) & (~kept[rows].all(axis=1))]
+    survivors = expected[partial].sum(axis=1, keepdims=True)
+    if partial.size and np.allclose(w[partial], expected[partial] / survivors, rtol=1e-9, atol=1e-12):
+        details.append("the kept weights were renormalized after a drop: the sketch keeps them as they were, so "
+                       "a token that lost an expert gets a smaller routed output")
+    raise Violation(f"{rows.size} of {case.m} tokens have weights other than the input weights with the dropped "
+                    "ones set to zero", details, case.inputs())
+
+
+def same_as_reference(port: _Capacity, case: CapacityCase) -> None:
+    """The overflow rule of the declared order: capacity_keep (rank-major) or token_major_keep."""
+    kept, _ = port.run(case)
+    expected = _expected_keep(case, port.order)
+    if not np.array_equal(kept, expected):
+        rows = np.flatnonzero(np.any(kept != expected, axis=1))
+        name = "capacity_keep" if port.order == "rank_major" else "token_major_keep"
+        raise Violation(f"{rows.size} of {case.m} tokens keep other assignments than {name}",
+                        [f"token {i}: experts {case.index[i].tolist()}, expected kept {expected[i].tolist()}, "
+                         f"got {kept[i].tolist()}" for i in rows[:3]], case.inputs())
+
+
+# ---------------------------------------------------------------------------
+# The check
+# ---------------------------------------------------------------------------
+
 def check_capacity(fn: Callable[[np.ndarray, np.ndarray, int, int], Any], *, rtol: float = 1e-12,
                    atol: float = 0.0, max_tokens: int = 10, max_experts: int = 6,
-                   settings: str | Settings | None = None) -> CheckResult:
+                   settings: str | Settings | None = None, order: str = "rank_major") -> CheckResult:
     r"""Check `fn(index, weights, num_experts, capacity) -> (kept, new_weights)` against the sketch's rule.
 
-    Invariants, in the order they run:
+    `order` is the serving order the port declares (`CAPACITY_ORDERS`): `"rank_major"` (the default, the
+    sketch's: every token's first choice before any second) or `"token_major"` (each token's $k$ choices
+    together, token after token: MaxText's documented order, a convention of its own). A rank-major check
+    that meets a token-major port says so and names the declaration.
 
-    1. **output shape and dtype**: `kept` `[m, k]` bool, `new_weights` `[m, k]` finite floats;
-    2. **capacity never exceeded**: every expert serves at most `capacity` assignments;
-    3. **nothing dropped without need**: an assignment is dropped only when its expert is full,
-       and nothing at all when `capacity >= m`;
-    4. **rank order**: no assignment of rank $r$ is served while an assignment of a lower rank
-       to the same expert is dropped (every first choice before any second);
-    5. **token order within a rank**: among assignments of equal rank to one expert, an earlier
-       token is never dropped while a later one is served;
-    6. **dropped weights are zero, kept weights unchanged**: no renormalization after a drop;
-    7. **the same as the reference** `refimpl.layer.baselines.capacity_keep`.
+    Invariants, in the order they run (each a function of this module):
+
+    1. **output shape and dtype** (`output_form`): `kept` `[m, k]` bool, `new_weights` `[m, k]` finite floats;
+    2. **capacity never exceeded** (`not_exceeded`): every expert serves at most `capacity` assignments;
+    3. **nothing dropped when capacity >= m** (`nothing_dropped`);
+    4. **nothing dropped without need** (`work_conserving`): an assignment is dropped only when its expert
+       is full;
+    5. **rank order** (`rank_order`, rank-major only): no assignment of rank $r$ is served while an assignment
+       of a lower rank to the same expert is dropped;
+    6. **token order** (`token_order`): among assignments of equal rank to one expert (of any rank, for
+       token-major), an earlier token is never dropped while a later one is served;
+    7. **dropped weights zero, kept weights unchanged** (`weights_kept`): no renormalization after a drop;
+    8. **the same as the reference** (`same_as_reference`): `refimpl.layer.baselines.capacity_keep`, or
+       `token_major_keep` for token-major.
 
     `rtol`, `atol` apply to the weights (the kept ones must come back as they went in).
     """
+    if order not in CAPACITY_ORDERS:
+        raise ValueError(f"order must be one of {sorted(CAPACITY_ORDERS)}, got {order!r}")
+    port = _Capacity(fn, order, rtol, atol)
     cases = capacity_cases(max_tokens=max_tokens, max_experts=max_experts)
     ample = st.integers(1, max_tokens).flatmap(
         lambda m: capacity_cases(max_tokens=max_tokens, max_experts=max_experts, capacity=max_tokens + m))
 
-    def run(case: CapacityCase) -> tuple[np.ndarray, np.ndarray]:
-        out = call_user(fn, case.index, case.weights, case.num_experts, case.capacity)
-        return _output(out, case)
-
-    def describe(case: CapacityCase) -> dict[str, Any]:
-        return case.inputs()
-
-    def form(case: CapacityCase) -> None:
-        run(case)
-
-    def not_exceeded(case: CapacityCase) -> None:
-        kept, _ = run(case)
-        load = _loads(case.index, kept, case.num_experts)
-        over = np.flatnonzero(load > case.capacity)
-        if over.size:
-            raise Violation(f"{over.size} of {case.num_experts} experts serve more than the capacity {case.capacity}",
-                            [f"loads of the kept assignments: {load.tolist()}"], case.inputs())
-
-    def work_conserving(case: CapacityCase) -> None:
-        kept, _ = run(case)
-        load = _loads(case.index, kept, case.num_experts)
-        # A dropped assignment must find its expert full: $$\neg\text{kept}_{i,r} \Rightarrow L_{e} = C$$
-        needless = ~kept & (load[case.index] < case.capacity)
-        if needless.any():
-            i, r = np.argwhere(needless)[0]
-            raise Violation(
-                f"{int(needless.sum())} assignments were dropped although their expert had room",
-                [f"token {i}, rank {r + 1}: expert {case.index[i, r]} serves {load[case.index[i, r]]} "
-                 f"< capacity {case.capacity}"], case.inputs())
-
-    def rank_order(case: CapacityCase) -> None:
-        kept, _ = run(case)
-        for e in range(case.num_experts):  # loop over experts; the tokens are compared at once
-            at = case.index == e  # [m, k]
-            ranks = np.nonzero(at)[1]
-            served_rank = ranks[kept[at]]
-            dropped_rank = ranks[~kept[at]]
-            if served_rank.size and dropped_rank.size and dropped_rank.min() < served_rank.max():
-                raise Violation(
-                    f"expert {e} served a choice of rank {served_rank.max() + 1} while it dropped a choice "
-                    f"of rank {dropped_rank.min() + 1} (rank 1 = a token's first choice)",
-                    ["slots must be served rank by rank: every token's first choice before any "
-                     "token's second choice (serving each token's k choices together, token after "
-                     "token, gives this)"], case.inputs())
-
-    def token_order(case: CapacityCase) -> None:
-        kept, _ = run(case)
-        for r in range(case.k):
-            for e in range(case.num_experts):
-                tokens = np.flatnonzero(case.index[:, r] == e)
-                served, dropped = tokens[kept[tokens, r]], tokens[~kept[tokens, r]]
-                if served.size and dropped.size and dropped.min() < served.max():
-                    raise Violation(
-                        f"at rank {r + 1}, expert {e} served token {served.max()} but dropped the earlier "
-                        f"token {dropped.min()}", ["within a rank, tokens are served in input order"],
-                        case.inputs())
-
-    def weights_kept(case: CapacityCase) -> None:
-        kept, w = run(case)
-        # $$p'_{i,r} = p_{i,r}\,\text{kept}_{i,r}$$
-        expected = case.weights * kept
-        bad = ~(np.abs(w - expected) <= atol + rtol * np.abs(expected))
-        if bad.any():
-            rows = np.flatnonzero(bad.any(axis=1))
-            details = [f"token {i}: kept {kept[i].tolist()}, weights in {np.round(case.weights[i], 6).tolist()}, "
-                       f"expected {np.round(expected[i], 6).tolist()}, got {np.round(w[i], 6).tolist()}"
-                       for i in rows[:3]]
-            abs_err, _ = errors(w, expected)
-            details.append(f"max abs error {abs_err:.3g}")
-            partial = rows[(kept[rows].any(axis=1)) & (~kept[rows].all(axis=1))]
-            survivors = expected[partial].sum(axis=1, keepdims=True)
-            if partial.size and np.allclose(w[partial], expected[partial] / survivors, rtol=1e-9, atol=1e-12):
-                details.append("the kept weights were renormalized after a drop: the sketch keeps them as they "
-                               "were, so a token that lost an expert gets a smaller routed output")
-            raise Violation(f"{rows.size} of {case.m} tokens have weights other than the input weights "
-                            "with the dropped ones set to zero", details, case.inputs())
-
-    def reference(case: CapacityCase) -> None:
-        kept, _ = run(case)
-        expected = np.asarray(capacity_keep(case.index, case.num_experts, case.capacity))
-        if not np.array_equal(kept, expected):
-            rows = np.flatnonzero(np.any(kept != expected, axis=1))
-            raise Violation(
-                f"{rows.size} of {case.m} tokens keep other assignments than capacity_keep",
-                [f"token {i}: experts {case.index[i].tolist()}, expected kept {expected[i].tolist()}, "
-                 f"got {kept[i].tolist()}" for i in rows[:3]], case.inputs())
-
-    def nothing_dropped(case: CapacityCase) -> None:
-        kept, _ = run(case)
-        if not kept.all():
-            raise Violation(f"{int((~kept).sum())} assignments dropped with capacity {case.capacity} >= m = "
-                            f"{case.m}, where no expert can overflow", [], case.inputs())
+    def named(name: str, strategy: st.SearchStrategy, body: Callable[..., None], basic: bool = False) -> Invariant:
+        why = (body.__doc__ or "").strip().split("\n")[0]
+        return Invariant(name, why, strategy, partial(body, port), basic=basic, describe=CapacityCase.inputs)
 
     invariants = [
-        Invariant("output shape and dtype", "kept [m, k] bool and new_weights [m, k] finite floats",
-                  cases, form, basic=True, describe=describe),
-        Invariant("capacity never exceeded", "an expert of capacity C serves at most C assignments",
-                  cases, not_exceeded, describe=describe),
-        Invariant("nothing dropped when capacity >= m", "an expert receives at most m assignments (one per token)",
-                  ample, nothing_dropped, describe=describe),
-        Invariant("nothing dropped without need", "the sketch keeps an assignment while its expert has room",
-                  cases, work_conserving, describe=describe),
-        Invariant("rank order", "the sketch serves every token's first choice before any second choice",
-                  cases, rank_order, describe=describe),
-        Invariant("token order within a rank", "the sketch serves tokens of one rank in input order",
-                  cases, token_order, describe=describe),
-        Invariant("dropped weights zero, kept weights unchanged",
-                  "the sketch does not renormalize the remaining gates after a drop", cases, weights_kept,
-                  describe=describe),
-        Invariant("same as capacity_keep", "the sketch's overflow rule, as refimpl.layer.baselines implements it",
-                  cases, reference, describe=describe),
+        named("output shape and dtype", cases, output_form, basic=True),
+        named("capacity never exceeded", cases, not_exceeded),
+        named("nothing dropped when capacity >= m", ample, nothing_dropped),
+        named("nothing dropped without need", cases, work_conserving),
+    ]
+    if order == "rank_major":
+        invariants.append(named("rank order", cases, rank_order))
+        invariants.append(named("token order within a rank", cases, token_order))
+    else:
+        invariants.append(named("token order", cases, token_order))
+    invariants += [
+        named("dropped weights zero, kept weights unchanged", cases, weights_kept),
+        named("same as capacity_keep" if order == "rank_major" else "same as token_major_keep", cases,
+              same_as_reference),
     ]
     return run_check("check_capacity", invariants, kit_settings(settings))

@@ -25,10 +25,14 @@ wrong, not only that its numbers differ.
 | `bias_on_logits` | selection by the raw logits plus the bias, $z + b$, not the scores (the weights still from the scores) | Megatron-Core's Quantile Balancing router |
 | `score_function_flipped` | sigmoid for softmax, or softmax for sigmoid | |
 | `bf16_router` | router logits computed in bfloat16 instead of float32 | SGLang PR #33764 |
+| `router_in_bfloat16` | the whole router in bfloat16: logits, scores, $s + b$, the selection and the weights, each rounded | MaxText's default router dtype |
 | `up_cap_flipped` | the up branch capped (at K3's 25) when the key is absent, or left uncapped when it is set | |
 | `gate_cap_k3_default` | an absent `activation_situ_beta` read as K3's 4.0 instead of the reference's 1.0 | |
 | `silu_for_situ` | SiLU (SwiGLU) in place of SiTU | Megatron-LM discussion #6673 |
 | `latent_norm_dropped` | the latent RMSNorm skipped | a Megatron-LM fork, #94 |
+| `norm_after_up_projection` | the latent RMSNorm applied to $u W_\uparrow^\top$ instead of $u$ (possible when $\ell = d$) | |
+| `norm_eps_other` | the latent norm's $\varepsilon$ 1e-5 where the config says 1e-6, or the reverse | |
+| `experts_summed_in_bfloat16` | the weighted expert outputs added into a bfloat16 buffer, expert by expert | |
 | `gate_up_swapped` | `w1` read as the up and `w3` as the gate projection | |
 | `weight_on_expert_input` | the routing weight applied to the expert's input, $E(p\,x)$, not its output (Llama 4's convention) | |
 | `absent_keys_as_k3` | a family's absent keys read with K3's code's meaning instead of its configuration class's defaults | |
@@ -69,7 +73,8 @@ import ml_dtypes
 import numpy as np
 
 from ..families import FAMILIES
-from ..layer.latent_moe import MoEParams, stable_latent_moe
+from ..layer.activations import rms_norm
+from ..layer.latent_moe import MoEParams, latent_output, routed_experts, stable_latent_moe
 from ..layer.routing import biased_scores, route, router_scores, score_function_values
 from ..mx import mxfp4_decode
 from .hf_cases import HFBlockCase
@@ -356,6 +361,61 @@ def _shared_experts_dropped(case: HFBlockCase) -> np.ndarray:
                                             np.zeros_like(p["shared_experts.down_proj.weight"])}))
 
 
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """`a` rounded to bfloat16 and back to float64."""
+    return np.asarray(a, dtype=np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _router_in_bfloat16(case: HFBlockCase) -> np.ndarray:
+    c = case.config
+    # The mistake: the whole router in bfloat16, each step rounded: $$z = \operatorname{bf16}(x W_r^\top)$$,
+    # $s = \operatorname{bf16}(\sigma(z))$, selection on $\operatorname{bf16}(s + \operatorname{bf16}(b))$ (ties to the
+    # lower id), weights $\operatorname{bf16}(s / \operatorname{bf16}(\sum s))$ times the factor, rounded.
+    logits = _bf16(_bf16(case.x64) @ _bf16(case.params64["gate.weight"]).T)  # [m, n]
+    s = _bf16(score_function_values(logits, c.score_function))  # [m, n]
+    biased = _bf16(s + _bf16(_bias(case)))  # [m, n]
+    index, _ = route(biased, np.zeros(c.num_experts), c.top_k, renormalize=False, n_group=c.n_group,
+                     topk_group=c.topk_group)
+    raw = np.take_along_axis(s, index, axis=1)  # [m, k]
+    if c.renormalize:
+        raw = _bf16(raw / _bf16(raw.sum(axis=1, keepdims=True)))
+    return _run(case, routing=(index, _bf16(raw * c.routed_scaling_factor)))
+
+
+def _norm_after_up_projection(case: HFBlockCase) -> np.ndarray:
+    c, p = case.config, case.params64
+    out = stable_latent_moe(case.x64, p, c, return_intermediates=True)
+    # The mistake: $$y_{\text{routed}} = \operatorname{RMSNorm}(u W_\uparrow^\top) \odot g$$ instead of
+    # $\operatorname{RMSNorm}(u) \odot g$ before the up-projection (the gain fits only when $\ell = d$).
+    up = np.asarray(out.u) @ p["routed_expert_up_proj.weight"].T  # [m, d]
+    routed = np.asarray(rms_norm(up, p["routed_expert_norm.weight"], c.rms_norm_eps))
+    return np.asarray(out.y_shared) + routed
+
+
+def _experts_summed_in_bfloat16(case: HFBlockCase) -> np.ndarray:
+    c, p = case.config, case.params64
+    out = stable_latent_moe(case.x64, p, c, return_intermediates=True)
+    index, weights, z = np.asarray(out.index), np.asarray(out.weights), np.asarray(out.z)
+    # Each slot's weighted expert output $p_{i,e} E_e(z_i)$, `[k, m, l]`.
+    slots = [np.asarray(routed_experts(z, index[:, [r]], weights[:, [r]], p["experts.w1"], p["experts.w3"],
+                                       p["experts.w2"], c)) for r in range(c.top_k)]
+    # The mistake: $$u_i = \operatorname{bf16}(\dots\operatorname{bf16}(\operatorname{bf16}(o_1) + \operatorname{bf16}(o_2))\dots)$$,
+    # the outputs added into a bfloat16 buffer in expert order instead of summed in float32.
+    u = np.zeros_like(z)
+    for i in range(z.shape[0]):
+        for r in np.argsort(index[i], kind="stable"):  # expert by expert, as a loop over the experts adds them
+            u[i] = _bf16(u[i] + _bf16(slots[r][i]))
+    _, y_routed = latent_output(u, lambda name: p[name], c)
+    return np.asarray(out.y_shared) + np.asarray(y_routed)
+
+
+def _norm_eps_other(case: HFBlockCase) -> np.ndarray:
+    c = case.config
+    # The mistake: $$\operatorname{rms}(u) = \sqrt{\operatorname{mean}(u^2) + \varepsilon'}$$ with the other
+    # common epsilon, 1e-5 for 1e-6 or the reverse (a default taken from another model's config).
+    return _run(case, config=c.replace(rms_norm_eps=1e-5 if c.rms_norm_eps != 1e-5 else 1e-6))
+
+
 # ---------------------------------------------------------------------------
 # MXFP4
 # ---------------------------------------------------------------------------
@@ -447,6 +507,9 @@ CATALOGUE: tuple[Convention, ...] = (
                None, _always, _score_function_flipped),
     Convention("bf16_router", "the router logits computed in bfloat16 instead of float32", "SGLang PR #33764",
                _always, _bf16_router),
+    Convention("router_in_bfloat16", "the whole router in bfloat16: logits, scores, s + b and the selection, "
+               "and the weights, each rounded to bfloat16", "MaxText's default router dtype", _always,
+               _router_in_bfloat16),
     Convention("up_cap_flipped", "the up branch capped at 25 when activation_situ_linear_beta is absent, or "
                "left uncapped when it is set", None, _situ, _up_cap_flipped),
     Convention("gate_cap_k3_default", "an absent activation_situ_beta read as K3's 4.0 instead of the "
@@ -456,6 +519,15 @@ CATALOGUE: tuple[Convention, ...] = (
                _silu_for_situ),
     Convention("latent_norm_dropped", "the latent RMSNorm skipped", "a Megatron-LM fork, #94",
                lambda c: c.config.use_latent_norm, _latent_norm_dropped),
+    Convention("norm_after_up_projection", "the latent RMSNorm applied after the up-projection, to u W_up, "
+               "instead of to the latent sum u", None,
+               lambda c: c.config.use_latent_norm and c.config.latent_size == c.config.hidden_size,
+               _norm_after_up_projection),
+    Convention("norm_eps_other", "the latent norm's epsilon taken as 1e-5 where the config says 1e-6, or the "
+               "reverse", None, lambda c: c.config.use_latent_norm, _norm_eps_other),
+    Convention("experts_summed_in_bfloat16", "the routed experts' weighted outputs added into a bfloat16 "
+               "buffer, expert by expert, instead of summed in float32", None,
+               _always, _experts_summed_in_bfloat16),
     Convention("gate_up_swapped", "w1 read as the up projection and w3 as the gate", None, _always,
                _gate_up_swapped),
     Convention("weight_on_expert_input", "the routing weight applied to the expert's input, E(p x), instead of "

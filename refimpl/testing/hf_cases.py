@@ -8,6 +8,7 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
+from hypothesis import reject
 from hypothesis import strategies as st
 
 from .._lib.xp import dtype_name
@@ -18,7 +19,7 @@ from ..families import FAMILIES, family_of
 from ..layer.latent_moe import MoEParams, init_params, stable_latent_moe
 from ..mx import mxfp4_decode, mxfp4_encode
 
-__all__ = ["CONDITIONING", "GROWTH", "ROUTING_RESOLUTION", "UNIT_ROUNDOFF", "HFBlockCase", "hf_block_case",
+__all__ = ["CONDITIONING", "GROWTH", "K3_AUTO_MAP", "ROUTING_RESOLUTION", "UNIT_ROUNDOFF", "HFBlockCase", "check_pinned", "hf_block_case",
            "hf_block_cases", "hf_family_text_configs", "hf_text_configs", "tolerance"]
 
 #: The error growth $G$ of the block: the tolerance is $G u$ times a token's size.
@@ -31,12 +32,12 @@ CONDITIONING = GROWTH / 8
 #: Tokens whose selection (or group) scores are closer than this are not compared.
 ROUTING_RESOLUTION = 2.0**-14
 
-# Unit roundoff of each dtype the check accepts; float64 is held to float32's (the reference's ceiling).
-UNIT_ROUNDOFF = {"float64": 2.0**-24, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+# Unit roundoff of each dtype the check accepts.
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 
 def tolerance(dtype: Any) -> float:
-    """The relative tolerance $G u$ for `dtype` (float64 gets float32's: the reference computes in float32)."""
+    """The relative tolerance $G u$ for `dtype`, $u$ its unit roundoff."""
     name = dtype_name(np.dtype(dtype))
     if name not in UNIT_ROUNDOFF:
         raise ValueError(f"dtype must be one of {sorted(UNIT_ROUNDOFF)}, got {name}")
@@ -67,6 +68,9 @@ class HFBlockCase:
     dtype: Any = field(default=np.float32)
     model_type: str | None = None  #: None: K3's block; else a transformers family's (`refimpl.families`)
     bias_offset: float = 0.0  #: added to every expert's selection bias (trained biases sit far from zero)
+    #: which batch of tokens: 0 is drawn from `seed` after the weights, another from `(seed, batch)` (the same
+    #: weights, other tokens: one build is asked several inputs)
+    batch: int = 0
 
     @cached_property
     def config(self) -> MoEConfig:
@@ -92,6 +96,8 @@ class HFBlockCase:
         for name in ("experts.w1", "experts.w3", "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"):
             p[name] = p[name] * self.activation_scale
         x = rng.standard_normal((self.tokens, config.hidden_size)).astype(dtype)  # [m, d]
+        if self.batch:
+            x = np.random.default_rng([self.seed, self.batch]).standard_normal(x.shape).astype(dtype)  # [m, d]
         given, exact = MoEParams(), MoEParams()
         expert_bytes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for name, value in p.items():
@@ -129,10 +135,24 @@ class HFBlockCase:
 
     @cached_property
     def state_dict(self) -> dict[str, np.ndarray]:
-        """What `build` receives: the reference block's tensor names, NumPy arrays."""
+        """What `build` receives: the reference block's tensor names, NumPy arrays.
+
+        K3's code builds no shared module when `num_shared_experts` is null (`if config.num_shared_experts is
+        not None`), so such a case hands no `shared_experts.*` tensors; absent or 0, its shared module has
+        width 0 and the tensors are zero-element, as that module's `state_dict()` holds them.
+        """
         if self.model_type is not None:
             return hf_state_dict_from_params(self._drawn[0], self.config, model_type=self.model_type)
-        return hf_state_dict_from_params(self._drawn[0], self.config, mxfp4=self.mxfp4)
+        tensors = hf_state_dict_from_params(self._drawn[0], self.config, mxfp4=self.mxfp4)
+        if self.shared_module_absent:
+            tensors = {name: value for name, value in tensors.items() if not name.startswith("shared_experts.")}
+        return tensors
+
+    @property
+    def shared_module_absent(self) -> bool:
+        """Whether K3's code builds no shared module for this case (`num_shared_experts` written as null)."""
+        return (self.model_type is None and "num_shared_experts" in self.text_config
+                and self.text_config["num_shared_experts"] is None)
 
     def expected(self) -> np.ndarray:
         """This package's `y` `[m, d]`, float64, on exactly the values handed over."""
@@ -144,16 +164,36 @@ class HFBlockCase:
         dtype = "ml_dtypes.bfloat16" if dtype == "bfloat16" else f"np.{dtype}"
         family = "" if self.model_type is None else f", model_type={self.model_type!r}"
         offset = "" if self.bias_offset == 0 else f", bias_offset={self.bias_offset}"
+        batch = "" if self.batch == 0 else f", batch={self.batch}"
         return (f"refimpl.testing.hf_block_case({name}, seed={self.seed}, tokens={self.tokens}, "
-                f"activation_scale={self.activation_scale}, mxfp4={self.mxfp4}, dtype={dtype}{family}{offset})")
+                f"activation_scale={self.activation_scale}, mxfp4={self.mxfp4}, dtype={dtype}{family}{offset}"
+                f"{batch})")
+
+
+def _integer(name: str, value: Any, low: int, high: int | None = None) -> int:
+    """`value` as an int in `[low, high]`; anything else (a bool, a float such as 1.5, a string) is refused."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
+    return int(value)
 
 
 def hf_block_case(text_config: Mapping[str, Any], seed: int, *, tokens: int = 4, activation_scale: float = 1.0,
                   mxfp4: bool = False, dtype: Any = np.float32, model_type: str | None = None,
-                  bias_offset: float = 0.0) -> HFBlockCase:
-    """The case a report printed: weights and tokens rebuilt from `text_config` and `seed`."""
+                  bias_offset: float = 0.0, batch: int = 0) -> HFBlockCase:
+    """The case a report printed: weights and tokens rebuilt from `text_config` and `seed`.
+
+    `seed` and `batch` are integers (a float seed such as 1.5 would silently mean another case) and `mxfp4` a
+    real `bool` (the string `"false"` is truthy): anything else is refused, naming the argument.
+    """
     if not isinstance(text_config, Mapping):
         raise TypeError(f"text_config must be a mapping of config keys, got {type(text_config).__name__}")
+    seed = _integer("seed", seed, 0, 2**32 - 1)
+    batch = _integer("batch", batch, 0)
+    if not isinstance(mxfp4, bool | np.bool_):
+        raise TypeError(f"mxfp4 must be True or False, got {type(mxfp4).__name__} {mxfp4!r}")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
     if not (isinstance(bias_offset, int | float | np.floating | np.integer) and not isinstance(bias_offset, bool)
@@ -163,12 +203,11 @@ def hf_block_case(text_config: Mapping[str, Any], seed: int, *, tokens: int = 4,
         family_of(model_type)
         if mxfp4:
             raise ValueError(f"mxfp4=True is K3's packed layout; model_type={model_type!r} stores float experts")
-    case = HFBlockCase(dict(text_config), int(seed), tokens, float(activation_scale), bool(mxfp4), np.dtype(dtype),
-                       model_type, float(bias_offset))
+    case = HFBlockCase(dict(text_config), seed, tokens, float(activation_scale), bool(mxfp4), np.dtype(dtype),
+                       model_type, float(bias_offset), batch)
     tolerance(case.dtype)  # an unsupported dtype is an error now, not at the first use
     case.config  # noqa: B018  (a config the reference cannot build is an error now)
     return case
-
 
 # ---------------------------------------------------------------------------
 # Strategies: the reference code's configurations
@@ -176,121 +215,191 @@ def hf_block_case(text_config: Mapping[str, Any], seed: int, *, tokens: int = 4,
 
 _ABSENT = object()  # a key left out of the config, which has the reference code's meaning
 
+#: What a K3 case's `text_config` names as its modeling code. K3's released `text_config` says
+#: `model_type: "kimi_linear"` and names Kimi's own modeling code in `auto_map`; that is what tells
+#: `MoEConfig.from_hf_config` (and transformers) to read it with K3's code rather than transformers'
+#: `KimiLinearConfig`, whose defaults differ (a routed scale of 2.446, one shared expert).
+K3_AUTO_MAP = {"AutoConfig": "configuration_kimi.KimiLinearConfig",
+               "AutoModelForCausalLM": "modeling_kimi.KimiLinearForCausalLM"}
+
+
+def check_pinned(pinned: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`pinned` as a dict of config keys; anything but a mapping with string keys is a `TypeError`."""
+    if pinned is None:
+        return {}
+    if not isinstance(pinned, Mapping):
+        raise TypeError(f"pinned must be a mapping of config keys to values, got {type(pinned).__name__}")
+    bad = [key for key in pinned if not isinstance(key, str)]
+    if bad:
+        raise TypeError(f"pinned must map config keys (strings) to values, got the keys {bad!r}")
+    return dict(pinned)
+
+
+class _Keys:
+    """Draws a `text_config` key by key, keeping the keys the porter pinned at their pinned values."""
+
+    def __init__(self, draw: st.DrawFn, pinned: Mapping[str, Any]):
+        self.draw, self.pinned = draw, pinned
+        self.text: dict[str, Any] = {}
+
+    def value(self, key: str, strategy: st.SearchStrategy) -> Any:
+        """The pinned value of `key`, or one drawn from `strategy` (not written into the config)."""
+        return self.pinned[key] if key in self.pinned else self.draw(strategy, label=key)
+
+    def set(self, key: str, strategy: st.SearchStrategy) -> Any:
+        """Write `key` (pinned, or drawn from `strategy`) into the config and return it."""
+        self.text[key] = self.value(key, strategy)
+        return self.text[key]
+
+    def maybe(self, key: str, values: list[Any]) -> None:
+        """Write `key` with one of `values`, or leave it out (its absent meaning); a pinned key is written."""
+        value = self.pinned[key] if key in self.pinned else self.draw(st.sampled_from([_ABSENT, *values]), label=key)
+        if value is not _ABSENT:
+            self.text[key] = value
+
+    def done(self) -> dict[str, Any]:
+        """The config, with every pinned key (also those no draw asked for) at its pinned value."""
+        return {**self.text, **self.pinned}
+
+
+def _integer_at_most(limit: Any, low: int, high: int) -> st.SearchStrategy:
+    """Integers in `[low, min(high, limit)]` (a pinned limit that is not an integer leaves `high`)."""
+    top = min(high, limit) if isinstance(limit, int) and not isinstance(limit, bool) else high
+    return st.integers(low, max(low, top))
+
 
 @st.composite
-def hf_text_configs(draw: st.DrawFn, *, mxfp4: bool = False, max_experts: int = 8) -> dict[str, Any]:
+def hf_text_configs(draw: st.DrawFn, *, mxfp4: bool = False, max_experts: int = 8,
+                    pinned: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """`text_config` mappings the reference modeling code accepts, small, absent keys included.
 
     With `mxfp4=True` the latent and the expert width are 32 (MXFP4 blocks
-    need multiples of 32) and the model width is 32 or 64.
+    need multiples of 32) and the model width is 32 or 64. Every key of
+    `pinned` keeps its pinned value in every draw (the other draws adapt to
+    it where they depend on it: groups divide a pinned expert count, a latent
+    fits a pinned width). The config names K3's code in `auto_map`, so
+    `MoEConfig.from_hf_config(text_config)` reads it as K3's code does.
     """
-    n = draw(st.integers(2, max_experts), label="num_experts")
+    keys = _Keys(draw, check_pinned(pinned))
+    keys.text.update({"model_type": "kimi_linear", "auto_map": dict(K3_AUTO_MAP)})
+    n = keys.set("num_experts", st.integers(2, max_experts))
+    divisors = [g for g in (1, 2, 4) if isinstance(n, int) and n % g == 0 and n // g >= 2] or [1]
     # The reference scores a group by its two best experts (a top-2 that fails on a group of one).
-    n_group = draw(st.sampled_from([g for g in (1, 2, 4) if n % g == 0 and n // g >= 2]), label="num_expert_group")
-    topk_group = draw(st.integers(1, n_group), label="topk_group")
-    k = draw(st.integers(1, min(4, topk_group * (n // n_group))), label="num_experts_per_token")
-    latent = draw(st.booleans(), label="latent")
-    if mxfp4:
-        ell = f = 32
-        d = draw(st.sampled_from([64, 32]), label="hidden_size") if latent else 32
+    n_group = keys.value("num_expert_group", st.sampled_from(divisors))
+    topk_group = keys.value("topk_group", _integer_at_most(n_group, 1, 4))
+    reachable = topk_group * (n // n_group) if all(isinstance(v, int) and v for v in (n, n_group, topk_group)) else 4
+    keys.set("num_experts_per_token", st.integers(1, max(1, min(4, reachable))))
+    if "routed_expert_hidden_size" in keys.pinned:
+        latent = keys.pinned["routed_expert_hidden_size"] is not None
     else:
-        d = draw(st.integers(2, 10), label="hidden_size")
-        ell = draw(st.integers(2, d), label="routed_expert_hidden_size") if latent else d
-        f = draw(st.integers(2, 6), label="moe_intermediate_size")
-    text: dict[str, Any] = {"model_type": "kimi_linear", "hidden_size": d, "num_experts": n,
-                            "num_experts_per_token": k, "moe_intermediate_size": f}
-
-    def maybe(key: str, values: list[Any]) -> None:
-        value = draw(st.sampled_from([_ABSENT, *values]), label=key)
-        if value is not _ABSENT:
-            text[key] = value
-
+        latent = draw(st.booleans(), label="latent")
+    if mxfp4:
+        keys.set("moe_intermediate_size", st.just(32))
+        d = keys.set("hidden_size", st.sampled_from([64, 32]) if latent else st.just(32))
+        if latent:
+            keys.set("routed_expert_hidden_size", st.just(32))
+    else:
+        d = keys.set("hidden_size", st.integers(2, 10))
+        if latent:
+            keys.set("routed_expert_hidden_size", _integer_at_most(d, 2, 10))
+        keys.set("moe_intermediate_size", st.integers(2, 6))
     if latent:
-        text["routed_expert_hidden_size"] = ell
-        maybe("latent_moe_use_norm", [True, False])
-        maybe("rms_norm_eps", [1e-5])
-    maybe("hidden_act", ["situ", "silu"])
-    if text.get("hidden_act") == "situ":
-        maybe("activation_situ_beta", [4.0, 2.0, None])
-        maybe("activation_situ_linear_beta", [25.0, 3.0, None])
-    maybe("num_shared_experts", [1, 2, None, 0])
-    maybe("moe_router_activation_func", ["sigmoid", "softmax"])
-    maybe("moe_renormalize", [True, False])
-    maybe("routed_scaling_factor", [2.5, 1.0, 0.5])
-    if n_group > 1:
-        text["num_expert_group"], text["topk_group"] = n_group, topk_group
-    maybe("topk_method", ["noaux_tc"])
-    return text
+        keys.maybe("latent_moe_use_norm", [True, False])
+        keys.maybe("rms_norm_eps", [1e-5])
+    keys.maybe("hidden_act", ["situ", "silu"])
+    if keys.text.get("hidden_act") == "situ":
+        keys.maybe("activation_situ_beta", [4.0, 2.0, None])
+        keys.maybe("activation_situ_linear_beta", [25.0, 3.0, None])
+    keys.maybe("num_shared_experts", [1, 2, None, 0])
+    keys.maybe("moe_router_activation_func", ["sigmoid", "softmax"])
+    keys.maybe("moe_renormalize", [True, False])
+    keys.maybe("routed_scaling_factor", [2.5, 1.0, 0.5])
+    if n_group != 1 or "num_expert_group" in keys.pinned:
+        keys.text["num_expert_group"], keys.text["topk_group"] = n_group, topk_group
+    keys.maybe("topk_method", ["noaux_tc"])
+    return keys.done()
 
 
 @st.composite
-def hf_family_text_configs(draw: st.DrawFn, model_type: str, *, max_experts: int = 8) -> dict[str, Any]:
+def hf_family_text_configs(draw: st.DrawFn, model_type: str, *, max_experts: int = 8,
+                           pinned: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """`config.json` mappings of a transformers family, in its own keys, for one small MoE layer.
 
     `ConfigClass(**text_config)` builds it (transformers' class of `model_type`) and its layer 0 is the MoE
     block. Optional keys are sometimes left out, to take the class's defaults: the routed scaling factor, the
     renormalization switch, the shared experts, the groups (when the class's default fits the drawn experts),
     DeepSeek-V4's `swiglu_limit`. DeepSeek-V4's layer is a top-k layer: its hash layers route by a stored table,
-    which the reference of the kit does not draw.
+    which the reference of the kit does not draw. Every key of `pinned` keeps its pinned value.
     """
     family = family_of(model_type)
+    keys = _Keys(draw, check_pinned(pinned))
     spelled = {field: spec.key for field, spec in family.keys.items()}
-    n = draw(st.integers(2, max_experts), label=spelled["num_experts"])
-    d = draw(st.integers(2, 10), label="hidden_size")
-    text: dict[str, Any] = {"model_type": model_type, "hidden_size": d, spelled["num_experts"]: n,
-                            spelled["intermediate_size"]: draw(st.integers(2, 6))}
+    keys.text["model_type"] = model_type
+    n = keys.set(spelled["num_experts"], st.integers(2, max_experts))
+    d = keys.set("hidden_size", st.integers(2, 10))
+    keys.set(spelled["intermediate_size"], st.integers(2, 6))
     if family.layers == "layers_block_type":  # Nemotron-H: one MoE layer, a latent path or none
-        text["layers_block_type"] = ["moe"]
-        if draw(st.booleans(), label="latent"):
-            text["moe_latent_size"] = draw(st.integers(2, d), label="moe_latent_size")
+        keys.text["layers_block_type"] = ["moe"]
+        if "moe_latent_size" in keys.pinned or draw(st.booleans(), label="latent"):
+            keys.set("moe_latent_size", _integer_at_most(d, 2, 10))
     else:
-        text["num_hidden_layers"] = 1
+        keys.text["num_hidden_layers"] = 1
     if family.layers in ("first_k_dense", "mlp_layer_types"):
-        text["first_k_dense_replace"] = 0  # layer 0 holds the MoE block
+        keys.text["first_k_dense_replace"] = 0  # layer 0 holds the MoE block
     if family.layers == "hash_mlp_layer_types":  # DeepSeek-V4: layer 0 a top-k layer (its hash layers use a table)
-        text["mlp_layer_types"] = ["moe"]
-    reachable = n
+        keys.text["mlp_layer_types"] = ["moe"]
+    reachable = n if isinstance(n, int) else 4
 
     def maybe(field: str, values: list[Any]) -> None:
         if field in spelled:
-            value = draw(st.sampled_from([_ABSENT, *values]), label=spelled[field])
-            if value is not _ABSENT:
-                text[spelled[field]] = value
+            keys.maybe(spelled[field], values)
 
     if "n_group" in spelled:
-        n_group = draw(st.sampled_from([g for g in (1, 2, 4) if n % g == 0 and n // g >= 2]), label="n_group")
-        topk_group = draw(st.integers(1, n_group), label="topk_group")
+        divisors = [g for g in (1, 2, 4) if isinstance(n, int) and n % g == 0 and n // g >= 2] or [1]
+        n_group = keys.value(spelled["n_group"], st.sampled_from(divisors))
+        topk_group = keys.value("topk_group", _integer_at_most(n_group, 1, 4))
         defaults = (family.keys["n_group"].default, family.keys["topk_group"].default)
-        if (n_group, topk_group) != defaults or draw(st.booleans(), label="groups written"):
-            text[spelled["n_group"]], text["topk_group"] = n_group, topk_group
-        reachable = topk_group * (n // n_group)
-    text[spelled["top_k"]] = draw(st.integers(1, min(4, reachable)), label=spelled["top_k"])
+        if ((n_group, topk_group) != defaults or spelled["n_group"] in keys.pinned or "topk_group" in keys.pinned
+                or draw(st.booleans(), label="groups written")):
+            keys.text[spelled["n_group"]], keys.text["topk_group"] = n_group, topk_group
+        if all(isinstance(v, int) and v for v in (n, n_group, topk_group)):
+            reachable = topk_group * (n // n_group)
+    keys.set(spelled["top_k"], st.integers(1, max(1, min(4, reachable))))
     if model_type == "nemotron_h":  # its shared expert has a width of its own; 0 means the dense width
         maybe("shared_intermediate_size", [0, 3, 6])
-        text["intermediate_size"] = draw(st.integers(1, 6), label="intermediate_size")
+        keys.set("intermediate_size", st.integers(1, 6))
     else:
         maybe("num_shared_experts", [0, 1, 2])
     maybe("renormalize", [True, False])
     maybe("routed_scaling_factor", [2.5, 1.0, 0.5])
     maybe("swiglu_limit", [0.5, 3.0])  # DeepSeek-V4's clamp; small, so that it cuts
-    return text
+    return keys.done()
 
 
 @st.composite
 def hf_block_cases(draw: st.DrawFn, *, mxfp4: bool = False, dtype: Any = np.float32, max_tokens: int = 6,
-                   max_experts: int = 8, model_type: str | None = None) -> HFBlockCase:
+                   max_experts: int = 8, model_type: str | None = None,
+                   pinned: Mapping[str, Any] | None = None) -> HFBlockCase:
     """`HFBlockCase`s: a config of `hf_text_configs`, a seed, a few tokens, sometimes large activations.
 
     With a transformers `model_type`, the config is that family's (`hf_family_text_configs`), and the
-    selection bias, when the family has one, sits far from zero in some cases, as trained biases do.
+    selection bias, when the family has one, sits far from zero in some cases, as trained biases do. Keys of
+    `pinned` keep their values; a draw whose pinned keys make a config the reference cannot build (a pinned
+    `top_k` above a drawn expert count) is rejected, and Hypothesis draws another.
     """
     if model_type is None:
-        text = draw(hf_text_configs(mxfp4=mxfp4, max_experts=max_experts))
+        text = draw(hf_text_configs(mxfp4=mxfp4, max_experts=max_experts, pinned=pinned))
         offset = 0.0
     else:
-        text = draw(hf_family_text_configs(model_type, max_experts=max_experts))
+        text = draw(hf_family_text_configs(model_type, max_experts=max_experts, pinned=pinned))
         offset = draw(st.sampled_from([0.0, 3.0, -20.0]), label="bias_offset") if FAMILIES[model_type].has_bias else 0.0
     seed = draw(st.integers(0, 2**32 - 1), label="seed")
     tokens = draw(st.integers(1, max_tokens), label="tokens")
     scale = draw(st.sampled_from([1.0, 6.0]), label="activation_scale")
-    return HFBlockCase(text, seed, tokens, scale, mxfp4, np.dtype(dtype), model_type, offset)
+    case = HFBlockCase(text, seed, tokens, scale, mxfp4, np.dtype(dtype), model_type, offset)
+    if pinned:
+        try:
+            case.config  # noqa: B018  (pinned keys may combine with drawn ones into no layer at all)
+        except (TypeError, ValueError):
+            reject()
+    return case

@@ -3,6 +3,8 @@ r"""Appendix D, checked: the histogram update within one bin of Eq. (14), whatev
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -25,7 +27,125 @@ __all__ = ["check_histogram_update"]
 
 
 # ---------------------------------------------------------------------------
-# Appendix D: the histogram update
+# The user's update and the tolerances it is held to
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Histogram:
+    """The user's histogram update, the number of bins it declares, its dtype and the float tolerance."""
+
+    fn: Callable[..., Any]
+    bins: int = 1000
+    dtype: Any = np.float32
+    rtol: float = 1e-5
+    atol: float = 1e-6
+
+    def width(self, bias: np.ndarray) -> float:
+        r"""The bin width $w = (\max b - \min b + 2) / B$."""
+        b = bias.astype(np.float64)
+        return float(b.max() - b.min() + 2.0) / self.bins
+
+    def new_bias(self, case: rst.RoutingCase, bias: np.ndarray | None,
+                 blocks: list[np.ndarray] | None = None) -> np.ndarray:
+        """The user's new bias on `case` (its bias or `bias`; the batch whole, or split into `blocks`)."""
+        b = case.bias.astype(self.dtype) if bias is None else bias
+        blocks = [case.scores.astype(self.dtype)] if blocks is None else blocks
+        return bias_output(call_user(self.fn, blocks, b, case.top_k), case.n)
+
+    def reference(self, case: rst.RoutingCase) -> np.ndarray:
+        """Eq. (14) on the values the update received."""
+        from ..balancing import quantile_balancing_update  # imported here: the kit loads without it
+
+        return np.asarray(quantile_balancing_update(case.scores.astype(self.dtype).astype(np.float64),
+                                                    case.bias.astype(self.dtype).astype(np.float64), case.top_k))
+
+    def float_tol(self, case: rst.RoutingCase, other_bias: np.ndarray | None = None) -> float:
+        scale = 1.0 + float(np.max(np.abs(case.bias)))
+        if other_bias is not None:
+            scale = max(scale, 1.0 + float(np.max(np.abs(other_bias))))
+        return self.atol + self.rtol * scale
+
+    def close(self, actual: np.ndarray, expected: np.ndarray, case: rst.RoutingCase,
+              other_bias: np.ndarray | None = None) -> np.ndarray:
+        """Within a bin: two histogram readings of one batch may differ by a bin (a value crossing an edge)."""
+        return np.abs(actual - expected) <= self.width(case.bias) + self.float_tol(case, other_bias)
+
+    def close_exact(self, actual: np.ndarray, expected: np.ndarray, case: rst.RoutingCase,
+                    other_bias: np.ndarray | None = None) -> np.ndarray:
+        return np.abs(actual - expected) <= self.float_tol(case, other_bias)
+
+    def diagnose(self, case: rst.RoutingCase, blocks: list[np.ndarray], new: np.ndarray
+                 ) -> tuple[list[str], list[str]]:
+        """The known ways of shipping the update that reproduce `new`, and the report's lines about them."""
+        from .qb_conventions import HISTOGRAM_CONVENTIONS, name_conventions
+
+        def call(on: list[np.ndarray], bias: np.ndarray) -> np.ndarray:
+            return bias_output(call_user(self.fn, on, bias, case.top_k), case.n)
+
+        def agree(actual: np.ndarray, expected: np.ndarray, bias: np.ndarray) -> bool:
+            # Two histogram readings agree up to a common shift and a bin of either reading.
+            d = actual - expected
+            return float(d.max() - d.min()) <= 2.0 * max(self.width(bias), 2.0 / 512) + 2.0 * self.float_tol(case, bias)
+
+        return name_conventions(HISTOGRAM_CONVENTIONS, call, case, blocks, new, agree, np.dtype(self.dtype))
+
+
+# ---------------------------------------------------------------------------
+# The invariants of Appendix D's own (the others are the exact update's: `update_check.bias_invariants`)
+# ---------------------------------------------------------------------------
+
+def within_bin(update: _Histogram, case: rst.RoutingCase) -> None:
+    r"""Appendix D: each threshold within a bin width of Eq. (14), up to a shift: $\max_j d_j - \min_j d_j \le 2w$."""
+    new, exact = update.new_bias(case, None), update.reference(case)
+    d = new - exact
+    w = update.width(case.bias.astype(update.dtype))
+    spread = float(d.max() - d.min())
+    if spread <= 2.0 * w + 2.0 * update.float_tol(case):
+        return
+    names, lines = update.diagnose(case, [case.scores.astype(update.dtype)], new)
+    v = Violation(f"no common shift brings every expert within one bin width (w = {w:.4g}) of Eq. (14)",
+                  [f"exact (Eq. 14) {fmt(exact)}", f"histogram      {fmt(new)}",
+                   f"differences    {fmt(d)}: spread {spread:.4g} > 2w = {2 * w:.4g}",
+                   "read each threshold in the bin holding the (q+1)-th smallest required bias r = alpha - s; the "
+                   "q-th can lie many bins away, behind the atom of the old bias", *lines],
+                  {"scores": case.scores.astype(update.dtype), "bias": case.bias.astype(update.dtype),
+                   "top_k": case.top_k, "bins": update.bins})
+    v.conventions = names
+    raise v
+
+
+def partition_invariance(update: _Histogram, drawn: tuple[rst.RoutingCase, rst.Partition]) -> None:
+    """Appendix D: counts add, so any split over ranks and micro-batches gives the same bias."""
+    case, part = drawn
+    s = case.scores.astype(update.dtype)
+    whole, split = update.new_bias(case, None), update.new_bias(case, None, part.split(s))
+    if update.close_exact(split, whole, case).all():
+        return
+    from .qb_conventions import averaged_per_block  # imported here: the kit loads without refimpl.balancing
+
+    names, lines = update.diagnose(case, part.split(s), split)
+    if not names:
+        names, lines = averaged_per_block(
+            lambda on, bias: bias_output(call_user(update.fn, on, bias, case.top_k), case.n), case, part.split(s),
+            split, lambda a, e, bias: bool(update.close_exact(a, e, case, bias).all()), np.dtype(update.dtype))
+    v = Violation(f"splitting the batch over {count(part.ranks, 'rank')} x "
+                  f"{count(part.micro_batches, 'micro-batch', 'micro-batches')} changed the new bias",
+                  [f"one block      {fmt(whole)}", f"split blocks   {fmt(split)}",
+                   f"the split, rank by rank (micro-batches separated by |): {part}", error_sizes(split, whole),
+                   "sum the integer counts of all blocks, then read the quantile once: an average of per-rank "
+                   "quantiles is not the quantile of the global batch", *lines], _partition_inputs(update, drawn))
+    v.conventions = names
+    raise v
+
+
+def _partition_inputs(update: _Histogram, drawn: tuple[rst.RoutingCase, rst.Partition]) -> dict[str, Any]:
+    case, part = drawn
+    s = case.scores.astype(update.dtype)
+    return {"scores": s, "bias": case.bias.astype(update.dtype), "top_k": case.top_k, "blocks": part.split(s)}
+
+
+# ---------------------------------------------------------------------------
+# The check
 # ---------------------------------------------------------------------------
 
 def check_histogram_update(fn: Callable[[list[np.ndarray], np.ndarray, int], Any], *, bins: int = 1000,
@@ -58,115 +178,20 @@ def check_histogram_update(fn: Callable[[list[np.ndarray], np.ndarray, int], Any
     the other sign, a fractional target rounded down, a fixed range $[-1, 1]$
     of 512 bins, quantiles averaged over the blocks.
     """
-    from ..balancing import quantile_balancing_update  # imported here: the kit loads without it
-    from .qb_conventions import averaged_per_block
-
+    update = _Histogram(fn, bins, dtype, rtol, atol)
     sizes = dict(max_tokens=max_tokens, max_experts=max_experts, for_update=True)
     cases = st.one_of(rst.routing_cases(distinct=True, **sizes), rst.routing_cases(ties=True, **sizes))
-
-    def width(bias: np.ndarray) -> float:
-        b = bias.astype(np.float64)
-        return float(b.max() - b.min() + 2.0) / bins
-
-    def new_bias(case: rst.RoutingCase, bias: np.ndarray | None, blocks: list[np.ndarray] | None = None
-                 ) -> np.ndarray:
-        b = case.bias.astype(dtype) if bias is None else bias
-        blocks = [case.scores.astype(dtype)] if blocks is None else blocks
-        return bias_output(call_user(fn, blocks, b, case.top_k), case.n)
-
-    def reference(case: rst.RoutingCase) -> np.ndarray:
-        return np.asarray(quantile_balancing_update(case.scores.astype(dtype).astype(np.float64),
-                                                    case.bias.astype(dtype).astype(np.float64), case.top_k))
-
-    def float_tol(case: rst.RoutingCase, other_bias: np.ndarray | None = None) -> float:
-        scale = 1.0 + float(np.max(np.abs(case.bias)))
-        if other_bias is not None:
-            scale = max(scale, 1.0 + float(np.max(np.abs(other_bias))))
-        return atol + rtol * scale
-
-    def close(actual: np.ndarray, expected: np.ndarray, case: rst.RoutingCase,
-              other_bias: np.ndarray | None = None) -> np.ndarray:
-        # Two histogram readings of the same batch may differ by a bin (a value crossing an edge).
-        return np.abs(actual - expected) <= width(case.bias) + float_tol(case, other_bias)
-
-    def close_exact(actual: np.ndarray, expected: np.ndarray, case: rst.RoutingCase,
-                    other_bias: np.ndarray | None = None) -> np.ndarray:
-        return np.abs(actual - expected) <= float_tol(case, other_bias)
-
-    def diagnose(case: rst.RoutingCase, blocks: list[np.ndarray], new: np.ndarray) -> tuple[list[str], list[str]]:
-        from .qb_conventions import HISTOGRAM_CONVENTIONS, name_conventions
-
-        def call(on: list[np.ndarray], bias: np.ndarray) -> np.ndarray:
-            return bias_output(call_user(fn, on, bias, case.top_k), case.n)
-
-        def agree(actual: np.ndarray, expected: np.ndarray, bias: np.ndarray) -> bool:
-            # Two histogram readings agree up to a common shift and a bin of either reading.
-            d = actual - expected
-            return float(d.max() - d.min()) <= 2.0 * max(width(bias), 2.0 / 512) + 2.0 * float_tol(case, bias)
-
-        return name_conventions(HISTOGRAM_CONVENTIONS, call, case, blocks, new, agree, np.dtype(dtype))
-
-    def within_bin(case: rst.RoutingCase) -> None:
-        new = new_bias(case, None)
-        exact = reference(case)
-        # Each threshold within w of the exact one, up to a common shift: $$\max_j d_j - \min_j d_j \le 2w$$
-        d = new - exact
-        w = width(case.bias.astype(dtype))
-        spread = float(d.max() - d.min())
-        if spread > 2.0 * w + 2.0 * float_tol(case):
-            names, lines = diagnose(case, [case.scores.astype(dtype)], new)
-            v = Violation(
-                f"no common shift brings every expert within one bin width (w = {w:.4g}) of Eq. (14)",
-                [f"exact (Eq. 14) {fmt(exact)}", f"histogram      {fmt(new)}",
-                 f"differences    {fmt(d)}: spread {spread:.4g} > 2w = {2 * w:.4g}",
-                 "read each threshold in the bin holding the (q+1)-th smallest required bias r = alpha - s; "
-                 "the q-th can lie many bins away, behind the atom of the old bias", *lines],
-                {"scores": case.scores.astype(dtype), "bias": case.bias.astype(dtype), "top_k": case.top_k,
-                 "bins": bins})
-            v.conventions = names
-            raise v
-
-    def partition(drawn: tuple[rst.RoutingCase, rst.Partition]) -> None:
-        case, part = drawn
-        s = case.scores.astype(dtype)
-        whole = new_bias(case, None)
-        split = new_bias(case, None, part.split(s))
-        if not close_exact(split, whole, case).all():
-            names, lines = diagnose(case, part.split(s), split)
-            if not names:
-                names, lines = averaged_per_block(lambda on, bias: bias_output(call_user(fn, on, bias, case.top_k),
-                                                                               case.n),
-                                                  case, part.split(s), split,
-                                                  lambda a, e, bias: bool(close_exact(a, e, case, bias).all()),
-                                                  np.dtype(dtype))
-            v = Violation(
-                f"splitting the batch over {count(part.ranks, 'rank')} x "
-                f"{count(part.micro_batches, 'micro-batch', 'micro-batches')} changed the new bias",
-                [f"one block      {fmt(whole)}", f"split blocks   {fmt(split)}",
-                 f"the split, rank by rank (micro-batches separated by |): {part}",
-                 error_sizes(split, whole),
-                 "sum the integer counts of all blocks, then read the quantile once: an average of per-rank "
-                 "quantiles is not the quantile of the global batch", *lines],
-                {"scores": s, "bias": case.bias.astype(dtype), "top_k": case.top_k, "blocks": part.split(s)})
-            v.conventions = names
-            raise v
-
-    def partition_inputs(drawn: tuple[rst.RoutingCase, rst.Partition]) -> dict[str, Any]:
-        case, part = drawn
-        s = case.scores.astype(dtype)
-        return {"scores": s, "bias": case.bias.astype(dtype), "top_k": case.top_k, "blocks": part.split(s)}
 
     def with_partition(case: rst.RoutingCase) -> st.SearchStrategy:
         return st.tuples(st.just(case), rst.partitions(case.m, max_ranks=max_ranks,
                                                        max_micro_batches=max_micro_batches))
 
     invariants = bias_invariants(
-        new_bias, reference, close, cases, dtype, "within one bin of Eq. (14)",
+        update.new_bias, update.reference, update.close, cases, dtype, "within one bin of Eq. (14)",
         "Appendix D: each threshold is read inside the bin holding the exact one; centring adds a common shift",
-        reference_body=within_bin,
-        diagnose=lambda case, new: diagnose(case, [case.scores.astype(dtype)], new))
-    invariants.insert(3, Invariant(
-        "partition invariance",
-        "Appendix D: counts add, so any split over ranks and micro-batches gives the same bias",
-        cases.flatmap(with_partition), partition, describe=partition_inputs))
+        reference_body=partial(within_bin, update),
+        diagnose=lambda case, new: update.diagnose(case, [case.scores.astype(dtype)], new))
+    invariants.insert(3, Invariant("partition invariance", partition_invariance.__doc__.strip(),
+                                   cases.flatmap(with_partition), partial(partition_invariance, update),
+                                   describe=partial(_partition_inputs, update)))
     return run_check("check_histogram_update", invariants, kit_settings(settings))

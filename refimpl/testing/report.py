@@ -21,7 +21,7 @@ import tempfile
 import textwrap
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,16 +37,24 @@ __all__ = [
     "Code",
     "CheckFailure",
     "CheckResult",
+    "Coverage",
     "Invariant",
+    "OutOfScope",
+    "Outcome",
     "Violation",
     "MIN_COVERED",
     "Unsupported",
     "call_deadline",
     "call_user",
+    "call_user_keeping_inputs",
     "describe_inputs",
     "errors",
     "format_array",
+    "outcome_of",
     "run_check",
+    "run_invariant",
+    "kit_storage",
+    "written_inputs",
 ]
 
 
@@ -97,18 +105,62 @@ class Invariant:
     describe: Callable[[Any], dict[str, Any]] | None = None  # the inputs to print, if the body gave none
 
 
+@dataclass(frozen=True)
+class Coverage:
+    """How many drawn cases an invariant ran on, and how many it could not use.
+
+    `covered`: cases the user's code answered and the invariant judged (up to the first failure, for one
+    that failed); `declined`: cases the user's code declined with `Unsupported`; `scoped_out`: cases left
+    out because a difference already named would show on them (see `check_hf_moe_block`); `reasons`: the
+    distinct reasons given for declining.
+    """
+
+    covered: int = 0
+    declined: int = 0
+    scoped_out: int = 0
+    reasons: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        text = f"{self.covered} cases covered, {self.declined} declined"
+        if self.scoped_out:
+            text += f", {self.scoped_out} scoped out"
+        return text
+
+
 @dataclass
 class CheckResult:
-    """What a check that passed ran: its name and the invariants it verified."""
+    """What a check that passed ran: its name, the invariants it verified and how many cases each covered.
+
+    `str(result)` is the summary a test can print: one line per invariant with the cases covered and the
+    cases the user's code declined (`Unsupported`); `covered` and `declined` are the totals.
+    """
 
     check: str
     passed: list[str]
     max_examples: int
+    coverage: dict[str, Coverage] = field(default_factory=dict)
+
+    @property
+    def covered(self) -> int:
+        """Cases covered, over every invariant."""
+        return sum(c.covered for c in self.coverage.values())
+
+    @property
+    def declined(self) -> int:
+        """Cases the user's code declined with `Unsupported`, over every invariant."""
+        return sum(c.declined for c in self.coverage.values())
 
     def __str__(self) -> str:
         lines = [f"{self.check}: all {len(self.passed)} invariants hold "
-                 f"(up to {self.max_examples} examples each)"]
-        lines += [f"  [passed] {name}" for name in self.passed]
+                 f"(up to {self.max_examples} examples each; {self.covered} cases covered, "
+                 f"{self.declined} declined)"]
+        for name in self.passed:
+            cover = f" ({self.coverage[name]})" if name in self.coverage else ""
+            lines.append(f"  [passed] {name}{cover}")
+        reasons = sorted({r for c in self.coverage.values() for r in c.reasons})
+        if reasons:
+            lines.append("  declined because: " + "; ".join(reasons[:3])
+                         + (f" (and {len(reasons) - 3} other reasons)" if len(reasons) > 3 else ""))
         return "\n".join(lines)
 
 
@@ -122,11 +174,14 @@ class CheckFailure(AssertionError):
     """
 
     def __init__(self, check: str, violations: list[Violation], passed: list[str],
-                 skipped: list[str] | None = None):
+                 skipped: list[str] | None = None, coverage: dict[str, Coverage] | None = None,
+                 notes: Sequence[str] = ()):
         self.check = check
         self.violations = violations
         self.passed = passed
         self.skipped = list(skipped or [])
+        self.coverage = dict(coverage or {})
+        self.notes = list(notes)  # lines a check adds after its head line (e.g. every difference it named)
         super().__init__(self.report())
 
     @property
@@ -139,13 +194,19 @@ class CheckFailure(AssertionError):
         total = len(self.violations) + len(self.passed) + len(self.skipped)
         head = (f"{self.check}: {len(self.violations)} of {total} invariants failed: "
                 + "; ".join(self.failed) + ".")
-        parts = [head]
+        parts = [head, *self.notes]
         for number, v in enumerate(self.violations, 1):
             parts.append(_format_violation(number, v))
         if self.passed:
             parts.append("Invariants that held: " + "; ".join(self.passed) + ".")
         if self.skipped:
             parts.append("Not run (they need a well-formed output): " + "; ".join(self.skipped) + ".")
+        if self.coverage:
+            covered = sum(c.covered for c in self.coverage.values())
+            declined = sum(c.declined for c in self.coverage.values())
+            lines = [f"Cases: {covered} covered, {declined} declined in all."]
+            lines += [f"  {name}: {c}" for name, c in self.coverage.items()]
+            parts.append("\n".join(lines))
         return "\n\n".join(parts)
 
     def __str__(self) -> str:
@@ -273,8 +334,14 @@ def _changed(before: Any, after: Any) -> bool:
     if isinstance(before, list | tuple):
         return len(before) != len(after) or any(_changed(b, a) for b, a in zip(before, after, strict=True))
     if isinstance(before, dict):
-        return before.keys() != after.keys() or any(_changed(before[k], after[k]) for k in before)
-    return False
+        return (not isinstance(after, dict) or before.keys() != after.keys()
+                or any(_changed(before[k], after[k]) for k in before))
+    if isinstance(before, float) and isinstance(after, float) and math.isnan(before) and math.isnan(after):
+        return False
+    try:
+        return type(before) is not type(after) or bool(before != after)
+    except Exception:  # a value that cannot be compared (the user's own object): not ours to judge
+        return False
 
 
 def _call_within_deadline(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -299,6 +366,10 @@ def _call_within_deadline(fn: Callable[..., Any], args: tuple, kwargs: dict) -> 
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+class OutOfScope(Exception):  # noqa: N818 - a case the check itself leaves out, not an error
+    """Raised by an invariant's body for a case it leaves out (a difference already named would show on it)."""
 
 
 class Unsupported(Exception):  # noqa: N818 - named for what the user says, as NotImplementedError is
@@ -329,6 +400,15 @@ def call_user(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     caller of a router or an update reads its inputs again (the layer weighs the experts with the same scores
     the balancer reads next). Within `call_deadline`, a call that does not return in time is reported too.
     """
+    return call_user_keeping_inputs(fn, *args, **kwargs)[0]
+
+
+def call_user_keeping_inputs(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, tuple, tuple]:
+    """`call_user`, also returning the copies the function received and copies of them as they were.
+
+    A `build` that keeps the state dict it was handed can write into it later, from `forward`:
+    `written_inputs(fn, kept, given)` after those calls tells.
+    """
     given = tuple(_copy(a) for a in args)
     kept = tuple(_copy(a) for a in given)
     try:
@@ -337,13 +417,18 @@ def call_user(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise
     except Exception as exc:  # the user's code failed: report it as a broken invariant
         raise Violation(f"the function raised {type(exc).__name__}: {exc}") from exc
-    written = [name for name, before, after in zip(_argument_names(fn, len(args)), kept, given, strict=True)
-               if _changed(before, after)]
+    written = written_inputs(fn, kept, given)
     if written:
         raise Violation(f"the function wrote into its input{'s' if len(written) > 1 else ''} "
                         f"{', '.join(written)}: it must leave its arguments as they were, since its caller "
                         "reads them again (the same scores weigh the experts and feed the next bias)")
-    return out
+    return out, given, kept
+
+
+def written_inputs(fn: Callable[..., Any], kept: tuple, given: tuple) -> list[str]:
+    """The names of `fn`'s arguments whose `given` copy no longer equals the `kept` one."""
+    return [name for name, before, after in zip(_argument_names(fn, len(kept)), kept, given, strict=True)
+            if _changed(before, after)]
 
 
 def _copy(value: Any) -> Any:
@@ -366,10 +451,22 @@ def resolved_settings(user: Settings | None, default: Settings) -> Settings:
     return Settings(base, report_multiple_bugs=False)
 
 
-def _run_one(invariant: Invariant, settings: Settings) -> Violation | None:
-    """Run one invariant as a Hypothesis property; the shrunk violation, or None if it held."""
+@dataclass
+class Outcome:
+    """One invariant run: the shrunk violation (None if it held) and the cases it covered."""
 
-    covered, declined = [0], []
+    invariant: Invariant
+    violation: Violation | None
+    coverage: Coverage
+
+
+def run_invariant(invariant: Invariant, settings: Settings) -> Outcome:
+    """Run one invariant as a Hypothesis property: its shrunk violation, if any, and its coverage.
+
+    Cases are counted until the first failure (the shrinking that follows reruns cases that are not new).
+    """
+    covered, declined, scoped_out = [0], [], [0]
+    failed = [False]
 
     @settings
     @given(invariant.strategy)
@@ -377,21 +474,31 @@ def _run_one(invariant: Invariant, settings: Settings) -> Violation | None:
         try:
             invariant.body(case)
         except Unsupported as exc:
-            declined.append(str(exc) or "Unsupported")
+            if not failed[0]:
+                declined.append(str(exc) or "Unsupported")
             reject()  # not this case: Hypothesis draws another
+        except OutOfScope:
+            if not failed[0]:
+                scoped_out[0] += 1
+            reject()
         except Violation as v:
+            failed[0] = True
             if not v.inputs and invariant.describe is not None:
                 v.inputs = invariant.describe(case)
             raise
-        covered[0] += 1
+        if not failed[0]:
+            covered[0] += 1
+
+    def coverage() -> Coverage:
+        return Coverage(covered[0], len(declined), scoped_out[0], tuple(sorted(set(declined))))
 
     try:
         prop()
     except Violation as v:
         v.invariant = invariant
-        return v
+        return Outcome(invariant, v, coverage())
     except Unsatisfiable:
-        covered[0] = 0  # Hypothesis gave up: every case it drew was declined
+        covered[0] = 0  # Hypothesis gave up: every case it drew was declined or scoped out
     except Flaky as exc:
         # Hypothesis saw a failure it could not reproduce; the failure itself is inside the group.
         inner = next((e for e in getattr(exc, "exceptions", ()) if isinstance(e, Violation)), None)
@@ -401,7 +508,7 @@ def _run_one(invariant: Invariant, settings: Settings) -> Violation | None:
                       "deterministic, or keeps state between calls)", details,
                       inner.inputs if inner is not None else None)
         v.invariant = invariant
-        return v
+        return Outcome(invariant, v, coverage())
     if declined and covered[0] < min(MIN_COVERED, settings.max_examples):
         reasons = sorted(set(declined))
         v = Violation(f"too few cases were covered to check anything: {covered[0]} covered, {len(declined)} "
@@ -409,15 +516,15 @@ def _run_one(invariant: Invariant, settings: Settings) -> Violation | None:
                       [f"declined because: {reason}" for reason in reasons[:3]]
                       + ([f"(and {len(reasons) - 3} other reasons)"] if len(reasons) > 3 else []))
         v.invariant = invariant
-        return v
-    return None
+        return Outcome(invariant, v, coverage())
+    return Outcome(invariant, None, coverage())
 
 
 _STORAGE: list[str] = []  # this process's private Hypothesis folder, made on first use
 
 
 @contextlib.contextmanager
-def _storage_outside_the_users_folder() -> Iterator[None]:
+def kit_storage() -> Iterator[None]:
     """Point Hypothesis's storage at a private temporary folder while a check runs, then back.
 
     With `database=None` Hypothesis keeps no examples, but it still caches the constants it reads from local
@@ -445,26 +552,26 @@ def run_check(check: str, invariants: Sequence[Invariant], settings: Settings) -
     the output; once one fails, the rest are reported as not run, since they
     would only repeat that the output is malformed.
     """
-    with _storage_outside_the_users_folder():
-        return _run_invariants(check, invariants, settings)
+    with kit_storage():
+        outcomes: list[Outcome] = []
+        skipped: list[str] = []
+        for invariant in invariants:
+            if any(o.violation is not None and o.invariant.basic for o in outcomes):
+                skipped.append(invariant.name)
+                continue
+            outcomes.append(run_invariant(invariant, settings))
+    return outcome_of(check, outcomes, skipped, settings)
 
 
-def _run_invariants(check: str, invariants: Sequence[Invariant], settings: Settings) -> CheckResult:
-    violations: list[Violation] = []
-    passed: list[str] = []
-    skipped: list[str] = []
-    for invariant in invariants:
-        if any(v.invariant.basic for v in violations):
-            skipped.append(invariant.name)
-            continue
-        v = _run_one(invariant, settings)
-        if v is None:
-            passed.append(invariant.name)
-        else:
-            violations.append(v)
+def outcome_of(check: str, outcomes: Sequence[Outcome], skipped: Sequence[str], settings: Settings,
+               notes: Sequence[str] = ()) -> CheckResult:
+    """The `CheckResult` of invariants that all held, or the `CheckFailure` (raised) listing those that broke."""
+    coverage = {o.invariant.name: o.coverage for o in outcomes}
+    violations = [o.violation for o in outcomes if o.violation is not None]
+    passed = [o.invariant.name for o in outcomes if o.violation is None]
     if violations:
-        raise CheckFailure(check, violations, passed, skipped)
-    return CheckResult(check, passed, settings.max_examples)
+        raise CheckFailure(check, violations, passed, list(skipped), coverage, notes)
+    return CheckResult(check, passed, settings.max_examples, coverage)
 
 
 # Settings shared by the profiles: no deadline (the first call of a framework can be slow),

@@ -30,13 +30,27 @@ Each puzzle states where its expected answer comes from (`refimpl.route`,
 `refimpl.quantile_balancing_update`, ...). When an answer differs,
 Hypothesis **shrinks** the input to the simplest one that still breaks it,
 and the check then asks which of the puzzle's **catalogued mistakes**
-reproduces your answer: the mistakes real ports of the layer made, such as
-the bias added into the mixture weights, a single top-1 weight renormalized
-to 1, the $q$-th instead of the $(q+1)$-th order statistic, or capacity
-served token by token instead of rank by rank. An answer that makes one of
-them fails with its name and with why it is wrong. The failure is a
-`PuzzleFailure`, an `AssertionError` whose message holds the shrunk input as
-NumPy code you can paste, what was expected and what came back.
+your answer makes: the mistakes real ports of the layer made and learners
+write, such as the bias added into the mixture weights, a single top-1
+weight renormalized to 1, an ascending sort, an unstable sort on ties, the
+$q$-th instead of the $(q+1)$-th order statistic, float32 arithmetic, or
+capacity served token by token instead of rank by rank. Each is a wrong
+answer the check can run. A mistake is **named only when it is confirmed**:
+it must give what your answer gives on the shrunk input, on inputs built to
+tell the mistakes apart and on a few dozen drawn ones, and no other
+catalogued mistake may do the same; one small input fits several mistakes
+too often to name any from it alone. A named mistake comes with why it is
+wrong; otherwise the message says in plain words what differs (which token
+got which experts, which entries are off and by how much). Every failure is
+a `PuzzleFailure`, an `AssertionError` whose message opens with "Not yet:"
+and holds the shrunk input as NumPy code you can paste, what was expected
+and what came back.
+
+Three more things fail an answer, each with a message that says so: a call
+that does not return within 10 seconds (the check runs in a forked worker
+process, which it stops; the inputs are tiny, so a right answer takes
+milliseconds), an answer that writes into its arguments (the caller reads
+them again), and a result NumPy cannot read as an array of the asked shape.
 
 Three of the puzzles then hand a passing answer to the kit's own check for
 that signature (`check_balancing_update`, `check_forward`,
@@ -57,8 +71,8 @@ involved.
 Every puzzle is a notebook, `examples/puzzles/NN_name.ipynb`: the task, the
 rules, a stub that raises `NotImplementedError`, a one-line check, a hint and
 the answer, the last two collapsed. The one-line check is `puzzle.run(fn)`,
-which prints the verdict instead of raising, so a notebook shows a message,
-not a traceback: on the stub it says that the function is not written yet
+which prints the verdict and never raises, so a notebook shows a message,
+not a traceback, whatever the answer does: on the stub it says that the function is not written yet
 (`check` raises `NotWrittenYet`, a `PuzzleFailure`, for it); on a wrong answer
 it prints the teaching message; on a right one, what was checked.
 

@@ -26,6 +26,7 @@ from refimpl.testing.puzzles.core import (
     Trial,
     _array_output,
     _eps_close,
+    _float32_like,
     _Malformed,
     _run_kit,
     _settings,
@@ -70,6 +71,14 @@ def _biased(scores: np.ndarray, bias: np.ndarray) -> np.ndarray:
     return scores + bias[None, :]
 
 
+def _distinct_kth(scores: np.ndarray, bias: np.ndarray, top_k: int) -> np.ndarray:
+    return np.array([-np.unique(-row)[top_k] for row in scores + bias[None, :]])
+
+
+FLOAT32_WHY = ("The arguments arrive in float64 and the expected values are computed in float64; float32 arithmetic "
+               "keeps about 7 significant digits instead of 16. Keep the arguments' type.")
+
+
 CUTOFFS = Puzzle(
     number=5, name="cutoffs", title="The cutoffs",
     spec=r"""Quantile Balancing (Eq. 14) starts by routing each token with the top-$(k{+}1)$ of its biased
@@ -110,6 +119,19 @@ largest, so column `top_k` is the $(k{+}1)$-th largest.""",
         Mistake("counted_from_the_bottom", "the (k+1)-th smallest instead of the (k+1)-th largest",
                 "An ascending sort puts the smallest first: position k of the descending order is the one wanted.",
                 lambda s, b, k: np.sort(s + b, axis=1)[:, k]),
+        Mistake("bias_subtracted", "the bias subtracted from the scores instead of added",
+                "Selection, and so the cutoff, is by s + b: the bias is added.",
+                _kth_of(lambda s, b: s - b[None, :], lambda k: k)),
+        Mistake("distinct_values", "the (k+1)-th largest distinct value (np.unique), not counting ties",
+                "Equal biased scores each take a rank: with two experts tied for first, the second largest is "
+                "that same value. np.unique keeps one of each value and reads past the ties.", _distinct_kth),
+        Mistake("midpoint", "the midpoint of the k-th and (k+1)-th biased scores",
+                "The cutoff is the (k+1)-th biased score itself, the best score outside the route, not a value "
+                "halfway to the last one inside it.",
+                lambda s, b, k: 0.5 * (-np.sort(-(s + b), axis=1)[:, k - 1] - np.sort(-(s + b), axis=1)[:, k])),
+        Mistake("float32", "the cutoffs computed in float32", FLOAT32_WHY,
+                lambda s, b, k: cutoffs(s.astype(np.float32), b.astype(np.float32), k),
+                like=_float32_like, narrow=True),
     ),
 )
 
@@ -146,23 +168,30 @@ def _update_agree(got: np.ndarray, expected: np.ndarray, case: Case) -> bool:
     return _eps_close(got, expected, scale=2.0 + np.max(np.abs(case.args[1])))
 
 
-def _qb_variant(*, rank_shift: int = 0, center: bool = True, sign: float = -1.0, alpha_rank_shift: int = 0,
-                distinct: bool = False, quantile: bool = False) -> Callable[..., np.ndarray]:
+def _qb_variant(*, rank_shift: int = 0, center: str = "mean", sign: float = -1.0, alpha_rank_shift: int = 0,
+                distinct: bool = False, quantile: bool = False, ascending: bool = False, axis: int = 0,
+                biased_margins: bool = False, alpha_bias: bool = True, dtype: type = np.float64
+                ) -> Callable[..., np.ndarray]:
     """The exact update with one rule changed, for the catalogue of mistakes."""
 
     def answer(scores: np.ndarray, bias: np.ndarray, top_k: int) -> np.ndarray:
+        scores, bias = scores.astype(dtype), bias.astype(dtype)
         m, n = scores.shape
         q = m * top_k // n
-        alpha = -np.sort(-(scores + bias[None, :]), axis=1)[:, top_k + alpha_rank_shift]
-        margin = scores - alpha[:, None]
+        alpha = -np.sort(-(scores + (bias[None, :] if alpha_bias else 0)), axis=1)[:, top_k + alpha_rank_shift]
+        margin = (scores + bias[None, :] if biased_margins else scores) - alpha[:, None]
         if quantile:
             threshold = np.quantile(margin, 1.0 - top_k / n, axis=0)
         elif distinct:
             threshold = np.array([-np.unique(-margin[:, j])[q] for j in range(n)])
+        elif ascending:
+            threshold = np.sort(margin, axis=0)[q]
         else:
-            threshold = -np.sort(-margin, axis=0)[q + rank_shift]
+            threshold = -np.sort(-margin, axis=axis)[q + rank_shift]
         b_tilde = sign * threshold
-        return b_tilde - b_tilde.mean() if center else b_tilde
+        if center == "median":
+            return b_tilde - np.median(b_tilde)
+        return b_tilde - b_tilde.mean() if center == "mean" else b_tilde
 
     return answer
 
@@ -223,7 +252,7 @@ $(q{+}1)$-th largest of every column. A sort counts equal values one by one, whi
         Mistake("not_centred", "the new bias not centred",
                 "Step 3 subtracts the mean: it changes no route, and without it the bias drifts from update to "
                 "update to where float32 (and bfloat16 far worse) can no longer tell the experts apart.",
-                _qb_variant(center=False)),
+                _qb_variant(center="none")),
         Mistake("sign_flipped", "the sign of the update flipped",
                 "b~_j = -(the (q+1)-th largest margin): an over-loaded expert has many large margins, so its bar "
                 "rises and its bias falls. Without the minus sign the busiest experts are pushed up.",
@@ -239,6 +268,26 @@ $(q{+}1)$-th largest of every column. A sort counts equal values one by one, whi
                 "The (q+1)-th largest counts equal values one by one: the atom of tokens whose margin is exactly "
                 "-b_j holds many ranks, and ranking only distinct values (np.unique) skips past them.",
                 _qb_variant(distinct=True)),
+        Mistake("counted_from_the_bottom", "the (q+1)-th smallest margin instead of the (q+1)-th largest",
+                "np.sort sorts ascending, so its row q is the (q+1)-th smallest of each column; the bar is the "
+                "(q+1)-th largest margin, row q of the column sorted from the largest.",
+                _qb_variant(ascending=True)),
+        Mistake("margins_from_biased_scores", "the margins taken from s + b instead of s",
+                "M_ij = s_ij - alpha_i uses the raw score: the new bias replaces the old one, it is not added to "
+                "it. Margins from s + b give b~ - b, the new bias minus the old.",
+                _qb_variant(biased_margins=True)),
+        Mistake("cutoff_without_bias", "the cutoffs taken from the raw scores s instead of s + b",
+                "alpha_i is the (k+1)-th largest biased score s_i + b: the cutoff of the route the old bias chose.",
+                _qb_variant(alpha_bias=False)),
+        Mistake("centred_on_the_median", "the new bias centred on its median instead of its mean",
+                "Step 3 subtracts the mean of b~: any common shift leaves the routes as they are, but the rule "
+                "fixes this one, so that the bias sums to zero.", _qb_variant(center="median")),
+        Mistake("wrong_axis", "the margins sorted along each token's experts (axis 1) instead of each expert's "
+                "tokens (axis 0)",
+                "The bar of expert j is an order statistic of column j, its margins over the m tokens: sort "
+                "along axis 0 of the [m, n] margins.", _qb_variant(axis=1)),
+        Mistake("float32", "the update computed in float32", FLOAT32_WHY,
+                _qb_variant(dtype=np.float32), like=_float32_like, narrow=True),
     ),
     kit=_kit_balancing,
 )
@@ -303,12 +352,19 @@ def _dual_explain(case: Case, expected: tuple, got: tuple) -> list[str]:
 
 
 def _dual_variant(*, alpha_shift: int = 0, beta_shift: int = 0, beta_sign: float = -1.0,
-                  centre: bool = False) -> Callable[..., tuple[np.ndarray, np.ndarray]]:
+                  centre: bool = False, ascending: bool = False, negated: bool = False, axis: int = 0,
+                  dtype: type = np.float64) -> Callable[..., tuple[np.ndarray, np.ndarray]]:
     def answer(scores: np.ndarray, beta: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+        scores, beta = scores.astype(dtype), beta.astype(dtype)
         m, n = scores.shape
         q = m * top_k // n
         alpha = -np.sort(-(scores + beta_sign * beta[None, :]), axis=1)[:, top_k + alpha_shift]
-        new_beta = -np.sort(-(scores - alpha[:, None]), axis=0)[q + beta_shift]
+        if ascending:
+            new_beta = np.sort(scores - alpha[:, None], axis=0)[q]
+        else:
+            new_beta = -np.sort(-(scores - alpha[:, None]), axis=axis)[q + beta_shift]
+        if negated:
+            new_beta = -new_beta
         return alpha, (new_beta - new_beta.mean() if centre else new_beta)
     return answer
 
@@ -375,6 +431,18 @@ largest.""",
                 "Centring is harmless for the bias (a common shift changes no route) but not for one multiplier "
                 "alone: D changes unless alpha moves the other way, (alpha - c, beta + c). The coordinate step "
                 "is the minimizer itself.", _dual_variant(centre=True)),
+        Mistake("beta_from_the_bottom", "the beta-step at the (q+1)-th smallest instead of the (q+1)-th largest",
+                "np.sort sorts ascending: row q of each column is its (q+1)-th smallest. beta_j is the (q+1)-th "
+                "largest of s_:,j - alpha, where exactly q values lie above.", _dual_variant(ascending=True)),
+        Mistake("beta_negated", "the new beta returned with the bias's sign, -(the (q+1)-th largest)",
+                "Puzzle 6's bias is b = -beta, hence its minus sign; the dual's own coordinate is beta_j = "
+                "(s_:,j - alpha)_(q+1), without it.", _dual_variant(negated=True)),
+        Mistake("beta_wrong_axis", "the beta-step sorted along each token's experts (axis 1) instead of each "
+                "expert's tokens (axis 0)",
+                "beta_j is an order statistic of column j of s - alpha, over the m tokens: sort along axis 0.",
+                _dual_variant(axis=1)),
+        Mistake("float32", "the step computed in float32", FLOAT32_WHY,
+                _dual_variant(dtype=np.float32), like=_float32_like, narrow=True),
     ),
 )
 
@@ -456,5 +524,18 @@ or stay in integers: $\operatorname{sign}(q - \text{load}_j) = \operatorname{sig
                 "'up if below q, else down' (or 'down if above q, else up') moves it.",
                 lambda load, b, rate: b + np.where(load < load.mean(), rate, -rate),
                 also=(lambda load, b, rate: b + np.where(load > load.mean(), -rate, rate),)),
+        Mistake("target_floored", "the target q rounded down (integer division)",
+                "q = sum(load) / n need not be a whole number: with sum(load) // n an expert just below the true "
+                "mean can count as on target (or above it), and keeps or lowers a bias it should raise.",
+                lambda load, b, rate: b + rate * np.sign(load.sum() // load.shape[0] - load)),
+        Mistake("target_median", "the median load as the target instead of the mean",
+                "The target is q = mk/n, the mean load: every expert balanced means every expert at the mean. "
+                "The median is another number whenever the loads are skewed.",
+                lambda load, b, rate: b + rate * np.sign(np.median(load) - load)),
+        Mistake("float32", "the bias rounded to float32", FLOAT32_WHY,
+                lambda load, b, rate: b.astype(np.float32) + rate * np.sign(load.mean() - load),
+                also=(lambda load, b, rate: (b.astype(np.float32) + np.float32(rate)
+                                             * np.sign(load.mean() - load).astype(np.float32)),),
+                like=_float32_like),
     ),
 )

@@ -80,20 +80,24 @@ def _capacity_output(value: Any, case: Case) -> tuple[np.ndarray, np.ndarray]:
     return kept, weights
 
 
-def _capacity_variant(*, token_major: bool = False, renormalize: bool = False, slack: int = 0
+def _capacity_variant(*, token_major: bool = False, renormalize: bool = False, slack: int = 0,
+                      restart: bool = False, reverse_tokens: bool = False, zero_dropped: bool = True
                       ) -> Callable[..., tuple[np.ndarray, np.ndarray]]:
     def answer(index: np.ndarray, weights: np.ndarray, num_experts: int,
                capacity: int) -> tuple[np.ndarray, np.ndarray]:
         m, k = index.shape
         served = np.zeros(num_experts, dtype=np.int64)
         kept = np.zeros((m, k), dtype=bool)
-        order = [(i, r) for i in range(m) for r in range(k)] if token_major else \
-            [(i, r) for r in range(k) for i in range(m)]
+        tokens = range(m - 1, -1, -1) if reverse_tokens else range(m)
+        order = [(i, r) for i in tokens for r in range(k)] if token_major else \
+            [(i, r) for r in range(k) for i in tokens]
         for i, r in order:
+            if restart and i == tokens[0]:
+                served[:] = 0  # the count started again at each rank
             if served[index[i, r]] < capacity + slack:
                 kept[i, r] = True
                 served[index[i, r]] += 1
-        new = weights * kept
+        new = weights * kept if zero_dropped else weights.copy()
         if renormalize:
             total = new.sum(axis=1, keepdims=True)
             new = np.where(total > 0, new / np.where(total > 0, total, 1.0), 0.0)
@@ -155,6 +159,20 @@ pair `(kept, new_weights)`: `kept` `[m, k]` booleans, `new_weights` `[m, k]`."""
         Mistake("capacity_plus_one", "one assignment more than the capacity kept",
                 "An expert of capacity C serves C assignments: keep while fewer than C were served (< C, not "
                 "<= C).", _capacity_variant(slack=1)),
+        Mistake("capacity_minus_one", "one assignment fewer than the capacity kept",
+                "An expert of capacity C serves C assignments: keep while fewer than C were served, which "
+                "keeps the C-th too (served < C, not served < C - 1 or served + 1 < C).",
+                _capacity_variant(slack=-1)),
+        Mistake("dropped_weight_kept", "a dropped assignment's weight left in new_weights",
+                "A dropped assignment contributes nothing: its weight becomes 0 (weights * kept), while the kept "
+                "ones stay as they were.", _capacity_variant(zero_dropped=False)),
+        Mistake("count_restarted_per_rank", "each expert's count started again at every rank",
+                "Capacity bounds all the assignments an expert serves in the batch, first choices and later "
+                "ones together: the count carries over from one rank to the next.",
+                _capacity_variant(restart=True)),
+        Mistake("tokens_from_the_end", "the tokens of a rank served from the last to the first",
+                "Within a rank the sketch serves the tokens in their order in the batch, token 0 first.",
+                _capacity_variant(reverse_tokens=True)),
     ),
     kit=_kit_capacity,
 )

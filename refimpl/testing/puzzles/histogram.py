@@ -40,15 +40,15 @@ def histogram_thresholds(counts: np.ndarray, bias: np.ndarray, top_k: int) -> np
     low, high = bias.min() - 1.0, bias.max() + 1.0
     width = (high - low) / bins
     cumulative = np.cumsum(counts, axis=1)
-    # The first bin whose cumulative count reaches t
-    beta = np.argmax(cumulative >= t, axis=1)
+    # The first bin h whose cumulative count reaches t
+    h = np.argmax(cumulative >= t, axis=1)
     rows = np.arange(n)
-    inside = counts[rows, beta]
-    before = cumulative[rows, beta] - inside
+    inside = counts[rows, h]
+    before = cumulative[rows, h] - inside
     # The value of rank t is the u-th of the c values in its bin, taken as evenly spread:
     # the middle of the u-th of c equal slices
     u = t - before
-    return low + (beta + (u - 0.5) / inside) * width
+    return low + (h + (u - 0.5) / inside) * width
 
 
 def _histogram_reference(counts: np.ndarray, bias: np.ndarray, top_k: int) -> np.ndarray:
@@ -83,21 +83,24 @@ def _histogram_agree(got: np.ndarray, expected: np.ndarray, case: Case) -> bool:
     return _eps_close(got, expected, scale=2.0 + np.max(np.abs(bias)))
 
 
-def _histogram_variant(*, rank_shift: int = 0, place: str = "slice", fixed_range: bool = False
+def _histogram_variant(*, rank_shift: int = 0, place: str = "slice", fixed_range: bool = False,
+                       margin: float = 1.0, divisions: int = 0, side: str = "left", centred: bool = False
                        ) -> Callable[..., np.ndarray]:
     def answer(counts: np.ndarray, bias: np.ndarray, top_k: int) -> np.ndarray:
         n, bins = counts.shape
         m = int(counts[0].sum())
         t = m * top_k // n + 1 + rank_shift
-        low, high = (-1.0, 1.0) if fixed_range else (bias.min() - 1.0, bias.max() + 1.0)
-        width = (high - low) / bins
+        low, high = (-1.0, 1.0) if fixed_range else (bias.min() - margin, bias.max() + margin)
+        width = (high - low) / (bins + divisions)
         cumulative = np.cumsum(counts, axis=1)
-        beta = np.argmax(cumulative >= t, axis=1)
-        inside = counts[np.arange(n), beta]
-        u = t - (cumulative[np.arange(n), beta] - inside)
+        # searchsorted's side="left" finds the first bin reaching t; "right" the first exceeding it
+        h = np.array([np.searchsorted(cumulative[j], t, side=side) for j in range(n)])
+        inside = counts[np.arange(n), h]
+        u = t - (cumulative[np.arange(n), h] - inside)
         offset = {"slice": (u - 0.5) / np.maximum(inside, 1), "edge": 0.0 * u, "centre": 0.5 + 0.0 * u,
-                  "cdf": u / np.maximum(inside, 1)}[place]
-        return low + (beta + offset) * width
+                  "cdf": u / np.maximum(inside, 1), "upper": 1.0 + 0.0 * u}[place]
+        thresholds = low + (h + offset) * width
+        return thresholds - thresholds.mean() if centred else thresholds
 
     return answer
 
@@ -143,7 +146,7 @@ $q = mk/n$ whole. Return the thresholds $\tilde b_j$, `[n]`, not centred.""",
     show=_show_array,
     mistakes=(
         Mistake("bin_edge", "the bin's lower edge, without interpolating inside the bin",
-                "Reading the edge e_beta throws away where the value sits in its bin: the estimate is then off "
+                "Reading the edge e_h throws away where the value sits in its bin: the estimate is then off "
                 "by up to a whole bin width even when the bin holds many values. Spread the bin's c values evenly "
                 "and read the middle of the u-th slice.", _histogram_variant(place="edge")),
         Mistake("rank_q", "the q-th smallest value instead of the (q+1)-th",
@@ -152,7 +155,7 @@ $q = mk/n$ whole. Return the thresholds $\tilde b_j$, `[n]`, not centred.""",
                 "miss by many bin widths.", _histogram_variant(rank_shift=-1)),
         Mistake("cdf_interpolation", "(u / c) w instead of ((u - 1/2) / c) w inside the bin",
                 "Interpolating the cumulative count linearly puts the u-th of c values at the end of its slice; "
-                "the reading here puts it at the middle of its slice, e_beta + (u - 1/2) w / c.",
+                "the reading here puts it at the middle of its slice, e_h + (u - 1/2) w / c.",
                 _histogram_variant(place="cdf")),
         Mistake("bin_centre", "the centre of the bin, whatever the rank inside it",
                 "The middle of the bin is right only when the bin holds one value; with c values the rank's "
@@ -161,5 +164,26 @@ $q = mk/n$ whole. Return the thresholds $\tilde b_j$, `[n]`, not centred.""",
                 "r = alpha - s moves with the bias (alpha is a biased score), so the range is recomputed from "
                 "the current bias at every step; every rank gets the same edges from the same bias.",
                 _histogram_variant(fixed_range=True)),
+        Mistake("width_over_b_minus_1", "the bin width (high - low) / (B - 1) instead of (high - low) / B",
+                "B bins of width w cover the range exactly when w = (high - low) / B; dividing by B - 1 (the "
+                "count of the gaps between B points, as np.linspace's step) makes every bin too wide.",
+                _histogram_variant(divisions=-1)),
+        Mistake("searchsorted_right", "np.searchsorted with side=\"right\": the first bin whose cumulative count "
+                "exceeds t, not the first that reaches it",
+                "The value of rank t lies in the first bin h whose cumulative count is at least t. With "
+                "side=\"right\" a bin whose cumulative count equals t exactly is skipped, and when that is the "
+                "last bin the index runs past the end (IndexError).",
+                _histogram_variant(side="right")),
+        Mistake("range_without_margin", "the range taken as [min b, max b], without the margin of 1",
+                "r = alpha - s lies within [min b - 1, max b + 1] since scores lie in (0, 1): the range keeps "
+                "that margin of 1 on each side, so that every r falls in a bin.",
+                _histogram_variant(margin=0.0)),
+        Mistake("upper_edge", "the bin's upper edge e_h + w, without interpolating inside the bin",
+                "The upper edge is as far from the value as the lower one can be: spread the bin's c values "
+                "evenly and read the middle of the u-th slice, e_h + (u - 1/2) w / c.",
+                _histogram_variant(place="upper")),
+        Mistake("centred", "the thresholds centred",
+                "This function returns the thresholds themselves; the centring of Eq. (14) is the balancer's "
+                "next step, done after the thresholds are read.", _histogram_variant(centred=True)),
     ),
 )

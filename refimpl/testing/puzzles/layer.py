@@ -27,6 +27,7 @@ from refimpl.testing.puzzles.core import (
     _array_output,
     _code,
     _eps_close,
+    _float32_like,
     _run_kit,
     _settings,
     _show_array,
@@ -102,6 +103,40 @@ def _ids_in_order(logits: np.ndarray, bias: np.ndarray, top_k: int) -> np.ndarra
     return np.sort(route_with_bias(logits, bias, top_k), axis=1)
 
 
+def _routing_from(pick: Callable[[np.ndarray, int], np.ndarray]) -> Callable[..., np.ndarray]:
+    """A router that ranks the biased scores s + b with `pick(values, top_k)`."""
+    def answer(logits: np.ndarray, bias: np.ndarray, top_k: int) -> np.ndarray:
+        return pick(1.0 / (1.0 + np.exp(-logits)) + bias[None, :], top_k)
+    return answer
+
+
+def _routing_differ(case: Case, expected: np.ndarray, got: np.ndarray) -> list[str]:
+    """The first token whose route differs, in plain words: the right set in another order, or which
+    experts came in place of which (and whether they tie with them at s + b)."""
+    logits, bias, _ = case.args
+    with np.errstate(all="ignore"):
+        biased = 1.0 / (1.0 + np.exp(-logits)) + bias[None, :]
+    tokens = [i for i in range(expected.shape[0]) if not np.array_equal(expected[i], got[i])]
+    if not tokens:
+        return []
+    i = tokens[0]
+    e, g = expected[i].tolist(), got[i].tolist()
+    where = f"token {i}" + (f" (and {len(tokens) - 1} more)" if len(tokens) > 1 else "")
+    if sorted(e) == sorted(g) and len(set(g)) == len(g):
+        return [f"What differs: {where} gets the right experts in another order: {e} expected (largest "
+                f"s + b first), {g} got."]
+    if len(set(g)) < len(g):
+        return [f"What differs: {where} lists an expert twice: {g} got, {e} expected."]
+    missing, extra = [j for j in e if j not in g], [j for j in g if j not in e]
+    values = ", ".join(f"{j}: {biased[i, j]:.6g}" for j in sorted(set(missing) | set(extra))
+                       if 0 <= j < biased.shape[1])
+    text = (f"What differs: {where} gets expert{'s' if len(extra) > 1 else ''} {extra} in place of {missing} "
+            f"({e} expected, {g} got; s + b of these experts: {values}).")
+    if any(0 <= j < biased.shape[1] and any(biased[i, j] == biased[i, r] for r in missing) for j in extra):
+        text += " They tie at s + b: on a tie the lower id is chosen."
+    return [text]
+
+
 ROUTING = Puzzle(
     number=1, name="routing", title="Sigmoid routing with a selection-only bias",
     spec=r"""The router of a K3 layer scores every expert for every token with a **sigmoid** of the router
@@ -136,6 +171,7 @@ comes first among ties. The first `top_k` columns are the route.""",
     output=_array_output("index", lambda c: (c.args[0].shape[0], c.args[2]), "int"),
     agree=lambda got, expected, case: bool(np.array_equal(got, expected)),
     show=_show_array,
+    differ=_routing_differ,
     mistakes=(
         Mistake("softmax_scores", "a softmax instead of the sigmoid",
                 "A softmax makes the experts of a token compete for one unit of probability, so its scores live "
@@ -155,8 +191,29 @@ comes first among ties. The first `top_k` columns are the route.""",
                 "lower id first (a stable sort of the negated values).", _ties_to_higher_id),
         Mistake("ids_in_id_order", "the chosen experts listed by id, not best first",
                 "The set is right but the order is not: the route lists each token's experts from the largest "
-                "s + b down (np.argpartition, or sorting the chosen ids, loses that order; capacity in puzzle 10 "
-                "serves first choices first).", _ids_in_order),
+                "s + b down (sorting the chosen ids loses that order; capacity in puzzle 10 serves first "
+                "choices first).", _ids_in_order),
+        Mistake("smallest_first", "the k smallest biased scores instead of the k largest",
+                "np.argsort sorts ascending: its first k columns are the experts a token wants least. Sort the "
+                "negated values (or take the last k columns, reversed).",
+                _routing_from(lambda v, k: np.argsort(v, axis=1, kind="stable")[:, :k])),
+        Mistake("worst_first", "the k largest listed worst first (an ascending sort's last k columns)",
+                "np.argsort(v)[:, -k:] holds the right experts but from the k-th best up to the best, and "
+                "among ties it keeps the higher ids; the route lists the best first, the lower id first on a tie.",
+                _routing_from(lambda v, k: np.argsort(v, axis=1, kind="stable")[:, v.shape[1] - k:])),
+        Mistake("unstable_on_ties", "an unstable sort or np.argpartition, which break ties any way",
+                "np.argsort's default kind (quicksort, or a vectorized sort on CPUs that have one) and "
+                "np.argpartition may leave equal values in any order, so a tie goes to whichever expert they "
+                "happen to leave first, and np.argpartition does not even sort the chosen ones. The route lists "
+                "the best first and the lower id first on a tie: np.argsort(-values, axis=1, kind=\"stable\").",
+                _routing_from(lambda v, k: np.argsort(-v, axis=1)[:, :k]),
+                also=(_routing_from(lambda v, k: np.argsort(-v, axis=1, kind="heapsort")[:, :k]),
+                      _routing_from(lambda v, k: np.argpartition(-v, k - 1, axis=1)[:, :k]),
+                      _routing_from(lambda v, k: np.argpartition(v, v.shape[1] - k, axis=1)[:, v.shape[1] - k:]))),
+        Mistake("wrong_axis", "each expert's tokens sorted (axis 0) instead of each token's experts (axis 1)",
+                "logits has one row per token: a token's experts are along axis 1. Sorting along axis 0 ranks "
+                "the tokens of each expert, and its first k columns are token ids, not expert ids.",
+                _routing_from(lambda v, k: np.argsort(-v, axis=0, kind="stable")[:, :k])),
     ),
 )
 
@@ -212,6 +269,16 @@ def _renormalized(raw: np.ndarray) -> np.ndarray:
     return raw / raw.sum(axis=1, keepdims=True)
 
 
+def _weights_in_id_order(scores: np.ndarray, bias: np.ndarray, index: np.ndarray,
+                         scaling_factor: float) -> np.ndarray:
+    return mixture_weights(scores, bias, np.sort(index, axis=1), scaling_factor)
+
+
+def _weights_in_float32(scores: np.ndarray, bias: np.ndarray, index: np.ndarray,
+                        scaling_factor: float) -> np.ndarray:
+    return mixture_weights(scores.astype(np.float32), bias.astype(np.float32), index, np.float32(scaling_factor))
+
+
 MIXTURE_WEIGHTS = Puzzle(
     number=2, name="mixture_weights", title="The mixture weights and the top-1 rule",
     spec=r"""Once the route $\mathcal{T}_i$ is chosen by $s + b$ (puzzle 1), each chosen expert's output is
@@ -265,6 +332,30 @@ The bias is an argument only so that you can leave it out.""",
                 "The sum runs over the chosen set T_i only, so that the k weights of a token sum to c; a sum "
                 "over every expert makes them small and depend on the experts that were not chosen.",
                 _weights_from(lambda raw, s, b, k, c: c * (raw / s.sum(axis=1, keepdims=True) if k > 1 else raw))),
+        Mistake("scaled_twice", "the scaling factor applied twice",
+                "c multiplies the weights once, p = c s / sum s. Applied both before and after the "
+                "renormalization (or in the gate and again in the layer), the weights are c^2 times too large.",
+                _weights_from(lambda raw, s, b, k, c: c * c * (_renormalized(raw) if k > 1 else raw))),
+        Mistake("scaled_before_renormalizing", "the scaling factor applied before renormalizing, where it cancels",
+                "(c s) / sum(c s) = s / sum s: a factor applied before the division cancels out. Multiply by c "
+                "after renormalizing.",
+                _weights_from(lambda raw, s, b, k, c: _renormalized(c * raw) if k > 1 else c * raw)),
+        Mistake("summed_over_tokens", "the chosen scores divided by their sum over the tokens (axis 0)",
+                "Each token's weights are renormalized over its own k chosen experts: the sum runs along axis 1 "
+                "of the [m, k] gathered scores, not down the tokens.",
+                _weights_from(lambda raw, s, b, k, c: c * (raw / raw.sum(axis=0, keepdims=True) if k > 1 else raw))),
+        Mistake("softmax_of_chosen", "a softmax over the chosen scores instead of dividing by their sum",
+                "K3's weights are the sigmoid scores themselves, renormalized: s / sum s. exp(s) / sum exp(s) "
+                "flattens them (every s lies in (0, 1)) and is another model's gate.",
+                _weights_from(lambda raw, s, b, k, c: c * (np.exp(raw) / np.exp(raw).sum(axis=1, keepdims=True)
+                                                           if k > 1 else raw))),
+        Mistake("id_order", "the weights listed in expert-id order instead of the route's order",
+                "weights[i, r] belongs to expert index[i, r]: gather the scores in the route's order "
+                "(np.take_along_axis(scores, index, axis=1)), without sorting the ids.", _weights_in_id_order),
+        Mistake("float32", "the weights computed in float32",
+                "The scores arrive in float64 and the expected weights are computed in float64; float32 "
+                "arithmetic keeps about 7 significant digits instead of 16. Keep the arguments' type.",
+                _weights_in_float32, like=_float32_like, narrow=True),
     ),
 )
 
@@ -377,6 +468,25 @@ same sigmoid without the overflow.""",
                 "softcap(z, beta) = beta tanh(z / beta): the factor beta makes it z to first order near 0 "
                 "(so SiTU-GLU matches SwiGLU there) and sets the bound beta_1 beta_2.",
                 lambda a, b, beta, lb: np.tanh(a / beta) * _sig(a) * np.tanh(b / lb)),
+        Mistake("tanh_not_divided", "softcap written as beta tanh(z), without dividing z by beta",
+                "softcap(z, beta) = beta tanh(z / beta): inside the tanh z is divided by beta, so that the cap "
+                "is z to first order near 0; beta tanh(z) saturates at |z| of about 1 whatever beta is.",
+                lambda a, b, beta, lb: beta * np.tanh(a) * _sig(a) * lb * np.tanh(b)),
+        Mistake("sigmoid_of_capped_gate", "the sigmoid taken of the capped gate, sigma(softcap(a)), not of a",
+                "The gate factor is softcap(a, beta_1) sigma(a): the sigmoid sees the raw pre-activation a, "
+                "only the first factor is capped.",
+                lambda a, b, beta, lb: beta * np.tanh(a / beta) * _sig(beta * np.tanh(a / beta))
+                * lb * np.tanh(b / lb)),
+        Mistake("cap_after_sigmoid", "the cap applied to a sigma(a), after the sigmoid, instead of to a",
+                "SiTU caps the gate pre-activation and then multiplies by sigma(a): softcap(a, beta_1) sigma(a), "
+                "not softcap(a sigma(a), beta_1). The two differ wherever sigma(a) is not close to 1.",
+                lambda a, b, beta, lb: beta * np.tanh(a * _sig(a) / beta) * lb * np.tanh(b / lb)),
+        Mistake("float32", "SiTU-GLU computed in float32",
+                "The pre-activations arrive in float64 and the expected values are computed in float64; float32 "
+                "arithmetic keeps about 7 significant digits instead of 16. Keep the arguments' type.",
+                lambda a, b, beta, lb: situ_glu(a.astype(np.float32), b.astype(np.float32), np.float32(beta),
+                                                np.float32(lb)),
+                like=_float32_like, narrow=True),
     ),
 )
 
@@ -454,20 +564,28 @@ def _latent_agree(got: np.ndarray, expected: np.ndarray, case: Case) -> bool:
 
 
 def _latent_variant(*, norm: str = "sum", shared: bool = True, activation: str = "situ",
-                    gain: bool = True) -> Callable[..., np.ndarray]:
+                    gain: bool = True, weighted: bool = True, eps: str = "inside", axis: int = -1,
+                    dtype: type = np.float64) -> Callable[..., np.ndarray]:
     """The latent forward with one stage changed, for the catalogue of mistakes."""
 
     def answer(x: np.ndarray, index: np.ndarray, weights: np.ndarray, params: dict,
                config: MoEConfig) -> np.ndarray:
+        x = x.astype(dtype)
+        params = {key: np.asarray(value).astype(dtype) for key, value in params.items()}
+        weights = weights.astype(dtype) if weighted else np.ones_like(weights, dtype=dtype)
+
         def glu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             if activation == "swiglu":
                 return a * _sig(a) * b
-            return reference_situ_glu(a, b, beta=config.situ_beta, linear_beta=config.situ_linear_beta)
+            return situ_glu(a, b, dtype(config.situ_beta), dtype(config.situ_linear_beta))
 
-        g = params["routed_expert_norm.weight"] if gain else np.ones(config.ell)
+        g = params["routed_expert_norm.weight"] if gain else np.ones(config.ell, dtype=dtype)
 
         def normed(t: np.ndarray) -> np.ndarray:
-            return t / np.sqrt(np.mean(t * t, axis=-1, keepdims=True) + config.rms_norm_eps) * g
+            mean_square = np.mean(t * t, axis=axis if t.ndim > 1 else -1, keepdims=True)
+            if eps == "outside":
+                return t / (np.sqrt(mean_square) + dtype(config.rms_norm_eps)) * g
+            return t / np.sqrt(mean_square + dtype(config.rms_norm_eps)) * g
 
         z = x @ params["routed_expert_down_proj.weight"].T
         u = np.zeros_like(z)
@@ -562,6 +680,22 @@ project up. Write SiTU-GLU as a small helper inside the function.""",
         Mistake("gain_left_out", "the norm's gain g left out",
                 "RMSNorm multiplies by its learned gain routed_expert_norm.weight after dividing by the root "
                 "mean square.", _latent_variant(gain=False)),
+        Mistake("weights_left_out", "the mixture weights p left out of the sum",
+                "u sums the chosen experts' outputs weighted by p: without the weights every chosen expert "
+                "counts the same (the norm removes a common factor of a token's weights, not their ratios).",
+                _latent_variant(weighted=False)),
+        Mistake("eps_outside_root", "epsilon added outside the square root",
+                "RMSNorm divides by sqrt(mean(u^2) + eps), with eps inside the root: sqrt(mean(u^2)) + eps is "
+                "another function, and differs most for small u.", _latent_variant(eps="outside")),
+        Mistake("norm_over_tokens", "the mean square taken over the tokens (axis 0) instead of over a token's "
+                "latent coordinates",
+                "Each token is normalized on its own: the mean of u^2 runs over the l coordinates of one row "
+                "(axis 1 of the [m, l] sum), never across tokens, which would make a token's output depend on "
+                "the others in its batch.", _latent_variant(axis=0)),
+        Mistake("float32", "the layer computed in float32",
+                "The input and weights arrive in float64 and the expected output is computed in float64; float32 "
+                "arithmetic keeps about 7 significant digits instead of 16. Keep the arguments' type.",
+                _latent_variant(dtype=np.float32), like=_float32_like, narrow=True),
     ),
     kit=_kit_forward,
 )
