@@ -14,50 +14,34 @@ rounding, not float64's (DeepSeek-V4's router runs in the block's dtype); a toke
 from __future__ import annotations
 
 import argparse
+import importlib
 import warnings
 
 import numpy as np
 import torch
 import transformers
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
-from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
-from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 import refimpl
+from refimpl.config import family_layer_keys
+from refimpl.families import FAMILIES
 
-# A configuration per family: 16 experts of width 32 on a width of 64, top-4 (groups where the family has them).
-CASES = {
-    "deepseek_v3": (transformers.DeepseekV3Config, DeepseekV3MoE,
-                    dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1)),
-    # DeepSeek-V4's block takes its layer's index; layer 0 is made a top-k layer, with a clamp that cuts.
-    "deepseek_v4": (transformers.DeepseekV4Config, lambda hf: DeepseekV4SparseMoeBlock(hf, 0),
-                    dict(n_routed_experts=16, num_experts_per_tok=4, num_hidden_layers=1, mlp_layer_types=["moe"],
-                         swiglu_limit=1.0)),
-    "glm4_moe": (transformers.Glm4MoeConfig, Glm4MoeMoE,
-                 dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5)),
-    "kimi_linear": (transformers.KimiLinearConfig, KimiLinearMoE,
-                    dict(num_experts=16, num_experts_per_token=4, num_expert_group=4, topk_group=2)),
-    "qwen3_moe": (transformers.Qwen3MoeConfig, Qwen3MoeSparseMoeBlock,
-                  dict(num_local_experts=16, num_experts_per_tok=4, norm_topk_prob=True)),
-    "mixtral": (transformers.MixtralConfig, MixtralSparseMoeBlock, dict(num_local_experts=16, num_experts_per_tok=4)),
-    "nemotron_h": (transformers.NemotronHConfig, NemotronHMoE,
-                   dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, moe_latent_size=32,
-                        moe_shared_expert_intermediate_size=48, layers_block_type=["moe"])),
-}
+#: The measured layer, in `MoEConfig` field names, applied to each family's record where it has the key:
+#: width 64, 16 experts, top-4, groups where the family has them, a clamp that cuts (DeepSeek-V4), a latent
+#: of 32 (Nemotron-H).
+LAYER = dict(hidden_size=64, num_experts=16, top_k=4, intermediate_size=32, n_group=4, topk_group=2,
+             num_shared_experts=1, renormalize=True, routed_scaling_factor=2.5, swiglu_limit=1.0, latent_size=32,
+             shared_intermediate_size=48)
 
 
 def agreement(model_type: str, seed: int, tokens: int = 64) -> float:
     """max |y_transformers - y_refimpl| / max |y| on one draw, float64."""
-    config_class, block_class, keys = CASES[model_type]
-    hf = config_class(hidden_size=64, moe_intermediate_size=32, intermediate_size=32, num_attention_heads=2,
-                      num_key_value_heads=2, **keys)
+    family = FAMILIES[model_type]
+    hf = getattr(transformers, family.config_class)(num_attention_heads=2, num_key_value_heads=2,
+                                                     **family_layer_keys(model_type, **LAYER))
+    block_class = getattr(importlib.import_module(family.module), family.block_class)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        block = block_class(hf).double().eval()
+        block = (block_class(hf, 0) if family.block_takes_layer else block_class(hf)).double().eval()
     rng = np.random.default_rng(seed)
     with torch.no_grad():
         for name, tensor in list(block.named_parameters()) + list(block.named_buffers()):
@@ -83,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"transformers {transformers.__version__}, refimpl against each block in float64, 64 tokens, "
           f"{args.seeds} draws; selection biases around -20")
     print(f"{'model_type':<12} {'largest relative difference':>28}")
-    for model_type in CASES:
+    for model_type in FAMILIES:
         worst = max(agreement(model_type, seed) for seed in range(args.seeds))
         print(f"{model_type:<12} {worst:>28.2e}")
 

@@ -32,28 +32,12 @@ TOKENS, SEED = 32, 2026
 #: Relative agreement that counts as "the same output": float32 routers are off by about 1e-7.
 SAME = 1e-5
 
-#: Small configurations, in each model's own keys: 8 experts, top-2 (4 groups of 2, the best 2, where the
-#: family has groups), one shared expert where it has them, layer 0 a MoE layer.
-KEYS: dict[str, dict[str, Any]] = {
-    "deepseek_v3": dict(hidden_size=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
-                        n_group=4, topk_group=2, n_shared_experts=1, num_hidden_layers=1, first_k_dense_replace=0,
-                        routed_scaling_factor=2.5),
-    "deepseek_v4": dict(hidden_size=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
-                        num_hidden_layers=1, mlp_layer_types=["moe"], swiglu_limit=0.7),
-    "glm4_moe": dict(hidden_size=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=8, n_group=4,
-                     topk_group=2, n_shared_experts=1, num_hidden_layers=1, first_k_dense_replace=0,
-                     routed_scaling_factor=2.5),
-    "kimi_linear": dict(hidden_size=16, num_experts=8, num_experts_per_token=2, moe_intermediate_size=8,
-                        num_expert_group=4, topk_group=2, num_shared_experts=1, num_hidden_layers=1,
-                        first_k_dense_replace=0),
-    "qwen3_moe": dict(hidden_size=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
-                      norm_topk_prob=True, num_hidden_layers=1),
-    "mixtral": dict(hidden_size=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=8,
-                    num_hidden_layers=1),
-    "nemotron_h": dict(hidden_size=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
-                       n_group=4, topk_group=2, n_shared_experts=1, moe_shared_expert_intermediate_size=8,
-                       moe_latent_size=8, layers_block_type=["moe"], routed_scaling_factor=2.5),
-}
+#: The measured layer, in `MoEConfig` field names, applied to each family's record where it has the key
+#: (`refimpl.config.family_layer_keys`): 8 experts, top-2 (4 groups of 2, the best 2, where the family has
+#: groups), one shared expert where it has them, layer 0 its one MoE layer.
+LAYER: dict[str, Any] = dict(hidden_size=16, num_experts=8, top_k=2, intermediate_size=8, n_group=4, topk_group=2,
+                             num_shared_experts=1, routed_scaling_factor=2.5, renormalize=True, swiglu_limit=0.7,
+                             latent_size=8, shared_intermediate_size=8)
 ATTENTION = dict(num_attention_heads=2, vocab_size=32)
 
 #: The rows of the measured table, in order, with what each measures.
@@ -75,9 +59,8 @@ def _block(model_type: str, keys: dict[str, Any]) -> Any:
 
     family = family_of(model_type)
     config = getattr(transformers, family.config_class)(**{**ATTENTION, **keys})
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    block_class = getattr(module, family.block_class)
-    block = block_class(config, 0) if model_type == "deepseek_v4" else block_class(config)
+    block_class = getattr(importlib.import_module(family.module), family.block_class)
+    block = block_class(config, 0) if family.block_takes_layer else block_class(config)
     return block.double().eval(), config
 
 
@@ -132,7 +115,9 @@ def measure_family(model_type: str) -> dict[str, str]:
     from refimpl.families import family_of
 
     family = family_of(model_type)
-    keys = KEYS[model_type]
+    from refimpl.config import family_layer_keys
+
+    keys = family_layer_keys(model_type, **LAYER)
     n = 8
     spread = np.linspace(-2.0, 2.0, n)[np.random.default_rng(SEED).permutation(n)]
     bias = spread if family.has_bias else None
@@ -183,19 +168,21 @@ def measure() -> dict[str, Any]:
     """The whole table: transformers' version, and each family's measured cells."""
     import transformers
 
+    from refimpl.families import FAMILIES
+
     transformers.logging.set_verbosity_error()  # the small vocabulary draws warnings about token ids
 
     return {"transformers": transformers.__version__, "rows": ROWS,
-            "families": {model_type: measure_family(model_type) for model_type in KEYS}}
+            "families": {model_type: measure_family(model_type) for model_type in FAMILIES}}
 
 
 def markdown(record: dict[str, Any]) -> str:
-    """The record as the page's table: a row per convention, a column per family."""
-    families = list(record["families"])
-    lines = ["| convention | " + " | ".join(f"`{name}`" for name in families) + " |",
-             "|---|" + "---|" * len(families)]
-    for row in record["rows"]:
-        lines.append(f"| {row} | " + " | ".join(record["families"][name][row] for name in families) + " |")
+    """The record as the page's table: a row per family, a column per convention (the conventions are
+    few and their cells short, so the table fits the page's width; the families may grow)."""
+    rows = list(record["rows"])
+    lines = ["| family | " + " | ".join(rows) + " |", "|---|" + "---|" * len(rows)]
+    for name, cells in record["families"].items():
+        lines.append(f"| `{name}` | " + " | ".join(cells[row] for row in rows) + " |")
     return "\n".join(lines)
 
 

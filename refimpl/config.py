@@ -76,18 +76,12 @@ released checkpoint, so a user can build the layer from a `config.json`. It
 gives each key the meaning the reference modeling code gives it, including
 when the key is **absent**, which is not K3's value: a configuration written
 for another model of the family (Kimi Linear has no latent and no SiTU caps)
-then builds the layer that code would build. The table on this page lists
-every key, its meaning, K3's value and what its absence means.
-
-A configuration file is input like any other, and is read as such: every
-value is checked (an integer where a size belongs, a positive number that
-float32 holds where a factor belongs, a JSON boolean for a switch) and an
-error names the key and what it holds; a key that another MoE family
-spells differently (DeepSeek's `n_routed_experts`, Mixtral's
-`num_local_experts`, listed in `HF_SYNONYMS`) is an error naming both
-spellings, never a silent default. `MoEConfig` itself takes sizes and
-factors of any integral or real type, NumPy's included, and stores plain
-Python numbers.
+then builds the layer that code would build. Every value is checked, and a
+key that another MoE family spells differently (DeepSeek's
+`n_routed_experts`, listed in `HF_SYNONYMS`) is an error naming both
+spellings, never a silent default. The reference part of this page lists
+every key, its meaning, K3's value, what its absence means and how it is
+checked.
 """
 
 from __future__ import annotations
@@ -107,11 +101,21 @@ from ._lib.values import (
     shown,
     switch_value,
 )
-from .families import FAMILIES, K3_ONLY_KEYS, HFFamily, family_of, read_family_fields
+from .families import (
+    ALL_RECORDS,
+    FAMILIES,
+    K3_ONLY_KEYS,
+    HFFamily,
+    family_of,
+    read_family_fields,
+    read_layer_keys,
+    record_of,
+    write_family_keys,
+)
 
 __all__ = ["ACTIVATIONS", "FLOAT32_RANGE", "HF_ABSENT", "HF_CODES", "HF_KEYS", "HF_SYNONYMS",
            "SCORE_FUNCTIONS", "TOPK_METHODS", "HFSynonym", "MoEConfig", "count_moe_layers",
-           "is_moe_layer"]
+           "family_hf_config", "family_layer_keys", "hf_reading_family", "is_moe_layer"]
 
 #: Activations the experts may use: K3's SiTU-GLU, the SwiGLU it replaces, and the ungated squared ReLU of
 #: NVIDIA's LatentMoE (Nemotron-H), computed as the GLU relu(a) b with tied gate and up weights.
@@ -699,6 +703,19 @@ def _keys_of_fields_in(message: str, keys: Mapping[str, str]) -> str:
 HF_CODES = ("k3", "transformers")
 
 
+def hf_reading_family(hf: Mapping[str, Any], *, code: str | None = None) -> HFFamily | None:
+    """The family record whose code reads the configuration `hf` (`MoEConfig.from_hf_config`'s choice), or None
+    for K3's own modeling code. A multimodal model's record (Kimi K2.5) when `hf` is one that wraps the family."""
+    text = hf.get("text_config", hf) if isinstance(hf, Mapping) else hf
+    if not isinstance(text, Mapping):
+        raise ValueError(f"hf['text_config'] must be a mapping of the language model's keys, got {shown(text)}")
+    family = _reading_code(hf, text, "hf['text_config']" if text is not hf else "hf", code)
+    wrapper = ALL_RECORDS.get(hf.get("model_type")) if "text_config" in hf else None
+    if family is not None and wrapper is not None and wrapper.wraps == family.model_type:
+        return wrapper
+    return family
+
+
 def _reading_code(hf: Mapping[str, Any], text: Mapping[str, Any], where: str, code: str | None) -> HFFamily | None:
     """The transformers family that reads `text`, or None for K3's own code (see `MoEConfig.from_hf_config`)."""
     if code is not None and code not in HF_CODES:
@@ -773,3 +790,60 @@ def count_moe_layers(num_hidden_layers: int, first_k_dense_replace: int = 0, moe
 def is_moe_layer(layer: int, first_k_dense_replace: int = 0, moe_layer_freq: int = 1) -> bool:
     """Whether decoder layer `layer` holds an MoE block (the reference code's rule); the others are dense."""
     return layer >= first_k_dense_replace and layer % moe_layer_freq == 0
+
+
+def family_hf_config(config: MoEConfig, model_type: str, layer: int) -> dict[str, Any]:
+    """The `config.json` of a `model_type` model whose decoder layer `layer` is `config`'s MoE layer.
+
+    For a transformers family (`refimpl.families.ALL_RECORDS`): the family's own keys, which its configuration
+    class reads back to `config` (every quantity, the MoE-layer count), with the layer keys of its rule making
+    `layer` the first MoE layer; a wrapped family's keys go into the wrapper's `text_config`. For K3
+    (`"kimi_k3"`): `config.to_hf_config(nested=True)`, whose MoE layers are 1 to `num_moe_layers`.
+
+    A layer the family cannot express is a `ValueError` naming each field its keys give otherwise (shared
+    experts for Mixtral, a latent for DeepSeek-V3, SiTU for any of them, ...), or the layer.
+    """
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    family = record_of(model_type)
+    if not is_integer(layer) or layer < 0:
+        raise ValueError(f"layer must be a decoder layer index >= 0, got {layer!r}")
+    layer = int(layer)
+    if family.k3_configuration:
+        if not 1 <= layer <= config.num_moe_layers:
+            raise ValueError(f"layer must be an MoE layer in [1, {config.num_moe_layers}] (K3's layer 0 is dense), "
+                             f"got {layer}")
+        return config.to_hf_config(nested=True)
+    fields = asdict(config)
+    text = {"model_type": family.wraps or family.model_type, **write_family_keys(fields, family, layer)}
+    hf = text if family.wraps is None else {"model_type": family.model_type, "text_config": text}
+    try:
+        read = MoEConfig.from_hf_config(hf)
+    except ValueError as exc:
+        raise ValueError(f"config is not a layer {family.config_class} ({model_type}) can hold: {exc}") from None
+    differ = [name for name in fields if name != "shared_intermediate_size" and fields[name] != getattr(read, name)]
+    if read.shared_size != config.shared_size:
+        differ.append("shared_intermediate_size")
+    if differ:
+        raise ValueError(f"config is not a layer {family.config_class} ({model_type}) can hold: " + ", ".join(
+            f"{name}={fields[name]!r} (its keys give {getattr(read, name)!r})" for name in differ))
+    total, layer_keys = read_layer_keys(text, "config", family)
+    assert family.rule.is_moe(layer, layer_keys) and layer < total, (model_type, layer)  # the rule's own writer
+    return hf
+
+
+def family_layer_keys(model_type: str, **fields: Any) -> dict[str, Any]:
+    """A one-layer configuration of `model_type` in the family's own keys, its layer 0 the MoE layer.
+
+    The record's small test configuration (`HFFamily.test_keys`), with `fields` (`MoEConfig` field names:
+    `hidden_size=16`, `n_group=4`, ...) applied wherever the family has a key for them (and `latent_size`
+    where it has a latent); the rest is left as the family has it. This is how the measurements choose one
+    configuration for every family without a list of families: Qwen3-MoE simply has no key for `n_group`.
+    """
+    family = record_of(model_type)
+    values = asdict(MoEConfig.from_hf_config({"model_type": model_type, **family.test_keys}))
+    for name, value in fields.items():
+        if name in family.keys or (name == "latent_size" and family.latent_projections is not None):
+            values[name] = value
+    values.update(num_moe_layers=1, num_hash_layers=0)
+    return write_family_keys(values, family, 0)

@@ -201,7 +201,7 @@ def test_a_hash_layer_is_read_only_when_asked_and_its_table_is_checked():
     state = {n: t.numpy() for n, t in _filled_block(hf, 0, rng).state_dict().items()}
     with pytest.raises(ValueError, match="gate.tid2eid: a hash layer's table; read the layer with hash_layer=True"):
         params_from_hf_state_dict(state, config, model_type="deepseek_v4")
-    with pytest.raises(ValueError, match="hash_layer=True reads DeepSeek-V4's hash layers"):
+    with pytest.raises(ValueError, match=r"hash_layer=True reads the hash layers of \['deepseek_v4'\]"):
         params_from_hf_state_dict(state, config, model_type="deepseek_v3", hash_layer=True)
     topk_state = {n: t.numpy() for n, t in _filled_block(hf, 3, rng).state_dict().items()}
     with pytest.raises(ValueError, match="missing.*gate.tid2eid"):
@@ -264,3 +264,16 @@ def test_the_kit_fails_a_v4_block_without_its_clamp():
 
 def test_the_flash_preset_is_the_default_configuration_of_transformers():
     assert MoEConfig.deepseek_v4_flash() == MoEConfig.from_hf_config(v4_config().to_dict())
+
+
+def test_a_table_that_names_an_expert_twice_in_a_row_is_never_written():
+    """route_by_table refuses a row with a repeated expert; the writer refuses to write one, naming the row."""
+    hf = v4_config(hidden_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=4,
+                   num_hidden_layers=4)
+    config = MoEConfig.from_hf_config(hf.to_dict())
+    params = refimpl.init_params(config, 0)
+    table = np.array([[0, 1], [2, 2], [3, 0]])
+    with pytest.raises(ValueError, match=r"tid2eid\[1\] = \[2, 2\] names an expert twice"):
+        hf_state_dict_from_params(params, config, model_type="deepseek_v4", tid2eid=table)
+    written = hf_state_dict_from_params(params, config, model_type="deepseek_v4", tid2eid=table[[0, 2]])
+    np.testing.assert_array_equal(written["gate.tid2eid"], table[[0, 2]])

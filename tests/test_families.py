@@ -15,36 +15,36 @@ Nothing is skipped: transformers is a test dependency.
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
 import transformers
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
-from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
-from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 import refimpl
 from refimpl import MoEConfig
 from refimpl.checkpoints import family_tensor_shapes, hf_state_dict_from_params, params_from_hf_state_dict
 from refimpl.families import FAMILIES, K3_ONLY_KEYS
 
-BLOCKS = {
-    "deepseek_v3": (transformers.DeepseekV3Config, DeepseekV3MoE),
-    "glm4_moe": (transformers.Glm4MoeConfig, Glm4MoeMoE),
-    "kimi_linear": (transformers.KimiLinearConfig, KimiLinearMoE),
-    "qwen3_moe": (transformers.Qwen3MoeConfig, Qwen3MoeSparseMoeBlock),
-    "mixtral": (transformers.MixtralConfig, MixtralSparseMoeBlock),
-    "nemotron_h": (transformers.NemotronHConfig, NemotronHMoE),
-}
+
+def family_classes(model_type: str) -> tuple[type, type]:
+    """transformers' configuration class and MoE block of `model_type`, found by the names its record holds."""
+    family = FAMILIES[model_type]
+    return getattr(transformers, family.config_class), getattr(importlib.import_module(family.module),
+                                                               family.block_class)
+
+
+# Every family whose block is called on the hidden states alone (DeepSeek-V4's hash layers also take the token
+# ids: test_deepseek_v4.py holds it).
+BLOCKS = {model_type: family_classes(model_type) for model_type, family in FAMILIES.items()
+          if family.hash_table is None}
 # A block without shared experts builds zero-width linears; PyTorch's initializer says so, harmlessly.
 pytestmark = pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op:UserWarning")
 
-SIGMOID = ("deepseek_v3", "glm4_moe", "kimi_linear", "nemotron_h")
+SIGMOID = tuple(model_type for model_type, family in FAMILIES.items() if family.fixed.get("score_function") == "sigmoid")
 U32 = float(np.finfo(np.float32).eps) / 2  # float32's unit roundoff
 
 # Attention sizes the configuration classes need to construct; the MoE block does not read them.
@@ -54,7 +54,7 @@ ATTENTION = dict(num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
 def test_the_families_are_the_blocks_of_the_pinned_transformers():
     assert transformers.__version__ == "5.24.0"
     # DeepSeek-V4's block takes its layer index and, in hash layers, the token ids: test_deepseek_v4.py holds it.
-    assert set(FAMILIES) == set(BLOCKS) | {"deepseek_v4"}
+    assert set(FAMILIES) == set(BLOCKS) | {t for t, family in FAMILIES.items() if family.hash_table is not None}
     for model_type, (config_class, block_class) in BLOCKS.items():
         family = FAMILIES[model_type]
         assert (family.config_class, family.block_class) == (config_class.__name__, block_class.__name__)
@@ -77,17 +77,17 @@ def test_each_absent_key_takes_its_configuration_class_default(model_type):
             if spec.kind == "activation":
                 continue
             assert config_class(**{alias: other}).to_dict()[spec.key] == other, alias
-    if model_type == "nemotron_h":  # the layer count is the length of its list of layer kinds
+    if family.rule.counts_by_list:  # the layer count is the length of its list of layer kinds
         assert written["layers_block_type"] == family.layer_defaults["layers_block_type"]
         assert config_class().num_hidden_layers == family.num_hidden_layers
     else:
         assert written["num_hidden_layers"] == family.num_hidden_layers
-    if "first_k_dense_replace" in family.layer_defaults and model_type != "kimi_linear":
+    if family.layers == "first_k_dense":
         assert written["first_k_dense_replace"] == family.layer_defaults["first_k_dense_replace"]
-    if model_type == "kimi_linear":  # the class derives its layer types from first_k_dense_replace, default 1
+    if family.layers == "mlp_layer_types":  # the class derives its layer types from first_k_dense_replace
         first = family.layer_defaults["first_k_dense_replace"]
         assert written["mlp_layer_types"] == ["dense"] * first + ["sparse"] * (family.num_hidden_layers - first)
-    if model_type == "qwen3_moe":
+    if family.layers == "sparse_step":
         assert written["decoder_sparse_step"] == family.layer_defaults["decoder_sparse_step"]
         assert written["mlp_only_layers"] == family.layer_defaults["mlp_only_layers"]
 
@@ -103,6 +103,7 @@ def test_a_default_configuration_reads_as_its_class_builds_it(model_type):
             hf[key] = 16
     hf.update({key: 2 for key in ("n_group", "num_expert_group") if key in hf})
     hf.update({key: 1 for key in ("topk_group",) if key in hf})
+    hf.update({spec.key: 2 for spec in FAMILIES[model_type].keys.values() if spec.required and hf[spec.key] is None})
     keys = {k: v for k, v in hf.items() if k not in ("model_type", "transformers_version")}
     block = _block(model_type, keys)
     assert MoEConfig.from_hf_config(hf) == expected_config(block, model_type, hf)
@@ -129,8 +130,8 @@ def family_keys(draw, model_type: str) -> dict:
             spelled["intermediate_size"]: draw(st.integers(2, 8)), "num_hidden_layers": draw(st.integers(1, 5))}
     if model_type in SIGMOID:
         keys[spelled["n_group"]], keys["topk_group"] = n_group, topk_group
-        keys[spelled["num_shared_experts"]] = draw(st.integers(0 if model_type != "nemotron_h" else 1, 2))
-    if model_type == "nemotron_h":  # its own shared width (0 falls back to the dense width), an optional latent
+        keys[spelled["num_shared_experts"]] = draw(st.integers(0 if "shared_intermediate_size" not in family.keys else 1, 2))
+    if family.latent_projections is not None:  # Nemotron-H: its own shared width (0: the dense width), a latent
         keys["moe_shared_expert_intermediate_size"] = draw(st.integers(0, 6))
         keys["intermediate_size"] = draw(st.integers(1, 6))
         if draw(st.booleans()):
@@ -176,7 +177,7 @@ def expected_config(block: torch.nn.Module, model_type: str, hf: dict) -> MoECon
     d = router.weight.shape[1]
     sigmoid = model_type in SIGMOID
     model_config = block.config if hasattr(block, "config") else None
-    if model_type == "nemotron_h":
+    if not FAMILIES[model_type].gated:  # Nemotron-H
         n, f, ell = block.experts.up_proj.shape
         latent = isinstance(block.fc1_latent_proj, torch.nn.Linear)
         return MoEConfig(
@@ -192,7 +193,7 @@ def expected_config(block: torch.nn.Module, model_type: str, hf: dict) -> MoECon
         hidden_size=d, latent_size=d, use_latent_projection=False, use_latent_norm=False, num_experts=n,
         top_k=router.top_k, intermediate_size=f, num_shared_experts=shared // f, activation="swiglu",
         situ_linear_beta=None, score_function="sigmoid" if sigmoid else "softmax",
-        renormalize=router.norm_topk_prob if hasattr(router, "norm_topk_prob") else model_type == "mixtral",
+        renormalize=router.norm_topk_prob if hasattr(router, "norm_topk_prob") else FAMILIES[model_type].fixed.get("renormalize", False),
         routed_scaling_factor=router.routed_scaling_factor if sigmoid else 1.0,
         n_group=router.num_group if sigmoid else 1, topk_group=router.topk_group if sigmoid else 1,
         rms_norm_eps=hf.get("rms_norm_eps", FAMILIES[model_type].keys["rms_norm_eps"].default),
@@ -202,16 +203,11 @@ def expected_config(block: torch.nn.Module, model_type: str, hf: dict) -> MoECon
 def _moe_layers_of(model_type: str, hf: dict, model_config) -> int:
     """The decoder layers that hold the MoE block, by the modeling code's own test on the configuration object."""
     c = _hf_config(model_type, {k: v for k, v in hf.items() if k not in ("model_type", "transformers_version")})
-    rules = {
-        "deepseek_v3": lambda L: L >= c.first_k_dense_replace,
-        "glm4_moe": lambda L: L >= c.first_k_dense_replace,
-        "kimi_linear": lambda L: c.mlp_layer_types[L] == "sparse",
-        "qwen3_moe": lambda L: L not in c.mlp_only_layers and c.num_experts > 0
-        and (L + 1) % c.decoder_sparse_step == 0,
-        "mixtral": lambda L: True,
-        "nemotron_h": lambda L: c.layers_block_type[L] == "moe",
-    }
-    return sum(rules[model_type](L) for L in range(c.num_hidden_layers))
+    c.pad_token_id = c.bos_token_id = c.eos_token_id = None  # the model's embedding needs none of them
+    family = FAMILIES[model_type]
+    with torch.device("meta"):  # the whole model, built without memory: count the blocks it holds
+        model = getattr(transformers, family.model_class)(c)
+    return sum(isinstance(module, BLOCKS[model_type][1]) for module in model.modules())
 
 
 @pytest.mark.parametrize("model_type", sorted(BLOCKS))
@@ -381,7 +377,8 @@ def test_both_converters_round_trip_and_load_strictly(model_type, data):
     # The per-expert layout of released checkpoints reads back to the same weights, under a whole model's names.
     per_expert = hf_state_dict_from_params(params, config, model_type=model_type, expert_layout="per_expert",
                                            layer=3, prefix="language_model.")
-    assert all(name.startswith("language_model.model.layers.3.mlp.") for name in per_expert)
+    on_disk = "language_model." + FAMILIES[model_type].block_on_disk.format(L=3)  # as save_pretrained writes it
+    assert all(name.startswith(on_disk) for name in per_expert)
     again = params_from_hf_state_dict(per_expert, config, model_type=model_type, layer=3, prefix="language_model.")
     assert list(again) == list(params)
     for name in params:
@@ -437,7 +434,7 @@ def test_a_k3_layer_is_not_written_as_a_family_block():
 # ---------------------------------------------------------------------------
 
 def test_an_unknown_model_type_is_named_with_the_known_ones():
-    with pytest.raises(ValueError, match=r"model_type must be one of \['deepseek_v3', 'deepseek_v4', 'glm4_moe', 'kimi_linear', "
+    with pytest.raises(ValueError, match=r"model_type must be one of \['deepseek_v3', 'deepseek_v4', 'dots1', 'glm4_moe', 'kimi_linear', "
                                          r"'mixtral', 'nemotron_h', 'qwen3_moe'\].*got 'llama4_text'"):
         MoEConfig.from_hf_config({"model_type": "llama4_text", "hidden_size": 8})
 
@@ -555,3 +552,12 @@ def test_the_nemotron_3_super_preset_is_what_nemotron_hs_class_reads_from_its_ke
                 layer_norm_epsilon=1e-5, layers_block_type=["mamba", "moe", "attention", "moe"])
     hf = transformers.NemotronHConfig(**ATTENTION, **keys).to_dict()
     assert MoEConfig.from_hf_config(hf) == MoEConfig.nemotron_3_super(num_moe_layers=2)
+
+
+def test_the_families_pages_tables_list_exactly_the_records():
+    """The page's two tables (the families, the measured agreement) name each family of the records once."""
+    doc = refimpl.families.__doc__
+    for header in ("| `model_type` | block |", "| `model_type` | largest relative difference |"):
+        rows = doc[doc.index(header):].split("\n\n")[0].splitlines()[2:]
+        named = [row.split("`")[1] for row in rows]
+        assert sorted(named) == sorted(FAMILIES), header

@@ -132,7 +132,8 @@ import ml_dtypes
 import numpy as np
 
 from .._lib.files import flush_file, fsync_folder, new_file_mode
-from ..config import MoEConfig, is_moe_layer
+from ..config import MoEConfig, family_hf_config, hf_reading_family, is_moe_layer
+from ..families import ALL_RECORDS, HFFamily, family_prefix, read_layer_keys, record_of
 from ..layer.latent_moe import MoEParams, check_params, parameter_shapes
 from ..mx import MX_BLOCK, check_float_dtype, mxfp4_decode, mxfp4_encode
 from .safetensors import (
@@ -375,6 +376,9 @@ def load_hf_layer(path: str | os.PathLike, layer: int, *,
     except ValueError as exc:
         raise ValueError(f"{config_file}: {exc}") from None
     text = hf.get("text_config", hf)
+    family = hf_reading_family(hf)
+    if family is not None:
+        return _load_family_layer(path, hf, text, family, config, layer, dtype)
     total = text.get("num_hidden_layers")
     if total is not None and not 0 <= layer < total:
         raise ValueError(f"layer must be in [0, {total - 1}] (num_hidden_layers={total}), got {layer}")
@@ -384,6 +388,13 @@ def load_hf_layer(path: str | os.PathLike, layer: int, *,
                          f"moe_layer_freq={freq}), not an MoE layer")
     quantized = _check_quantization(text, hf)
     shards = Shards(path)
+    draft = ALL_RECORDS["kimi_k3"]  # K3 as transformers' draft holds it: fused experts under mlp.
+    if not any(f"{layer_prefix(layer, prefix)}gate.weight" in shards for prefix in ("language_model.", "")) \
+            and f"{family_prefix(draft, layer)}gate.weight" in shards:
+        if quantized:
+            raise ValueError(f"{config_file}: quantization_config declares MXFP4 experts, but {path} holds K3 in "
+                             "transformers' fused layout, whose experts are floating")
+        return config, _read_block(shards, draft, config, layer, "fused", False, dtype)
     base = layer_prefix(layer, _find_prefix(shards, layer))
 
     params = MoEParams()
@@ -401,6 +412,53 @@ def load_hf_layer(path: str | os.PathLike, layer: int, *,
         params[stack] = _expert_stack(shards, base, hf_name, config.num_experts, shapes[stack][1:], quantized, dtype)
     # Order as parameter_shapes, the order every other function lists them in.
     return config, MoEParams((name, params[name]) for name in shapes)
+
+
+def _load_family_layer(path: Path, hf: Mapping[str, Any], text: Mapping[str, Any], family: HFFamily,
+                       config: MoEConfig, layer: int, dtype: np.dtype) -> tuple[MoEConfig, MoEParams]:
+    """`load_hf_layer` for a family of `refimpl.families`: its MoE-layer rule, its prefixes, its names."""
+    where = "config.json" + ("['text_config']" if text is not hf else "")
+    total, layer_keys = read_layer_keys(text, where, family)
+    if not 0 <= layer < total:
+        raise ValueError(f"layer must be in [0, {total - 1}] ({family.model_type} has {total} layers), got {layer}")
+    if not family.rule.is_moe(layer, layer_keys):
+        shown_keys = {key: text[key] for key in family.rule.keys if key in text}
+        raise ValueError(f"layer {layer} is a dense layer of this {family.model_type} model, not an MoE layer "
+                         f"(by {family.config_class}'s layer keys {shown_keys or 'at their defaults'})")
+    if text.get("quantization_config", hf.get("quantization_config")) is not None:
+        raise ValueError(f"config.json: quantization_config is read for K3's released layout only; this "
+                         f"{family.model_type} folder's experts must be stored as floating tensors")
+    shards = Shards(path)
+    layouts = [layout for layout in ("per_expert", "fused")
+               if any(name.startswith(family_prefix(family, layer, layout)) for name in shards.file_of)]
+    if not layouts:
+        raise ValueError(f"{path} has no tensor under {family_prefix(family, layer, 'per_expert')!r} (as "
+                         f"save_pretrained writes {family.model_type}) nor under "
+                         f"{family_prefix(family, layer, 'fused')!r} (with save_original_format=False): "
+                         f"layer {layer}'s block is missing")
+    hashed = family.rule.hashed(layer, layer_keys)
+    same = family.block == family.block_on_disk  # then the names tell the layouts apart
+    return config, _read_block(shards, family, config, layer, None if same else layouts[0], hashed, dtype)
+
+
+def _read_block(shards: Shards, family: HFFamily, config: MoEConfig, layer: int, layout: str | None, hashed: bool,
+                dtype: np.dtype) -> MoEParams:
+    """Every tensor under the block's prefix, read strictly through the converter; a hash layer's table attached.
+
+    `layout` is "fused" or "per_expert", or None when both have one prefix (then the names tell them apart).
+    """
+    from .state_dict import hf_hash_table, params_from_hf_state_dict  # that module imports this one
+
+    base = family_prefix(family, layer, layout or "fused")
+    tensors = {name: shards.get(name) for name in shards.file_of if name.startswith(base)}  # memory-mapped
+    try:
+        params = params_from_hf_state_dict(tensors, config, layer=layer, model_type=family.model_type, dtype=dtype,
+                                           hash_layer=hashed, expert_layout=layout)
+        table = hf_hash_table(tensors, config, layer=layer, model_type=family.model_type) if hashed else None
+    except ValueError as exc:
+        raise ValueError(f"{shards.path}, layer {layer}: {exc}") from None
+    params.tid2eid = table
+    return params
 
 
 # ---------------------------------------------------------------------------
@@ -423,18 +481,34 @@ def _expert_tensors(name: str, w: Any, e: int, mxfp4: bool, stack: str) -> dict[
 
 
 def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[str, Any], layer: int = 1, *,
-                  mxfp4: bool = True, prefix: str = "language_model.",
-                  shard_size: int | None = None, overwrite: bool = False) -> Path:
-    """Write one MoE layer as a checkpoint directory in the released layout; returns the path.
+                  model_type: str | None = None, expert_layout: str | None = None, mxfp4: bool | None = None,
+                  prefix: str | None = None, tid2eid: Any = None, shard_size: int | None = None,
+                  overwrite: bool = False) -> Path:
+    """Write one MoE layer as a checkpoint directory; returns the path.
 
-    Writes `config.json` (nested, `config.to_hf_config(nested=True)`, with
-    K3's `quantization_config` when `mxfp4`), the tensors of layer `layer`
-    under `{prefix}model.layers.{layer}.block_sparse_moe.` with one module
-    per expert (MXFP4-encoded with `refimpl.mx.mxfp4_encode` when `mxfp4`,
-    otherwise as given), and either one `model.safetensors` or, with
-    `shard_size` (bytes), shards listed in `model.safetensors.index.json`.
-    Layer 0 is dense in this layout, so `layer` must be in
+    **K3's released layout** (`model_type=None`): `config.json` is K3's
+    (nested, `config.to_hf_config(nested=True)`, with K3's
+    `quantization_config` when `mxfp4`, the default), the tensors of layer
+    `layer` go under `{prefix}model.layers.{layer}.block_sparse_moe.`
+    (`prefix` default `"language_model."`) with one module per expert
+    (MXFP4-encoded with `refimpl.mx.mxfp4_encode` when `mxfp4`, otherwise
+    as given). Layer 0 is dense in this layout, so `layer` must be in
     `[1, config.num_moe_layers]`.
+
+    **A family's layout** (`model_type` one of `refimpl.families.ALL_RECORDS`): `config.json` holds the
+    family's own keys (`refimpl.config.family_hf_config`: its configuration class reads them back to
+    `config`, and its MoE-layer rule makes `layer` the first of `config.num_moe_layers` MoE layers), and the
+    layer's tensors go under the family's names and prefix, `expert_layout` `"per_expert"` (the original
+    checkpoint's modules, as `save_pretrained` writes the family; the default) or `"fused"` (the in-memory
+    names; the default for K3 in transformers' draft, `"kimi_k3"`). A DeepSeek-V4 hash layer is written with
+    its table, `tid2eid` (default `params.tid2eid`, as `load_hf_layer` returns it). What the family cannot
+    express is a `ValueError` naming it, before anything is written: a field its keys give otherwise (shared
+    experts for Mixtral, a latent for DeepSeek-V3, ...), a nonzero selection bias for a router without one,
+    a hash layer without its table or a table for a layer that routes by scores, `mxfp4=True`, a `prefix`.
+
+    Either way the result is one `model.safetensors` or, with `shard_size`
+    (bytes), shards listed in `model.safetensors.index.json`, and
+    `load_hf_layer(path, layer)` reads the layer back.
 
     A folder that already holds a checkpoint (`config.json`, the index,
     `model.safetensors` or the mark of an interrupted save) is refused with
@@ -450,37 +524,25 @@ def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[st
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     if not isinstance(overwrite, bool):
         raise TypeError(f"overwrite must be True or False, got {type(overwrite).__name__} {overwrite!r}")
-    if not isinstance(prefix, str):
+    if prefix is not None and not isinstance(prefix, str):
         raise TypeError(f"prefix must be a string such as 'language_model.' or '', got {type(prefix).__name__}")
+    if mxfp4 is not None and not isinstance(mxfp4, bool):
+        raise TypeError(f"mxfp4 must be True, False or None, got {type(mxfp4).__name__} {mxfp4!r}")
     if shard_size is not None and (isinstance(shard_size, bool) or not isinstance(shard_size, int | np.integer)
                                    or shard_size < 1):
         raise ValueError(f"shard_size must be a positive number of bytes or None, got {shard_size!r}")
     check_params(params, config)
-    if isinstance(layer, bool) or not isinstance(layer, int | np.integer) or not 1 <= layer <= config.num_moe_layers:
-        raise ValueError(f"layer must be an MoE layer in [1, {config.num_moe_layers}] (layer 0 is dense), "
-                         f"got {layer!r}")
-    if mxfp4 and (config.latent_size % MX_BLOCK or config.intermediate_size % MX_BLOCK):
-        raise ValueError(f"mxfp4=True needs latent_size and intermediate_size that are multiples of {MX_BLOCK}, "
-                         f"got {config.latent_size} and {config.intermediate_size}")
-    hf = config.to_hf_config(nested=True)  # raises for a config the reference code cannot express
+    if model_type is None:
+        hf, tensors_of = _k3_checkpoint(config, params, layer, expert_layout, mxfp4 is not False,
+                                        "language_model." if prefix is None else prefix, tid2eid)
+    else:
+        hf, tensors_of = _family_checkpoint(config, params, layer, model_type, expert_layout, mxfp4, prefix, tid2eid)
     path = Path(path)
     found = _checkpoint_files_in(path)  # before any encoding: a refusal costs nothing
     if found and not overwrite:
         raise FileExistsError(f"{path} already holds a checkpoint ({', '.join(found)}): pass overwrite=True to "
                               "replace it (files save_hf_layer did not write are kept)")
-    if mxfp4:
-        hf["text_config"]["quantization_config"] = json.loads(json.dumps(K3_QUANTIZATION_CONFIG))
-    base = layer_prefix(int(layer), prefix)
-
-    tensors: dict[str, np.ndarray] = {}
-    for name, value in params.items():
-        if name in _EXPERT_MATRICES.values() or (name.startswith("shared_experts.") and config.shared_size == 0):
-            continue
-        tensors[base + name] = np.ascontiguousarray(np.asarray(value))
-    for hf_name, stack in _EXPERT_MATRICES.items():
-        for e in range(config.num_experts):
-            tensors.update({base + key: value for key, value in
-                            _expert_tensors(f"experts.{e}.{hf_name}", params[stack], e, mxfp4, stack).items()})
+    tensors = tensors_of()
 
     groups = _shard_groups(tensors, int(shard_size) if shard_size is not None else None)
     old = _old_checkpoint_files(path) if found else set()
@@ -495,6 +557,78 @@ def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[st
         files[INDEX_FILE] = lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2))
     _write_transaction(path, files, old)
     return path
+
+
+def _k3_checkpoint(config: MoEConfig, params: Mapping[str, Any], layer: Any, expert_layout: Any, mxfp4: bool,
+                   prefix: str, tid2eid: Any) -> tuple[dict[str, Any], Callable[[], dict[str, np.ndarray]]]:
+    """K3's released layout: its `config.json`, and how to make the layer's tensors (encoded only when asked)."""
+    if expert_layout not in (None, "per_expert"):
+        raise ValueError(f"expert_layout={expert_layout!r} chooses a transformers family's layout: pass model_type "
+                         "too (K3's released checkpoint stores one module per expert)")
+    if tid2eid is not None:
+        raise ValueError("tid2eid is DeepSeek-V4's hash-layer table: pass model_type='deepseek_v4' too")
+    if isinstance(layer, bool) or not isinstance(layer, int | np.integer) or not 1 <= layer <= config.num_moe_layers:
+        raise ValueError(f"layer must be an MoE layer in [1, {config.num_moe_layers}] (layer 0 is dense), "
+                         f"got {layer!r}")
+    if mxfp4 and (config.latent_size % MX_BLOCK or config.intermediate_size % MX_BLOCK):
+        raise ValueError(f"mxfp4=True needs latent_size and intermediate_size that are multiples of {MX_BLOCK}, "
+                         f"got {config.latent_size} and {config.intermediate_size}")
+    hf = config.to_hf_config(nested=True)  # raises for a config the reference code cannot express
+    if mxfp4:
+        hf["text_config"]["quantization_config"] = json.loads(json.dumps(K3_QUANTIZATION_CONFIG))
+    base = layer_prefix(int(layer), prefix)
+
+    def tensors_of() -> dict[str, np.ndarray]:
+        tensors: dict[str, np.ndarray] = {}
+        for name, value in params.items():
+            if name in _EXPERT_MATRICES.values() or (name.startswith("shared_experts.") and config.shared_size == 0):
+                continue
+            tensors[base + name] = np.ascontiguousarray(np.asarray(value))
+        for hf_name, stack in _EXPERT_MATRICES.items():
+            for e in range(config.num_experts):
+                tensors.update({base + key: value for key, value in
+                                _expert_tensors(f"experts.{e}.{hf_name}", params[stack], e, mxfp4, stack).items()})
+        return tensors
+
+    return hf, tensors_of
+
+
+def _family_checkpoint(config: MoEConfig, params: Mapping[str, Any], layer: Any, model_type: str,
+                       expert_layout: Any, mxfp4: bool | None, prefix: str | None, tid2eid: Any
+                       ) -> tuple[dict[str, Any], Callable[[], dict[str, np.ndarray]]]:
+    """A family's layout: its `config.json` and the layer's tensors under its names, or a `ValueError`."""
+    from .state_dict import EXPERT_LAYOUTS, hf_state_dict_from_params  # that module imports this one
+
+    family = record_of(model_type)
+    if mxfp4:
+        raise ValueError(f"mxfp4=True writes K3's released packed experts; model_type={model_type!r} stores float "
+                         "experts")
+    if prefix is not None:
+        raise ValueError(f"prefix={prefix!r} places K3's released block; model_type={model_type!r} places its block "
+                         f"where its model does ({family.block_on_disk!r})")
+    layout = family.saved_layout if expert_layout is None else expert_layout
+    if layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be None (as the family saves) or one of {EXPERT_LAYOUTS}, "
+                         f"got {expert_layout!r}")
+    if layout == "per_expert" and family.saved_layout == "fused":
+        raise ValueError(f"expert_layout='per_expert': {model_type}'s folders hold its fused names only (no "
+                         "per-expert names of its checkpoints are known); write expert_layout='fused'")
+    hf = family_hf_config(config, model_type, layer)  # raises for a layer the family's keys cannot express
+    text = hf.get("text_config", hf)
+    _, layer_keys = read_layer_keys(text, "config.json", family)
+    hashed = family.rule.hashed(int(layer), layer_keys)
+    table = getattr(params, "tid2eid", None) if tid2eid is None else tid2eid
+    if hashed and table is None:
+        raise ValueError(f"layer {layer} of this {model_type} configuration routes by a table (the first "
+                         f"num_hash_layers = {config.num_hash_layers} layers do): pass its table as tid2eid")
+    if not hashed and table is not None:
+        raise ValueError(f"tid2eid is a hash layer's table, but layer {layer} of this {model_type} configuration "
+                         f"routes by its scores (num_hash_layers = {config.num_hash_layers}): writing would lose it")
+    tensors = hf_state_dict_from_params(params, config, model_type=model_type, layer=int(layer),
+                                        expert_layout=layout, tid2eid=table)  # checked before anything is written
+    if table is not None:  # the table has a row per token id: the model's vocabulary
+        text["vocab_size"] = int(np.shape(table)[0])
+    return hf, lambda: tensors
 
 
 def _write_safetensors(tensors: dict[str, np.ndarray], file: str) -> None:

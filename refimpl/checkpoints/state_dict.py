@@ -116,7 +116,7 @@ import numpy as np
 from .._lib.validation import check_float_dtype
 from .._lib.xp import dtype_name
 from ..config import MoEConfig
-from ..families import HFFamily, family_activation, family_of
+from ..families import EXPERT_ROLES, HFFamily, family_prefix, record_of
 from ..layer.latent_moe import MoEParams, check_params, parameter_shapes
 from ..mx import MX_BLOCK, mxfp4_encode
 from .hf_checkpoint import ExpertStack, layer_prefix
@@ -154,22 +154,25 @@ _FLOATS = ("float16", "bfloat16", "float32", "float64")
 # Names and shapes
 # ---------------------------------------------------------------------------
 
-def block_prefix(layer: int | None = None, prefix: str = "", model_type: str | None = None) -> str:
+def block_prefix(layer: int | None = None, prefix: str = "", model_type: str | None = None,
+                 expert_layout: str = "fused") -> str:
     """What stands before the block-relative names: `prefix`, or the full name of decoder layer `layer`'s block.
 
-    K3's block is `{prefix}model.layers.{layer}.block_sparse_moe.`; every transformers family holds its block
-    as `{prefix}model.layers.{layer}.mlp.`.
+    K3's block is `{prefix}model.layers.{layer}.block_sparse_moe.`; a transformers family's block is where its
+    record (`refimpl.families`) puts it: in memory for `expert_layout="fused"` (`model.layers.{layer}.mlp.`
+    for most), as `save_pretrained` writes it for `"per_expert"` (Mixtral's `block_sparse_moe.`,
+    Nemotron-H's `backbone.layers.{layer}.mixer.`, DeepSeek-V4's `ffn.`, Kimi K2.5's
+    `language_model.model.blocks.{layer}.mlp.`).
     """
     if not isinstance(prefix, str):
         raise TypeError(f"prefix must be a string, got {type(prefix).__name__} {prefix!r}")
-    if model_type is not None:
-        family_of(model_type)
+    family = None if model_type is None else record_of(model_type)
     if layer is None:
         return prefix
     if isinstance(layer, bool) or not isinstance(layer, int | np.integer) or layer < 0:
         raise ValueError(f"layer must be None (block-relative names) or a decoder layer index >= 0, got {layer!r}")
-    if model_type is not None:
-        return f"{prefix}model.layers.{int(layer)}.mlp."
+    if family is not None:
+        return prefix + family_prefix(family, int(layer), expert_layout)
     return layer_prefix(int(layer), prefix)
 
 
@@ -350,7 +353,7 @@ def _names_under(state_dict: Mapping[str, Any], base: str) -> dict[Any, Any]:
 
 def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, *, layer: int | None = None,
                               prefix: str = "", dtype: Any = None, model_type: str | None = None,
-                              hash_layer: bool = False) -> MoEParams:
+                              hash_layer: bool = False, expert_layout: str | None = None) -> MoEParams:
     """One block's weights from a mapping of Hugging Face tensor names: a `MoEParams`.
 
     `state_dict` maps the reference block's names (block-relative with
@@ -361,12 +364,11 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, 
     pairs. Floating tensors come out in `dtype` (default: float32, or float64
     when stored as float64); the bias never below float32.
 
-    With a transformers `model_type` (`"deepseek_v3"`, `"deepseek_v4"`, `"glm4_moe"`,
-    `"kimi_linear"`, `"qwen3_moe"`, `"mixtral"`, `"nemotron_h"`) the names are that family's
-    block (`family_tensor_shapes`; `{prefix}model.layers.{layer}.mlp.…` with
-    `layer`), its experts fused as transformers 5 holds them or one module per
-    expert as released checkpoints store them (told apart by the names). A
-    router without a selection bias (Qwen3-MoE, Mixtral) reads as a zero bias.
+    With a `model_type` of `refimpl.families.ALL_RECORDS` (every transformers family, Kimi K2.5, and
+    `"kimi_k3"`, K3 in transformers' draft layout) the names are that family's block
+    (`family_tensor_shapes`; with `layer`, under the family's own prefix), its experts fused as transformers 5
+    holds them or one module per expert under the names `save_pretrained` writes (`expert_layout`, told
+    apart by the names when None). A router without a selection bias (Qwen3-MoE, Mixtral) reads as a zero bias.
     DeepSeek-V4's hash layers (`hash_layer=True`) hold the table `gate.tid2eid`
     instead of a bias: the weights read with a zero bias, and the table with
     `hf_hash_table`, to route with `route_by_table`.
@@ -379,10 +381,15 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, 
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping from tensor names to tensors, got {type(state_dict).__name__}")
     dtype = None if dtype is None else check_float_dtype(dtype)
-    base = block_prefix(layer, prefix, model_type)
+    _check_layout(expert_layout)
     _check_hash_layer(hash_layer, model_type)
     if model_type is not None:
-        return _params_from_family_state_dict(state_dict, config, model_type, base, dtype, hash_layer)
+        base, layout = _family_base(state_dict, record_of(model_type), layer, prefix, expert_layout)
+        return _params_from_family_state_dict(state_dict, config, model_type, base, dtype, hash_layer, layout)
+    if expert_layout not in (None, "per_expert"):
+        raise ValueError(f"expert_layout={expert_layout!r} chooses a transformers family's layout: pass model_type "
+                         "too (K3's released block stores one module per expert)")
+    base = block_prefix(layer, prefix)
     where = "block-relative names" if not base else f"names under {base!r}"
     ours = _names_under(state_dict, base)
     problems = _Problems()
@@ -498,18 +505,20 @@ def hf_state_dict_from_params(params: Mapping[str, Any], config: MoEConfig, *, l
     expert width must then be multiples of 32. Packed stacks written with
     `mxfp4=False` are decoded.
 
-    With a transformers `model_type`, the names of that family's block
-    (`family_tensor_shapes`), the experts `expert_layout="fused"` (they load
-    into transformers' block with `strict=True`) or `"per_expert"`; a nonzero
+    With a `model_type` of `refimpl.families.ALL_RECORDS`, the names of that family's block
+    (`family_tensor_shapes`, and with `layer` its prefix), the experts `expert_layout="fused"` (they load
+    into transformers' block with `strict=True`) or `"per_expert"`, the names and prefix `save_pretrained`
+    writes, so that the family's `from_pretrained` reloads them; a nonzero
     selection bias for a family whose router has none is a `ValueError`, and
     so is `mxfp4=True`. A DeepSeek-V4 hash layer is written with its table,
     `tid2eid` `[vocab, k]` (expert ids), as `gate.tid2eid` in place of the bias,
-    which must then be zero.
+    which must then be zero; a table that names an expert twice in a row is refused.
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     check_params(params, config)
-    base = block_prefix(layer, prefix, model_type)
+    _check_layout(expert_layout)
+    base = block_prefix(layer, prefix, model_type, expert_layout)
     if model_type is None and expert_layout != "fused":
         raise ValueError(f"expert_layout={expert_layout!r} chooses a transformers family's expert layout: pass "
                          "model_type too (K3's block always stores one module per expert)")
@@ -517,7 +526,7 @@ def hf_state_dict_from_params(params: Mapping[str, Any], config: MoEConfig, *, l
         if mxfp4:
             raise ValueError(f"mxfp4=True writes K3's packed experts; model_type={model_type!r} stores float experts")
         family_tensor_shapes(config, model_type, expert_layout)  # the layout and the config checked first
-        table = None if tid2eid is None else _checked_table(tid2eid, config, "tid2eid", model_type)
+        table = None if tid2eid is None else _checked_table(tid2eid, config, "tid2eid", model_type, distinct=True)
         k3 = hf_state_dict_from_params(params, config)
         return _family_state_dict_from_params(k3, config, model_type, base, expert_layout, table)
     if tid2eid is not None:
@@ -548,77 +557,107 @@ def hf_state_dict_from_params(params: Mapping[str, Any], config: MoEConfig, *, l
 # ---------------------------------------------------------------------------
 
 def family_tensor_shapes(config: MoEConfig, model_type: str, expert_layout: str = "fused") -> dict[str, tuple[int, ...]]:
-    r"""The `state_dict()` names (block-relative) and shapes of transformers' `model_type` block for `config`.
+    r"""The block-relative names and shapes of `model_type`'s block for `config`, in memory or on disk.
+
+    `expert_layout="fused"` gives the block's `state_dict()` as transformers 5 holds it (and as
+    `save_pretrained(..., save_original_format=False)` writes it); `"per_expert"` the names `save_pretrained`
+    writes by default, one module per expert under the original checkpoint's names. Each family's record
+    (`refimpl.families`) gives the names; for a family with a latent of width $\ell$ ($\ell = d$ without one):
 
     | name | shape | when |
     |---|---|---|
     | `gate.weight` | $[n, d]$ | always |
-    | `gate.e_score_correction_bias` | $[n]$ | the sigmoid families (DeepSeek-V3, GLM-4 MoE, Kimi Linear) |
-    | `experts.gate_up_proj` | $[n, 2f, d]$, the gate's $f$ rows first | `expert_layout="fused"` |
-    | `experts.down_proj` | $[n, d, f]$ | `expert_layout="fused"` |
-    | `experts.{e}.{gate,up,down}_proj.weight` | $[f, d]$, $[f, d]$, $[d, f]$ | `expert_layout="per_expert"` |
-    | `shared_experts.{gate,up,down}_proj.weight` | $[N_s f, d]$, $[N_s f, d]$, $[d, N_s f]$ | the families with shared experts |
+    | the selection bias (`gate.e_score_correction_bias`; on disk DeepSeek-V4's `gate.bias`) | $[n]$ | a router with a bias |
+    | `experts.gate_up_proj` | $[n, 2f, \ell]$, the gate's $f$ rows first | `"fused"`, gated experts |
+    | `experts.up_proj` | $[n, f, \ell]$ | `"fused"`, ungated experts (Nemotron-H) |
+    | `experts.down_proj` | $[n, \ell, f]$ | `"fused"` |
+    | `experts.{e}.{gate,up,down}` module `.weight` (`gate_proj/up_proj/down_proj`, or Mixtral's, Kimi Linear's and DeepSeek-V4's `w1/w3/w2`) | $[f, \ell]$, $[f, \ell]$, $[\ell, f]$ | `"per_expert"` |
+    | the latent projections (`fc1_latent_proj`/`fc2_latent_proj`, K3's `routed_expert_down_proj`/`routed_expert_up_proj`) | $[\ell, d]$, $[d, \ell]$ | a latent |
+    | `routed_expert_norm.weight` | $[\ell]$ | K3's latent norm |
+    | `shared_experts.{gate,up,down}` module `.weight` (DeepSeek-V4 on disk `w1/w3/w2`) | $[N_s f, d]$, $[N_s f, d]$, $[d, N_s f]$ | shared experts |
 
-    Nemotron-H's ungated experts (`activation="relu2"`) have no gate: `experts.up_proj` $[n, f, \ell]$ and
-    `experts.down_proj` $[n, \ell, f]$ (or `experts.{e}.{up,down}_proj.weight`), `fc1_latent_proj.weight`
-    $[\ell, d]$ and `fc2_latent_proj.weight` $[d, \ell]$ with a latent, and a shared expert of
-    `shared_experts.{up,down}_proj.weight` only. Read, `up_proj` becomes both `experts.w1` and `experts.w3`;
-    written, the two must be equal.
+    Nemotron-H's ungated experts (`activation="relu2"`) have no gate matrix, and its shared expert no
+    `gate_proj`. Read, `up_proj` becomes both `experts.w1` and `experts.w3`; written, the two must be equal.
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
-    family = family_of(model_type)
+    family = record_of(model_type)
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
     _check_family_config(config, family)
     n, d, f, shared, ell = (config.num_experts, config.hidden_size, config.intermediate_size, config.shared_size,
                             config.latent_size)
+    on_disk = expert_layout == "per_expert"
     shapes: dict[str, tuple[int, ...]] = {"gate.weight": (n, d)}
-    if family.has_bias:
-        shapes["gate.e_score_correction_bias"] = (n,)
-    ungated = config.activation == "relu2"  # Nemotron-H: one up matrix per expert, no gate
-    modules = (("up_proj", (f, ell)), ("down_proj", (ell, f))) if ungated else \
-        (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f)))
-    if expert_layout == "fused" and ungated:
-        shapes["experts.up_proj"] = (n, f, ell)
-        shapes["experts.down_proj"] = (n, ell, f)
-    elif expert_layout == "fused":
-        shapes["experts.gate_up_proj"] = (n, 2 * f, d)
-        shapes["experts.down_proj"] = (n, d, f)
-    else:
+    if family.bias is not None:
+        shapes[family.bias_on_disk if on_disk else family.bias] = (n,)
+    expert_shapes = {"gate": (f, ell), "up": (f, ell), "down": (ell, f)}
+    if on_disk:
         for e in range(n):
-            for module, shape in modules:
-                shapes[f"experts.{e}.{module}.weight"] = shape
-    if config.use_latent_projection:  # Nemotron-H's latent path, without a norm
-        shapes["fc1_latent_proj.weight"] = (ell, d)
-        shapes["fc2_latent_proj.weight"] = (d, ell)
-    if family.has_shared:
-        if not ungated:
-            shapes["shared_experts.gate_proj.weight"] = (shared, d)
-        shapes.update({"shared_experts.up_proj.weight": (shared, d), "shared_experts.down_proj.weight": (d, shared)})
+            for role, module in family.expert_modules.items():
+                shapes[f"experts.{e}.{module}.weight"] = expert_shapes[role]
+    else:
+        shapes["experts.gate_up_proj" if family.gated else "experts.up_proj"] = (n, 2 * f if family.gated else f, ell)
+        shapes["experts.down_proj"] = (n, ell, f)
+    if family.latent_projections is not None and config.use_latent_projection:
+        down, up = family.latent_projections
+        shapes[down], shapes[up] = (ell, d), (d, ell)
+    if family.latent_norm is not None:
+        shapes[family.latent_norm] = (ell,)
+    shared_shapes = {"gate": (shared, d), "up": (shared, d), "down": (d, shared)}
+    for role, name in _shared_names(family, on_disk).items():
+        shapes[name] = shared_shapes[role]
     return shapes
+
+
+#: The shared MLP's modules in memory, by role (every family spells them so in transformers 5).
+_SHARED_IN_MEMORY = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+def _shared_names(family: HFFamily, on_disk: bool) -> dict[str, str]:
+    """The shared MLP's tensor names by role ("gate", "up", "down"), in memory or on disk; none without one."""
+    if family.shared_modules is None:
+        return {}
+    return {role: f"shared_experts.{module if on_disk else _SHARED_IN_MEMORY[role]}.weight"
+            for role, module in family.shared_modules.items()}
+
+
+def _k3_names_of(family: HFFamily, config: MoEConfig, on_disk: bool) -> dict[str, str]:
+    """The family's names of the tensors other than the routed experts -> K3's block-relative names."""
+    names = {"gate.weight": "gate.weight"}
+    if family.bias is not None:
+        names[family.bias_on_disk if on_disk else family.bias] = "gate.e_score_correction_bias"
+    if family.latent_projections is not None and config.use_latent_projection:
+        down, up = family.latent_projections
+        names[down], names[up] = "routed_expert_down_proj.weight", "routed_expert_up_proj.weight"
+    if family.latent_norm is not None:
+        names[family.latent_norm] = "routed_expert_norm.weight"
+    for role, name in _shared_names(family, on_disk).items():
+        names[name] = f"shared_experts.{_SHARED_IN_MEMORY[role]}.weight"
+    return names
 
 
 def _check_family_config(config: MoEConfig, family: HFFamily) -> None:
     """A `ValueError` when `config` is a layer `family`'s block cannot hold (a latent, shared experts, ...)."""
     wrong = [f"{field}={getattr(config, field)!r} (the block has {value!r})" for field, value in family.fixed.items()
              if field != "situ_linear_beta" and getattr(config, field) != value]
-    if config.latent_size != config.hidden_size and family.model_type != "nemotron_h":
+    if config.latent_size != config.hidden_size and family.latent_projections is None:
         wrong.append(f"latent_size={config.latent_size} (the block has none: latent_size = hidden_size)")
-    activation = family_activation(family)
-    if config.activation != activation:
-        wrong.append(f"activation={config.activation!r} (the block's experts are {activation!r})")
+    if config.activation != family.activation:
+        wrong.append(f"activation={config.activation!r} (the block's experts are {family.activation!r})")
     if config.shared_intermediate_size not in (None, config.num_shared_experts * config.intermediate_size) \
-            and family.model_type != "nemotron_h":
+            and "shared_intermediate_size" not in family.keys:
         wrong.append(f"shared_intermediate_size={config.shared_intermediate_size} (the block's shared width is "
                      "num_shared_experts x intermediate_size)")
+    if family.shared_modules is None and config.shared_size:
+        wrong.append(f"num_shared_experts={config.num_shared_experts} (the block has no shared experts)")
     if wrong:
-        raise ValueError(f"config is not a layer transformers' {family.block_class} holds: " + ", ".join(wrong))
+        raise ValueError(f"config is not a layer {family.block_class} ({family.model_type}) holds: " + ", ".join(wrong))
 
 
-def _expert_layout_of(names: set[str]) -> str:
-    """'per_expert' when the block-relative names hold one module per expert, else 'fused'."""
-    modules = "|".join(FAMILY_EXPERT_MATRICES)
+def _expert_layout_of(names: set[str], family: HFFamily) -> str:
+    """'per_expert' when the block-relative names hold the family's modules one per expert, else 'fused'."""
+    modules = "|".join(map(re.escape, family.expert_modules.values()))
     return "per_expert" if any(re.match(rf"experts\.\d+\.({modules})\.", name) for name in names) else "fused"
 
 
@@ -626,28 +665,22 @@ def _k3_names_from_family(values: Mapping[str, np.ndarray], config: MoEConfig, f
                           layout: str) -> dict[str, np.ndarray]:
     """The K3 block's names for a family block's checked tensors: the fused experts split, a zero bias added."""
     n, d, f = config.num_experts, config.hidden_size, config.intermediate_size
-    out = {name: value for name, value in values.items() if not name.startswith(("experts.", "fc", "shared"))}
-    if config.use_latent_projection:
-        out["routed_expert_down_proj.weight"] = values["fc1_latent_proj.weight"]  # [l, d]
-        out["routed_expert_up_proj.weight"] = values["fc2_latent_proj.weight"]  # [d, l]
-    if family.has_shared:
-        for module in ("up_proj", "down_proj"):
-            out[f"shared_experts.{module}.weight"] = values[f"shared_experts.{module}.weight"]
-        # An ungated shared expert is the GLU relu(a) b with its gate and up weights one matrix.
-        gate = "up_proj" if config.activation == "relu2" else "gate_proj"
-        out["shared_experts.gate_proj.weight"] = values[f"shared_experts.{gate}.weight"]
+    on_disk = layout == "per_expert"
+    out = {ours: values[theirs] for theirs, ours in _k3_names_of(family, config, on_disk).items() if theirs in values}
+    if family.has_shared and not family.gated:  # an ungated shared expert: the GLU relu(a) b, gate and up one matrix
+        out["shared_experts.gate_proj.weight"] = out["shared_experts.up_proj.weight"]
     for e in range(n):
-        if config.activation == "relu2":  # ungated: w1 = w3 = up, so that relu(W z) (W z) = relu(W z)^2
-            up = values["experts.up_proj"][e] if layout == "fused" else values[f"experts.{e}.up_proj.weight"]
-            down = values["experts.down_proj"][e] if layout == "fused" else values[f"experts.{e}.down_proj.weight"]
-            out[f"experts.{e}.w1.weight"], out[f"experts.{e}.w3.weight"], out[f"experts.{e}.w2.weight"] = up, up, down
-        elif layout == "fused":
-            gate_up = values["experts.gate_up_proj"][e]  # [2f, d]: the gate's rows, then the up's
-            out[f"experts.{e}.w1.weight"], out[f"experts.{e}.w3.weight"] = gate_up[:f], gate_up[f:]
-            out[f"experts.{e}.w2.weight"] = values["experts.down_proj"][e]  # [d, f]
+        if on_disk:
+            matrices = {role: values[f"experts.{e}.{module}.weight"] for role, module in family.expert_modules.items()}
+        elif family.gated:
+            gate_up = values["experts.gate_up_proj"][e]  # [2f, l]: the gate's rows, then the up's
+            matrices = {"gate": gate_up[:f], "up": gate_up[f:], "down": values["experts.down_proj"][e]}
         else:
-            for module, ours in FAMILY_EXPERT_MATRICES.items():
-                out[f"experts.{e}.{ours}.weight"] = values[f"experts.{e}.{module}.weight"]
+            matrices = {"up": values["experts.up_proj"][e], "down": values["experts.down_proj"][e]}
+        if not family.gated:  # ungated: w1 = w3 = up, so that relu(W z) (W z) = relu(W z)^2
+            matrices["gate"] = matrices["up"]
+        for role, module in EXPERT_ROLES.items():
+            out[f"experts.{e}.{module}.weight"] = matrices[role]
     if not family.has_bias:  # a router without a selection bias selects by the scores alone: b = 0
         out["gate.e_score_correction_bias"] = np.zeros(n, dtype=np.float32)
     if not family.has_shared:
@@ -657,21 +690,44 @@ def _k3_names_from_family(values: Mapping[str, np.ndarray], config: MoEConfig, f
     return out
 
 
+def _check_layout(expert_layout: Any) -> None:
+    if expert_layout is not None and expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be None (told by the names) or one of {EXPERT_LAYOUTS}, "
+                         f"got {expert_layout!r}")
+
+
+def _family_base(state_dict: Mapping[str, Any], family: HFFamily, layer: int | None, prefix: str,
+                 expert_layout: str | None) -> tuple[str, str | None]:
+    """`(base, layout)`: where the block's names start, and its layout when the base tells it (None: the names)."""
+    if layer is None or expert_layout is not None:
+        return block_prefix(layer, prefix, family.model_type, expert_layout or "fused"), expert_layout
+    fused = block_prefix(layer, prefix, family.model_type, "fused")
+    on_disk = block_prefix(layer, prefix, family.model_type, "per_expert")
+    if fused == on_disk:
+        return fused, None
+    if any(isinstance(key, str) and key.startswith(on_disk) for key in state_dict):
+        return on_disk, "per_expert"
+    return fused, "fused"
+
+
 def _params_from_family_state_dict(state_dict: Mapping[str, Any], config: MoEConfig, model_type: str,
-                                   base: str, dtype: Any, hash_layer: bool = False) -> MoEParams:
+                                   base: str, dtype: Any, hash_layer: bool = False,
+                                   expert_layout: str | None = None) -> MoEParams:
     """`params_from_hf_state_dict` for a transformers family's block (`model_type`)."""
-    family = family_of(model_type)
+    family = record_of(model_type)
     ours = _names_under(state_dict, base)
-    layout = _expert_layout_of({name for name in ours if isinstance(name, str)})
+    layout = expert_layout or _expert_layout_of({name for name in ours if isinstance(name, str)}, family)
     shapes = family_tensor_shapes(config, model_type, layout)
     problems, values = _Problems(), {}
-    table_name = {"gate.tid2eid"} if "gate.tid2eid" in ours or hash_layer else set()
+    table = family.hash_table
+    table_name = {table} if table is not None and (table in ours or hash_layer) else set()
+    bias = family.bias_on_disk if layout == "per_expert" else family.bias
     if hash_layer:  # DeepSeek-V4's hash layer: the table stands where the bias would (read by hf_hash_table)
-        del shapes["gate.e_score_correction_bias"]
-        if "gate.tid2eid" not in ours:
-            problems.missing.append(base + "gate.tid2eid")
-    elif "gate.tid2eid" in ours:
-        problems.wrong.append(f"{base}gate.tid2eid: a hash layer's table; read the layer with hash_layer=True "
+        del shapes[bias]
+        if table not in ours:
+            problems.missing.append(base + table)
+    elif table is not None and table in ours:
+        problems.wrong.append(f"{base}{table}: a hash layer's table; read the layer with hash_layer=True "
                               "and its table with hf_hash_table")
     for name, shape in shapes.items():
         if name not in ours:
@@ -687,11 +743,10 @@ def _params_from_family_state_dict(state_dict: Mapping[str, Any], config: MoECon
     problems.extra += sorted(base + name for name in extra if isinstance(name, str))
     problems.extra += [repr(name) for name in extra if not isinstance(name, str)]
     if problems:
-        where = f"{family.block_class}'s names" + (f" under {base!r}" if base else "")
+        where = f"{family.block_class}'s names, {layout}" + (f", under {base!r}" if base else "")
         raise problems.error(where)
     if hash_layer:
-        _checked_table(as_numpy(state_dict[ours["gate.tid2eid"]], base + "gate.tid2eid"), config,
-                       base + "gate.tid2eid", model_type)
+        _checked_table(as_numpy(state_dict[ours[table]], base + table), config, base + table, model_type)
     k3 = _k3_names_from_family(values, config, family, layout)
     if hash_layer:
         k3["gate.e_score_correction_bias"] = np.zeros(config.num_experts, dtype=np.float32)
@@ -699,19 +754,29 @@ def _params_from_family_state_dict(state_dict: Mapping[str, Any], config: MoECon
 
 
 def _check_hash_layer(hash_layer: Any, model_type: str | None) -> None:
-    """`hash_layer` must be a bool, and True only for DeepSeek-V4 (the one family with hash layers)."""
+    """`hash_layer` must be a bool, and True only for a family with hash layers (DeepSeek-V4)."""
     if not isinstance(hash_layer, bool):
         raise TypeError(f"hash_layer must be True or False, got {type(hash_layer).__name__} {hash_layer!r}")
-    if hash_layer and model_type != "deepseek_v4":
-        raise ValueError(f"hash_layer=True reads DeepSeek-V4's hash layers: pass model_type='deepseek_v4', "
-                         f"got model_type={model_type!r}")
+    if hash_layer and (model_type is None or record_of(model_type).hash_table is None):
+        raise ValueError(f"hash_layer=True reads the hash layers of {_hashed_families()}: pass one of them as "
+                         f"model_type, got model_type={model_type!r}")
 
 
-def _checked_table(table: Any, config: MoEConfig, name: str, model_type: str | None) -> np.ndarray:
-    """A hash layer's table `[vocab, k]` of expert ids in `[0, n)`, as int64; a `ValueError` naming `name`."""
-    if model_type != "deepseek_v4":
-        raise ValueError(f"{name} is DeepSeek-V4's hash-layer table: pass model_type='deepseek_v4', "
-                         f"got model_type={model_type!r}")
+def _hashed_families() -> list[str]:
+    from ..families import ALL_RECORDS
+
+    return sorted(name for name, family in ALL_RECORDS.items() if family.hash_table is not None)
+
+
+def _checked_table(table: Any, config: MoEConfig, name: str, model_type: str | None, *,
+                   distinct: bool = False) -> np.ndarray:
+    """A hash layer's table `[vocab, k]` of expert ids in `[0, n)`, as int64; a `ValueError` naming `name`.
+
+    With `distinct`, each row must name $k$ different experts (as `route_by_table` requires).
+    """
+    if model_type is None or record_of(model_type).hash_table is None:
+        raise ValueError(f"{name} is a hash layer's table, held by {_hashed_families()}: pass one of them as "
+                         f"model_type, got model_type={model_type!r}")
     value = as_numpy(table, name)
     if not np.issubdtype(value.dtype, np.integer) or value.ndim != 2 or value.shape[1] != config.top_k:
         raise ValueError(f"{name} must be an integer table [vocab, k={config.top_k}] of expert ids, got "
@@ -719,35 +784,45 @@ def _checked_table(table: Any, config: MoEConfig, name: str, model_type: str | N
     if value.size and (int(value.min()) < 0 or int(value.max()) >= config.num_experts):
         raise ValueError(f"{name} must hold expert ids in [0, {config.num_experts}), got values in "
                          f"[{int(value.min())}, {int(value.max())}]")
+    if distinct and value.size:
+        ordered = np.sort(value, axis=1)
+        repeated = np.flatnonzero(np.any(ordered[:, 1:] == ordered[:, :-1], axis=1))
+        if repeated.size:
+            row = int(repeated[0])
+            raise ValueError(f"{name}[{row}] = {value[row].tolist()} names an expert twice ({repeated.size} rows "
+                             "do): each token's k experts must be distinct, as route_by_table requires")
     return value.astype(np.int64)
 
 
 def hf_hash_table(state_dict: Mapping[str, Any], config: MoEConfig, *, layer: int | None = None,
-                  prefix: str = "") -> np.ndarray:
-    """A DeepSeek-V4 hash layer's table `gate.tid2eid`, `[vocab, k]` int64: each token id's experts.
+                  prefix: str = "", model_type: str = "deepseek_v4") -> np.ndarray:
+    """A hash layer's table (DeepSeek-V4's `gate.tid2eid`), `[vocab, k]` int64: each token id's experts.
 
     Pass it with the token ids to `route_by_table`, and the route to
     `stable_latent_moe(..., routing=...)`. Names as `params_from_hf_state_dict`
-    reads them with `model_type="deepseek_v4"`; a missing or malformed table
+    reads them with `model_type` (in memory or on disk with `layer`); a missing or malformed table
     is a `ValueError` naming it.
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping from tensor names to tensors, got {type(state_dict).__name__}")
-    base = block_prefix(layer, prefix, "deepseek_v4")
+    family = record_of(model_type)
+    _check_hash_layer(True, model_type)
+    base, _ = _family_base(state_dict, family, layer, prefix, None)
     ours = _names_under(state_dict, base)
-    if "gate.tid2eid" not in ours:
-        raise ValueError(f"the state dict holds no hash-layer table {base}gate.tid2eid (a DeepSeek-V4 layer whose "
-                         "mlp_layer_types entry is 'hash_moe' holds one)")
-    return _checked_table(as_numpy(state_dict[ours["gate.tid2eid"]], base + "gate.tid2eid"), config,
-                          base + "gate.tid2eid", "deepseek_v4")
+    table = family.hash_table
+    if table not in ours:
+        raise ValueError(f"the state dict holds no hash-layer table {base}{table} (a {family.model_type} layer "
+                         "routed by a table holds one)")
+    return _checked_table(as_numpy(state_dict[ours[table]], base + table), config, base + table, model_type)
 
 
 def _family_state_dict_from_params(k3: Mapping[str, np.ndarray], config: MoEConfig, model_type: str, base: str,
                                    expert_layout: str, table: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """`hf_state_dict_from_params` for a transformers family's block, from K3's block-relative names."""
-    family = family_of(model_type)
+    family = record_of(model_type)
+    on_disk = expert_layout == "per_expert"
     names = family_tensor_shapes(config, model_type, expert_layout)
     bias = k3["gate.e_score_correction_bias"]
     if (not family.has_bias or table is not None) and np.any(bias != 0):
@@ -756,28 +831,28 @@ def _family_state_dict_from_params(k3: Mapping[str, np.ndarray], config: MoEConf
                          f"has no selection bias to hold them (model_type={model_type!r}): writing would change "
                          "the routes")
     if table is not None:
-        del names["gate.e_score_correction_bias"]
-    n = config.num_experts
-    if config.activation == "relu2":
+        del names[family.bias_on_disk if on_disk else family.bias]
+    if not family.gated:
         _check_tied(k3, config)
-    renamed = {"fc1_latent_proj.weight": "routed_expert_down_proj.weight",
-               "fc2_latent_proj.weight": "routed_expert_up_proj.weight"}
+    n = config.num_experts
+    k3_name = _k3_names_of(family, config, on_disk)
+    module_role = {module: role for role, module in family.expert_modules.items()}
     out: dict[str, np.ndarray] = {}
     for name in names:
-        if name == "experts.up_proj":  # [n, f, l], Nemotron-H's ungated experts
+        if name == "experts.up_proj":  # [n, f, l], ungated experts
             out[base + name] = np.stack([k3[f"experts.{e}.w3.weight"] for e in range(n)])
-        elif name == "experts.gate_up_proj":  # [n, 2f, d]: the gate's rows, then the up's
+        elif name == "experts.gate_up_proj":  # [n, 2f, l]: the gate's rows, then the up's
             out[base + name] = np.stack([np.concatenate([k3[f"experts.{e}.w1.weight"], k3[f"experts.{e}.w3.weight"]])
                                          for e in range(n)])
-        elif name == "experts.down_proj":  # [n, d, f]
+        elif name == "experts.down_proj":  # [n, l, f]
             out[base + name] = np.stack([k3[f"experts.{e}.w2.weight"] for e in range(n)])
         elif name.startswith("experts."):
             e, module = name.split(".")[1:3]
-            out[base + name] = k3[f"experts.{e}.{FAMILY_EXPERT_MATRICES[module]}.weight"]
+            out[base + name] = k3[f"experts.{e}.{EXPERT_ROLES[module_role[module]]}.weight"]
         else:
-            out[base + name] = k3[renamed.get(name, name)]
+            out[base + name] = k3[k3_name[name]]
     if table is not None:
-        out[base + "gate.tid2eid"] = table.copy()
+        out[base + family.hash_table] = table.copy()
     return out
 
 

@@ -454,8 +454,13 @@ class MoEParams(dict):
     """The weights of one layer: a `dict` from HF-style names to arrays.
 
     Any mapping with exactly the names of `parameter_shapes(config)` works
-    wherever a `MoEParams` is expected; this class only adds a readable repr.
+    wherever a `MoEParams` is expected; this class only adds a readable repr,
+    and `tid2eid`: the table `[vocab, k]` of a layer that routes by token id
+    (a DeepSeek-V4 hash layer read by `load_hf_layer`; pass it to
+    `route_by_table`), None for every other layer.
     """
+
+    tid2eid: np.ndarray | None = None
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{name}: {list(a.shape)}" for name, a in self.items())

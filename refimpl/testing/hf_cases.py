@@ -252,9 +252,11 @@ class _Keys:
         self.text[key] = self.value(key, strategy)
         return self.text[key]
 
-    def maybe(self, key: str, values: list[Any]) -> None:
-        """Write `key` with one of `values`, or leave it out (its absent meaning); a pinned key is written."""
-        value = self.pinned[key] if key in self.pinned else self.draw(st.sampled_from([_ABSENT, *values]), label=key)
+    def maybe(self, key: str, values: list[Any], *, required: bool = False) -> None:
+        """Write `key` with one of `values`, or leave it out (its absent meaning) unless it is `required` (a key
+        the family's class leaves None); a pinned key is written."""
+        absent = [] if required else [_ABSENT]
+        value = self.pinned[key] if key in self.pinned else self.draw(st.sampled_from([*absent, *values]), label=key)
         if value is not _ABSENT:
             self.text[key] = value
 
@@ -354,7 +356,7 @@ def hf_family_text_configs(draw: st.DrawFn, model_type: str, *, max_experts: int
 
     def maybe(field: str, values: list[Any]) -> None:
         if field in spelled:
-            keys.maybe(spelled[field], values)
+            keys.maybe(spelled[field], values, required=family.keys[field].required)
 
     if "n_group" in spelled:
         divisors = [g for g in (1, 2, 4) if isinstance(n, int) and n % g == 0 and n // g >= 2] or [1]

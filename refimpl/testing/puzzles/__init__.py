@@ -39,7 +39,12 @@ answer the check can run. A mistake is **named only when it is confirmed**:
 it must give what your answer gives on the shrunk input, on inputs built to
 tell the mistakes apart and on a few dozen drawn ones, and no other
 catalogued mistake may do the same; one small input fits several mistakes
-too often to name any from it alone. A named mistake comes with why it is
+too often to name any from it alone. A mistake whose results depend on the
+machine's NumPy (an unstable sort or `np.argpartition`, which leave equal
+values in any order) is named from what the answer does instead: an
+unstable sort only when the answer is right on every input without ties and
+differs from the reference only where values tie, so an answer that is
+wrong on an input without ties is never told it sorted unstably. A named mistake comes with why it is
 wrong; otherwise the message says in plain words what differs (which token
 got which experts, which entries are off and by how much). Every failure is
 a `PuzzleFailure`, an `AssertionError` whose message opens with "Not yet:"

@@ -25,6 +25,7 @@ from refimpl.testing.puzzles.core import (
     Puzzle,
     Trial,
     _array_output,
+    _differ_arrays,
     _eps_close,
     _float32_like,
     _Malformed,
@@ -65,6 +66,20 @@ def _kth_of(values: Callable[[np.ndarray, np.ndarray], np.ndarray], rank: Callab
 def _raw_score_at_cutoff(scores: np.ndarray, bias: np.ndarray, top_k: int) -> np.ndarray:
     order = np.argsort(-(scores + bias), axis=1, kind="stable")
     return np.take_along_axis(scores, order[:, top_k: top_k + 1], axis=1)[:, 0]
+
+
+def _raw_score_of_a_cutoff_expert(got: np.ndarray, wrong: np.ndarray, case: Case) -> bool:
+    """`like` for the raw score read at the cutoff: each token's answer is the raw score s_ij of an expert
+    whose biased score is the (k+1)-th largest. With ties there the expert depends on how the sort orders
+    equal values (np.argsort's default kind), so any of the tied experts' raw scores is this mistake."""
+    scores, bias, top_k = case.args
+    biased = scores + bias[None, :]
+    alpha = -np.sort(-biased, axis=1)[:, top_k]  # [m]
+    for i in range(scores.shape[0]):
+        candidates = scores[i, biased[i] == alpha[i]]
+        if not np.any(np.abs(candidates - got[i]) <= 64 * np.finfo(np.float64).eps * (1.0 + abs(got[i]))):
+            return False
+    return True
 
 
 def _biased(scores: np.ndarray, bias: np.ndarray) -> np.ndarray:
@@ -115,7 +130,7 @@ largest, so column `top_k` is the $(k{+}1)$-th largest.""",
                 _kth_of(lambda s, b: s, lambda k: k)),
         Mistake("raw_score_of_the_cutoff_expert", "the raw score of the (k+1)-th expert instead of its biased score",
                 "alpha_i is compared with s_ij + b_j, so it is itself the biased value s + b of the (k+1)-th "
-                "expert, not that expert's raw score.", _raw_score_at_cutoff),
+                "expert, not that expert's raw score.", _raw_score_at_cutoff, like=_raw_score_of_a_cutoff_expert),
         Mistake("counted_from_the_bottom", "the (k+1)-th smallest instead of the (k+1)-th largest",
                 "An ascending sort puts the smallest first: position k of the descending order is the one wanted.",
                 lambda s, b, k: np.sort(s + b, axis=1)[:, k]),
@@ -341,6 +356,12 @@ def _dual_show(value: tuple) -> str:
     return _show_array(value[0], prefix="alpha    = ") + "\n" + _show_array(value[1], prefix="new_beta = ")
 
 
+def _dual_differ(case: Case, expected: tuple, got: tuple) -> list[str]:
+    """What differs, alpha and new_beta each on its own."""
+    return [*_differ_arrays(case, expected[0], got[0], "alpha"), *_differ_arrays(case, expected[1], got[1],
+                                                                                  "new_beta")]
+
+
 def _dual_explain(case: Case, expected: tuple, got: tuple) -> list[str]:
     """The dual objective before the step, after the exact step and after the learner's."""
     scores, beta, k = case.args
@@ -417,6 +438,7 @@ largest.""",
     agree=_dual_agree,
     show=_dual_show,
     explain=_dual_explain,
+    differ=_dual_differ,
     mistakes=(
         Mistake("beta_qth", "the beta-step at the q-th largest instead of the (q+1)-th",
                 "D in beta_j has slope q - #{i : s_ij - alpha_i > beta_j}: it turns from negative to positive "

@@ -18,6 +18,7 @@ from refimpl.testing.puzzles.core import (
     Puzzle,
     Trial,
     _array_output,
+    _differ_arrays,
     _eps_close,
     _Malformed,
     _run_kit,
@@ -105,6 +106,29 @@ def _capacity_variant(*, token_major: bool = False, renormalize: bool = False, s
     return answer
 
 
+def _capacity_differ(case: Case, expected: tuple[np.ndarray, np.ndarray],
+                     got: tuple[np.ndarray, np.ndarray]) -> list[str]:
+    """What differs, in plain words: the assignments kept that the sketch drops and the other way round
+    (`index[i, r]`: token i's choice r), then new_weights where they are not what the kept ones make."""
+    index, weights = case.args[0], case.args[1]
+
+    def listed(mask: np.ndarray) -> str:
+        at = [f"index[{i}, {r}] (expert {index[i, r]})" for i, r in np.argwhere(mask).tolist()]
+        return ", ".join(at[:4]) + (f" and {len(at) - 4} more" if len(at) > 4 else "")
+
+    lines = []
+    extra, lost = got[0] & ~expected[0], expected[0] & ~got[0]
+    if extra.any():
+        lines.append(f"What differs: kept where the sketch drops: {listed(extra)}.")
+    if lost.any():
+        lines.append(f"What differs: dropped where the sketch keeps: {listed(lost)}.")
+    if not lines:
+        lines += _differ_arrays(case, expected[1], got[1], "new_weights (the kept assignments are right)")
+    elif not _eps_close(got[1], weights * got[0], scale=1.0):
+        lines += _differ_arrays(case, weights * got[0], got[1], "new_weights, next to weights * (your kept)")
+    return lines
+
+
 def _kit_capacity(fn: Callable[..., Any]) -> str:
     return _run_kit("check_capacity", lambda: check_capacity(fn, settings=_settings(30)))
 
@@ -147,6 +171,7 @@ pair `(kept, new_weights)`: `kept` `[m, k]` booleans, `new_weights` `[m, k]`."""
     and _eps_close(got[1], expected[1], scale=1.0),
     show=lambda value: (_show_array(value[0], prefix="kept        = ") + "\n"
                         + _show_array(value[1], 4, prefix="new_weights = ")),
+    differ=_capacity_differ,
     mistakes=(
         Mistake("token_major", "capacity served token by token instead of rank by rank",
                 "Serving each token's k choices together lets the first tokens of the batch fill the experts: "

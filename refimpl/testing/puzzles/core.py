@@ -69,6 +69,18 @@ class Mistake:
     answers vary with the order of the arithmetic (float32) loosens it, and
     sets `narrow`: it is then named only for an answer whose results come
     back in a floating type narrower than float64.
+
+    A mistake whose results are implementation-defined (an unstable sort or
+    np.argpartition leaves equal values in any order, and np.argpartition
+    the chosen ones too) cannot be recognized by running its forms: another
+    machine's NumPy gives other results. It sets `shows` instead, and is
+    named from what the answer does: `shows(results)`, with `results` the
+    triples `(case, got, expected)` of every input tried (the answer's
+    value and the reference's), says whether they show this mistake (for an
+    unstable sort: the answer agrees with the reference on every input
+    without ties, and differs from it only by how it orders equal values on
+    the others). Such a mistake is named only when no catalogued form
+    explains the answer; its forms are examples.
     """
 
     name: str
@@ -78,6 +90,7 @@ class Mistake:
     also: tuple[Callable[..., Any], ...] = ()
     like: Callable[[Any, Any, Case], bool] | None = None
     narrow: bool = False
+    shows: Callable[[list[tuple[Case, Any, Any]]], bool] | None = None
 
     @property
     def forms(self) -> tuple[Callable[..., Any], ...]:
@@ -693,7 +706,10 @@ class Puzzle:
         result too), on every input of `probes` and on `DIAGNOSIS_EXAMPLES`
         drawn inputs of each family where the form returns a value (at least
         one), and no other catalogued mistake does: a mistake that fits the
-        shrunk input alone is not named.
+        shrunk input alone is not named. When no form fits, a mistake whose
+        results are implementation-defined is named if its `shows` holds for
+        the answer's results next to the reference's on all those inputs, and
+        no other such mistake's does.
         """
         if found.kind not in ("differs", "raised", "malformed"):
             return None
@@ -701,9 +717,23 @@ class Puzzle:
         first = _Outcome(value=found.got, narrow=found.narrow, error=found.error,
                          malformed=found.kind == "malformed")
         answers = [first, *(self._outcome(fn.fn, case, fn) for case in cases[1:])]
-        fitting = [m for i, m in enumerate(self.mistakes)
-                   if any(self._gives(i, f, cases, answers) for f in range(len(m.forms)))]
-        return fitting[0] if len(fitting) == 1 else None
+        fitting = [m for i, m in enumerate(self.mistakes) if m.shows is None
+                   and any(self._gives(i, f, cases, answers) for f in range(len(m.forms)))]
+        if fitting:
+            return fitting[0] if len(fitting) == 1 else None
+        if not all(answer.answered for answer in answers):
+            return None
+        results = [(found.case, found.got, found.expected),
+                   *((case, answer.value, expected) for case, answer, expected
+                     in zip(cases[1:], answers[1:], self._references(), strict=True))]
+        shown = [m for m in self.mistakes if m.shows is not None and m.shows(results)]
+        return shown[0] if len(shown) == 1 else None
+
+    def _references(self) -> list[Any]:
+        """The reference's results on `probes` and the drawn inputs (computed once per process)."""
+        if "references" not in self._known:
+            self._known["references"] = [self._expected(case) for case in (*self.probes, *self._drawn())]
+        return self._known["references"]
 
     # -- the message -----------------------------------------------------------
     def _failure(self, fn: _Watched, name: str, trial: Trial, found: _Mismatch) -> PuzzleFailure:

@@ -110,6 +110,94 @@ def _routing_from(pick: Callable[[np.ndarray, int], np.ndarray]) -> Callable[...
     return answer
 
 
+def _biased_scores(case: Case) -> np.ndarray:
+    """The biased scores s + b of a routing input, as the reference computes them, `[m, n]`."""
+    logits, bias, _ = case.args
+    with np.errstate(all="ignore"):
+        return np.asarray(sigmoid(logits)) + bias[None, :]
+
+
+def _has_ties(case: Case) -> bool:
+    """Whether some token of the input has two experts with equal biased scores."""
+    biased = _biased_scores(case)
+    return any(len(np.unique(row)) < len(row) for row in biased)
+
+
+def _valid_routes(index: np.ndarray, n: int) -> bool:
+    """Every row a list of distinct expert ids in `range(n)`."""
+    return bool(np.all((index >= 0) & (index < n))) and all(len(set(row)) == len(row) for row in index.tolist())
+
+
+def _up_to_ties(values: Callable[[Case], np.ndarray]) -> Callable[[np.ndarray, np.ndarray, Case], bool]:
+    """`like` for a routing mistake that an answer may make with any sort: the answer's route equals the
+    mistake's, or differs from it only by the order of experts whose ranking values `values(case)` tie (an
+    answer that makes the mistake with np.argsort's default, unstable kind)."""
+
+    def like(got: np.ndarray, wrong: np.ndarray, case: Case) -> bool:
+        if np.array_equal(got, wrong):
+            return True
+        ranked = values(case)
+        n = ranked.shape[1]
+        if got.shape != wrong.shape or not (_valid_routes(got, n) and _valid_routes(wrong, n)):
+            return False
+        return bool(np.array_equal(np.take_along_axis(ranked, got, axis=1),
+                                   np.take_along_axis(ranked, wrong, axis=1)))
+
+    return like
+
+
+def _values_by(select: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+               ) -> Callable[[Case], np.ndarray]:
+    """The values a router ranks, `select(s, z, b)`, on a routing input."""
+    def values(case: Case) -> np.ndarray:
+        logits, bias, _ = case.args
+        with np.errstate(all="ignore"):
+            return select(np.asarray(sigmoid(logits)), logits, bias[None, :])
+    return values
+
+
+def _softmax_values(case: Case) -> np.ndarray:
+    logits, bias, _ = case.args
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True) + bias[None, :]
+
+
+_BY_BIASED = _up_to_ties(_biased_scores)
+
+
+def _same_set_by_id(got: np.ndarray, wrong: np.ndarray, case: Case) -> bool:
+    """`like` for the chosen experts listed by id: each row of the answer in increasing id order, holding
+    experts of the same biased scores as the mistake's (an unstable sort may choose another of tied ones)."""
+    biased = _biased_scores(case)
+    if got.shape != wrong.shape or not _valid_routes(got, biased.shape[1]):
+        return False
+    return bool(np.all(np.diff(got, axis=1) > 0)) and bool(np.array_equal(
+        np.sort(np.take_along_axis(biased, got, axis=1), axis=1),
+        np.sort(np.take_along_axis(biased, wrong, axis=1), axis=1)))
+
+
+def _differs_only_on_ties(results: list[tuple[Case, np.ndarray, np.ndarray]]) -> bool:
+    """An unstable sort's signature: on every input without ties the answer is the reference's route; on
+    the others it differs from it, somewhere, only by the order of experts with equal s + b."""
+    tie_free = [(c, g, e) for c, g, e in results if not _has_ties(c)]
+    return (bool(tie_free) and all(np.array_equal(g, e) for _, g, e in tie_free)
+            and all(_BY_BIASED(g, e, c) for c, g, e in results)
+            and any(not np.array_equal(g, e) for _, g, e in results))
+
+
+def _right_set_unsorted(results: list[tuple[Case, np.ndarray, np.ndarray]]) -> bool:
+    """np.argpartition's signature: every token gets the right experts (up to equal s + b at the boundary),
+    and on some input without ties they come in another order than best first."""
+    def same_set(c: Case, g: np.ndarray, e: np.ndarray) -> bool:
+        biased = _biased_scores(c)
+        return _valid_routes(g, biased.shape[1]) and bool(np.array_equal(
+            np.sort(np.take_along_axis(biased, g, axis=1), axis=1),
+            np.sort(np.take_along_axis(biased, e, axis=1), axis=1)))
+
+    return (all(same_set(c, g, e) for c, g, e in results)
+            and any(not _has_ties(c) and not np.array_equal(g, e) for c, g, e in results))
+
+
 def _routing_differ(case: Case, expected: np.ndarray, got: np.ndarray) -> list[str]:
     """The first token whose route differs, in plain words: the right set in another order, or which
     experts came in place of which (and whether they tie with them at s + b)."""
@@ -123,8 +211,9 @@ def _routing_differ(case: Case, expected: np.ndarray, got: np.ndarray) -> list[s
     e, g = expected[i].tolist(), got[i].tolist()
     where = f"token {i}" + (f" (and {len(tokens) - 1} more)" if len(tokens) > 1 else "")
     if sorted(e) == sorted(g) and len(set(g)) == len(g):
-        return [f"What differs: {where} gets the right experts in another order: {e} expected (largest "
-                f"s + b first), {g} got."]
+        how = "in reverse order, best last" if g == e[::-1] else "in another order"
+        return [f"What differs: {where} gets the right experts {how}: {e} expected (largest s + b first), "
+                f"{g} got."]
     if len(set(g)) < len(g):
         return [f"What differs: {where} lists an expert twice: {g} got, {e} expected."]
     missing, extra = [j for j in e if j not in g], [j for j in g if j not in e]
@@ -135,6 +224,17 @@ def _routing_differ(case: Case, expected: np.ndarray, got: np.ndarray) -> list[s
     if any(0 <= j < biased.shape[1] and any(biased[i, j] == biased[i, r] for r in missing) for j in extra):
         text += " They tie at s + b: on a tie the lower id is chosen."
     return [text]
+
+
+#: Inputs that tell the routing mistakes apart, with and without ties: four experts of distinct biased
+#: scores (k = 2 and 3, so that an order reversed, listed by id or left unsorted differ), and ties among
+#: the chosen experts and across the k-th place.
+_ROUTING_PROBES = (
+    Case((np.array([[0.0, 2.0, -1.0, 1.0], [1.5, -0.5, 0.5, -2.0]]), np.array([0.0, 0.0, 0.0, 0.0]), 3)),
+    Case((np.array([[0.25, -1.0, 2.0, 1.0, -2.0]]), np.array([0.0, 0.125, -0.25, 0.0, 0.5]), 2)),
+    Case((np.array([[1.0, 1.0, 0.0, 1.0], [0.0, -1.0, 0.0, 1.0]]), np.array([0.0, 0.0, 0.0, 0.0]), 2)),
+    Case((np.array([[1.0, 0.0, 1.0, 1.0, -1.0]]), np.array([0.0, 0.0, 0.0, 0.0, 0.0]), 3)),
+)
 
 
 ROUTING = Puzzle(
@@ -172,44 +272,57 @@ comes first among ties. The first `top_k` columns are the route.""",
     agree=lambda got, expected, case: bool(np.array_equal(got, expected)),
     show=_show_array,
     differ=_routing_differ,
+    probes=_ROUTING_PROBES,
     mistakes=(
         Mistake("softmax_scores", "a softmax instead of the sigmoid",
                 "A softmax makes the experts of a token compete for one unit of probability, so its scores live "
                 "on another scale than the one the bias was set for, and s + b picks other experts. K3 scores "
-                "each expert on its own: s = 1 / (1 + exp(-z)).", _softmax_routing),
+                "each expert on its own: s = 1 / (1 + exp(-z)).", _softmax_routing,
+                like=_up_to_ties(_softmax_values)),
         Mistake("bias_ignored", "the bias left out of the selection",
                 "The bias exists to change which experts are chosen: the top-k is taken over s + b, not over s.",
-                _routing_by(lambda s, z, b: s)),
+                _routing_by(lambda s, z, b: s), like=_up_to_ties(_values_by(lambda s, z, b: s))),
         Mistake("bias_subtracted", "the bias subtracted instead of added",
                 "Some code keeps a correction beta = -b and subtracts it; here b itself is added: s + b.",
-                _routing_by(lambda s, z, b: s - b)),
+                _routing_by(lambda s, z, b: s - b), like=_up_to_ties(_values_by(lambda s, z, b: s - b))),
         Mistake("bias_on_logits", "the bias added to the logits, inside the sigmoid",
                 "sigma(z + b) is not sigma(z) + b: the bias is added to the sigmoid scores, after the sigmoid.",
-                _routing_by(lambda s, z, b: 1.0 / (1.0 + np.exp(-(z + b))))),
+                _routing_by(lambda s, z, b: 1.0 / (1.0 + np.exp(-(z + b)))),
+                like=_up_to_ties(_values_by(lambda s, z, b: 1.0 / (1.0 + np.exp(-(z + b)))))),
         Mistake("ties_to_higher_id", "ties broken toward the higher expert id",
                 "Reversing an ascending sort puts the higher id first among equal values; the rule here is the "
                 "lower id first (a stable sort of the negated values).", _ties_to_higher_id),
         Mistake("ids_in_id_order", "the chosen experts listed by id, not best first",
                 "The set is right but the order is not: the route lists each token's experts from the largest "
                 "s + b down (sorting the chosen ids loses that order; capacity in puzzle 10 serves first "
-                "choices first).", _ids_in_order),
-        Mistake("smallest_first", "the k smallest biased scores instead of the k largest",
+                "choices first).", _ids_in_order, like=_same_set_by_id),
+        Mistake("smallest_first", "the k smallest biased scores instead of the k largest (an ascending sort's "
+                "first k columns)",
                 "np.argsort sorts ascending: its first k columns are the experts a token wants least. Sort the "
                 "negated values (or take the last k columns, reversed).",
-                _routing_from(lambda v, k: np.argsort(v, axis=1, kind="stable")[:, :k])),
-        Mistake("worst_first", "the k largest listed worst first (an ascending sort's last k columns)",
-                "np.argsort(v)[:, -k:] holds the right experts but from the k-th best up to the best, and "
-                "among ties it keeps the higher ids; the route lists the best first, the lower id first on a tie.",
-                _routing_from(lambda v, k: np.argsort(v, axis=1, kind="stable")[:, v.shape[1] - k:])),
-        Mistake("unstable_on_ties", "an unstable sort or np.argpartition, which break ties any way",
-                "np.argsort's default kind (quicksort, or a vectorized sort on CPUs that have one) and "
-                "np.argpartition may leave equal values in any order, so a tie goes to whichever expert they "
-                "happen to leave first, and np.argpartition does not even sort the chosen ones. The route lists "
-                "the best first and the lower id first on a tie: np.argsort(-values, axis=1, kind=\"stable\").",
-                _routing_from(lambda v, k: np.argsort(-v, axis=1)[:, :k]),
-                also=(_routing_from(lambda v, k: np.argsort(-v, axis=1, kind="heapsort")[:, :k]),
-                      _routing_from(lambda v, k: np.argpartition(-v, k - 1, axis=1)[:, :k]),
-                      _routing_from(lambda v, k: np.argpartition(v, v.shape[1] - k, axis=1)[:, v.shape[1] - k:]))),
+                _routing_from(lambda v, k: np.argsort(v, axis=1, kind="stable")[:, :k]), like=_BY_BIASED),
+        Mistake("best_last", "the right experts in reverse order, best last (an ascending sort's last k columns)",
+                "np.argsort(v)[:, -k:] holds the k largest, but in ascending order: from the k-th best up to the "
+                "best. The route lists the best first: reverse those columns, or better sort the negated values "
+                "with a stable sort, np.argsort(-v, axis=1, kind=\"stable\")[:, :k], which also puts the lower "
+                "id first on a tie.",
+                _routing_from(lambda v, k: np.argsort(v, axis=1, kind="stable")[:, v.shape[1] - k:]),
+                like=_BY_BIASED),
+        Mistake("unstable_on_ties", "equal values put in any order (an unstable sort, or np.argpartition)",
+                "Your answer is right on every input without ties and differs only where biased scores tie. "
+                "np.argsort's default kind (quicksort, or a vectorized sort on CPUs that have one), heapsort "
+                "and np.argpartition may leave equal values in any order, so a tie goes to whichever expert "
+                "they happen to leave first. The route puts the lower id first on a tie: np.argsort(-values, axis=1, kind=\"stable\").",
+                _routing_from(lambda v, k: np.argsort(-v, axis=1, kind="heapsort")[:, :k]),
+                also=(_routing_from(lambda v, k: np.argsort(-v, axis=1)[:, :k]),),
+                shows=_differs_only_on_ties),
+        Mistake("unsorted_choice", "the right experts, not sorted best first (as np.argpartition leaves them)",
+                "Every token gets the right experts, but on inputs without ties they do not come best first, "
+                "nor in another order the check knows. np.argpartition, for one, only splits each row "
+                "at the k-th value: the chosen experts come back in no particular order. The route lists them "
+                "from the largest s + b down: sort them (np.argsort(-values, axis=1, kind=\"stable\")[:, :k]).",
+                _routing_from(lambda v, k: np.roll(np.argsort(-v, axis=1, kind="stable")[:, :k], 1, axis=1)),
+                shows=_right_set_unsorted),
         Mistake("wrong_axis", "each expert's tokens sorted (axis 0) instead of each token's experts (axis 1)",
                 "logits has one row per token: a token's experts are along axis 1. Sorting along axis 0 ranks "
                 "the tokens of each expert, and its first k columns are token ids, not expert ids.",
