@@ -482,8 +482,8 @@ class MoEConfig:
         a `"kimi_linear"` mapping that names remote code in `auto_map` or holds
         a key only K3's code reads (`K3_ONLY_KEYS`: `routed_expert_hidden_size`,
         `activation_situ_beta`, ...); transformers' class of that `model_type`
-        for every other family in `refimpl.families.FAMILIES` (`deepseek_v3`, `deepseek_v4`,
-        `glm4_moe`, `kimi_linear`, `qwen3_moe`, `mixtral`, `nemotron_h`), with that class's
+        for every other family in `refimpl.families.FAMILIES` (the families page
+        lists them), with that class's
         keys, defaults and MoE-layer rule. `code="k3"` or
         `code="transformers"` overrides the choice: the same `kimi_linear` file
         means a different layer to each (transformers' `KimiLinearConfig`

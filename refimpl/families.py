@@ -1,8 +1,9 @@
 r"""The MoE families of transformers: their configurations, as their own classes read them, and their tensors.
 
 K3's block descends from a line of MoE blocks that transformers now ships as
-code: DeepSeek-V3 (also the language model of Kimi K2 and K2.5), DeepSeek-V4,
-GLM-4 MoE, Kimi Linear, Qwen3-MoE and Mixtral, and NVIDIA's LatentMoE (Nemotron-H). Each spells the same quantities with its
+code, one record each in this module (the table below lists them; DeepSeek-V3
+is also the language model of Kimi K2 and K2.5, and Nemotron-H is NVIDIA's
+LatentMoE). Each spells the same quantities with its
 own keys and fills an absent key with its own default, which is rarely K3's:
 transformers' `KimiLinearConfig` scales the routed weights by 2.446 and builds
 one shared expert when the keys are absent, where K3's own code scales by 1.0

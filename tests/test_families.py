@@ -1,6 +1,8 @@
 """The MoE families of transformers, held against transformers itself (the pinned version of the `test` extra).
 
-For DeepSeek-V3, GLM-4 MoE, Kimi Linear, Qwen3-MoE and Mixtral, on drawn configurations in each model's own keys:
+For every family of `refimpl.families.FAMILIES` whose block takes the hidden states alone (DeepSeek-V4's hash
+layers also take the token ids: `tests/test_deepseek_v4.py` holds it), on drawn configurations in each model's
+own keys:
 
 * `MoEConfig.from_hf_config(ConfigClass(**keys).to_dict())` is the layer the block computes: every field equals
   what the constructed block holds (its router's top-k, groups, scaling, renormalization; its experts' count and
@@ -561,3 +563,76 @@ def test_the_families_pages_tables_list_exactly_the_records():
         rows = doc[doc.index(header):].split("\n\n")[0].splitlines()[2:]
         named = [row.split("`")[1] for row in rows]
         assert sorted(named) == sorted(FAMILIES), header
+
+
+# ---------------------------------------------------------------------------
+# The checkpoints page: its example and its tables, held to the records
+# ---------------------------------------------------------------------------
+
+def _page_rows(doc: str, header: str) -> list[list[str]]:
+    """The cells of the markdown table that opens with `header`, one list per row."""
+    rows = doc[doc.index(header):].split("\n\n")[0].splitlines()[2:]
+    return [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows]
+
+
+def _moe_layers_text(family) -> str:
+    """The MoE layers of the record's test model, by its rule: "1, 3 of 4"."""
+    text = family.test_keys.get("text_config", family.test_keys)
+    total, keys = refimpl.families.read_layer_keys(text, "test_keys", family)
+    return ", ".join(str(layer) for layer in range(total) if family.rule.is_moe(layer, keys)) + f" of {total}"
+
+
+def _layout_row(family) -> list[str]:
+    """A row of the layouts table, from the record alone."""
+    def modules(by_role):
+        return " ".join(f"`{by_role[role]}`" for role in ("gate", "up", "down") if role in by_role)
+    fused_only = family.saved_layout == "fused"
+    return [f"`{family.model_type}`", "— (fused only)" if fused_only else f"`{family.block_on_disk}`",
+            "—" if fused_only else modules(family.expert_modules),
+            "none" if family.shared_modules is None else modules(family.shared_modules),
+            "none" if family.bias_on_disk is None else f"`{family.bias_on_disk}`",
+            "—" if family.hash_table is None else f"`{family.hash_table}`", f"`{family.block}`",
+            "`gate_up_proj` `down_proj`" if family.gated else "`up_proj` `down_proj`"]
+
+
+def test_the_checkpoints_pages_tables_list_exactly_the_records():
+    """Both tables of the checkpoints page: a row per record, K3's release last, every derivable cell derived."""
+    from refimpl.families import ALL_RECORDS
+
+    doc = refimpl.checkpoints.__doc__
+    families = _page_rows(doc, "| `model_type` | the model saved |")
+    assert families[-1][0] == "K3, released"
+    assert [row[0] for row in families[:-1]] == [f"`{name}`" for name in sorted(ALL_RECORDS)]
+    for row in families[:-1]:
+        family = ALL_RECORDS[row[0].strip("`")]
+        assert row[1] == f"`{family.model_class}`" + (" (transformers' draft)" if family.draft else ""), row
+        assert row[2] == (", ".join(f"`{key}`" for key in family.rule.keys) or "every layer"), row
+        assert row[3] == _moe_layers_text(family), row
+    layouts = _page_rows(doc, "| `model_type` | block on disk |")
+    expected = [_layout_row(ALL_RECORDS[name]) for name in sorted(ALL_RECORDS)]
+    assert layouts[:-1] == expected, "\n".join("| " + " | ".join(row) + " |" for row in expected)
+    assert layouts[-1][0] == "K3, released"
+
+
+def test_the_checkpoints_pages_example_runs_and_agrees_with_the_model(tmp_path, monkeypatch):
+    """The page's example, run as written: the layer read from save_pretrained's folder computes the model's block,
+    a dense layer is refused by name, and the layer written back as Qwen3-MoE reads back the same."""
+    import re
+
+    code = re.search(r"```python\n(.*?)```", refimpl.checkpoints.__doc__, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    torch.manual_seed(0)
+    exec(code, scope)
+    x, y, y_model, config, params = (scope[name] for name in ("x", "y", "y_model", "config", "params"))
+    assert (config.num_moe_layers, config.score_function) == (2, "softmax")
+    assert (np.abs(y - y_model) <= _tolerance(x, params, config, y_model)).all()
+    with pytest.raises(ValueError, match=r"layer 0 is a dense layer of this qwen3_moe model"):
+        refimpl.load_hf_layer("qwen3-tiny", 0)
+    again, back = refimpl.load_hf_layer("qwen3-layer", 1, dtype=np.float64)
+    assert again == config
+    for name in params:
+        stacked = name.startswith("experts.")
+        for e in range(config.num_experts) if stacked else [None]:
+            ours, theirs = (params[name][e], back[name][e]) if stacked else (params[name], back[name])
+            np.testing.assert_array_equal(np.asarray(theirs), np.asarray(ours), err_msg=name)
