@@ -735,12 +735,19 @@ def _reading_code(hf: Mapping[str, Any], text: Mapping[str, Any], where: str, co
             raise ValueError(f"code='transformers' reads {where}['model_type'] with that model's class: it must "
                              f"be one of {sorted(FAMILIES)}, got {shown(model_type)}")
         return FAMILIES[model_type]
-    if hf.get("model_type") == "kimi_k3" or model_type is None or model_type == "kimi_k3":
-        return None
-    if model_type == "kimi_linear" and ("auto_map" in text or "auto_map" in hf
-                                        or any(key in text for key in K3_ONLY_KEYS)):
+    if model_type is None or any(record is not None and record.k3_configuration
+                                 for record in (_record_named(hf.get("model_type")), _record_named(model_type))):
+        return None  # K3's own configuration, at the top or in text_config
+    record = _record_named(model_type)
+    if record is not None and record.read_by_k3_code_when_remote and (
+            "auto_map" in text or "auto_map" in hf or any(key in text for key in K3_ONLY_KEYS)):
         return None  # written for Kimi's own modeling code, not for transformers' class
     return family_of(model_type)
+
+
+def _record_named(model_type: Any) -> HFFamily | None:
+    """The record of `model_type` when it names one (`refimpl.families.ALL_RECORDS`), else None."""
+    return ALL_RECORDS.get(model_type) if isinstance(model_type, str) else None
 
 
 def _refuse_synonyms(text: Mapping[str, Any], where: str) -> None:
