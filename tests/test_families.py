@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import refimpl
 from refimpl import MoEConfig
 from refimpl.checkpoints import family_tensor_shapes, hf_state_dict_from_params, params_from_hf_state_dict
-from refimpl.families import FAMILIES, K3_ONLY_KEYS
+from refimpl.families import ALL_RECORDS, FAMILIES, K3_ONLY_KEYS
 
 
 def family_classes(model_type: str) -> tuple[type, type]:
@@ -222,32 +222,40 @@ def test_from_hf_config_of_a_drawn_configuration_is_the_layer_its_block_computes
     assert MoEConfig.from_hf_config(hf) == expected_config(_block(model_type, keys), model_type, hf)
 
 
-@pytest.mark.parametrize(("model_type", "keys"), [
-    ("deepseek_v3", dict(num_hidden_layers=4, first_k_dense_replace=1)),
-    ("glm4_moe", dict(num_hidden_layers=3)),
-    ("kimi_linear", dict(num_hidden_layers=4, mlp_layer_types=["sparse", "dense", "sparse", "dense"])),
-    ("qwen3_moe", dict(num_hidden_layers=5, decoder_sparse_step=2, mlp_only_layers=[3])),
-    ("mixtral", dict(num_hidden_layers=2)),
-    ("nemotron_h", dict(layers_block_type=["moe", "mlp", "full_attention", "moe"], moe_latent_size=8)),
-])
-def test_the_moe_layer_count_is_the_real_models_count_of_blocks(model_type, keys):
-    """Built as a whole model, the configuration holds as many MoE blocks as `num_moe_layers` says."""
-    config_class, block_class = BLOCKS[model_type]
-    small = dict(ATTENTION, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_experts_per_tok=2,
-                 pad_token_id=None)
-    small.update({"deepseek_v3": dict(n_routed_experts=4, n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=None,
-                                      qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4),
-                  "glm4_moe": dict(n_routed_experts=4, head_dim=8),
-                  "kimi_linear": dict(num_experts=4, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
-                                      v_head_dim=4, linear_attn_config={"head_dim": 4, "num_heads": 2}),
-                  "qwen3_moe": dict(num_local_experts=4, head_dim=8),
-                  "mixtral": dict(num_local_experts=4, head_dim=8),
-                  "nemotron_h": dict(n_routed_experts=4, head_dim=8, moe_shared_expert_intermediate_size=8)
-                  }[model_type])
-    config = config_class(**small, **keys)
-    model = transformers.AutoModel.from_config(config)
+#: Every record whose model ships in the pinned transformers (K3's draft does not), wrappers included.
+SHIPPED_RECORDS = sorted(model_type for model_type, family in ALL_RECORDS.items() if family.draft is None)
+
+
+def _whole_model_config(family, keys: dict):
+    """The family's configuration object of its whole model (the wrapper's class for a multimodal one)."""
+    if family.wraps is not None:
+        return type(transformers.AutoConfig.for_model(family.model_type))(**keys)
+    return getattr(transformers, family.config_class)(**keys)
+
+
+def _layer_keys_written(family) -> dict:
+    """The record's test configuration with the layer keys its rule writes: layer 1 the first of 2 MoE layers."""
+    keys = dict(family.test_keys)
+    text = keys.get("text_config", keys)
+    text = {k: v for k, v in text.items() if k not in family.rule.keys}
+    text.update(family.rule.write(1, 2, 0))
+    return {**keys, "text_config": text} if "text_config" in keys else text
+
+
+@pytest.mark.parametrize("written", [False, True], ids=["test_keys", "rule_written"])
+@pytest.mark.parametrize("model_type", SHIPPED_RECORDS)
+def test_the_moe_layer_count_is_the_real_models_count_of_blocks(model_type, written):
+    """Built as a whole model on the meta device, each record's test configuration (and the same with the layer
+    keys its rule writes) holds as many MoE blocks as `num_moe_layers` says."""
+    family = ALL_RECORDS[model_type]
+    block_class = getattr(importlib.import_module(family.module), family.block_class)
+    config = _whole_model_config(family, _layer_keys_written(family) if written else family.test_keys)
+    with torch.device("meta"):  # the whole model, built without memory: count the blocks it holds
+        model = getattr(transformers, family.model_class)(config)
     blocks = sum(isinstance(module, block_class) for module in model.modules())
     assert MoEConfig.from_hf_config(config.to_dict()).num_moe_layers == blocks > 0
+    if written:
+        assert blocks == 2
 
 
 # ---------------------------------------------------------------------------
@@ -597,8 +605,6 @@ def _layout_row(family) -> list[str]:
 
 def test_the_checkpoints_pages_tables_list_exactly_the_records():
     """Both tables of the checkpoints page: a row per record, K3's release last, every derivable cell derived."""
-    from refimpl.families import ALL_RECORDS
-
     doc = refimpl.checkpoints.__doc__
     families = _page_rows(doc, "| `model_type` | the model saved |")
     assert families[-1][0] == "K3, released"
