@@ -598,8 +598,8 @@ def _layout_row(family) -> list[str]:
     return [f"`{family.model_type}`", "— (fused only)" if fused_only else f"`{family.block_on_disk}`",
             "—" if fused_only else modules(family.expert_modules),
             "none" if family.shared_modules is None else modules(family.shared_modules),
-            "none" if family.bias_on_disk is None else f"`{family.bias_on_disk}`",
-            "—" if family.hash_table is None else f"`{family.hash_table}`", f"`{family.block}`",
+            ", ".join(f"`{name}`" for name in (family.bias_on_disk, family.hash_table) if name is not None) or "none",
+            f"`{family.block}`",
             "`gate_up_proj` `down_proj`" if family.gated else "`up_proj` `down_proj`"]
 
 
@@ -614,10 +614,12 @@ def test_the_checkpoints_pages_tables_list_exactly_the_records():
         assert row[1] == f"`{family.model_class}`" + (" (transformers' draft)" if family.draft else ""), row
         assert row[2] == (", ".join(f"`{key}`" for key in family.rule.keys) or "every layer"), row
         assert row[3] == _moe_layers_text(family), row
-    layouts = _page_rows(doc, "| `model_type` | block on disk |")
     expected = [_layout_row(ALL_RECORDS[name]) for name in sorted(ALL_RECORDS)]
-    assert layouts[:-1] == expected, "\n".join("| " + " | ".join(row) + " |" for row in expected)
-    assert layouts[-1][0] == "K3, released"
+    on_disk = _page_rows(doc, "| `model_type` | block on disk |")
+    assert on_disk[:-1] == [row[:5] for row in expected], "\n".join("| " + " | ".join(row) + " |" for row in expected)
+    assert on_disk[-1][0] == "K3, released"
+    in_memory = _page_rows(doc, "| `model_type` | block in memory |")
+    assert in_memory == [[row[0], *row[5:]] for row in expected]
 
 
 def test_the_checkpoints_pages_example_runs_and_agrees_with_the_model(tmp_path, monkeypatch):

@@ -55,10 +55,12 @@ The same four lines read every family's folder; what changes is the model that w
 keys that say which layers are MoE (the rule's keys, and the MoE layers of the small model the tests
 save, `HFFamily.test_keys`):
 
+<div class="refimpl-names" markdown>
+
 | `model_type` | the model saved | MoE layers by | the tests' model | what else differs |
 |---|---|---|---|---|
 | `deepseek_v3` | `DeepseekV3ForCausalLM` | `first_k_dense_replace` | 1, 2 of 3 | its attention keys (`kv_lora_rank`, ...) in the configuration; expert groups |
-| `deepseek_v4` | `DeepseekV4ForCausalLM` | `mlp_layer_types`, `num_hash_layers` | 0, 1, 2, 3 of 4 | a hash layer comes back with its table, `params.tid2eid`: route it with `route_by_table(scores, token_ids, params.tid2eid, ...)` and pass `routing=` |
+| `deepseek_v4` | `DeepseekV4ForCausalLM` | `mlp_layer_types`, `num_hash_layers` | 0, 1, 2, 3 of 4 | a hash layer comes back with its table, `params.tid2eid`: route it with `route_by_table` and the token ids, and pass the result as `routing=` |
 | `dots1` | `Dots1ForCausalLM` | `first_k_dense_replace` | 1, 2 of 3 | its expert counts are required keys (`Dots1Config` leaves them `None`) |
 | `glm4_moe` | `Glm4MoeForCausalLM` | `first_k_dense_replace` | 1, 2 of 3 | nothing |
 | `kimi_k25` | `Kimi_K25ForConditionalGeneration` | `first_k_dense_replace` | 1, 2 of 3 | DeepSeek-V3 under `text_config`, its blocks under `language_model.` |
@@ -67,31 +69,57 @@ save, `HFFamily.test_keys`):
 | `mixtral` | `MixtralForCausalLM` | every layer | 0, 1, 2 of 3 | no selection bias (read as zero), no shared experts |
 | `nemotron_h` | `NemotronHForCausalLM` | `layers_block_type`, `hybrid_override_pattern` | 0, 3 of 4 | ungated ReLU² experts on a latent (`activation="relu2"`) |
 | `qwen3_moe` | `Qwen3MoeForCausalLM` | `decoder_sparse_step`, `mlp_only_layers` | 1, 3 of 4 | the example above |
-| K3, released | `save_hf_layer(folder, config, params, L)` | `first_k_dense_replace`, `moe_layer_freq` | layer 0 dense | the experts stay packed: `ExpertStack`s that decode one expert on `w[e]` |
+| K3, released | the release, or `save_hf_layer` | `first_k_dense_replace`, `moe_layer_freq` | layer 0 dense | the experts stay packed: `ExpertStack`s that decode one expert on `w[e]` |
+
+</div>
 
 ## The layouts
 
 Where each family's layer $L$ sits and what its tensors are called, from its record in
-`refimpl.families` (a test holds this table to the records). On disk, the routed experts are
-`experts.{e}.{module}.weight` and the shared ones `shared_experts.{module}.weight`, with the modules
-in the order gate, up, down (an ungated expert has no gate); in memory, and in the files
-`save_original_format=False` writes, the experts are `experts.{name}` and the shared modules
-`gate_proj`, `up_proj`, `down_proj`. The router is `gate.weight` everywhere; the latent projections
-keep their names (Nemotron-H's `fc1_latent_proj`/`fc2_latent_proj`, K3's `routed_expert_*`).
+`refimpl.families` (a test holds both tables to the records). As `save_pretrained` writes a folder
+by default, the routed experts are `experts.{e}.{module}.weight` and the shared ones
+`shared_experts.{module}.weight`, the modules in the order gate, up, down (an ungated expert has no
+gate). The router is `gate.weight` everywhere; the latent projections keep their names
+(Nemotron-H's `fc1_latent_proj`/`fc2_latent_proj`, K3's `routed_expert_*`).
 
-| `model_type` | block on disk | expert modules | shared modules | selection bias on disk | hash table | block in memory | fused experts |
-|---|---|---|---|---|---|---|---|
-| `deepseek_v3` | `model.layers.{L}.mlp.` | `gate_proj` `up_proj` `down_proj` | `gate_proj` `up_proj` `down_proj` | `gate.e_score_correction_bias` | — | `model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
-| `deepseek_v4` | `model.layers.{L}.ffn.` | `w1` `w3` `w2` | `w1` `w3` `w2` | `gate.bias` | `gate.tid2eid` | `model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
-| `dots1` | `model.layers.{L}.mlp.` | `gate_proj` `up_proj` `down_proj` | `gate_proj` `up_proj` `down_proj` | `gate.e_score_correction_bias` | — | `model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
-| `glm4_moe` | `model.layers.{L}.mlp.` | `gate_proj` `up_proj` `down_proj` | `gate_proj` `up_proj` `down_proj` | `gate.e_score_correction_bias` | — | `model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
-| `kimi_k25` | `language_model.model.blocks.{L}.mlp.` | `gate_proj` `up_proj` `down_proj` | `gate_proj` `up_proj` `down_proj` | `gate.e_score_correction_bias` | — | `model.language_model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
-| `kimi_k3` | — (fused only) | — | `gate_proj` `up_proj` `down_proj` | `gate.e_score_correction_bias` | — | `model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
-| `kimi_linear` | `model.layers.{L}.block_sparse_moe.` | `w1` `w3` `w2` | `gate_proj` `up_proj` `down_proj` | `gate.e_score_correction_bias` | — | `model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
-| `mixtral` | `model.layers.{L}.block_sparse_moe.` | `w1` `w3` `w2` | none | none | — | `model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
-| `nemotron_h` | `backbone.layers.{L}.mixer.` | `up_proj` `down_proj` | `up_proj` `down_proj` | `gate.e_score_correction_bias` | — | `model.layers.{L}.mixer.` | `up_proj` `down_proj` |
-| `qwen3_moe` | `model.layers.{L}.mlp.` | `gate_proj` `up_proj` `down_proj` | none | none | — | `model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
-| K3, released | `language_model.model.layers.{L}.block_sparse_moe.` | `w1` `w3` `w2`, each `.weight_packed` and `.weight_scale` (MXFP4) | `gate_proj` `up_proj` `down_proj` | `gate.e_score_correction_bias` | — | — | — |
+<div class="refimpl-names" markdown>
+
+| `model_type` | block on disk | expert modules | shared modules | router's selection bias, hash table |
+|---|---|---|---|---|
+| `deepseek_v3` | `model.layers.{L}.mlp.` | `gate_proj` `up_proj` `down_proj` | `gate_proj` `up_proj` `down_proj` | `gate.e_score_correction_bias` |
+| `deepseek_v4` | `model.layers.{L}.ffn.` | `w1` `w3` `w2` | `w1` `w3` `w2` | `gate.bias`, `gate.tid2eid` |
+| `dots1` | `model.layers.{L}.mlp.` | `gate_proj` `up_proj` `down_proj` | `gate_proj` `up_proj` `down_proj` | `gate.e_score_correction_bias` |
+| `glm4_moe` | `model.layers.{L}.mlp.` | `gate_proj` `up_proj` `down_proj` | `gate_proj` `up_proj` `down_proj` | `gate.e_score_correction_bias` |
+| `kimi_k25` | `language_model.model.blocks.{L}.mlp.` | `gate_proj` `up_proj` `down_proj` | `gate_proj` `up_proj` `down_proj` | `gate.e_score_correction_bias` |
+| `kimi_k3` | — (fused only) | — | `gate_proj` `up_proj` `down_proj` | `gate.e_score_correction_bias` |
+| `kimi_linear` | `model.layers.{L}.block_sparse_moe.` | `w1` `w3` `w2` | `gate_proj` `up_proj` `down_proj` | `gate.e_score_correction_bias` |
+| `mixtral` | `model.layers.{L}.block_sparse_moe.` | `w1` `w3` `w2` | none | none |
+| `nemotron_h` | `backbone.layers.{L}.mixer.` | `up_proj` `down_proj` | `up_proj` `down_proj` | `gate.e_score_correction_bias` |
+| `qwen3_moe` | `model.layers.{L}.mlp.` | `gate_proj` `up_proj` `down_proj` | none | none |
+| K3, released | `model.layers.{L}.block_sparse_moe.` under `language_model.` | `w1` `w3` `w2` in MXFP4: `.weight_packed`, `.weight_scale` | `gate_proj` `up_proj` `down_proj` | `gate.e_score_correction_bias` |
+
+</div>
+
+In memory, and in the files `save_original_format=False` writes, the experts are fused into
+`experts.{name}` tensors, the shared modules are `gate_proj`, `up_proj`, `down_proj` and the
+selection bias is `gate.e_score_correction_bias`:
+
+<div class="refimpl-names" markdown>
+
+| `model_type` | block in memory | fused experts |
+|---|---|---|
+| `deepseek_v3` | `model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
+| `deepseek_v4` | `model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
+| `dots1` | `model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
+| `glm4_moe` | `model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
+| `kimi_k25` | `model.language_model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
+| `kimi_k3` | `model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
+| `kimi_linear` | `model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
+| `mixtral` | `model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
+| `nemotron_h` | `model.layers.{L}.mixer.` | `up_proj` `down_proj` |
+| `qwen3_moe` | `model.layers.{L}.mlp.` | `gate_up_proj` `down_proj` |
+
+</div>
 
 ## Writing back
 
@@ -99,7 +127,7 @@ Each direction has one name for a layout, and a layout a writer cannot express i
 `ValueError` naming it, before anything is written:
 
 * `hf_state_dict_from_params(params, config, model_type=..., layer=L, expert_layout="per_expert")`
-  gives the names and prefix `save_pretrained` writes (the first column of the table), which the
+  gives the names and prefix `save_pretrained` writes (the on-disk table above), which the
   family's `from_pretrained` loads; `expert_layout="fused"` (the default) gives the in-memory names,
   which its block loads with `load_state_dict(strict=True)`. Without `model_type`, K3's names.
 * `save_hf_layer(folder, config, params, layer=L, model_type=...)` writes a folder of that family:
