@@ -476,8 +476,8 @@ class MoEConfig:
         a `"kimi_linear"` mapping that names remote code in `auto_map` or holds
         a key only K3's code reads (`K3_ONLY_KEYS`: `routed_expert_hidden_size`,
         `activation_situ_beta`, ...); transformers' class of that `model_type`
-        for every other family in `refimpl.families.FAMILIES` (`deepseek_v3`, `deepseek_v4`,
-        `glm4_moe`, `kimi_linear`, `qwen3_moe`, `mixtral`, `nemotron_h`), with that class's
+        for every other family in `refimpl.families.FAMILIES` (the families page
+        lists them), with that class's
         keys, defaults and MoE-layer rule. `code="k3"` or
         `code="transformers"` overrides the choice: the same `kimi_linear` file
         means a different layer to each (transformers' `KimiLinearConfig`
@@ -729,12 +729,19 @@ def _reading_code(hf: Mapping[str, Any], text: Mapping[str, Any], where: str, co
             raise ValueError(f"code='transformers' reads {where}['model_type'] with that model's class: it must "
                              f"be one of {sorted(FAMILIES)}, got {shown(model_type)}")
         return FAMILIES[model_type]
-    if hf.get("model_type") == "kimi_k3" or model_type is None or model_type == "kimi_k3":
-        return None
-    if model_type == "kimi_linear" and ("auto_map" in text or "auto_map" in hf
-                                        or any(key in text for key in K3_ONLY_KEYS)):
+    if model_type is None or any(record is not None and record.k3_configuration
+                                 for record in (_record_named(hf.get("model_type")), _record_named(model_type))):
+        return None  # K3's own configuration, at the top or in text_config
+    record = _record_named(model_type)
+    if record is not None and record.read_by_k3_code_when_remote and (
+            "auto_map" in text or "auto_map" in hf or any(key in text for key in K3_ONLY_KEYS)):
         return None  # written for Kimi's own modeling code, not for transformers' class
     return family_of(model_type)
+
+
+def _record_named(model_type: Any) -> HFFamily | None:
+    """The record of `model_type` when it names one (`refimpl.families.ALL_RECORDS`), else None."""
+    return ALL_RECORDS.get(model_type) if isinstance(model_type, str) else None
 
 
 def _refuse_synonyms(text: Mapping[str, Any], where: str) -> None:

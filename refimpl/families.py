@@ -1,8 +1,9 @@
 r"""The MoE families of transformers: their configurations, as their own classes read them, and their tensors.
 
 K3's block descends from a line of MoE blocks that transformers now ships as
-code: DeepSeek-V3 (also the language model of Kimi K2 and K2.5), DeepSeek-V4,
-GLM-4 MoE, Kimi Linear, Qwen3-MoE and Mixtral, and NVIDIA's LatentMoE (Nemotron-H). Each spells the same quantities with its
+code, one record each in this module (the table below lists them; DeepSeek-V3
+is also the language model of Kimi K2 and K2.5, and Nemotron-H is NVIDIA's
+LatentMoE). Each spells the same quantities with its
 own keys and fills an absent key with its own default, which is rarely K3's:
 transformers' `KimiLinearConfig` scales the routed weights by 2.446 and builds
 one shared expert when the keys are absent, where K3's own code scales by 1.0
@@ -204,6 +205,9 @@ class HFFamily:
     saved_layout: str = "per_expert"
     #: a small configuration of the whole model in the family's own keys, for the tests (hidden 64, 8 experts)
     test_keys: dict[str, Any] = field(default_factory=dict)
+    #: a file of this `model_type` that names remote code (`auto_map`) or holds a key of `K3_ONLY_KEYS` was
+    #: written for K3's own modeling code, which reads it with K3's defaults (Kimi's `kimi_linear` files)
+    read_by_k3_code_when_remote: bool = False
 
     @property
     def has_bias(self) -> bool:
@@ -522,6 +526,7 @@ _RECORDS: tuple[HFFamily, ...] = (
         fixed={**_PLAIN, "score_function": "sigmoid"}, layers="mlp_layer_types", num_hidden_layers=27,
         layer_defaults={"first_k_dense_replace": 1},
         block_on_disk="model.layers.{L}.block_sparse_moe.", expert_modules=dict(_W132),
+        read_by_k3_code_when_remote=True,
         test_keys={**_TINY, "num_experts": 8, "num_experts_per_token": 2, "moe_intermediate_size": 32,
                    "intermediate_size": 48, "num_hidden_layers": 3, "mlp_layer_types": ["sparse", "dense", "sparse"],
                    "num_expert_group": 2, "topk_group": 1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,

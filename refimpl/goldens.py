@@ -185,7 +185,7 @@ from ._lib.files import write_atomically
 from .balancing import histogram_balancing_update, quantile_balancing_update, required_bias
 from .checkpoints import hf_state_dict_from_params
 from .config import HF_KEYS, MoEConfig
-from .families import FAMILIES, HFFamily
+from .families import ALL_RECORDS, FAMILIES, HFFamily
 from .layer.activations import expert_glu
 from .layer.backward import stable_latent_moe_vjp
 from .layer.latent_moe import MoEParams, parameter_shapes, stable_latent_moe
@@ -393,7 +393,7 @@ def _draw(case: GoldenCase, rng: np.random.Generator) -> tuple[np.ndarray, MoEPa
         raise ValueError(f"hidden_size {d} is too wide for a float32 router to be exact on the grid")
     x = np.clip(np.rint(rng.standard_normal((case.tokens, d)) * GRID), -GRID_LIMIT, GRID_LIMIT) / GRID
     params = MoEParams()
-    has_bias = case.model_type == "kimi_k3" or FAMILIES[case.model_type].has_bias
+    has_bias = ALL_RECORDS[case.model_type].has_bias
     for name, shape in parameter_shapes(config).items():
         if name == "gate.weight":  # 0 or +-2^-e, half of them nonzero
             sign = rng.integers(0, 2, shape) * 2.0 - 1.0
@@ -538,7 +538,7 @@ def golden_tensors(case: GoldenCase) -> tuple[dict[str, np.ndarray], dict[str, A
     The draw is repeated with the next seed until the route margin holds and this package's float32
     evaluation of every stage (and gradient) is within `CONDITIONING` of its tolerance.
     """
-    model_type = None if case.model_type == "kimi_k3" else case.model_type
+    model_type = None if ALL_RECORDS[case.model_type].k3_configuration else case.model_type  # K3: its own names
     config = case.config
     seed = SEED + sum(case.name.encode())  # fixed per case
     for attempt in range(ATTEMPTS):

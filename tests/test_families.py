@@ -1,6 +1,8 @@
 """The MoE families of transformers, held against transformers itself (the pinned version of the `test` extra).
 
-For DeepSeek-V3, GLM-4 MoE, Kimi Linear, Qwen3-MoE and Mixtral, on drawn configurations in each model's own keys:
+For every family of `refimpl.families.FAMILIES` whose block takes the hidden states alone (DeepSeek-V4's hash
+layers also take the token ids: `tests/test_deepseek_v4.py` holds it), on drawn configurations in each model's
+own keys:
 
 * `MoEConfig.from_hf_config(ConfigClass(**keys).to_dict())` is the layer the block computes: every field equals
   what the constructed block holds (its router's top-k, groups, scaling, renormalization; its experts' count and
@@ -27,7 +29,7 @@ from hypothesis import strategies as st
 import refimpl
 from refimpl import MoEConfig
 from refimpl.checkpoints import family_tensor_shapes, hf_state_dict_from_params, params_from_hf_state_dict
-from refimpl.families import FAMILIES, K3_ONLY_KEYS
+from refimpl.families import ALL_RECORDS, FAMILIES, K3_ONLY_KEYS
 
 
 def family_classes(model_type: str) -> tuple[type, type]:
@@ -220,32 +222,40 @@ def test_from_hf_config_of_a_drawn_configuration_is_the_layer_its_block_computes
     assert MoEConfig.from_hf_config(hf) == expected_config(_block(model_type, keys), model_type, hf)
 
 
-@pytest.mark.parametrize(("model_type", "keys"), [
-    ("deepseek_v3", dict(num_hidden_layers=4, first_k_dense_replace=1)),
-    ("glm4_moe", dict(num_hidden_layers=3)),
-    ("kimi_linear", dict(num_hidden_layers=4, mlp_layer_types=["sparse", "dense", "sparse", "dense"])),
-    ("qwen3_moe", dict(num_hidden_layers=5, decoder_sparse_step=2, mlp_only_layers=[3])),
-    ("mixtral", dict(num_hidden_layers=2)),
-    ("nemotron_h", dict(layers_block_type=["moe", "mlp", "full_attention", "moe"], moe_latent_size=8)),
-])
-def test_the_moe_layer_count_is_the_real_models_count_of_blocks(model_type, keys):
-    """Built as a whole model, the configuration holds as many MoE blocks as `num_moe_layers` says."""
-    config_class, block_class = BLOCKS[model_type]
-    small = dict(ATTENTION, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_experts_per_tok=2,
-                 pad_token_id=None)
-    small.update({"deepseek_v3": dict(n_routed_experts=4, n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=None,
-                                      qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4),
-                  "glm4_moe": dict(n_routed_experts=4, head_dim=8),
-                  "kimi_linear": dict(num_experts=4, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
-                                      v_head_dim=4, linear_attn_config={"head_dim": 4, "num_heads": 2}),
-                  "qwen3_moe": dict(num_local_experts=4, head_dim=8),
-                  "mixtral": dict(num_local_experts=4, head_dim=8),
-                  "nemotron_h": dict(n_routed_experts=4, head_dim=8, moe_shared_expert_intermediate_size=8)
-                  }[model_type])
-    config = config_class(**small, **keys)
-    model = transformers.AutoModel.from_config(config)
+#: Every record whose model ships in the pinned transformers (K3's draft does not), wrappers included.
+SHIPPED_RECORDS = sorted(model_type for model_type, family in ALL_RECORDS.items() if family.draft is None)
+
+
+def _whole_model_config(family, keys: dict):
+    """The family's configuration object of its whole model (the wrapper's class for a multimodal one)."""
+    if family.wraps is not None:
+        return type(transformers.AutoConfig.for_model(family.model_type))(**keys)
+    return getattr(transformers, family.config_class)(**keys)
+
+
+def _layer_keys_written(family) -> dict:
+    """The record's test configuration with the layer keys its rule writes: layer 1 the first of 2 MoE layers."""
+    keys = dict(family.test_keys)
+    text = keys.get("text_config", keys)
+    text = {k: v for k, v in text.items() if k not in family.rule.keys}
+    text.update(family.rule.write(1, 2, 0))
+    return {**keys, "text_config": text} if "text_config" in keys else text
+
+
+@pytest.mark.parametrize("written", [False, True], ids=["test_keys", "rule_written"])
+@pytest.mark.parametrize("model_type", SHIPPED_RECORDS)
+def test_the_moe_layer_count_is_the_real_models_count_of_blocks(model_type, written):
+    """Built as a whole model on the meta device, each record's test configuration (and the same with the layer
+    keys its rule writes) holds as many MoE blocks as `num_moe_layers` says."""
+    family = ALL_RECORDS[model_type]
+    block_class = getattr(importlib.import_module(family.module), family.block_class)
+    config = _whole_model_config(family, _layer_keys_written(family) if written else family.test_keys)
+    with torch.device("meta"):  # the whole model, built without memory: count the blocks it holds
+        model = getattr(transformers, family.model_class)(config)
     blocks = sum(isinstance(module, block_class) for module in model.modules())
     assert MoEConfig.from_hf_config(config.to_dict()).num_moe_layers == blocks > 0
+    if written:
+        assert blocks == 2
 
 
 # ---------------------------------------------------------------------------
@@ -561,3 +571,76 @@ def test_the_families_pages_tables_list_exactly_the_records():
         rows = doc[doc.index(header):].split("\n\n")[0].splitlines()[2:]
         named = [row.split("`")[1] for row in rows]
         assert sorted(named) == sorted(FAMILIES), header
+
+
+# ---------------------------------------------------------------------------
+# The checkpoints page: its example and its tables, held to the records
+# ---------------------------------------------------------------------------
+
+def _page_rows(doc: str, header: str) -> list[list[str]]:
+    """The cells of the markdown table that opens with `header`, one list per row."""
+    rows = doc[doc.index(header):].split("\n\n")[0].splitlines()[2:]
+    return [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows]
+
+
+def _moe_layers_text(family) -> str:
+    """The MoE layers of the record's test model, by its rule: "1, 3 of 4"."""
+    text = family.test_keys.get("text_config", family.test_keys)
+    total, keys = refimpl.families.read_layer_keys(text, "test_keys", family)
+    return ", ".join(str(layer) for layer in range(total) if family.rule.is_moe(layer, keys)) + f" of {total}"
+
+
+def _layout_row(family) -> list[str]:
+    """A row of the layouts table, from the record alone."""
+    def modules(by_role):
+        return " ".join(f"`{by_role[role]}`" for role in ("gate", "up", "down") if role in by_role)
+    fused_only = family.saved_layout == "fused"
+    return [f"`{family.model_type}`", "— (fused only)" if fused_only else f"`{family.block_on_disk}`",
+            "—" if fused_only else modules(family.expert_modules),
+            "none" if family.shared_modules is None else modules(family.shared_modules),
+            ", ".join(f"`{name}`" for name in (family.bias_on_disk, family.hash_table) if name is not None) or "none",
+            f"`{family.block}`",
+            "`gate_up_proj` `down_proj`" if family.gated else "`up_proj` `down_proj`"]
+
+
+def test_the_checkpoints_pages_tables_list_exactly_the_records():
+    """Both tables of the checkpoints page: a row per record, K3's release last, every derivable cell derived."""
+    doc = refimpl.checkpoints.__doc__
+    families = _page_rows(doc, "| `model_type` | the model saved |")
+    assert families[-1][0] == "K3, released"
+    assert [row[0] for row in families[:-1]] == [f"`{name}`" for name in sorted(ALL_RECORDS)]
+    for row in families[:-1]:
+        family = ALL_RECORDS[row[0].strip("`")]
+        assert row[1] == f"`{family.model_class}`" + (" (transformers' draft)" if family.draft else ""), row
+        assert row[2] == (", ".join(f"`{key}`" for key in family.rule.keys) or "every layer"), row
+        assert row[3] == _moe_layers_text(family), row
+    expected = [_layout_row(ALL_RECORDS[name]) for name in sorted(ALL_RECORDS)]
+    on_disk = _page_rows(doc, "| `model_type` | block on disk |")
+    assert on_disk[:-1] == [row[:5] for row in expected], "\n".join("| " + " | ".join(row) + " |" for row in expected)
+    assert on_disk[-1][0] == "K3, released"
+    in_memory = _page_rows(doc, "| `model_type` | block in memory |")
+    assert in_memory == [[row[0], *row[5:]] for row in expected]
+
+
+def test_the_checkpoints_pages_example_runs_and_agrees_with_the_model(tmp_path, monkeypatch):
+    """The page's example, run as written: the layer read from save_pretrained's folder computes the model's block,
+    a dense layer is refused by name, and the layer written back as Qwen3-MoE reads back the same."""
+    import re
+
+    code = re.search(r"```python\n(.*?)```", refimpl.checkpoints.__doc__, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    torch.manual_seed(0)
+    exec(code, scope)
+    x, y, y_model, config, params = (scope[name] for name in ("x", "y", "y_model", "config", "params"))
+    assert (config.num_moe_layers, config.score_function) == (2, "softmax")
+    assert (np.abs(y - y_model) <= _tolerance(x, params, config, y_model)).all()
+    with pytest.raises(ValueError, match=r"layer 0 is a dense layer of this qwen3_moe model"):
+        refimpl.load_hf_layer("qwen3-tiny", 0)
+    again, back = refimpl.load_hf_layer("qwen3-layer", 1, dtype=np.float64)
+    assert again == config
+    for name in params:
+        stacked = name.startswith("experts.")
+        for e in range(config.num_experts) if stacked else [None]:
+            ours, theirs = (params[name][e], back[name][e]) if stacked else (params[name], back[name])
+            np.testing.assert_array_equal(np.asarray(theirs), np.asarray(ours), err_msg=name)

@@ -1,10 +1,28 @@
-r"""Kimi K3 checkpoints as released: read one MoE layer, keep its experts packed, write the same layout.
+r"""Checkpoint folders: one MoE layer of any family's folder, K3's release with its experts kept packed.
 
-K3 is published as a Hugging Face directory: a nested `config.json`
-(its `text_config` holds the language model's keys, see the configuration
-page), a
-`model.safetensors.index.json` that maps every tensor name to its shard, and
-the `*.safetensors` shards. One MoE layer $L$ lives under
+`load_hf_layer(folder, L)` reads MoE layer $L$ of a Hugging Face folder: a
+`config.json`, and the tensors in one `model.safetensors` or in shards listed
+by `model.safetensors.index.json`. Which code the folder was written for
+decides how it reads (`refimpl.config.hf_reading_family`, the `model_type`
+in `config.json`):
+
+* **A family of `refimpl.families`**, as transformers' `save_pretrained`
+  writes it: the family's configuration keys and class defaults, its own
+  MoE-layer rule, and the block under its record's prefix, per expert
+  under the original checkpoint's names or fused under the in-memory ones
+  (`save_original_format=False`). The block is read strictly through
+  `params_from_hf_state_dict`: every tensor under the prefix is read, and
+  one left over is an error. A DeepSeek-V4 hash layer comes back with its
+  table as `params.tid2eid`. The checkpoints page has a table of every
+  family's names, an example per family and the measured agreement.
+* **K3 as released**, described below, and K3 in transformers' draft layout
+  (`kimi_k3`: fused experts under `model.layers.{L}.mlp.`), told apart by
+  their names.
+
+K3 is published as a nested `config.json` (its `text_config` holds the
+language model's keys, see the configuration page), a
+`model.safetensors.index.json` and the `*.safetensors` shards. One MoE layer
+$L$ lives under
 
     {prefix}model.layers.{L}.block_sparse_moe.
 
@@ -33,14 +51,19 @@ pages of the experts a batch uses are ever read from disk.
 ## Reading a layer, step by step
 
 1. `config.json` gives the `MoEConfig` (`MoEConfig.from_hf_config`, with the
-   reference code's meaning of absent keys, every value checked) and the
-   quantization: only
+   meaning of absent keys of the code the file was written for, every value
+   checked) and, for K3's release, the quantization: only
    compressed-tensors' `mxfp4-pack-quantized` (4-bit floats, groups of 32) is
-   understood; any other format is an error, not a guess.
-2. The layer must exist and be an MoE layer (`first_k_dense_replace`,
-   `moe_layer_freq`); a dense layer is an error that says so.
+   understood; any other format is an error, not a guess. A family's folder
+   holds floating experts, and a `quantization_config` in it is refused.
+2. The layer must exist and be an MoE layer by the family's own rule
+   (K3's `first_k_dense_replace` and `moe_layer_freq`; Qwen3-MoE's
+   `mlp_only_layers` and `decoder_sparse_step`; Kimi Linear's
+   `mlp_layer_types`; Nemotron-H's `layers_block_type`; the record of each
+   family names its rule); a dense layer is an error that says so.
 3. The tensor names are found through the index file (or the single
-   `model.safetensors`), with or without the `language_model.` prefix.
+   `model.safetensors`): under the family's prefix on disk or in memory,
+   and for K3 with or without the `language_model.` prefix.
 4. Every tensor is checked for presence, dtype and shape before anything is
    returned: an error names the tensor, the file and what was expected, and
    nothing half-loaded escapes.
@@ -85,8 +108,10 @@ it until it has been checked:
 
 ## Writing without losing anything
 
-`save_hf_layer` writes into a folder that may hold other things, so it
-promises three things:
+`save_hf_layer` writes K3's released layout, or with `model_type` a
+family's own (its `config.json` keys and names, or a `ValueError` before
+anything is written when the family cannot express the layer). It writes
+into a folder that may hold other things, so it promises three things:
 
 * **It asks before it replaces.** A folder that already holds a checkpoint
   (`config.json`, the index, `model.safetensors`, or the mark of an
@@ -334,10 +359,13 @@ def load_hf_layer(path: str | os.PathLike, layer: int, *,
                   dtype: Any = np.float32) -> tuple[MoEConfig, MoEParams]:
     """Read MoE layer `layer` of the checkpoint directory `path`: `(config, params)`.
 
+    `path` is any family's folder as `save_pretrained` writes it (per expert or fused, one file or
+    sharded; a DeepSeek-V4 hash layer with its table as `params.tid2eid`), K3's release, or K3 in
+    transformers' draft layout; the module docstring says how each is told apart.
     Only that layer's tensors are touched, through memory maps, and only
     files inside `path`. The router, bias, projections, norm and shared
     experts are returned as arrays of `dtype` (float32, float64, bfloat16 or
-    float16; the bias stays float32 or wider); the routed experts
+    float16; the bias stays float32 or wider); the release's routed experts
     `experts.w1/w3/w2` are `ExpertStack`s that keep the stored bytes (MXFP4
     when the checkpoint is quantized) and decode one expert to `dtype` on
     `w[e]`. Every function that takes parameters accepts the result.
@@ -345,7 +373,7 @@ def load_hf_layer(path: str | os.PathLike, layer: int, *,
     Raises `ValueError` naming the file, key, entry or tensor for: a missing
     or malformed config, index or shard (every safetensors header is
     validated before its data is used), a `weight_map` entry or symbolic
-    link leading out of the folder, a layer out of range or dense, an
+    link leading out of the folder, a layer out of range or dense (by the family's rule), an
     unknown quantization format, a configuration `MoEConfig` cannot
     represent, a missing or misshapen tensor, a folder left by an
     interrupted `save_hf_layer`, and (when the expert is decoded) a scale

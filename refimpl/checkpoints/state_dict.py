@@ -56,10 +56,11 @@ copies packed bytes through untouched (and encodes float experts with
 
 ## The other families
 
-DeepSeek-V3, GLM-4 MoE, Kimi Linear, Qwen3-MoE and Mixtral hold their blocks
-under other names, and transformers 5 fuses each block's experts into two
-tensors. Pass `model_type=` to read and write them (the table of names is
-`family_tensor_shapes`, the page "The other MoE families in transformers"):
+Every family of `refimpl.families` holds its block under other names, and
+transformers 5 fuses each block's experts into two tensors. Pass
+`model_type=` (any key of `refimpl.families.ALL_RECORDS`) to read and write
+them; `family_tensor_shapes` lists the names, and the checkpoints page has a
+table of every family's prefixes and names:
 
 ```python
 config = refimpl.MoEConfig.from_hf_config(hf_block.config.to_dict())        # model_type "deepseek_v3"
@@ -70,10 +71,16 @@ hf_block.load_state_dict({k: torch.from_numpy(v) for k, v in state_dict.items()}
 
 `experts.gate_up_proj` $[n, 2f, d]$ holds each expert's gate rows, then its
 up rows, and is split into `experts.w1` and `experts.w3`; `experts.down_proj`
-$[n, d, f]$ is `experts.w2`. The per-expert modules of released checkpoints
-(`experts.{e}.gate_proj.weight`, ...) are read too, and written with
-`expert_layout="per_expert"`. A router without a selection bias (Qwen3-MoE,
-Mixtral) reads as a zero bias, and writing a nonzero one for it is an error.
+$[n, d, f]$ is `experts.w2`. The per-expert modules that `save_pretrained`
+writes by default, under the original checkpoint's names and prefix
+(`experts.{e}.gate_proj.weight`, Mixtral's and Kimi Linear's
+`experts.{e}.w1.weight` under `block_sparse_moe.`, DeepSeek-V4's under
+`ffn.`, ...), are read too, and written with `expert_layout="per_expert"`;
+with `layer=L` the block's full name is the family's in memory (fused) or
+on disk (per expert). A router without a selection bias (Qwen3-MoE,
+Mixtral) reads as a zero bias, and writing a nonzero one for it is an
+error; what a family's block cannot hold (a latent for DeepSeek-V3, shared
+experts for Mixtral) is refused by name, never written half.
 
 ## The values
 
@@ -125,7 +132,6 @@ from .safetensors import to_dtype
 __all__ = [
     "EXPERT_LAYOUTS",
     "EXPERT_MATRICES",
-    "FAMILY_EXPERT_MATRICES",
     "as_numpy",
     "block_prefix",
     "family_tensor_shapes",
@@ -139,12 +145,10 @@ __all__ = [
 EXPERT_MATRICES: dict[str, str] = {"w1": "experts.w1", "w3": "experts.w3", "w2": "experts.w2"}
 
 #: How the transformers families store their routed experts: "fused", one `[n, 2f, d]` gate-and-up tensor and
-#: one `[n, d, f]` down tensor, as transformers 5 holds them; "per_expert", one module per expert
-#: (`experts.{e}.gate_proj.weight`, ...), as released checkpoints store them.
+#: one `[n, d, f]` down tensor, as transformers 5 holds them; "per_expert", one module per expert under the
+#: original checkpoint's names (`experts.{e}.gate_proj.weight`, `experts.{e}.w1.weight`, ...), as
+#: `save_pretrained` writes them.
 EXPERT_LAYOUTS = ("fused", "per_expert")
-
-#: A per-expert module of the transformers families, and the K3 module it is (gate, up, down).
-FAMILY_EXPERT_MATRICES: dict[str, str] = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 #: Floating dtypes a weight may have (by name: bfloat16 is not a NumPy floating type).
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
