@@ -48,18 +48,21 @@ $(BIN)/python:
 		echo "$(PYTHON) cannot make a virtual environment with pip in it: its ensurepip module is missing." >&2; \
 		echo "Install your system's venv package (Debian, Ubuntu: apt install python3-venv)," >&2; \
 		echo "or point make at another Python: make PYTHON=/path/to/python3.11 ..." >&2; exit 1; }
-	$(PYTHON) -m venv $(VENV)
+	@echo "Creating the virtual environment $(VENV)"
+	@$(PYTHON) -m venv $(VENV)
 
-PIP_INSTALL := $(BIN)/python -m pip install --disable-pip-version-check --progress-bar off
+# pip says only what goes wrong (`--quiet`); each step prints one line of its own, so that `make serve` shows
+# its stages and not pip's hundred lines of what it collected.
+PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check --progress-bar off
 
 $(DOCS_STAMP): pyproject.toml | $(BIN)/python
-	@echo "Installing refimpl and what the site needs (the docs extra) into $(VENV)"
-	$(PIP_INSTALL) -e '.[docs]'
+	@echo "Installing refimpl and what the site needs (the docs extra) into $(VENV): a minute or two the first time"
+	@$(PIP_INSTALL) -e '.[docs]'
 	@touch $@
 
 $(TEST_STAMP): pyproject.toml | $(BIN)/python
 	@echo "Installing refimpl with its test, docs, browser and examples extras into $(VENV)"
-	$(PIP_INSTALL) --quiet -e '.[test,docs,browser,examples]'
+	@$(PIP_INSTALL) -e '.[test,docs,browser,examples]'
 	@touch $@ $(DOCS_STAMP)
 
 venv: $(TEST_STAMP)
@@ -68,14 +71,15 @@ venv: $(TEST_STAMP)
 
 $(SITE)/.built: $(DOCS_STAMP) $(SITE_SOURCES)
 	@echo "Building the site into $(SITE)/ (no example is run: each page shows the example's record)"
-	$(BIN)/mkdocs build --strict --site-dir $(SITE)
+	@$(BIN)/mkdocs build --strict --site-dir $(SITE)
 	@touch $@
 
 docs: $(SITE)/.built
 
 # Served as the host serves it: under the path of site_url (/refimpl/), with 404.html for a missing page.
+# Another port: `make serve PORT=8001`.
 serve: docs
-	$(BIN)/python docs/serve.py --site $(SITE) --port $(PORT) --bind $(HOST)
+	@$(BIN)/python docs/serve.py --site $(SITE) --port $(PORT) --bind $(HOST)
 
 # --- tests and benchmarks --------------------------------------------------
 

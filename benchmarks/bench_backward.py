@@ -17,8 +17,12 @@ token-slots by expert, one GLU per expert on its slice, combine back):
 
 Each PyTorch result is checked against the NumPy one before it is timed.
 The forward pass alone (`stable_latent_moe`) is timed in the same rounds, to
-show what the backward adds. Rounds take turns (NumPy, PyTorch, ...) so a
-change of load on a shared machine touches all alike.
+show what the backward adds, and so is one float32 matrix product of 4096²
+(`a @ b`, NumPy's BLAS with the same threads): the machine's own speed, the
+yardstick for the fraction of it that each step reaches. Rounds take turns
+(NumPy, PyTorch, the product, ...) so a change of load on a shared machine
+touches all alike; the ratios are given for the medians and for the fastest
+runs.
 
 Run: `python benchmarks/bench_backward.py` (writes `docs/benchmarks/backward.{json,md}`).
 """
@@ -34,6 +38,7 @@ from common import (
     command_line,
     fmt_seconds,
     forward_flops,
+    gemm_work,
     load_average,
     machine_info,
     markdown_table,
@@ -58,6 +63,10 @@ except ImportError:  # PyTorch is an optional, benchmark-only dependency
 # ---------------------------------------------------------------------------
 # The PyTorch versions
 # ---------------------------------------------------------------------------
+
+#: The side of the square float32 product timed in the same rounds as the machine's own speed.
+GEMM_SIZE = 4096
+
 
 def torch_step(x, p, experts, dy, config: MoEConfig, *, careful: bool):
     """Forward and backward of the grouped algorithm; gradients land in `.grad` of `x`, `p` and `experts`.
@@ -183,8 +192,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"Forward + backward, float32, d={config.d} l={config.ell} n={config.n} k={config.k} f={config.f} "
           f"shared={config.shared_size} m={m}; {threads} threads for NumPy's BLAS and for PyTorch")
     print(f"machine: {machine}")
+    gemm, gemm_flops = gemm_work(64 if args.smoke else GEMM_SIZE)
     work = {"refimpl_forward": lambda: stable_latent_moe(x, params, config), "refimpl_step": refimpl_step,
-            "refimpl_step_out": refimpl_step_reusing}
+            "refimpl_step_out": refimpl_step_reusing, "gemm": gemm}
     result: dict = {"m": m, "flops_forward": flops_forward, "flops_step": flops_step}
     naive = None
     if torch is None:
@@ -213,6 +223,13 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.skip_naive:
             naive = torch_leaves(params, x, careful=False)
     timings = time_round_robin(work, repeats=repeats)
+    gemm_timing = timings.pop("gemm")
+    peak = gemm_flops / gemm_timing.median / 1e9  # GFLOP/s of the machine's own product, this run
+    peak_best = gemm_flops / gemm_timing.best / 1e9
+    result.update(gemm=gemm_timing, gemm_size=int(round((gemm_flops / 2) ** (1 / 3))), gemm_peak_gflops=peak,
+                  gemm_peak_gflops_best=peak_best)
+    print(f"float32 GEMM {result['gemm_size']}^2 in the same rounds: median {peak:.1f} GFLOP/s "
+          f"(best {peak_best:.1f}): the machine's own speed")
     if naive is not None:
         def naive_step():
             clear_grads(*naive, careful=False)
@@ -232,22 +249,30 @@ def main(argv: list[str] | None = None) -> dict:
               "torch_careful": "PyTorch autograd, one leaf per expert, split",
               "torch_naive": "PyTorch autograd, stacked leaves, slices (naive)",
               "refimpl_forward": "this project: forward only, stable_latent_moe (NumPy)"}
+    fractions = {}
     for key in ("refimpl_step_out", "refimpl_step", "torch_careful", "torch_naive", "refimpl_forward"):
         if key not in timings:
             continue
         t = timings[key]
         flops = flops_forward if key == "refimpl_forward" else flops_step
-        print(f"  {t}  -> {flops / t.median / 1e9:.1f} GFLOP/s effective")
+        fractions[key] = flops / t.median / 1e9 / peak
+        print(f"  {t}  -> {flops / t.median / 1e9:.1f} GFLOP/s effective, {100 * fractions[key]:.0f} % of the "
+              f"machine's GEMM")
         rows.append([labels[key], fmt_seconds(t.median), fmt_seconds(t.best), fmt_seconds(t.worst),
                      f"{100 * t.spread:.1f} %", len(t.runs), f"{t.median / step.median:.2f}",
-                     f"{flops / t.median / 1e9:.1f}"])
+                     f"{flops / t.median / 1e9:.1f}", f"{100 * fractions[key]:.0f} %"])
+    result["fraction_of_gemm_peak"] = fractions
     if "torch_careful" in timings:
         ratio = step.median / timings["torch_careful"].median
         result["ratio_to_careful"] = ratio
         result["ratio_to_careful_new_arrays"] = timings["refimpl_step"].median / timings["torch_careful"].median
+        best = timings["torch_careful"].best
+        result["ratio_to_careful_best"] = step.best / best
+        result["ratio_to_careful_new_arrays_best"] = timings["refimpl_step"].best / best
         print(f"  time ratio refimpl (out=) / PyTorch careful = {ratio:.2f} (target <= 1.0: "
               f"{'met' if ratio <= 1.0 else 'NOT met'}); with new gradient arrays each step: "
-              f"{result['ratio_to_careful_new_arrays']:.2f}")
+              f"{result['ratio_to_careful_new_arrays']:.2f}; fastest runs: {result['ratio_to_careful_best']:.2f} "
+              f"and {result['ratio_to_careful_new_arrays_best']:.2f}")
     if "torch_naive" in timings:
         result["naive_over_careful"] = timings["torch_naive"].median / timings["torch_careful"].median
         print(f"  naive / careful PyTorch = {result['naive_over_careful']:.1f}")
@@ -259,18 +284,23 @@ def main(argv: list[str] | None = None) -> dict:
                "config": {"d": config.d, "l": config.ell, "n": config.n, "k": config.k, "f": config.f,
                           "shared": config.shared_size, "m": m, "dtype": "float32"}, **result}
     headers = ["implementation", "median", "best", "worst", "spread", "runs", "time / this project",
-               "GFLOP/s"]
+               "GFLOP/s", "of the machine"]
     notes = [f"Same process, {threads} threads for NumPy's BLAS and for PyTorch; the NumPy and careful PyTorch "
              "steps (and the forward alone) take turns, the naive PyTorch step is timed after them. "
              "The first row writes each step's gradients into the last step's arrays (`backward(dy, out=grads)`), "
              "as a training loop does and as PyTorch's allocator does by reusing freed memory; the second "
              "allocates them anew, 300 MB of expert gradients that the kernel must map and zero again. "
              "GFLOP/s counts only the matrix products: "
-             f"{flops_step / 1e9:.1f} GFLOP per step, three times the forward's {flops_forward / 1e9:.1f}."]
+             f"{flops_step / 1e9:.1f} GFLOP per step, three times the forward's {flops_forward / 1e9:.1f}. "
+             f"\"Of the machine\" divides it by the speed of one float32 product of {result['gemm_size']}² "
+             f"timed in the same rounds, {peak:.1f} GFLOP/s (median; {peak_best:.1f} at best): the fraction of "
+             "this CPU's own matrix-product speed that the step reaches."]
     tables = [(f"Forward + backward, float32, m = {m}", markdown_table(headers, rows))]
     # The rounds side by side: on a shared machine a round's load touches both alike.
     turns = [key for key in work if key in timings]
-    round_rows = [[r + 1, *(fmt_seconds(timings[key].runs[r]) for key in turns)]
+    timings_with_gemm = {**timings, "gemm": gemm_timing}
+    turns.append("gemm")
+    round_rows = [[r + 1, *(fmt_seconds(timings_with_gemm[key].runs[r]) for key in turns)]
                   + ([f"{timings['refimpl_step_out'].runs[r] / timings['torch_careful'].runs[r]:.2f}"]
                      if "torch_careful" in timings else [])
                   for r in range(repeats)]

@@ -1,12 +1,19 @@
-"""Where the time of `stable_latent_moe_vjp` goes: each stage of the forward and backward, timed alone.
+"""Where the time of `stable_latent_moe_vjp` goes: each stage of the forward and backward, and its GEMMs alone.
 
 At the benchmark size (d = 1024, l = 512, n = 128, k = 8, f = 384, shared
-768, m = 4096, float32), the script runs the VJP's stages one by one with the
-module's own functions and prints the median seconds of each, then splits the
-routed experts' backward loop into its operations (summed over experts). A
-diagnostic for `bench_backward.py`, not a benchmark: it writes no results.
+768, m = 4096, float32), the script first runs each stage of one training
+step as the VJP runs it (the module's own functions, fast paths on) and,
+beside it, only that stage's matrix products, with the same shapes and
+operand layouts, written into arrays made beforehand. The difference is
+what the stage spends beyond its GEMMs: gathers, elementwise work, copies,
+the allocator and the kernel's page faults. A 4096² float32 product gives the
+machine's own speed. Every figure is the fastest of `--repeats` runs (the
+machine may be shared). Then it splits the routed experts' backward loop
+into its operations (summed over experts) and times whole steps with and
+without `out=`. A diagnostic for `bench_backward.py`, not a benchmark: it
+writes no results.
 
-Run: `OPENBLAS_NUM_THREADS=1 python benchmarks/profile_backward.py --threads 1`.
+Run: `python benchmarks/profile_backward.py --threads 1` (or `--threads 2`).
 """
 
 from __future__ import annotations
@@ -18,13 +25,20 @@ from collections import defaultdict
 from unittest import mock
 
 import numpy as np
-from common import base_parser, set_blas_threads
+from common import base_parser, forward_flops, gemm_work, set_blas_threads
 
 from refimpl._lib import fast as _fast
 from refimpl.config import MoEConfig
 from refimpl.layer import backward as bw
 from refimpl.layer.activations import expert_glu_and_grad, rms_norm_backward
-from refimpl.layer.latent_moe import combine, init_params, routed_experts, shared_experts
+from refimpl.layer.latent_moe import (
+    combine,
+    dispatch_by_expert,
+    init_params,
+    latent_output,
+    routed_experts,
+    shared_experts,
+)
 from refimpl.layer.routing import route, router_scores
 
 
@@ -96,6 +110,123 @@ def routed_loop_breakdown(z, saved, w1, w3, w2, du) -> dict[str, float]:
     return dict(acc)
 
 
+def best_time(fn, repeats: int) -> float:
+    """The fastest of `repeats` runs after one warm-up (on a shared machine the fastest is the least disturbed)."""
+    fn()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+    return min(runs)
+
+
+class Products:
+    """The matrix products of a stage, replayed alone: `add(a, b)` records `a @ b` with an output made once."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.flops = 0.0
+
+    def add(self, a, b) -> None:
+        out = np.empty((a.shape[0], b.shape[1]), dtype=np.result_type(a, b))
+        self.calls.append((a, b, out))
+        self.flops += 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+
+    def run(self) -> None:
+        for a, b, out in self.calls:
+            np.matmul(a, b, out=out)
+
+
+def routed_products(z, slots, w1, w3, w2, saved, du, *, backward: bool) -> Products:
+    """The routed experts' products per expert, with the operands' layouts of the fast paths."""
+    gemms = Products()
+    for e in slots.experts():
+        rows = slots.rows(e)
+        z_e = np.ascontiguousarray(z[slots.token[rows]])  # [m_e, l]
+        h = saved.hidden[e][0] if saved is not None else np.ones((z_e.shape[0], w1.shape[1]), z.dtype)
+        if not backward:
+            gemms.add(z_e, w1[e].T), gemms.add(z_e, w3[e].T), gemms.add(h, w2[e].T)
+            continue
+        du_e = np.ascontiguousarray(du[slots.token[rows]])  # [m_e, l]
+        gemms.add(du_e, w2[e]), gemms.add(du_e.T, h)  # o_bar, dD_e
+        gemms.add(h.T, z_e), gemms.add(h.T, z_e)  # dG_e, dU_e
+        gemms.add(h, w1[e]), gemms.add(h, w3[e])  # dz
+    return gemms
+
+
+def stage_table(config, x, dy, p, params, repeats: int) -> None:
+    """Each stage of a step as the VJP runs it, its products alone, and the rest, in seconds (fastest run)."""
+    m = x.shape[0]
+    gemm, gemm_flops = gemm_work(4096 if m >= 1024 else 256)
+    peak = gemm_flops / best_time(gemm, repeats) / 1e9
+    fwd = bw.stable_latent_moe(x, params, config, save_for_backward=True)
+    slots, saved = fwd.routed.dispatch, fwd.routed
+    w1, w3, w2 = p["experts.w1"], p["experts.w3"], p["experts.w2"]
+    weight = p.__getitem__
+    u_bar, grads = bw.latent_output_backward(dy, fwd.u, fwd.v, weight, config)
+    z_bar, p_bar, *_ = bw.routed_experts_backward(fwd.z, saved, w1, w3, w2, u_bar)
+    hs = fwd.shared[0]
+    gs, us, ds = (p[f"shared_experts.{n}_proj.weight"] for n in ("gate", "up", "down"))
+
+    def products(*pairs) -> Products:
+        gemms = Products()
+        for a, b in pairs:
+            gemms.add(a, b)
+        return gemms
+
+    left = np.ones((m, config.n + config.ell + 2 * gs.shape[0]), np.float32)
+    right = np.ones((left.shape[1], config.d), np.float32)
+    stages = [
+        ("fwd 1-3: scores, route, dispatch, down-projection", lambda: scores_route_down(x, p, config),
+         products((x, p["gate.weight"].T), (x, p["routed_expert_down_proj.weight"].T))),
+        ("fwd 4-5: routed experts (fast path, saving)",
+         lambda: routed_experts(fwd.z, fwd.index, fwd.weights, w1, w3, w2, config, save=True),
+         routed_products(fwd.z, slots, w1, w3, w2, saved, None, backward=False)),
+        ("fwd 6-7: latent norm, up-projection", lambda: latent_output(fwd.u, weight, config),
+         products((fwd.v, p["routed_expert_up_proj.weight"].T))),
+        ("fwd 8: shared experts (saving)", lambda: shared_experts(x, gs, us, ds, config, save=True),
+         products((x, gs.T), (x, us.T), (hs, ds.T))),
+        ("bwd 9-6: up-projection, latent norm",
+         lambda: bw.latent_output_backward(dy, fwd.u, fwd.v, weight, config),
+         products((dy.T, fwd.v), (dy, p["routed_expert_up_proj.weight"]))),
+        ("bwd 4-5: routed experts (fast path)",
+         lambda: bw.routed_experts_backward(fwd.z, saved, w1, w3, w2, u_bar),
+         routed_products(fwd.z, slots, w1, w3, w2, saved, u_bar, backward=True)),
+        ("bwd 2-1-3-8: router, down-projection, shared, x_bar",
+         lambda: bw.router_and_input_backward(x, dy, fwd.scores, fwd.index, fwd.kept, p_bar, z_bar, fwd.shared,
+                                              weight, params, config),
+         products((left[:, :config.n].T, x), (left[:, config.n:config.n + config.ell].T, x), (dy, ds),
+                  (left[:, -2 * gs.shape[0]:-gs.shape[0]].T, x), (left[:, -gs.shape[0]:].T, x), (dy.T, hs),
+                  (left, right))),
+    ]
+    stages.append(("trust: 2 weight fingerprints, x kept, finite checks",
+                   lambda: (bw.weight_fingerprints(params), bw.weight_fingerprints(params), x.astype(x.dtype),
+                            np.isfinite(x).all(), np.isfinite(dy).all()), Products()))
+    everything = Products()
+    for _, _, gemms in stages:
+        everything.calls += gemms.calls
+        everything.flops += gemms.flops
+    stages.append(("whole step: forward + backward(dy)",
+                   lambda: bw.stable_latent_moe_vjp(x, params, config)[1](dy), everything))
+    flops = 3 * sum(forward_flops(config, m).values())
+    print(f"float32 GEMM {int(round((gemm_flops / 2) ** (1 / 3)))}^2: {peak:.1f} GFLOP/s (the machine's own speed); "
+          f"a step's products are {flops / 1e9:.1f} GFLOP, {flops / peak / 1e9:.3f} s at that speed")
+    print(f"each stage, fastest of {repeats} runs, seconds:")
+    print(f"  {'stage':52s} {'stage':>7s} {'GEMMs':>7s} {'beyond':>7s} {'GFLOP':>6s} {'GEMM GFLOP/s':>12s}")
+    for name, stage, gemms in stages:
+        t_stage, t_gemm = best_time(stage, repeats), best_time(gemms.run, repeats)
+        speed = f"{gemms.flops / t_gemm / 1e9:12.1f}" if gemms.flops else f"{'-':>12s}"
+        print(f"  {name:52s} {t_stage:7.3f} {t_gemm:7.3f} {t_stage - t_gemm:7.3f} {gemms.flops / 1e9:6.1f} {speed}")
+
+
+def scores_route_down(x, p, config):
+    """Steps 1-3 of the forward as the layer runs them: scores, the route and its dispatch, the latent."""
+    scores = router_scores(x, p["gate.weight"])
+    index, weights = route(scores, p["gate.e_score_correction_bias"], config.k)
+    return dispatch_by_expert(index, weights, config.n), x @ p["routed_expert_down_proj.weight"].T
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = base_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
@@ -152,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
             x, p["shared_experts.gate_proj.weight"], p["shared_experts.up_proj.weight"],
             p["shared_experts.down_proj.weight"], shared, dy),
     }
+    stage_table(config, x, dy, p, params, repeats)
     print(f"m={m}, float32, median of {repeats} runs, seconds")
     for name, fn in stages.items():
         print(f"  {median_time(fn, repeats):7.3f}  {name}")
@@ -163,12 +295,19 @@ def main(argv: list[str] | None = None) -> None:
         with readable:
             print(f"  {kernel_time(lambda: bw.routed_experts_backward(z, routed, *stacks, u_bar))}  readable loop")
         print(f"  {kernel_time(lambda: _fast.routed_experts_backward_in_buffers(z, routed, *stacks, u_bar))}  fast path")
-    print("one whole step (forward + backward), three times, with new gradient arrays and with out=:")
+    print("one whole step (forward + backward), three times: with new gradient arrays, with out=, and with new "
+          "arrays after emptying the pool of workspaces (what every step would cost without it):")
     grads = backward_of(bw.stable_latent_moe_vjp(x, params, config))(dy)[1]
+
+    def without_pool():
+        bw.release_workspaces()
+        return backward_of(bw.stable_latent_moe_vjp(x, params, config))(dy)
+
     for _ in range(3):
         print(f"  {kernel_time(lambda: backward_of(bw.stable_latent_moe_vjp(x, params, config))(dy))}  step")
         print(f"  {kernel_time(lambda: backward_of(bw.stable_latent_moe_vjp(x, params, config))(dy, out=grads))}"
               f"  step, backward(dy, out=grads)")
+        print(f"  {kernel_time(without_pool)}  step, pool emptied first")
     a_bar = rng.standard_normal((256, config.f), dtype=np.float32)
     z_e = rng.standard_normal((256, config.ell), dtype=np.float32)
     a_bar_t = np.ascontiguousarray(a_bar.T)

@@ -85,6 +85,11 @@ PAGES = DOCS / "pages"
 #: modules and what it exports. The other packages (`train`, `testing`) read as one page, file by file.
 SPLIT_PACKAGES = ("layer", "balancing", "checkpoints", "parallel", "studies", "_lib")
 
+#: Folders of a package whose files have pages of their own, left out of the package's page: the puzzles
+#: (`docs/puzzles.py` makes their pages, each answer folded), whose source printed on the kit's page would
+#: give every answer away.
+OWN_PAGES = {"testing": ("puzzles",)}
+
 #: A split package whose page opens with one of its modules, shown on the package's page rather than its own:
 #: the room of balancing is read first as Eq. (14).
 ROOM_OPENERS = {"balancing": "quantile"}
@@ -93,15 +98,17 @@ ROOM_OPENERS = {"balancing": "quantile"}
 #: "quantile" is Eq. (14)'s page before the histogram's or the kit's. Material's per-page search boost.
 SEARCH_BOOST = {"balancing": 4}
 
-#: The reading path: module (or package) and navigation label, in reading order. The rooms of the house come
-#: in the paper's order: the layer (Eqs. 11-13), its number formats and checkpoints, balancing (Eq. 14,
-#: Appendices C and D), parallelism, training and the conformance kit.
+#: The reading path: module (or package) and navigation label, in reading order. A learner starts where the
+#: paper does, at Eq. (11), the whole block, and runs it by hand (`PATH_EXAMPLES`); then its two pieces,
+#: Eqs. (12) and (13); then the numbers and the notation, and the room of the layer with its other modules.
+#: The rooms of the house come in the paper's order: the layer (Eqs. 11-13), its number formats and
+#: checkpoints, balancing (Eq. 14, Appendices C and D), parallelism, training and the conformance kit.
 READING_PATH: list[tuple[str, str]] = [
-    ("config", "Configuration"),
-    ("layer", "The layer: Eqs. (11)-(13)"),
+    ("latent_moe", "Eq. (11): the forward pass"),
     ("activations", "Eq. (12) & App. B: SiTU-GLU"),
     ("routing", "Eq. (13): routing"),
-    ("latent_moe", "Eq. (11): the forward pass"),
+    ("config", "Configuration"),
+    ("layer", "The layer: Eqs. (11)-(13)"),
     ("selection", "Step 2 and its extension points"),
     ("backward", "The backward pass"),
     ("accounting", "Accounting"),
@@ -127,6 +134,10 @@ READING_PATH: list[tuple[str, str]] = [
     ("goldens", "Golden vectors"),
 ]
 
+#: Worked examples read on the reading path, right after a module's page: module -> example. They stand there
+#: in the navigation and on the landing page's reading path, and not again under "Worked examples".
+PATH_EXAMPLES = {"latent_moe": "01_forward_by_hand"}
+
 #: Test files named after a module that has since been renamed: module -> the stem in `tests/test_<stem>.py`.
 TEST_STEMS = {"hf_checkpoint": "checkpoint"}
 
@@ -144,8 +155,10 @@ INTERNALS = {"_lib": "the private helpers, together", "studies": "what the worke
              "values": "checked sizes and factors, shared by the configuration readers"}
 
 #: Modules whose page is reached from another page rather than from the navigation: the report card from its
-#: study page, the smaller modules of a room from the room's page (the sidebar holds at most 60 links).
-NOT_IN_NAV = {"report_card", "safetensors", "exchange", "padded", "balancer", "other_balancers", "shipped"}
+#: study page, the smaller modules of a room from the room's page, whose table links each of its modules (the
+#: sidebar holds at most 60 links).
+NOT_IN_NAV = {"report_card", "safetensors", "exchange", "padded", "balancer", "other_balancers", "shipped",
+              "selection"}
 
 #: Examples whose page is reached from the page they measure, the examples index and the reading paths rather
 #: than from the navigation (the sidebar holds at most 60 links).
@@ -263,6 +276,12 @@ def normalize_display_math(text: str) -> str:
     as `# 1. Scores: $$s = \sigma(x W^\top)$$` and docstring lines that end in
     a formula are split into text, a blank line, the formula and a blank line,
     keeping the indentation of list items. Fenced code is left alone.
+
+    The sentence stays whole around its formula: the punctuation that follows
+    a formula goes inside the display, as typesetting puts it, so the text
+    after it reads on ("$$u = ...$$, in rank order" shows the formula with
+    its comma, then "in rank order"), never as a paragraph that opens with
+    ", in rank order".
     """
     out: list[str] = []
     in_math = False
@@ -287,6 +306,10 @@ def normalize_display_math(text: str) -> str:
         if in_math:
             if "$$" in line:
                 head, _, tail = line.partition("$$")
+                mark, tail = _leading_punctuation(tail)
+                if mark:
+                    out.append(f"{head.rstrip()}{mark}" if head.strip() else f"{indent}{mark}")
+                    head = ""
                 out.append(f"{head.rstrip()}$$" if head.strip() else f"{indent}$$")
                 out.append("")
                 if tail.strip():
@@ -307,7 +330,10 @@ def normalize_display_math(text: str) -> str:
                 if piece.strip():
                     out.append(f"{indent}{piece.strip()}")
             else:
-                out += ["", f"{indent}$$", f"{indent}{piece.strip()}", f"{indent}$$", ""]
+                mark = ""
+                if position + 1 < len(complete):  # the text after the formula: its punctuation joins it
+                    mark, complete[position + 1] = _leading_punctuation(complete[position + 1])
+                out += ["", f"{indent}$$", f"{indent}{piece.strip()}{mark}", f"{indent}$$", ""]
                 in_item = in_item or bool(indent)
         if len(pieces) % 2 == 0:
             out += ["", f"{indent}$$"]
@@ -315,6 +341,12 @@ def normalize_display_math(text: str) -> str:
                 out.append(f"{indent}{pieces[-1].strip()}")
             in_math = True
     return "\n".join(out)
+
+
+def _leading_punctuation(text: str) -> tuple[str, str]:
+    """The punctuation mark that opens `text` (after spaces) and the rest: `", then x"` -> `(",", "then x")`."""
+    match = re.match(r"\s*([,;:.])(?!\.)\s*(.*)", text, flags=re.S)
+    return (match.group(1), match.group(2)) if match else ("", text)
 
 
 _NUMPYDOC_ITEM_SECTIONS = {"Parameters", "Other Parameters", "Returns", "Yields", "Receives", "Raises",
@@ -490,7 +522,7 @@ def _comment_prose(block: list[str]) -> tuple[str, str]:
             return "heading", banner.group("text")
         texts.append(body.rstrip())
     text = "\n".join(texts).strip("\n")
-    if had_rule and text and "\n" not in text and len(text) < 70:
+    if had_rule and text and "\n" not in text:  # one line between rulers is a section's title, however long
         return "heading", text
     text = "\n".join(_ORDERED_ITEM.sub(r"\1\2\\.\3", line) for line in text.split("\n"))
     return "prose", normalize_display_math(text)
@@ -681,7 +713,9 @@ def discover_modules() -> dict[str, Module]:
         if path.suffix == ".py" and path.stem != "__init__":
             found[path.stem] = Module(path.stem, [path])
         elif path.is_dir() and (path / "__init__.py").is_file():
-            subs = sorted(p for p in path.rglob("*.py") if p.name != "__init__.py" and "__pycache__" not in p.parts)
+            apart = OWN_PAGES.get(path.name, ())
+            subs = sorted(p for p in path.rglob("*.py") if p.name != "__init__.py" and "__pycache__" not in p.parts
+                          and p.relative_to(path).parts[0] not in apart)
             if path.name not in SPLIT_PACKAGES:
                 found[path.name] = Module(path.name, [path / "__init__.py", *subs])
                 continue
@@ -938,6 +972,21 @@ def _fold(title: str, body: str, kind: str = "note") -> str:
     return f'??? {kind} "{title}"\n\n' + textwrap.indent(body.strip("\n") + "\n", "    ") + "\n"
 
 
+#: Printed output longer than this many lines is shown in a box of its own height that scrolls, its long lines
+#: wrapped: a page stays readable past it, and no line is cut at the right edge (`refimpl-output--long`).
+LONG_OUTPUT_LINES = 80
+
+
+def output_markdown(text: str) -> str:
+    """What a cell printed, set apart from its code; a long output in a box that scrolls, saying how long."""
+    lines = text.rstrip("\n").count("\n") + 1
+    if lines <= LONG_OUTPUT_LINES:
+        return '<div class="refimpl-output" markdown>\n\n' + fence(text, "text") + "\n</div>\n"
+    return (f'<div class="refimpl-output refimpl-output--long" markdown>\n\n'
+            f"<small>It printed {lines} lines; the box scrolls, and long lines wrap.</small>\n\n"
+            + fence(text, "text") + "\n</div>\n")
+
+
 def cell_markdown(cell: dict, stem: str, figures: dict[str, Figure]) -> str:
     """One notebook cell as page Markdown: prose, or code followed by what it printed and drew."""
     source = _text(cell.get("source", ""))
@@ -954,7 +1003,7 @@ def cell_markdown(cell: dict, stem: str, figures: dict[str, Figure]) -> str:
     parts = [fence(source, "python")]
     printed = _stream(cell)
     if printed.strip():
-        parts.append('<div class="refimpl-output" markdown>\n\n' + fence(printed, "text") + "\n</div>\n")
+        parts.append(output_markdown(printed))
     for output in outputs:
         meta = (output.get("metadata") or {}).get("refimpl") or {}
         if meta.get("filename") in figures:
@@ -962,7 +1011,7 @@ def cell_markdown(cell: dict, stem: str, figures: dict[str, Figure]) -> str:
         elif output.get("output_type") == "execute_result" and not meta:
             value = _text((output.get("data") or {}).get("text/plain", ""))
             if value.strip():
-                parts.append('<div class="refimpl-output" markdown>\n\n' + fence(value, "text") + "\n</div>\n")
+                parts.append(output_markdown(value))
         elif output.get("output_type") == "error":
             parts.append("!!! failure \"This cell raised an error when the record was made\"\n\n"
                          + textwrap.indent(fence(f"{output.get('ename')}: {output.get('evalue')}", "text"), "    "))
@@ -1316,13 +1365,14 @@ def module_page(module: Module, examples: list[tuple[Path, str]], tests: dict[Pa
     text = hand_written(fragment).strip() + "\n" if fragment.is_file() else ""
     if MODULE_DOC_MARKER in text:
         return usage_first_page(module, title, links, text.replace(MODULE_DOC_MARKER, main.intro), examples, tests)
-    parts = [f"# {title}\n", f"<small>Source: {' · '.join(links)}</small>\n", main.intro + "\n", main.body]
+    intro, linked = linked_module_table(module, main.intro)
+    parts = [f"# {title}\n", f"<small>Source: {' · '.join(links)}</small>\n", intro + "\n", main.body]
     for sub in module.files[1:]:
         part = literate(sub.read_text(encoding="utf-8"))
         subrel = sub.relative_to(ROOT).as_posix()
-        parts += [f"## `{subrel}`\n", f"**{part.title}.**\n" if part.title else "", part.intro + "\n",
-                  re.sub(r"^(#{2,5}) ", r"#\1 ", part.body, flags=re.M)]
-    if module.name in SPLIT_PACKAGES and not module.package:
+        parts += [f"## `{subrel}` {{ #file-{sub.stem.lstrip('_')} }}\n", f"**{part.title}.**\n" if part.title else "",
+                  part.intro + "\n", re.sub(r"^(#{2,5}) ", r"#\1 ", part.body, flags=re.M)]
+    if module.name in SPLIT_PACKAGES and not module.package and not linked:
         subs = sorted(p for p in (PACKAGE / module.name).glob("*.py")
                       if p.stem not in ("__init__", ROOM_OPENERS.get(module.name)))
         parts.append("## Its modules\n")
@@ -1333,6 +1383,32 @@ def module_page(module: Module, examples: list[tuple[Path, str]], tests: dict[Pa
     if text:
         parts.append(text)
     return "\n".join(parts)
+
+
+def linked_module_table(module: Module, intro: str) -> tuple[str, bool]:
+    """A package's essay with its table of modules linked, and whether every module of the package is in it.
+
+    A row that opens with a module's dotted name in code quotes (`| `refimpl.layer.routing` | ... |`) links
+    it: to the module's own page in a split package, else to the module's part of this page (`#file-<stem>`).
+    A package whose table links all its modules needs no second list of them ("Its modules").
+    """
+    if module.package or len(module.files[0].parts) < 2 or module.files[0].name != "__init__.py":
+        return intro, False
+    folder = module.files[0].parent
+    subs = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    on_this_page = {p.stem for p in module.files[1:]}
+    seen: set[str] = set()
+
+    def link(match: re.Match) -> str:
+        stem = match.group("stem")
+        if stem not in subs:
+            return match.group(0)
+        seen.add(stem)
+        target = f"#file-{stem.lstrip('_')}" if stem in on_this_page else f"{stem.lstrip('_')}.md"
+        return f"| [`{module.dotted}.{stem}`]({target}) |"
+
+    row = re.compile(rf"^\| `{re.escape(module.dotted)}\.(?P<stem>\w+)` \|", flags=re.M)
+    return row.sub(link, intro), bool(subs) and subs <= seen
 
 
 def properties_and_examples(tests: dict[Path, list[PropertyTest]], examples: list[tuple[Path, str]],
@@ -1505,9 +1581,12 @@ def k3_numbers() -> str:
     return "\n".join(lines) + "\n"
 
 
-def reading_path(modules: dict[str, Module], compare: bool, puzzles: bool = False) -> str:
-    """The landing page's reading path: the pages of this build, in order."""
+def reading_path(modules: dict[str, Module], compare: bool, puzzles: bool = False,
+                 examples: dict[str, str] | None = None) -> str:
+    """The landing page's reading path: the pages of this build, in order, as the navigation lists them
+    (`examples`: the title of each example of this build, by stem, for those of `PATH_EXAMPLES`)."""
     lines = []
+    examples = examples or {}
     for name, label in READING_PATH:
         if name == "testing" and puzzles:
             lines.append("1. [Puzzles](puzzles/index.md): write each piece yourself, from Eq. (13) to Appendix D, "
@@ -1519,6 +1598,9 @@ def reading_path(modules: dict[str, Module], compare: bool, puzzles: bool = Fals
                 lines.append(f"1. {link}{title[len(label):]}.")
             else:
                 lines.append(f"1. {link}: {title}.")
+            stem = PATH_EXAMPLES.get(name, "")
+            if stem in examples:
+                lines.append(f"1. [Example {stem[:2]}](examples/{stem}.md): {examples[stem]}.")
     if compare:
         lines.append(f"1. [Compare the variants](examples/{COMPARE_EXAMPLE}.md): plain MoE, LatentMoE and "
                      "Stable LatentMoE on the same inputs.")
@@ -1568,19 +1650,22 @@ def study_pages() -> dict[str, tuple[str, Path]]:
 
 
 #: The landing page's three reading paths: (heading, who it is for, steps). A step is
-#: (kind, name, text): kind "paper" (a module), "example" (an example's stem), "page" (a stand-alone page)
-#: or "site" (a fixed page of the site); steps whose page does not exist in a build are left out.
+#: (kind, name, text): kind "paper" (a module), "example" (an example's stem), "page" (a stand-alone page),
+#: "puzzles" (their overview) or "site" (a fixed page of the site); steps whose page does not exist in a build
+#: are left out. The first path, a learner's, follows the reading path of the navigation (`READING_PATH`).
 START_HERE: list[tuple[str, str, list[tuple[str, str, str]]]] = [
     ("Learning the layer", "You want to understand what the block computes, and why.", [
         ("paper", "latent_moe", "the whole block, stage by stage"),
+        ("example", "01_forward_by_hand", "the whole forward pass printed on a tiny layer"),
         ("paper", "activations", "the smoothly capped SwiGLU of every expert"),
         ("paper", "routing", "sigmoid scores, the bias that only selects"),
-        ("paper", "config", "the sizes and switches, K3's numbers"),
-        ("example", "01_forward_by_hand", "the whole forward pass printed on a tiny layer"),
+        ("paper", "config", "the notation, the sizes and switches, K3's numbers"),
         ("example", "40_compare_variants", "plain MoE, LatentMoE and Stable LatentMoE side by side"),
         ("page", "why-stable", "what the stable additions change, measured on the equations above"),
         ("paper", "backward", "the gradients, section by section beside the forward pass"),
         ("paper", "train", "a small model trained end to end"),
+        ("puzzles", "puzzles/index.md", "now write each piece yourself, from Eq. (13) to Appendix D, with a check "
+         "that tries to break every answer"),
     ]),
     ("Porting it to your framework", "You have your own kernels and want to know they agree.", [
         ("paper", "testing", "checks that take your own function and report where it disagrees"),
@@ -1611,8 +1696,9 @@ START_HERE: list[tuple[str, str, list[tuple[str, str, str]]]] = [
 ]
 
 
-def start_here(modules: dict[str, Module], examples: set[str], studies: dict[str, tuple[str, Path]]) -> str:
-    """The "Start here" reading paths, with links to the pages of this build."""
+def start_here(modules: dict[str, Module], examples: set[str], studies: dict[str, tuple[str, Path]],
+               puzzles: bool = False) -> str:
+    """The "Start here" reading paths, with links to the pages of this build (`puzzles`: whether it has them)."""
     labels = dict(READING_PATH)
     blocks: list[str] = []
     for heading, who, steps in START_HERE:
@@ -1624,6 +1710,8 @@ def start_here(modules: dict[str, Module], examples: set[str], studies: dict[str
                 items.append(f"[Example {name[:2]}](examples/{name}.md): {text}")
             elif kind == "page" and name in studies:
                 items.append(f"[{studies[name][0]}](pages/{name}.md): {text}")
+            elif kind == "puzzles" and puzzles:
+                items.append(f"[Puzzles]({name}): {text}")
             elif kind == "site":
                 items.append(f"[{text[:1].upper()}{text[1:]}]({name})")
         if items:
@@ -1632,16 +1720,16 @@ def start_here(modules: dict[str, Module], examples: set[str], studies: dict[str
     return "\n".join(blocks)
 
 
-def landing_page(modules: dict[str, Module], compare: bool, examples: set[str] | None = None,
+def landing_page(modules: dict[str, Module], compare: bool, examples: dict[str, str] | None = None,
                  studies: dict[str, tuple[str, Path]] | None = None, puzzles: bool = False) -> str | None:
-    """`docs/index.md` with its markers replaced by computed content."""
+    """`docs/index.md` with its markers replaced by computed content (`examples`: title by stem)."""
     index = DOCS / "index.md"
     if not index.is_file():
         return None
     text = hand_written(index, prefix="")
     text = text.replace("<!-- refimpl:k3-numbers -->", k3_numbers())
-    text = text.replace("<!-- refimpl:start-here -->", start_here(modules, examples or set(), studies or {}))
-    return text.replace("<!-- refimpl:reading-path -->", reading_path(modules, compare, puzzles))
+    text = text.replace("<!-- refimpl:start-here -->", start_here(modules, set(examples or {}), studies or {}, puzzles))
+    return text.replace("<!-- refimpl:reading-path -->", reading_path(modules, compare, puzzles, examples))
 
 
 def parse_ok(path: Path) -> bool:
@@ -1774,7 +1862,8 @@ def main() -> None:
         write(f"pages/{slug}.md", hand_written(path), edit=path.relative_to(ROOT).as_posix())
 
     compare = EXAMPLES / f"{COMPARE_EXAMPLE}.py" in example_paths
-    landing = landing_page(modules, compare, {p.stem for p in example_paths}, studies, bool(puzzle_texts))
+    landing = landing_page(modules, compare, {p.stem: example_titles[p] for p in example_paths}, studies,
+                           bool(puzzle_texts))
     if landing is not None:
         write("index.md", landing, edit="docs/index.md")
     stage("%d study pages and the landing page", len(studies))
@@ -1787,12 +1876,15 @@ def main() -> None:
             nav += puzzle_nav  # after the equations and the balancers, before the kit
         label = labels.get(module.name) or MODULE_LABELS.get(module.name) or literate_title(module).split(":")[0]
         nav.append(f"    * [{label}](paper/{module.slug}.md)")
+        follows = EXAMPLES / f"{PATH_EXAMPLES.get(module.name)}.py"
+        if follows in example_titles:
+            nav.append(f"    * [{nav_label(follows, example_titles[follows])}](examples/{follows.stem}.md)")
     if compare:
         nav.append(f"* [Compare the variants](examples/{COMPARE_EXAMPLE}.md)")
     nav.append("* Worked examples")
     nav.append("    * [All examples](examples/index.md)")
     for path in example_paths:
-        if path.stem != COMPARE_EXAMPLE and path.stem not in EXAMPLES_NOT_IN_NAV:
+        if path.stem != COMPARE_EXAMPLE and path.stem not in EXAMPLES_NOT_IN_NAV | set(PATH_EXAMPLES.values()):
             nav.append(f"    * [{nav_label(path, example_titles[path])}](examples/{path.stem}.md)")
     if studies:
         nav.append("* Studies")

@@ -177,12 +177,12 @@ def measure() -> dict[str, Any]:
 
 
 def markdown(record: dict[str, Any]) -> str:
-    """The record as the page's table: a row per convention, a column per family."""
-    families = list(record["families"])
-    lines = ["| convention | " + " | ".join(f"`{name}`" for name in families) + " |",
-             "|---|" + "---|" * len(families)]
-    for row in record["rows"]:
-        lines.append(f"| {row} | " + " | ".join(record["families"][name][row] for name in families) + " |")
+    """The record as the page's table: a row per family, a column per convention (the conventions are
+    few and their cells short, so the table fits the page's width; the families may grow)."""
+    rows = list(record["rows"])
+    lines = ["| family | " + " | ".join(rows) + " |", "|---|" + "---|" * len(rows)]
+    for name, cells in record["families"].items():
+        lines.append(f"| `{name}` | " + " | ".join(cells[row] for row in rows) + " |")
     return "\n".join(lines)
 
 

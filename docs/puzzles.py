@@ -227,7 +227,7 @@ def index_page(example: bool = True) -> str:
 
     doc = ast.get_docstring(ast.parse(Path(module.__file__).read_text(encoding="utf-8"))) or ""
     title, _, essay = doc.partition("\n")
-    parts = [f"# {title.strip().rstrip('.')}\n", linked_table(essay.strip()) + "\n"]
+    parts = [f"# {title.strip().rstrip('.')}\n", linked_table(essay.strip()) + "\n", INSTALL]
     if example:
         parts += ["## What a wrong answer meets\n",
                   "Puzzle 2 asks for the mixture weights. This answer renormalizes the weights whatever $k$ is, so "
@@ -236,6 +236,21 @@ def index_page(example: bool = True) -> str:
                   VERDICT_BLOCK.format(_fence(wrong_verdict(), "text"))]
     return "\n".join(parts)
 
+
+#: How to get the puzzles running, on the overview (the site's other pages say it the same way).
+INSTALL = """## What you need
+
+Each puzzle is a Jupyter notebook: download it from its page, or find them all in `examples/puzzles/` of a
+clone. They need Jupyter and refimpl with its `testing` extra (Hypothesis, which draws the inputs). No release
+is on the package index yet, so install from the repository:
+
+```sh
+pip install jupyterlab "refimpl[testing] @ git+https://github.com/refimpl/refimpl"
+```
+
+or, next to a clone (`git clone https://github.com/refimpl/refimpl`), `pip install jupyterlab "./refimpl[testing]"`.
+Then open a notebook (`jupyter lab 01_routing.ipynb`) and run its cells from the top.
+"""
 
 #: A wrong answer to puzzle 2, as a learner writes it: the index page shows what the check tells it.
 WRONG_WEIGHTS = """\

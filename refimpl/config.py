@@ -76,18 +76,12 @@ released checkpoint, so a user can build the layer from a `config.json`. It
 gives each key the meaning the reference modeling code gives it, including
 when the key is **absent**, which is not K3's value: a configuration written
 for another model of the family (Kimi Linear has no latent and no SiTU caps)
-then builds the layer that code would build. The table on this page lists
-every key, its meaning, K3's value and what its absence means.
-
-A configuration file is input like any other, and is read as such: every
-value is checked (an integer where a size belongs, a positive number that
-float32 holds where a factor belongs, a JSON boolean for a switch) and an
-error names the key and what it holds; a key that another MoE family
-spells differently (DeepSeek's `n_routed_experts`, Mixtral's
-`num_local_experts`, listed in `HF_SYNONYMS`) is an error naming both
-spellings, never a silent default. `MoEConfig` itself takes sizes and
-factors of any integral or real type, NumPy's included, and stores plain
-Python numbers.
+then builds the layer that code would build. Every value is checked, and a
+key that another MoE family spells differently (DeepSeek's
+`n_routed_experts`, listed in `HF_SYNONYMS`) is an error naming both
+spellings, never a silent default. The reference part of this page lists
+every key, its meaning, K3's value, what its absence means and how it is
+checked.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ Three independent references:
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import assume, example, given, settings
@@ -511,3 +513,131 @@ def test_dscores_of_the_wrong_shape_is_refused():
     _, backward = stable_latent_moe_vjp(x, params, config)
     with pytest.raises(ValueError, match=r"dscores must have the shape of the scores, \[4, 6\], got \[4, 5\]"):
         backward(dy, dscores=np.zeros((4, 5)))
+
+
+# ---------------------------------------------------------------------------
+# backward(dy) without out=: the workspaces kept between calls
+# ---------------------------------------------------------------------------
+
+def benchmark_like_layer(dtype=np.float32, m: int = 48):
+    """A layer with every stage on (shared experts, latent path, norm), big enough that every expert is busy."""
+    config = MoEConfig.small(hidden_size=32, latent_size=16, num_experts=8, top_k=2, intermediate_size=12)
+    rng = np.random.default_rng(11)
+    params = init_params(config, rng, dtype=dtype)
+    return config, params, rng.standard_normal((m, config.d)).astype(dtype), \
+        rng.standard_normal((m, config.d)).astype(dtype)
+
+
+def all_gradients(dx, dparams) -> dict[str, np.ndarray]:
+    return {"x": dx, **dparams}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_default_call_equals_out_and_the_readable_path(dtype):
+    """Pooled new arrays, `out=` and the readable path (fast paths off) give the same gradients, call after call."""
+    from refimpl._lib import fast
+
+    config, params, x, dy = benchmark_like_layer(dtype)
+    with mock.patch.object(fast, "ENABLED", False):
+        readable = all_gradients(*stable_latent_moe_vjp(x, params, config)[1](dy))
+    first = all_gradients(*stable_latent_moe_vjp(x, params, config)[1](dy))
+    expected = {name: g.copy() for name, g in first.items()}
+    del first  # its memory goes back to the pool and serves the next calls
+    for _ in range(3):
+        pooled = all_gradients(*stable_latent_moe_vjp(x, params, config)[1](dy))
+        _, backward = stable_latent_moe_vjp(x, params, config)
+        out = {name: np.full_like(g, np.nan) for name, g in pooled.items() if name != "x"}
+        written = all_gradients(*backward(dy, out=out))
+        for name, want in expected.items():
+            np.testing.assert_array_equal(pooled[name], want, err_msg=name)
+            np.testing.assert_array_equal(written[name], want, err_msg=name)
+            # Fast and readable order the same products alike up to BLAS blocking: float rounding of a few terms.
+            tol = 1e-4 if dtype == np.float32 else 1e-12
+            np.testing.assert_allclose(want, readable[name], rtol=tol, atol=tol * float(np.abs(want).max()),
+                                       err_msg=name)
+
+
+def test_results_of_two_calls_never_share_memory():
+    """What one call returned is not written by the next, whether kept whole, as a view or as a memoryview."""
+    config, params, x, dy = benchmark_like_layer()
+    y1, backward1 = stable_latent_moe_vjp(x, params, config)
+    first = all_gradients(*backward1(dy))
+    before = {name: g.copy() for name, g in first.items()}
+    second = all_gradients(*backward1(2.0 * dy))  # the same backward again
+    _, backward3 = stable_latent_moe_vjp(0.5 * x, params, config)  # a new forward
+    third = all_gradients(*backward3(-dy))
+    for a in (first, second, third):
+        for b in (first, second, third):
+            if a is not b:
+                for name_a, ga in a.items():
+                    for name_b, gb in b.items():
+                        assert not np.shares_memory(ga, gb), (name_a, name_b)
+    for name, g in first.items():
+        np.testing.assert_array_equal(g, before[name], err_msg=name)
+    np.testing.assert_array_equal(second["experts.w1"], 2.0 * first["experts.w1"])  # linear in dy, exact by 2
+    # Only a view of the stack is kept (numpy views point at the whole array), then only a memoryview.
+    view, kept = first["experts.w2"][1:], first["experts.w2"][1:].copy()
+    del first, second
+    fourth = all_gradients(*stable_latent_moe_vjp(x, params, config)[1](4.0 * dy))
+    assert not any(np.shares_memory(view, g) for g in fourth.values())
+    window = memoryview(third["experts.w3"])
+    kept3 = third["experts.w3"].copy()
+    del third, view
+    fifth = all_gradients(*stable_latent_moe_vjp(x, params, config)[1](dy))
+    assert not any(np.shares_memory(np.asarray(window), g) for g in fifth.values())
+    np.testing.assert_array_equal(np.asarray(window), kept3)
+    np.testing.assert_array_equal(fourth["experts.w2"][1:], 4.0 * kept)
+
+
+def test_memory_let_go_serves_the_next_call_and_release_frees_it():
+    """The pool recycles a stack the caller dropped (same address), and `release_workspaces` empties it."""
+    from refimpl._lib.fast import WORKSPACES
+    from refimpl.layer.backward import release_workspaces
+
+    config, params, x, dy = benchmark_like_layer()
+    release_workspaces()
+    assert WORKSPACES.held_bytes() == 0
+    _, grads = stable_latent_moe_vjp(x, params, config)[1](dy)
+    expected = {name: g.copy() for name, g in grads.items()}
+    address = grads["experts.w1"].__array_interface__["data"][0]
+    del grads
+    assert WORKSPACES.held_bytes() >= 3 * expected["experts.w1"].nbytes
+    _, again = stable_latent_moe_vjp(x, params, config)[1](dy)
+    addresses = {again[name].__array_interface__["data"][0] for name in ("experts.w1", "experts.w3")}
+    assert address in addresses
+    freed = release_workspaces()
+    assert freed > 0 and WORKSPACES.held_bytes() == 0
+    _, after = stable_latent_moe_vjp(x, params, config)[1](dy)
+    for name, g in expected.items():
+        np.testing.assert_array_equal(again[name], g, err_msg=name)
+        np.testing.assert_array_equal(after[name], g, err_msg=name)
+
+
+def test_threads_running_the_layer_at_once_get_their_own_arrays():
+    """Four threads, each its own input, all at once: each result equals the one computed alone, none shared."""
+    import threading
+
+    config, params, x, dy = benchmark_like_layer()
+    inputs = [(x * (1.0 + 0.25 * t)).astype(np.float32) for t in range(4)]
+    alone = []
+    for xt in inputs:
+        dx, grads = stable_latent_moe_vjp(xt, params, config)[1](dy)
+        alone.append({name: g.copy() for name, g in all_gradients(dx, grads).items()})
+    results: list = [None] * len(inputs)
+    start = threading.Barrier(len(inputs))
+
+    def work(t):
+        start.wait()
+        for _ in range(3):
+            results[t] = all_gradients(*stable_latent_moe_vjp(inputs[t], params, config)[1](dy))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for t, got in enumerate(results):
+        for name, want in alone[t].items():
+            np.testing.assert_array_equal(got[name], want, err_msg=f"thread {t}: {name}")
+        for other in results[t + 1:]:
+            assert not any(np.shares_memory(g, h) for g in got.values() for h in other.values())

@@ -55,8 +55,11 @@ def test_a_probe_names_the_other_convention_when_the_block_has_it(monkeypatch):
     assert cells["scores"] == "sigmoid"  # top-k of every expert: the sign of the bias cannot matter there
 
 
-def test_the_table_renders_every_family_as_a_column():
+def test_the_table_renders_every_family_as_a_row():
+    """A row per family and a column per convention: the conventions are few, so the table fits the page."""
     record = json.loads(measure_conventions.RECORD.read_text(encoding="utf-8"))
     table = measure_conventions.markdown(record).splitlines()
-    assert len(table) == 2 + len(record["rows"])
-    assert all(line.count("|") == len(record["families"]) + 2 for line in table)
+    assert len(table) == 2 + len(record["families"])
+    assert all(line.count("|") == len(record["rows"]) + 2 for line in table)
+    for line, (name, cells) in zip(table[2:], record["families"].items(), strict=True):
+        assert line == f"| `{name}` | " + " | ".join(cells[row] for row in record["rows"]) + " |"

@@ -26,7 +26,7 @@ import pytest
 from conftest import ServedSite, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-READING_ORDER = ["config", "activations", "routing", "latent_moe", "backward", "accounting", "mx", "checkpoint",
+READING_ORDER = ["latent_moe", "activations", "routing", "config", "backward", "accounting", "mx", "checkpoint",
                  "balancing", "dual", "histogram", "baselines", "expert_parallel", "train", "testing"]
 #: The stand-alone pages that open the "Studies" section, in this order (any other follows alphabetically).
 STUDIES = ["why-stable", "balance-is-speed", "report-card"]
@@ -569,9 +569,9 @@ def test_the_site_loads_nothing_from_outside(site):
 # Words from outside the project, and the kit's page
 # ---------------------------------------------------------------------------
 
-#: The words that cite the team's working papers, which readers do not have: the specification (its
-#: name in capitals, its section numbers) and the documents the project grew from (the textbook one,
-#: its checklist, its source tag). A paper's own section, "Switch Transformers (JMLR 2022), \u00a72.2", is a citation a reader
+#: The words that cite documents a reader of the site does not have: the project's own plan (its name in
+#: capitals, its section numbers) and the notes the project grew from (the textbook one, its checklist, its
+#: source tag). A paper's own section, "Switch Transformers (JMLR 2022), \u00a72.2", is a citation a reader
 #: can follow. The words are spelled in pieces here, so that this file's own page does not cite them.
 CAPS, SECTION, SEED, SPEC_WORD = "SP" + "EC", "\u00a7", "se" + "ed", "sp" + "ec"
 OUTSIDE_WORDS = re.compile(
@@ -583,7 +583,7 @@ OUTSIDE_WORDS = re.compile(
 
 
 def outside_words_in(markup: str) -> list[str]:
-    """The words of a page's text (scripts and tags left out) that cite the specification or the seeds."""
+    """The words of a page's text (scripts and tags left out) that cite a document the reader does not have."""
     text = visible_text(re.sub(r"<script.*?</script>", " ", markup, flags=re.S))
     return sorted({m.group(0) for m in OUTSIDE_WORDS.finditer(text)})
 
@@ -610,7 +610,7 @@ def test_hand_written_pages_show_example_figures_through_the_marker():
 
 
 @pytest.mark.slow
-def test_no_page_cites_the_specification_or_the_seeds(site):
+def test_no_page_cites_a_document_the_reader_lacks(site):
     found = {}
     for path in sorted(site.rglob("*.html")):
         rel = path.relative_to(site).as_posix()

@@ -218,3 +218,83 @@ def test_histogram_count_equals_the_portable_scatter_add():
     fast = BiasHistogram(bias, 2, bins=50).add(s)
     portable = BiasHistogram(array_api_strict.asarray(bias), 2, bins=50).add(array_api_strict.asarray(s))
     np.testing.assert_array_equal(fast.counts, to_numpy(portable.counts))
+
+
+# ---------------------------------------------------------------------------
+# The pool of workspaces
+# ---------------------------------------------------------------------------
+
+def test_pool_hands_out_an_array_again_only_once_nothing_refers_to_it():
+    """Held, viewed or wrapped arrays are never handed out; dropped ones are, by kind; the bounds hold."""
+    pool = _fast.WorkspacePool(keep=2, kinds=2)
+    a = pool.empty((3, 4), np.float32)
+    b = pool.empty((3, 4), np.float32)
+    assert a.shape == (3, 4) and a.dtype == np.float32 and a.flags.c_contiguous
+    assert not np.shares_memory(a, b)
+    view, window = a[1:], memoryview(b)
+    del a, b
+    assert pool.held_bytes() == 0  # a view holds a, a memoryview holds b
+    c = pool.empty((3, 4), np.float32)
+    assert not np.shares_memory(c, view) and not np.shares_memory(c, np.asarray(window))
+    assert len(pool._arrays[((3, 4), "<f4")]) == 2  # keep=2: the third made it forget the first (a)
+    del view, window, c
+    assert pool.held_bytes() == 2 * 3 * 4 * 4  # b and c; a is gone with its view
+    wide = pool.empty((3, 4), np.float64)
+    assert wide.dtype == np.float64 and pool.held_bytes() == 2 * 3 * 4 * 4  # another kind, made new
+    assert pool.release() == 2 * 3 * 4 * 4 and pool.held_bytes() == 0
+    kept = [pool.empty((size,), np.float32) for size in (1, 2, 3)]
+    assert len(pool._arrays) == 2 and ((1,), "<f4") not in pool._arrays  # kinds=2: the oldest kind forgotten
+    assert [k.shape for k in kept] == [(1,), (2,), (3,)]
+
+
+def test_pool_reuses_the_memory_of_a_dropped_array():
+    pool = _fast.WorkspacePool()
+    a = pool.empty((5,), np.float64)
+    address = a.__array_interface__["data"][0]
+    del a
+    assert pool.empty((5,), np.float64).__array_interface__["data"][0] == address
+
+
+def test_pool_without_exact_reference_counts_makes_new_arrays():
+    pool = _fast.WorkspacePool()
+    pool._exact = False  # what a free-threaded interpreter gets
+    pool.empty((5,), np.float64)  # dropped at once
+    b = pool.empty((5,), np.float64)
+    assert pool.held_bytes() == 0 and b.shape == (5,) and not pool._arrays
+
+
+# ---------------------------------------------------------------------------
+# The input's gradient as one product
+# ---------------------------------------------------------------------------
+
+@given(st.integers(0, 2), st.sampled_from([np.float32, np.float64]), st.integers(1, 30),
+       st.integers(0, 2**32 - 1))
+@settings(max_examples=20)
+def test_input_backward_in_one_product_equals_the_readable_stages(shared_experts, dtype, m, seed):
+    """`router_and_input_backward` with the fused product against its readable code: x_bar and every gradient."""
+    from refimpl.layer.backward import router_and_input_backward
+    from refimpl.layer.latent_moe import stable_latent_moe
+
+    config = MoEConfig.small(hidden_size=24, latent_size=12, num_experts=6, top_k=2, intermediate_size=8,
+                             num_shared_experts=shared_experts)
+    rng = np.random.default_rng(seed)
+    params = init_params(config, rng, dtype=dtype)
+    x = rng.standard_normal((m, config.d)).astype(dtype)
+    y_bar = rng.standard_normal((m, config.d)).astype(dtype)
+    p_bar = rng.standard_normal((m, config.k)).astype(dtype)
+    z_bar = rng.standard_normal((m, config.ell)).astype(dtype)
+    fwd = stable_latent_moe(x, params, config, save_for_backward=True)
+
+    def run():
+        return router_and_input_backward(x, y_bar, fwd.scores, fwd.index, fwd.kept, p_bar, z_bar, fwd.shared,
+                                         lambda name: params[name], params, config)
+
+    x_bar, grads = run()
+    with readable:
+        x_bar_want, want = run()
+    close(x_bar, x_bar_want, dtype)
+    assert grads.keys() == want.keys()
+    for name, g in want.items():
+        assert grads[name].dtype == g.dtype and grads[name].shape == g.shape, name
+        if g.size:  # without shared experts their gradients are empty
+            close(grads[name], g, dtype)

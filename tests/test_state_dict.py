@@ -32,7 +32,7 @@ TEXTS = {
     "no_latent": dict(hidden_size=8, num_experts=3, num_experts_per_token=1, moe_intermediate_size=4,
                       num_shared_experts=1, hidden_act="silu"),
     "no_norm": dict(hidden_size=8, routed_expert_hidden_size=4, num_experts=3, num_experts_per_token=2,
-                    moe_intermediate_size=4, num_shared_experts=None, hidden_act="situ"),
+                    moe_intermediate_size=4, num_shared_experts=0, hidden_act="situ"),
 }
 
 # MXFP4 needs latent and expert widths that are multiples of 32.
@@ -366,6 +366,21 @@ def test_bfloat16_numpy_arrays_are_widened_exactly():
     back = params_from_hf_state_dict(state_dict, config)
     np.testing.assert_array_equal(back["experts.w1"][1], state_dict["experts.1.w1.weight"].astype(np.float32))
     assert back["gate.e_score_correction_bias"].dtype == np.float32
+
+
+def test_a_null_shared_count_builds_no_module_and_the_writers_zero_element_tensors_are_all_it_lacks():
+    """`num_shared_experts: null` builds no shared module in K3's code (0 builds a width-0 one). A
+    `MoEConfig` holds 0 either way, so the writer writes the width-0 module's zero-element tensors; they hold
+    nothing, and leaving them out gives exactly the null block's `state_dict()`, which the reader reads too."""
+    text = dict(TEXTS["no_norm"], num_shared_experts=None)
+    config, params = _params(text)
+    written = hf_state_dict_from_params(params, config)
+    shared = {name for name in written if name.startswith("shared_experts.")}
+    assert shared and all(written[name].size == 0 for name in shared)
+    without = {name: value for name, value in written.items() if name not in shared}
+    block = _reference_module(text, without)  # strict=True: no shared module, nothing missing or left over
+    assert set(block.state_dict()) == set(without)
+    _assert_params_equal(params_from_hf_state_dict(without, config), params)
 
 
 @pytest.mark.parametrize("shared", [None, 0])

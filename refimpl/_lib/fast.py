@@ -13,6 +13,8 @@ selection would do. This module holds the versions that avoid those costs,
 |---|---|---|
 | `glu_in_place`, `glu_and_grad_by_chunks` | `refimpl.layer.activations.expert_glu`, `expert_glu_and_grad` | writing every step into the products' own buffers, fewer exponentials |
 | `routed_experts_in_buffers`, `routed_experts_backward_in_buffers`, `combine_in_buffers` | the routed expert loops of `refimpl.layer.latent_moe` and `refimpl.layer.backward`, `combine` | gathering into reused buffers, writing products with `out=` |
+| `WorkspacePool`, `WORKSPACES`, `release_workspaces` | every large array of the two loops above, from one call to the next | handing an array out again only once nothing outside the pool refers to it |
+| `input_backward_in_one_product` | the input's gradient in `refimpl.layer.backward.router_and_input_backward` | four products that are summed, as one product of concatenated operands |
 | `topk_by_partition` | `refimpl._lib.xp.topk` | partitioning instead of sorting each row |
 | `kth_largest_by_sampling`, `kth_largest_cupy` | `refimpl.balancing.kth_largest` | a sample that discards most entries first (Floyd and Rivest), CuPy's selection kernel |
 | `cutoffs_by_blocks`, `expert_major_margins_by_blocks` | Eq. (14)'s cutoffs and margins | blocks of tokens that stay in cache |
@@ -28,6 +30,8 @@ path applies (`fast_path_applies`); a reader can ignore this page entirely.
 from __future__ import annotations
 
 import math
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +44,8 @@ __all__ = [
     "GLU_CHUNK",
     "PASS_MARGINS",
     "TRANSPOSE_BLOCK",
+    "WORKSPACES",
+    "WorkspacePool",
     "combine_in_buffers",
     "cutoffs_by_blocks",
     "expert_major_margins_by_blocks",
@@ -48,8 +54,10 @@ __all__ = [
     "glu_and_grad_in_place",
     "glu_in_place",
     "histogram_count_by_experts",
+    "input_backward_in_one_product",
     "kth_largest_by_sampling",
     "kth_largest_cupy",
+    "release_workspaces",
     "routed_experts_backward_in_buffers",
     "routed_experts_in_buffers",
     "topk_by_partition",
@@ -71,6 +79,100 @@ def fast_path_applies(*arrays: Any) -> bool:
         return False
     dtype = arrays[0].dtype
     return dtype in (np.float32, np.float64) and all(a.dtype == dtype for a in arrays)
+
+
+# ---------------------------------------------------------------------------
+# Workspaces kept between calls
+# ---------------------------------------------------------------------------
+
+def _references(arrays: list, i: int) -> int:
+    """How many references the interpreter counts to `arrays[i]` (the list's own included), asked one fixed way."""
+    return sys.getrefcount(arrays[i])
+
+
+#: What `_references` answers for an array that only its list holds, measured once on this interpreter.
+_ALONE = _references([np.empty(1)], 0)
+
+
+class WorkspacePool:
+    r"""Arrays kept from one call to the next, by shape and dtype, so that a training step maps no fresh memory.
+
+    A large NumPy array is memory the operating system maps for it and
+    zeroes page by page when it is first written; at the benchmark size the
+    expert gradient stacks alone are 300 MB a step, and mapping them again
+    at every step costs as much as a third of the step's arithmetic.
+    `empty(shape, dtype)` returns an array this pool made before **only when
+    nothing outside the pool refers to it any more** — no variable, no view
+    or slice of it, no memoryview or tensor built on it, no `MoEOutput` or
+    `backward` function that keeps it — and a new one otherwise. So an array
+    returned to a caller is never handed out again while the caller can
+    still see it: a caller's gradients stay the caller's until the caller
+    lets them go, and only then does their memory serve a later call (what
+    PyTorch's caching allocator does with freed tensors). Only a raw address
+    taken out of an array (`a.ctypes.data`) escapes this count.
+
+    The pool remembers at most `keep` arrays of each shape and dtype; when
+    all of them are in use it makes a new one and forgets the oldest (which
+    stays its holder's). It remembers at most `kinds` shapes and dtypes,
+    forgetting the one used longest ago. So the memory it holds on its own
+    is at most `keep` arrays of each of `kinds` kinds, and `release()` gives
+    all of it back.
+    Thread-safe: the search for an unreferenced array and the handing out
+    happen under one lock, and an array handed out is referenced by its
+    taker before the lock is released. On an interpreter without the global
+    lock (a free-threaded build) reference counts are not exact, and the
+    pool makes a new array every time.
+    """
+
+    def __init__(self, keep: int = 4, kinds: int = 16) -> None:
+        self.keep, self.kinds = keep, kinds
+        self._arrays: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+        self._exact = getattr(sys, "_is_gil_enabled", lambda: True)()
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """An uninitialized C-contiguous array of `shape` and `dtype` that nothing else refers to."""
+        shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
+        if not self._exact:
+            return np.empty(shape, dtype=dtype)
+        with self._lock:
+            arrays = self._arrays.pop((shape, dtype.str), [])
+            self._arrays[(shape, dtype.str)] = arrays  # the kind used last goes last
+            if len(self._arrays) > self.kinds:  # batches of many sizes: forget the kind used longest ago
+                del self._arrays[next(iter(self._arrays))]
+            for i in range(len(arrays)):
+                if _references(arrays, i) == _ALONE:
+                    return arrays[i]
+            arrays.append(np.empty(shape, dtype=dtype))
+            if len(arrays) > self.keep:
+                del arrays[0]  # every one is in use: its holder keeps it, the pool stops recycling it
+            return arrays[-1]
+
+    def held_bytes(self) -> int:
+        """Bytes of the arrays the pool remembers and nobody else refers to: what `release()` would free."""
+        with self._lock:
+            return sum(arrays[i].nbytes for arrays in self._arrays.values() for i in range(len(arrays))
+                       if _references(arrays, i) == _ALONE)
+
+    def release(self) -> int:
+        """Forget every array; returns the bytes that were held by the pool alone (now freed)."""
+        held = self.held_bytes()
+        with self._lock:
+            self._arrays.clear()
+        return held
+
+
+#: The pool of the NumPy fast paths of the layer's forward and backward.
+WORKSPACES = WorkspacePool()
+
+
+def release_workspaces() -> int:
+    """Free the memory the layer's fast paths keep between calls (`WORKSPACES`); returns the bytes freed.
+
+    The next call makes its arrays anew (and keeps them again). Arrays a
+    caller still holds (gradients, a `MoEOutput`) are not touched.
+    """
+    return WORKSPACES.release()
 
 
 # ---------------------------------------------------------------------------
@@ -225,18 +327,27 @@ def routed_experts_in_buffers(z: np.ndarray, dispatch: Any, w1: Any, w3: Any, w2
     products (`refimpl.layer.activations.expert_glu` and `expert_glu_and_grad`
     bound to the config, which run `glu_in_place` and `glu_and_grad_by_chunks`
     after any clamp the config asks for). Each expert's
-    latents are gathered into one buffer sized for the busiest expert, $p\,h$
-    is formed in another, and the down-projection is written straight into
-    its rows of the sorted output (`out=`). With `save=True` the activation's
+    latents are gathered into one buffer sized for the busiest expert, its
+    two products are written into two more (with `save=True`, into its rows
+    of two `[m*k, f]` arrays of the pool, `WORKSPACES`, which the backward
+    reads), where the activation then runs in place, $p\,h$ is
+    formed in another buffer, and the down-projection is written straight
+    into its rows of the sorted output (`out=`, also from the pool). With `save=True` the activation's
     partials are kept per expert (`hidden[e] = (h, da, db)`) for the backward;
     the sorted output is returned so that the backward can reuse its memory.
     """
     dtype = z.dtype
-    out_sorted = np.empty((dispatch.token.shape[0], w2.shape[1]), dtype=dtype)  # [m*k, l]
+    slots, f = dispatch.token.shape[0], w1.shape[1]
+    out_sorted = WORKSPACES.empty((slots, w2.shape[1]), dtype)  # [m*k, l]
     experts = dispatch.experts()
     busiest = int(np.max(np.diff(dispatch.start))) if experts else 0
     z_buf = np.empty((busiest, z.shape[1]), dtype=dtype)  # [m_e, l]
-    ph_buf = np.empty((busiest, w1.shape[1]), dtype=dtype)  # [m_e, f]
+    ph_buf = np.empty((busiest, f), dtype=dtype)  # [m_e, f]
+    # The two products: kept for the backward (as h and d_b phi), those of every slot in sorted order, [m*k, f]
+    # each, from the pool; otherwise one expert's at a time, in buffers sized for the busiest expert.
+    products = (slots if save else busiest, f)
+    gate_all, up_all = (WORKSPACES.empty(products, dtype) if save else np.empty(products, dtype=dtype)
+                        for _ in range(2))
     hidden: dict[int, tuple] | None = {} if save else None
     for e in experts:
         rows = dispatch.rows(e)
@@ -245,11 +356,13 @@ def routed_experts_in_buffers(z: np.ndarray, dispatch: Any, w1: Any, w3: Any, w2
         np.take(z, dispatch.token[rows], axis=0, out=z_e, mode="clip")  # [m_e, l]
         g_e, u_e, d_e = (np.asarray(w[e, ...], dtype=dtype) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
         glu, glu_and_grad = activation
+        kept = rows if save else slice(0, m_e)
+        gate, up = np.matmul(z_e, g_e.T, out=gate_all[kept]), np.matmul(z_e, u_e.T, out=up_all[kept])
         if save:
-            hidden[e] = glu_and_grad(z_e @ g_e.T, z_e @ u_e.T)  # [m_e, f] x3
+            hidden[e] = glu_and_grad(gate, up)  # [m_e, f] x3
             h = hidden[e][0]
         else:
-            h = glu(z_e @ g_e.T, z_e @ u_e.T)  # [m_e, f]
+            h = glu(gate, up)  # [m_e, f]
         np.multiply(h, dispatch.weight[rows, :], out=ph)
         np.matmul(ph, d_e.T, out=out_sorted[rows, :])  # [m_e, l]
         del g_e, u_e, d_e, h  # drop this expert before the next one is decoded (packed stacks)
@@ -268,7 +381,9 @@ def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: A
     per-expert array is a slice of one of six buffers sized for the busiest
     expert, and the three weight gradients are written by their product
     straight into the stacks (`out=dw[e]`), zeroed only for experts without
-    tokens. A transposed operand (`a.T` of a C-contiguous block) costs no
+    tokens. New stacks come from the pool (`WORKSPACES`): at the second step
+    they are the memory of gradients the caller has let go of, not fresh
+    pages. A transposed operand (`a.T` of a C-contiguous block) costs no
     copy: BLAS reads it with its transpose flag. With `out` (three stacks of
     the gradients' shapes and dtype) the gradients are written there.
     """
@@ -277,11 +392,12 @@ def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: A
     dtype = z.dtype
     workspace = saved.workspace
     reuse = workspace is not None and workspace.dtype == dtype and workspace.shape == (m * k, ell)
-    dz_sorted = workspace if reuse else np.empty((m * k, ell), dtype=dtype)  # [m*k, l]
-    dp_sorted = np.empty((m * k,), dtype=dtype)  # [m*k]
-    dw1, dw3, dw2 = out if out is not None else (np.empty((n, f, ell), dtype=dtype),
-                                                 np.empty((n, f, ell), dtype=dtype),
-                                                 np.empty((n, ell, f), dtype=dtype))
+    dz_sorted = workspace if reuse else WORKSPACES.empty((m * k, ell), dtype)  # [m*k, l]
+    dp_sorted = WORKSPACES.empty((m * k,), dtype)  # [m*k]
+    # New gradient stacks come from the pool: memory a caller let go of at an earlier step, never one it holds.
+    dw1, dw3, dw2 = out if out is not None else (WORKSPACES.empty((n, f, ell), dtype),
+                                                 WORKSPACES.empty((n, f, ell), dtype),
+                                                 WORKSPACES.empty((n, ell, f), dtype))
     experts = dispatch.experts()
     idle = np.setdiff1d(np.arange(n), experts)
     dw1[idle], dw3[idle], dw2[idle] = 0, 0, 0
@@ -298,8 +414,7 @@ def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: A
         h, dh_da, dh_db = saved.hidden[e]  # [m_e, f] each
         g_e, u_e, d_e = (np.asarray(w[e, ...], dtype=dtype) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
         np.matmul(du_e, d_e, out=o_bar)  # o_bar = du_e D_e
-        np.multiply(o_bar, h, out=a_bar)
-        np.sum(a_bar, axis=1, out=dp_sorted[rows])  # dp = o_bar . h
+        np.einsum("tf,tf->t", o_bar, h, out=dp_sorted[rows])  # dp = o_bar . h, one pass and no temporary
         np.multiply(h, p_e, out=a_bar)
         np.matmul(du_e.T, a_bar, out=dw2[e])  # dD_e = du_e^T (p h)
         o_bar *= p_e  # h_bar
@@ -311,6 +426,57 @@ def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: A
         dz_sorted[rows] += np.matmul(b_bar, u_e, out=lat)  # + b_bar U_e
     dweights = np.take(dp_sorted, dispatch.position.reshape(m * k)).reshape(m, k)  # [m, k]
     return combine_in_buffers(dz_sorted, dispatch.position), dweights, dw1, dw3, dw2
+
+
+def input_backward_in_one_product(h: np.ndarray, y_bar: np.ndarray, logit_bar: np.ndarray, z_bar: np.ndarray,
+                                  shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None, w_gate: np.ndarray,
+                                  w_down: np.ndarray, gate_proj: np.ndarray, up_proj: np.ndarray,
+                                  down_proj: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    r"""Stages 1, 3 and 8 of `refimpl.layer.backward.router_and_input_backward` on NumPy, the input's gradient as one product.
+
+    The readable code adds four products for $\bar x$ (the router's, the
+    down-projection's, the shared gate's and the shared up's), each a pass
+    over an `[m, d]` array, and the router's has only $n$ terms per entry,
+    too few for the BLAS to run at speed. Their sum is one product of
+    concatenated operands,
+
+    $$\bar x = [\bar z_r \,|\, \bar z \,|\, \bar a_s \,|\, \bar b_s]\,
+    [W_r;\, W_\downarrow;\, G_s;\, U_s],$$
+
+    with $n + \ell + 2 N_s f$ terms per entry, written once. The shared
+    experts' $\bar a_s$, $\bar b_s$ are formed straight into their columns
+    of the left operand (from the pool); the weight gradients are the same
+    products as the readable code's, read from those columns. `h` `[m, d]`
+    is the input, `y_bar` `[m, d]` the upstream gradient, `logit_bar` `[m, n]`
+    and `z_bar` `[m, l]` the gradients in the router logits and the latent,
+    `shared` the shared experts' saved `(h, da, db)` or None. Returns
+    `(x_bar, grads)` with the router's, the down-projection's and the shared
+    experts' weight gradients by name.
+    """
+    m, n, ell = h.shape[0], logit_bar.shape[1], z_bar.shape[1]
+    width_s = gate_proj.shape[0] if shared is not None else 0
+    left = WORKSPACES.empty((m, n + ell + 2 * width_s), h.dtype)  # [m, n + l + 2 N_s f]
+    logit_cols, latent_cols = left[:, :n], left[:, n:n + ell]
+    np.copyto(logit_cols, logit_bar)
+    np.copyto(latent_cols, z_bar)
+    grads = {"gate.weight": np.matmul(logit_cols.T, h),  # [n, d]
+             "routed_expert_down_proj.weight": np.matmul(latent_cols.T, h)}  # [l, d]
+    right = [w_gate, w_down]
+    if shared is not None:
+        hidden, dh_da, dh_db = shared  # [m, N_s f] each
+        h_bar = y_bar @ down_proj  # [m, N_s f]
+        a_bar = np.multiply(h_bar, dh_da, out=left[:, n + ell:n + ell + width_s])
+        b_bar = np.multiply(h_bar, dh_db, out=left[:, n + ell + width_s:])
+        grads["shared_experts.gate_proj.weight"] = np.matmul(a_bar.T, h)  # [N_s f, d]
+        grads["shared_experts.up_proj.weight"] = np.matmul(b_bar.T, h)
+        grads["shared_experts.down_proj.weight"] = np.matmul(y_bar.T, hidden)  # [d, N_s f]
+        right += [gate_proj, up_proj]
+    else:  # no shared experts: zero gradients of their (empty) weights
+        grads.update({name: np.zeros(w.shape, dtype=h.dtype) for name, w in (
+            ("shared_experts.gate_proj.weight", gate_proj), ("shared_experts.up_proj.weight", up_proj),
+            ("shared_experts.down_proj.weight", down_proj))})
+    x_bar = left @ np.concatenate(right, axis=0)  # [m, d]
+    return x_bar, grads
 
 
 # ---------------------------------------------------------------------------
