@@ -194,6 +194,9 @@ class HFFamily:
     wraps: str | None = None
     #: where the block's code is when the pinned transformers does not ship it (a draft); None: it ships
     draft: str | None = None
+    #: the configuration class of a draft, when it extends a shipped family's: that family's `model_type` (whose
+    #: keys and defaults it takes) and the `MoEConfig` fields it adds under K3's own keys (`HF_KEYS`)
+    draft_config: tuple[str, tuple[str, ...]] | None = None
     #: reads the family's own extra keys (Nemotron-H's latent and shared width) into `MoEConfig` fields
     extra_fields: Callable[[Mapping[str, Any], str, Mapping[str, Any]], dict[str, Any]] | None = None
     #: writes the family's own extra keys from `MoEConfig` fields (a mapping): the inverse of `extra_fields`
@@ -625,7 +628,8 @@ ALL_RECORDS: dict[str, HFFamily] = {
                                    "latent_moe_use_norm": True, "hidden_act": "situ", "num_hidden_layers": 3,
                                    "first_k_dense_replace": 1, "moe_layer_freq": 1}},
         draft="huggingface/transformers PR #47670, "
-        "src/transformers/models/kimi_k3/modular_kimi_k3.py at aa83b548"),
+        "src/transformers/models/kimi_k3/modular_kimi_k3.py at aa83b548",
+        draft_config=("deepseek_v3", ("latent_size", "situ_beta", "situ_linear_beta"))),
 }
 
 #: Keys that only K3's own modeling code reads (transformers' `KimiLinearConfig` ignores them): a `kimi_linear`

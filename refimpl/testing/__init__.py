@@ -38,7 +38,7 @@ is shown with the kit's installation).
 | `check_balancer` | `make(initial_bias, top_k) -> step`, `step(scores) -> index` | `route` with the biases of Eq. (14) | no look-ahead: a batch is routed with a bias fixed before it was seen |
 | `check_forward` | `fn(x, params, config) -> y` | `stable_latent_moe` | within the `rtol`/`atol` you choose for your dtype |
 | `check_capacity` | `fn(index, weights, num_experts, capacity) -> (kept, new_weights)` | `capacity_keep` (or, declared with `order="token_major"`, MaxText's token-major order) | capacity never exceeded; nothing dropped without need; rank order, then token order; no renormalization after a drop |
-| `check_hf_moe_block` | `build(text_config, state_dict) -> forward`, `forward(x) -> y` | `stable_latent_moe` on the same weights | configurations of K3's modeling code (or, with `model_type`, of DeepSeek-V3, GLM-4 MoE, Kimi Linear, Qwen3-MoE, Mixtral or Nemotron-H in transformers), MXFP4 experts, biases shifted far from zero; one build asked several inputs; a failure names every catalogued convention difference that reproduces it (`conventions.CATALOGUE`) |
+| `check_hf_moe_block` | `build(text_config, state_dict) -> forward`, `forward(x) -> y` | `stable_latent_moe` on the same weights | configurations of K3's modeling code (or, with `model_type`, of DeepSeek-V3, GLM-4 MoE, Kimi Linear, Qwen3-MoE, Mixtral or Nemotron-H in transformers, or of K3 in transformers' draft), MXFP4 experts, biases shifted far from zero; one build asked several inputs; a failure names every catalogued convention difference that reproduces it (`conventions.CATALOGUE`) |
 
 `check_hf_moe_block` is the way in for a whole block written against
 Hugging Face names (an `nn.Module` that loads the checkpoint's tensors): it
@@ -48,6 +48,20 @@ tests. A port of another model passes `model_type="deepseek_v3"` (or
 `"glm4_moe"`, `"kimi_linear"`, `"qwen3_moe"`, `"mixtral"`, `"nemotron_h"`) and is held to that
 model's keys, tensor names and rules. The page "Conventions across frameworks" lists what its catalogue
 tells apart.
+
+A port of K3 in transformers' draft layout (its `KimiK3MoE`) passes
+`model_type="kimi_k3"`. The keys are the draft's: DeepSeek-V3's
+configuration keys plus `routed_expert_hidden_size`, `activation_situ_beta`
+and `activation_situ_linear_beta`. The tensors are its block's:
+`experts.gate_up_proj` `[n, 2f, l]` (gate rows first), `experts.down_proj`
+`[n, l, f]`, `routed_expert_down_proj`, `routed_expert_norm`,
+`routed_expert_up_proj`, `gate.weight`, `gate.e_score_correction_bias` and
+`shared_experts.*`. The output is held to K3's code: a single chosen weight
+stays the raw score, where the draft's DeepSeek-V3 router renormalizes it
+(named `top1_renormalized`; a port that keeps the draft's router declines
+`num_experts_per_tok == 1` with `Unsupported`). K3's latent norm divides a
+single weight out again but for its epsilon, so a pass says on how many
+top-1 cases the two could be told apart, or that none could.
 
 Why invariants and not only agreement: a disagreement says *that* something
 is wrong; a broken invariant often says *what*. A router that subtracts the

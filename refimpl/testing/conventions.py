@@ -72,12 +72,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ..families import FAMILIES
 from ..layer.activations import rms_norm
 from ..layer.latent_moe import MoEParams, latent_output, routed_experts, stable_latent_moe
 from ..layer.routing import biased_scores, route, router_scores, score_function_values
 from ..mx import mxfp4_decode
-from .hf_cases import HFBlockCase
+from .hf_cases import HFBlockCase, keys_family, kit_family
 
 __all__ = ["CATALOGUE", "Convention", "convention"]
 
@@ -288,7 +287,7 @@ def _absent_k3_fields(case: HFBlockCase) -> dict[str, object]:
     """The fields whose key `case.text_config` leaves out, where K3's code would read another value."""
     if case.model_type is None:
         return {}
-    keys = FAMILIES[case.model_type].keys
+    keys = keys_family(kit_family(case.model_type)).keys
     return {field: value for field, value in _K3_ABSENT.items()
             if field in keys and keys[field].key not in case.text_config and getattr(case.config, field) != value}
 
@@ -467,7 +466,9 @@ def _grouped(case: HFBlockCase) -> bool:
 
 
 def _top1_with_renormalize_key(case: HFBlockCase) -> bool:
-    return case.config.top_k == 1 and case.text_config.get("moe_renormalize", True) is not False
+    """A top-1 case whose renormalization key says true (or is absent and means true), which K3's code ignores."""
+    key, absent = case.renormalize_key
+    return case.config.top_k == 1 and case.text_config.get(key, absent) is not False
 
 
 #: Every catalogued convention difference, in the order a report lists them.
@@ -482,13 +483,13 @@ CATALOGUE: tuple[Convention, ...] = (
     Convention("scale_never_applied", "routed_scaling_factor never applied", None, _scaled, _scale_never_applied),
     Convention("top1_renormalized",
                "with top_k = 1 the single weight renormalized to 1 (the reference keeps the raw score)", None,
-               lambda c: c.model_type is None and _top1_with_renormalize_key(c), _top1_renormalized),
+               lambda c: c.k3_rules and _top1_with_renormalize_key(c), _top1_renormalized),
     Convention("top1_kept_raw",
                "with top_k = 1 the single weight kept raw, as K3's code does (this model renormalizes it to 1)",
-               None, lambda c: c.model_type is not None and c.config.top_k == 1 and c.config.renormalize,
+               None, lambda c: not c.k3_rules and c.config.top_k == 1 and c.config.renormalize,
                _renormalization_flipped),
     Convention("renormalization_flipped", "the renormalization switch (moe_renormalize, norm_topk_prob) read the "
-               "other way", None, lambda c: c.config.top_k > 1 or c.model_type is not None,
+               "other way", None, lambda c: c.config.top_k > 1 or not c.k3_rules,
                _renormalization_flipped),
     Convention("groups_by_max", "a group scored by its best expert instead of the sum of its two best",
                "vLLM #13474, #46869", _grouped, _groups_by_max),

@@ -42,7 +42,10 @@ hands the tensors of that block's `state_dict()` (fused experts
 experts where the block has none; in some cases a bias far from zero, where
 trained checkpoints hold it) and computes the expected output as that model
 does: DeepSeek-V3 renormalizes a single chosen weight where K3 keeps it raw,
-Mixtral always renormalizes, Qwen3-MoE only with `norm_topk_prob`. The ten
+Mixtral always renormalizes, Qwen3-MoE only with `norm_topk_prob`. K3 in
+transformers' draft (`model_type="kimi_k3"`) gets the draft's keys and fused
+tensors and is held to K3's code: its one difference, a renormalized single
+weight, is named `top1_renormalized`. The ten
 lines a porter pastes, here with transformers' own block standing in for the port:
 
 ```python
@@ -156,10 +159,9 @@ from hypothesis import strategies as st
 
 from .._lib.values import switch_value
 from .._lib.xp import dtype_name
-from ..families import FAMILIES, family_of
 from ..layer.latent_moe import stable_latent_moe
 from ..layer.routing import biased_scores
-from .conventions import CATALOGUE, Convention
+from .conventions import CATALOGUE, Convention, convention
 from .hf_cases import (
     CONDITIONING,
     GROWTH,
@@ -168,6 +170,7 @@ from .hf_cases import (
     HFBlockCase,
     check_pinned,
     hf_block_cases,
+    kit_family,
     tolerance,
 )
 from .outputs import float_output, fmt
@@ -384,8 +387,9 @@ def _diagnose(v: _Mismatch, run: Callable[[HFBlockCase], np.ndarray],
 def _shapes(case: HFBlockCase) -> str:
     c = case.config
     if case.model_type is not None:
-        fused = ("experts.up_proj [n, f, l] and experts.down_proj [n, l, f] (ungated)" if c.activation == "relu2"
-                 else "experts.gate_up_proj [n, 2f, d] and experts.down_proj [n, d, f]")
+        w = "l" if c.use_latent_projection else "d"  # the width the experts see
+        fused = (f"experts.up_proj [n, f, {w}] and experts.down_proj [n, {w}, f] (ungated)" if c.activation == "relu2"
+                 else f"experts.gate_up_proj [n, 2f, {w}] (gate rows first) and experts.down_proj [n, {w}, f]")
         latent = f", l = {c.latent_size}" if c.use_latent_projection else ""
         return (f"shapes: x [{case.tokens}, {c.hidden_size}]; d = {c.hidden_size}{latent}, n = {c.num_experts}, "
                 f"k = {c.top_k}, f = {c.intermediate_size}, shared width {c.shared_size}; experts fused as {fused}")
@@ -403,7 +407,14 @@ def _inputs(case: HFBlockCase) -> dict[str, Any]:
 
 def _family_semantics(model_type: str) -> str:
     """What transformers' block of `model_type` computes, for the report."""
-    family = family_of(model_type)
+    family = kit_family(model_type)
+    if family.draft_config is not None:
+        return (f"transformers' draft {family.block_class} held to K3's code: float32 gate, sigmoid scores, top-k of "
+                "s + b (groups by their two best, the others masked with -inf), weights from the raw s, renormalized "
+                "when top_k > 1 and norm_topk_prob (a single weight stays the raw score: the draft's DeepSeek-V3 "
+                "router renormalizes it, named top1_renormalized), times routed_scaling_factor; SiTU-GLU experts on "
+                "the latent routed_expert_down_proj x, summed in float32, the latent RMSNorm (rms_norm_eps), "
+                "routed_expert_up_proj, plus the shared experts")
     if model_type == "nemotron_h":
         return ("transformers' NemotronHMoE (NVIDIA's LatentMoE): float32 gate, sigmoid scores, top-k of s + b "
                 "(groups by their two best, the others masked with -inf), weights from the raw s, renormalized when "
@@ -514,7 +525,9 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
     how many the build declined with `refimpl.testing.Unsupported`.
 
     `model_type` names a transformers family instead of K3 (`"deepseek_v3"`,
-    `"glm4_moe"`, `"kimi_linear"`, `"qwen3_moe"`, `"mixtral"`, `"nemotron_h"`): the check
+    `"glm4_moe"`, `"kimi_linear"`, `"qwen3_moe"`, `"mixtral"`, `"nemotron_h"`), or
+    K3 in transformers' draft (`"kimi_k3"`: DeepSeek-V3's keys plus the draft's
+    latent and SiTU keys, its fused tensors, K3's code's rules): the check
     then draws that model's own configuration keys (`ConfigClass(**text_config)`
     builds them), hands the tensors of that block's `state_dict()` (fused
     experts; no bias or shared experts where the block has none; selection
@@ -527,7 +540,7 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
     pinned = check_pinned(pinned)
     mxfp4 = switch_value(mxfp4, "mxfp4")
     if model_type is not None:
-        family_of(model_type)  # an unknown family is an error before anything runs
+        kit_family(model_type)  # an unknown family is an error before anything runs
         mxfp4 = False
     dense = hf_block_cases(dtype=dtype, max_tokens=max_tokens, max_experts=max_experts, model_type=model_type,
                            pinned=pinned)
@@ -542,7 +555,7 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
                   "batch x' and x again answers each as the reference does, and leaves what it was handed as it was",
                   dense, port.several_inputs, describe=_inputs),
     ]
-    if model_type is None or FAMILIES[model_type].has_bias:
+    if model_type is None or kit_family(model_type).has_bias:
         invariants.append(Invariant(
             "unchanged when every bias shifts by one constant",
             "the selection ranks s + b per token, so adding one constant to every expert's bias, however far "
@@ -572,7 +585,29 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
     named = [name for o in differences if o.violation is not None for name in o.violation.conventions]
     notes = ([f"Distinct differences named: {', '.join(named)} (each with its own case below)."]
              if len(named) > 1 else [])
+    if differences[0].violation is None:
+        notes += single_weight_note(**port.single_weight)
     return outcome_of("check_hf_moe_block", outcomes, [], resolved, notes)
+
+
+def single_weight_note(covered: int, visible: int) -> list[str]:
+    """What the passing cases said of a single weight: kept raw (K3's code) or renormalized (DeepSeek-V3's router).
+
+    With `top_k = 1` K3's code keeps the raw score; a port routing with DeepSeek-V3's router (transformers'
+    draft of K3) renormalizes it to `routed_scaling_factor`. K3's latent RMSNorm divides a token's one weight
+    out again but for its epsilon, so the two differ only where the latent sum is small against the epsilon:
+    `visible` of the `covered` top-1 cases (those whose renormalization key says true) could tell them apart.
+    """
+    if not covered:
+        return []
+    if not visible:
+        return [f"the check could not tell whether the block renormalizes a single weight: on none of the {covered} "
+                "top-1 cases covered would renormalizing it (top1_renormalized) change the output beyond the "
+                "tolerance (K3's latent norm divides a single weight out again but for its epsilon, rms_norm_eps: "
+                "the two differ only where a token's latent sum is small against it)"]
+    return [f"a single weight kept raw, as K3's code does, was told apart from a renormalized one "
+            f"(top1_renormalized) on {visible} of the {covered} top-1 cases covered (on the others K3's latent norm "
+            "divides a single weight out again but for its epsilon)"]
 
 
 _K3_SEMANTICS = ("the reference KimiSparseMoeBlock: float32 gate, top-k of s + b (groups by their two best), weights "
@@ -626,6 +661,10 @@ class _Port:
 
     def __init__(self, build: Callable[..., Any]):
         self.build = build
+        #: In the first round of "matches the reference block": the covered cases on which K3's code keeps a
+        #: single weight raw where renormalizing it is plausible (`top1_renormalized` applies), and how many of
+        #: them a renormalized single weight would change (`single_weight_note`).
+        self.single_weight = {"covered": 0, "visible": 0}
 
     def forward_of(self, case: HFBlockCase) -> tuple[Callable[[np.ndarray], Any], tuple, tuple]:
         """`build(text_config, state_dict)`'s forward, the copies it was handed, and copies of them as they were."""
@@ -659,11 +698,17 @@ class _Port:
     def matches(self, scope: Sequence[Convention] = (), relative: float | None = None
                 ) -> Callable[[HFBlockCase], None]:
         """The body of "matches the reference block", with the cases where `scope` shows left out."""
+        first = not scope and relative is None
+        top1 = convention("top1_renormalized")
+
         def body(case: HFBlockCase) -> None:
             ref = reference_output(case, relative)
             if any(_visible(entry, case, ref) for entry in scope):
                 raise OutOfScope
             _compare(self.run(case), case, ref)
+            if first and top1.applies(case):
+                self.single_weight["covered"] += 1
+                self.single_weight["visible"] += _visible(top1, case, ref)
         return body
 
     def several_inputs(self, case: HFBlockCase) -> None:

@@ -11,18 +11,19 @@ import numpy as np
 from hypothesis import reject
 from hypothesis import strategies as st
 
-from .._lib.values import seed_value, switch_value
+from .._lib.values import factor_value, integer_value, seed_value, switch_value
 from .._lib.xp import dtype_name
 from ..checkpoints import ExpertStack
 from ..checkpoints.state_dict import hf_state_dict_from_params
-from ..config import MoEConfig
-from ..families import FAMILIES, family_of
+from ..config import HF_KEYS, MoEConfig
+from ..families import ALL_RECORDS, FAMILIES, HFFamily, read_family_fields
 from ..layer.latent_moe import MoEParams, init_params, stable_latent_moe
 from ..mx import mxfp4_decode, mxfp4_encode
 from .strategies import checked_switches
 
-__all__ = ["CONDITIONING", "GROWTH", "K3_AUTO_MAP", "ROUTING_RESOLUTION", "UNIT_ROUNDOFF", "HFBlockCase", "check_pinned", "hf_block_case",
-           "hf_block_cases", "hf_family_text_configs", "hf_text_configs", "tolerance"]
+__all__ = ["CONDITIONING", "GROWTH", "K3_AUTO_MAP", "ROUTING_RESOLUTION", "UNIT_ROUNDOFF", "HFBlockCase", "check_pinned",
+           "draft_moe_config", "hf_block_case", "hf_block_cases", "hf_family_text_configs", "hf_text_configs",
+           "keys_family", "kit_family", "kit_model_types", "tolerance"]
 
 #: The error growth $G$ of the block: the tolerance is $G u$ times a token's size.
 GROWTH = 2.0**7
@@ -47,6 +48,66 @@ def tolerance(dtype: Any) -> float:
 
 
 # ---------------------------------------------------------------------------
+# The models the check draws for: transformers' families, and drafts built on one of them
+# ---------------------------------------------------------------------------
+
+def kit_model_types() -> list[str]:
+    """The `model_type`s the block check draws: every family of `FAMILIES`, and every draft whose configuration
+    class extends one of them (`HFFamily.draft_config`: K3's `kimi_k3`)."""
+    return [*FAMILIES, *(name for name, record in ALL_RECORDS.items() if record.draft_config is not None)]
+
+
+def kit_family(model_type: Any) -> HFFamily:
+    """The record of a `model_type` the block check draws; a `ValueError` naming it and the known ones otherwise."""
+    known = kit_model_types()
+    if not isinstance(model_type, str) or model_type not in known:
+        raise ValueError(f"model_type must be one of {sorted(known)} (the MoE blocks the check draws "
+                         f"configurations of), got {model_type!r}")
+    return ALL_RECORDS[model_type]
+
+
+def keys_family(family: HFFamily) -> HFFamily:
+    """The family whose configuration keys (and class defaults) `family`'s configuration holds: its own, or, for
+    a draft, the shipped family whose class its configuration class extends."""
+    return FAMILIES[family.draft_config[0]] if family.draft_config is not None else family
+
+
+def draft_moe_config(text_config: Mapping[str, Any], family: HFFamily, where: str = "text_config") -> MoEConfig:
+    """The layer a draft's configuration keys describe, computed by K3's code's rules.
+
+    transformers' draft of K3 (`kimi_k3`) configures its block with DeepSeek-V3's keys (their class's defaults
+    for absent ones) and three of K3's own, always written here: the latent width `routed_expert_hidden_size`
+    and SiTU's `activation_situ_beta` and `activation_situ_linear_beta` (null: the up branch uncapped). Its
+    block always has the latent, its norm and SiTU-GLU experts. The layer is K3's: with `top_k = 1` the single
+    weight is the raw score, whatever `norm_topk_prob` says (K3's code renormalizes only when `top_k > 1`; the
+    draft's DeepSeek-V3 router renormalizes a single weight too, a difference the check names).
+    """
+    if family.draft_config is None:
+        raise ValueError(f"model_type {family.model_type!r} has no draft configuration class")
+    base, added = family.draft_config
+    fields = read_family_fields(text_config, where, FAMILIES[base])
+    fields.update(family.fixed)
+    fields["activation"] = family.activation
+    for name in added:
+        key = HF_KEYS[name]
+        if key not in text_config:
+            raise ValueError(f"{where}[{key!r}] is required (the draft's block reads it), got no such key")
+        value, label = text_config[key], f"{where}[{key!r}]"
+        if name == "latent_size":
+            fields[name] = integer_value(value, label, low=1)
+        elif value is None and name == "situ_linear_beta":
+            fields[name] = None  # the draft leaves the up branch uncapped
+        else:
+            fields[name] = factor_value(value, label)
+    if fields["top_k"] == 1:
+        fields["renormalize"] = False  # K3's code renormalizes only when top_k > 1
+    try:
+        return MoEConfig(**fields)
+    except (TypeError, ValueError) as exc:  # a combination of keys no layer has (top_k > num_experts, ...)
+        raise ValueError(f"{where} describes no layer this package computes: {exc}") from None
+
+
+# ---------------------------------------------------------------------------
 # A case: a config, a seed, and everything rebuilt from them
 # ---------------------------------------------------------------------------
 
@@ -68,7 +129,8 @@ class HFBlockCase:
     activation_scale: float = 1.0
     mxfp4: bool = False
     dtype: Any = field(default=np.float32)
-    model_type: str | None = None  #: None: K3's block; else a transformers family's (`refimpl.families`)
+    #: None: K3's block; else a transformers family's, or a draft's (`kit_model_types`, `refimpl.families`)
+    model_type: str | None = None
     bias_offset: float = 0.0  #: added to every expert's selection bias (trained biases sit far from zero)
     #: which batch of tokens: 0 is drawn from `seed` after the weights, another from `(seed, batch)` (the same
     #: weights, other tokens: one build is asked several inputs)
@@ -76,8 +138,24 @@ class HFBlockCase:
 
     @cached_property
     def config(self) -> MoEConfig:
-        """The `MoEConfig` the reference code builds from `text_config` (K3's code, or the family's class)."""
+        """The `MoEConfig` the reference code builds from `text_config`: K3's code, the family's class, or, for a
+        draft of K3 (`draft_moe_config`), its keys with K3's code's rules."""
+        if self.model_type is not None and kit_family(self.model_type).draft_config is not None:
+            return draft_moe_config(self.text_config, kit_family(self.model_type))
         return MoEConfig.from_hf_config(self.text_config, code="transformers" if self.model_type else "k3")
+
+    @property
+    def k3_rules(self) -> bool:
+        """Whether the expected output follows K3's code (K3's cases, and a draft of K3's), not a family's class."""
+        return self.model_type is None or kit_family(self.model_type).k3_configuration
+
+    @property
+    def renormalize_key(self) -> tuple[str, bool]:
+        """The key that switches renormalization in `text_config`, and what its absence means."""
+        if self.model_type is None:
+            return HF_KEYS["renormalize"], True
+        spec = keys_family(kit_family(self.model_type)).keys.get("renormalize")
+        return (spec.key, spec.default) if spec is not None else (HF_KEYS["renormalize"], self.config.renormalize)
 
     @cached_property
     def _drawn(self) -> tuple[MoEParams, MoEParams, np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
@@ -88,7 +166,7 @@ class HFBlockCase:
         # scores (sigmoid scores spread over about 0.2, softmax scores over about 1/n).
         spread = 0.2 if config.score_function == "sigmoid" else 0.2 / config.num_experts
         p = init_params(config, rng, dtype=np.float64, bias_scale=spread)
-        if self.model_type is not None and not FAMILIES[self.model_type].has_bias:
+        if self.model_type is not None and not kit_family(self.model_type).has_bias:
             p["gate.e_score_correction_bias"] = np.zeros(config.num_experts)  # the block's router has none
         else:
             p["gate.e_score_correction_bias"] = p["gate.e_score_correction_bias"] + self.bias_offset
@@ -201,7 +279,7 @@ def hf_block_case(text_config: Mapping[str, Any], seed: int, *, tokens: int = 4,
             and np.isfinite(bias_offset)):
         raise ValueError(f"bias_offset must be a finite number, got {bias_offset!r}")
     if model_type is not None:
-        family_of(model_type)
+        kit_family(model_type)
         if mxfp4:
             raise ValueError(f"mxfp4=True is K3's packed layout; model_type={model_type!r} stores float experts")
     case = HFBlockCase(dict(text_config), seed, tokens, float(activation_scale), bool(mxfp4), np.dtype(dtype),
@@ -334,8 +412,11 @@ def hf_family_text_configs(draw: st.DrawFn, model_type: str, *, max_experts: int
     renormalization switch, the shared experts, the groups (when the class's default fits the drawn experts),
     DeepSeek-V4's `swiglu_limit`. DeepSeek-V4's layer is a top-k layer: its hash layers route by a stored table,
     which the reference of the kit does not draw. Every key of `pinned` keeps its pinned value.
+
+    A draft whose configuration class extends a family's (`kimi_k3`: DeepSeek-V3's keys) is drawn in that
+    family's keys, plus the draft's own (`draft_moe_config`), which are always written.
     """
-    family = family_of(model_type)
+    family = keys_family(kit_family(model_type))
     keys = _Keys(draw, check_pinned(pinned))
     spelled = {field: spec.key for field, spec in family.keys.items()}
     keys.text["model_type"] = model_type
@@ -377,7 +458,16 @@ def hf_family_text_configs(draw: st.DrawFn, model_type: str, *, max_experts: int
     maybe("renormalize", [True, False])
     maybe("routed_scaling_factor", [2.5, 1.0, 0.5])
     maybe("swiglu_limit", [0.5, 3.0])  # DeepSeek-V4's clamp; small, so that it cuts
+    draft = kit_family(model_type).draft_config
+    for name in draft[1] if draft is not None else ():
+        strategy = _integer_at_most(d, 2, 10) if name == "latent_size" else _DRAFT_VALUES[name]
+        keys.set(HF_KEYS[name], strategy)
     return keys.done()
+
+
+#: The values drawn for a draft's own keys beyond the latent width: SiTU's gate cap (always a number in the
+#: draft's code), and the up branch's cap or none.
+_DRAFT_VALUES = {"situ_beta": st.sampled_from([4.0, 1.5]), "situ_linear_beta": st.sampled_from([25.0, 3.0, None])}
 
 
 @checked_switches("mxfp4")
@@ -397,7 +487,7 @@ def hf_block_cases(draw: st.DrawFn, *, mxfp4: bool = False, dtype: Any = np.floa
         offset = 0.0
     else:
         text = draw(hf_family_text_configs(model_type, max_experts=max_experts, pinned=pinned))
-        offset = draw(st.sampled_from([0.0, 3.0, -20.0]), label="bias_offset") if FAMILIES[model_type].has_bias else 0.0
+        offset = draw(st.sampled_from([0.0, 3.0, -20.0]), label="bias_offset") if kit_family(model_type).has_bias else 0.0
     seed = draw(st.integers(0, 2**32 - 1), label="seed")
     tokens = draw(st.integers(1, max_tokens), label="tokens")
     scale = draw(st.sampled_from([1.0, 6.0]), label="activation_scale")

@@ -132,13 +132,15 @@ class CheckResult:
     """What a check that passed ran: its name, the invariants it verified and how many cases each covered.
 
     `str(result)` is the summary a test can print: one line per invariant with the cases covered and the
-    cases the user's code declined (`Unsupported`); `covered` and `declined` are the totals.
+    cases the user's code declined (`Unsupported`); `covered` and `declined` are the totals; `notes` says
+    what the cases could and could not tell apart, where a check knows.
     """
 
     check: str
     passed: list[str]
     max_examples: int
     coverage: dict[str, Coverage] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def covered(self) -> int:
@@ -161,6 +163,7 @@ class CheckResult:
         if reasons:
             lines.append("  declined because: " + "; ".join(reasons[:3])
                          + (f" (and {len(reasons) - 3} other reasons)" if len(reasons) > 3 else ""))
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -571,7 +574,7 @@ def outcome_of(check: str, outcomes: Sequence[Outcome], skipped: Sequence[str], 
     passed = [o.invariant.name for o in outcomes if o.violation is None]
     if violations:
         raise CheckFailure(check, violations, passed, list(skipped), coverage, notes)
-    return CheckResult(check, passed, settings.max_examples, coverage)
+    return CheckResult(check, passed, settings.max_examples, coverage, list(notes))
 
 
 # Settings shared by the profiles: no deadline (the first call of a framework can be slow),
