@@ -233,8 +233,9 @@ def main(argv: list[str] | None = None) -> dict:
     result = check_port(FixedK3Block)
     print(result)
 
-    # What to see: with the weights taken from the raw scores, all 3 invariants hold on up to 50 cases each,
-    # the bias shift included: the bias only selects the experts and never weighs them.
+    # What to see: with the weights taken from the raw scores, all 4 invariants hold on up to 50 cases each,
+    # the bias shift included: the bias only selects the experts and never weighs them. The closing note says
+    # the check also saw that the port keeps a single weight raw, as K3's code does, on every top-1 case.
 
     return {"named": named, "pasted": pasted, "fixed": getattr(result, "passed", None)}
 

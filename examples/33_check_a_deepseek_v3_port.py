@@ -17,11 +17,13 @@ zero) the masked experts still lose, and the mistake shows only on the rare
 token whose chosen groups hold a negative $s + b$. Trained biases sit far
 from zero; once $s + b$ is negative, a masked expert at 0 beats every expert
 of the chosen groups. The kit shifts every bias by one constant, which
-changes nothing for a correct block, and draws biases far from zero. Below,
-both catch the mistake: the plain comparison on a tiny case whose drawn bias
-made one score negative, the bias shift with every bias moved by -40; the report
-names the mistake in both. The example
-runs the check, reads the report, fixes the one line, and checks again.
+changes nothing for a correct block, and draws biases far from zero. Either
+can catch the mistake: the plain comparison on a drawn case whose bias makes a
+kept score negative, the bias shift on any case with groups. Below, the shift
+(every bias moved by -40) catches it and the report names it; none of this
+run's 50 drawn cases for the plain comparison happened to hold such a score.
+The example runs the check, reads the report, fixes the one line, and checks
+again.
 
 The port needs PyTorch; without it the example says so and stops.
 """
@@ -164,11 +166,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(report)
     print()
 
-    # What to see: the first case has n = 6 experts in two groups of three, keeps one group and asks for
-    # k = 3, so a correct block takes that whole group. Masked at 0, the dropped experts beat any kept expert
-    # whose s + b is negative, so the port mixes in another group's expert and even flips the sign of y's
-    # second entry. Shifted by -40, every kept s + b is far below 0 and a masked expert always wins: y moves
-    # from [-1.48796, 1.61662] to [-0.864, 0.33607], where a correct block would give the same y twice.
+    # What to see: the failing case has n = 4 experts in two groups of two, keeps one group and asks for
+    # k = 1. Shifted by -40, every s + b of the kept group is far below 0, and an expert of the dropped group,
+    # masked at 0, beats them: y moves from [-1.48796, 1.61662] to [-0.864, 0.33607], where a correct block
+    # would give the same y twice. The plain comparison with the reference block held on its 50 drawn cases:
+    # no drawn bias made a kept s + b negative there, which is why the kit also shifts every bias.
 
     # Step 2: the names the report gives, invariant by invariant
     named = ({v.invariant.name: v.conventions for v in report.violations}
@@ -176,15 +178,14 @@ def main(argv: list[str] | None = None) -> dict:
     print("the report names:", named)
     print()
 
-    # What to see: both failed invariants name the same known mistake, groups_masked_with_zero: replayed on
-    # each failing case, and on 2 and 6 more cases of the same configurations, it reproduces the port's
-    # output.
+    # What to see: the failed invariant names the known mistake, groups_masked_with_zero: replayed on the
+    # failing case, and on 6 more cases of the same configuration, it reproduces the port's output.
 
     # Step 3: fix the one line and check again
     result = check_port(FixedDeepseekV3Block)
     print(result)
 
-    # What to see: with the dropped groups masked at minus infinity, all 3 invariants hold: no expert of a
+    # What to see: with the dropped groups masked at minus infinity, all 4 invariants hold: no expert of a
     # dropped group can win, whatever the sign of s + b.
 
     return {"named": named, "fixed": getattr(result, "passed", None)}
