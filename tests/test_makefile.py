@@ -7,6 +7,7 @@ fetched from the network, and no venv is left behind.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -53,8 +54,11 @@ case "$*" in *--quiet*) exit 0;; esac
 i=0; while [ $i -lt 100 ]; do echo "Collecting package-$i"; i=$((i+1)); done
 """)
     python.chmod(0o755)
+    # As a reader types it in a shell: not as a sub-make of `make test`, whose MAKEFLAGS and MAKELEVEL would
+    # add make's own "Entering directory" lines.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     proc = subprocess.run(["make", ".venv/.installed-docs"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     calls = (bin_dir / "calls").read_text().splitlines()
     assert len(calls) == 1 and "-m pip install" in calls[0] and "--quiet" in calls[0], calls
