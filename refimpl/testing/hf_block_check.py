@@ -415,12 +415,12 @@ def _family_semantics(model_type: str) -> str:
                 "router renormalizes it, named top1_renormalized), times routed_scaling_factor; SiTU-GLU experts on "
                 "the latent routed_expert_down_proj x, summed in float32, the latent RMSNorm (rms_norm_eps), "
                 "routed_expert_up_proj, plus the shared experts")
-    if model_type == "nemotron_h":
+    if not family.gated:  # ungated experts on a latent: NVIDIA's LatentMoE
         return ("transformers' NemotronHMoE (NVIDIA's LatentMoE): float32 gate, sigmoid scores, top-k of s + b "
                 "(groups by their two best, the others masked with -inf), weights from the raw s, renormalized when "
                 "norm_topk_prob, times routed_scaling_factor; ungated relu(W z)^2 experts on the latent "
                 "fc1_latent_proj x (no norm), summed in float32, then fc2_latent_proj; plus the ungated shared expert")
-    if model_type == "deepseek_v4":
+    if "score_function" in family.keys:  # a router that reads its score function from the config
         return ("transformers' DeepseekV4SparseMoeBlock (a top-k layer): the gate in the block's dtype, "
                 "sqrt(softplus) scores, top-k of s + b (no groups), weights from the raw s, always renormalized (a "
                 "single weight too), times routed_scaling_factor; SwiGLU experts with the gate clamped to "
@@ -432,7 +432,7 @@ def _family_semantics(model_type: str) -> str:
                 f"their two best, the others masked with -inf), weights from the raw s, renormalized when "
                 f"{renormalize} (a single weight too), times routed_scaling_factor; SwiGLU experts on the full "
                 "width, plus the shared experts")
-    if model_type == "mixtral":
+    if family.fixed.get("renormalize") is True:  # a softmax router that always renormalizes
         return (f"transformers' {family.block_class}: softmax of the logits in float32, top-k, always "
                 "renormalized; SwiGLU experts, no shared experts")
     return (f"transformers' {family.block_class}: softmax of the logits in float32, top-k, renormalized only "

@@ -450,7 +450,7 @@ def hf_family_text_configs(draw: st.DrawFn, model_type: str, *, max_experts: int
         if all(isinstance(v, int) and v for v in (n, n_group, topk_group)):
             reachable = topk_group * (n // n_group)
     keys.set(spelled["top_k"], st.integers(1, max(1, min(4, reachable))))
-    if model_type == "nemotron_h":  # its shared expert has a width of its own; 0 means the dense width
+    if "shared_intermediate_size" in spelled:  # a shared expert of its own width (Nemotron-H); 0: the dense width
         maybe("shared_intermediate_size", [0, 3, 6])
         keys.set("intermediate_size", st.integers(1, 6))
     else:
