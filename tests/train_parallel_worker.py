@@ -120,7 +120,10 @@ def fail() -> None:
     def balance(self, balancer, scores, index, token_ids):
         calls.append(1)
         if self.rank == 1 and len(calls) == 3:
-            raise RuntimeError("rank 1 fails on purpose at its third balancer step")
+            message = "rank 1 fails on purpose at its third balancer step"
+            # Said before raising: the abort that ends the job can cut the traceback's last line from stderr.
+            print(f"RuntimeError: {message}", file=sys.stderr, flush=True)
+            raise RuntimeError(message)
         return ORIGINAL_BALANCE(self, balancer, scores, index, token_ids)
 
     tp.ExpertParallel.balance = balance
