@@ -11,10 +11,13 @@ sum or of the operations changes.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from types import SimpleNamespace
 from unittest import mock
 
 import array_api_strict
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -79,6 +82,21 @@ def test_glu_and_grad_in_place_and_by_chunks_equal_the_readable_version(block):
         close(have, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_glu_and_grad_in_place_far_past_the_caps(dtype):
+    """cosh overflows to infinity past |u| ~ 89 (float32) or 710: the partials are then 0, with no warning."""
+    a = np.array([[-1e4, -800, -400, -100, -30, -1, 0, 1, 30, 100, 400, 800, 1e4, 3e38]], dtype)  # [1, 14]
+    b = a[:, ::-1].copy()
+    with np.errstate(all="ignore"):
+        want = glu_and_grad(a.astype(np.float64), b.astype(np.float64), "situ", 4.0, 25.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        have = _fast.glu_and_grad_in_place(a.copy(), b.copy(), "situ", 4.0, 25.0)
+    for h, w in zip(have, want, strict=True):
+        assert np.all(np.isfinite(h))
+        close(h, w.astype(dtype), dtype)
+
+
 # ---------------------------------------------------------------------------
 # The routed experts
 # ---------------------------------------------------------------------------
@@ -129,14 +147,17 @@ def test_routed_experts_fast_path_equals_the_readable_loop(case):
         close(have, want, dtype)
 
 
-def test_combine_fast_path_is_the_readable_sum_bit_for_bit():
+@pytest.mark.parametrize(("block", "threads"), [(1 << 16, 1), (10, 1), (10, 3)])
+def test_combine_fast_path_is_the_readable_sum_bit_for_bit(block, threads):
+    """Whole, by blocks of two tokens (one left over), and those blocks on three threads: the same sums."""
     rng = np.random.default_rng(4)
     index = np.stack([rng.permutation(9)[:4] for _ in range(11)])  # [11, 4], distinct experts per token
     dispatch = dispatch_by_expert(index, rng.random((11, 4)), 9)
     rows = rng.standard_normal((44, 5))
     with readable:
         want = combine(rows, dispatch)
-    np.testing.assert_array_equal(_fast.combine_in_buffers(rows, dispatch.position), want)
+    with mock.patch.object(_fast, "COMBINE_BLOCK", block), on_threads(threads):
+        np.testing.assert_array_equal(_fast.combine_in_buffers(rows, dispatch.position), want)
 
 
 # ---------------------------------------------------------------------------
@@ -264,6 +285,39 @@ def test_pool_without_exact_reference_counts_makes_new_arrays():
 
 
 # ---------------------------------------------------------------------------
+# The weights' fingerprints
+# ---------------------------------------------------------------------------
+
+def bit_sum_by_hand(value):
+    raw = np.ascontiguousarray(value).tobytes()
+    whole = len(raw) // 8 * 8
+    words = sum(int.from_bytes(raw[i:i + 8], sys.byteorder) for i in range(0, whole, 8))
+    return (words + sum(raw[whole:])) % 2**64
+
+
+@pytest.mark.parametrize("value", [
+    np.arange(7, dtype=np.float32) - 3.5,  # 28 bytes: three words and four single bytes
+    np.linspace(-1, 1, 12).reshape(3, 4)[:, ::2],  # not contiguous
+    np.full(5, -1.0, dtype=np.float64),  # every word large: the sum wraps around
+    np.arange(9, dtype=np.float32).astype(ml_dtypes.bfloat16),
+    np.zeros(0, dtype=np.float32),
+])
+def test_bit_sum_is_the_sum_of_the_words(value):
+    assert _fast.bit_sum(value) == bit_sum_by_hand(value)
+
+
+def test_bit_sum_moves_with_the_smallest_change_and_not_with_the_thread_count():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 33)).astype(np.float32)  # 2112 entries: 1056 words
+    with mock.patch.object(_fast, "BIT_SUM_BLOCK", 50), on_threads(1):  # 22 blocks in order
+        in_order = _fast.bit_sum(w)
+    with mock.patch.object(_fast, "BIT_SUM_BLOCK", 50), on_threads(3):  # the same blocks on three threads
+        assert _fast.bit_sum(w) == in_order == bit_sum_by_hand(w)
+    w.flat[1000] = np.nextafter(w.flat[1000], np.float32(np.inf))  # one entry, by one unit in the last place
+    assert _fast.bit_sum(w) != in_order
+
+
+# ---------------------------------------------------------------------------
 # The input's gradient as one product
 # ---------------------------------------------------------------------------
 
@@ -298,3 +352,126 @@ def test_input_backward_in_one_product_equals_the_readable_stages(shared_experts
         assert grads[name].dtype == g.dtype and grads[name].shape == g.shape, name
         if g.size:  # without shared experts their gradients are empty
             close(grads[name], g, dtype)
+
+
+# ---------------------------------------------------------------------------
+# The loops on several threads
+# ---------------------------------------------------------------------------
+
+def on_threads(threads):
+    """The loops forced onto `threads` threads of their own (1: in order on the caller's thread)."""
+    return mock.patch.object(_fast, "LOOP_THREADS", threads)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_expert_loops_give_the_same_values_on_one_and_on_three_threads(dtype):
+    """Forward, saved activations and backward of the routed experts: each expert's products are the same calls."""
+    config = MoEConfig.tiny(hidden_size=6, latent_size=5, num_experts=11, top_k=3, intermediate_size=7)
+    p, z, du, index, weights = route_of(config, 5, 40, dtype)
+    stacks = p["experts.w1"], p["experts.w3"], p["experts.w2"]
+    results = []
+    for threads in (1, 3):
+        with on_threads(threads):
+            u, saved = routed_experts(z, index, weights, *stacks, config, save=True)
+            results.append([u, *routed_experts_backward(z, saved, *stacks, du)])
+    # On one thread the products may run on the BLAS's own threads, which can sum in another order.
+    for have, want in zip(*results, strict=True):
+        close(have, want, dtype)
+
+
+@pytest.mark.parametrize("activation", ["situ", "swiglu", "relu2"])
+def test_activation_chunks_on_threads_are_the_whole_block_bit_for_bit(activation):
+    """Every entry goes through the same operations whatever its chunk and thread."""
+    a, b = drawn_block(64, 5, np.float32, 3)
+    whole = _fast.glu_in_place(a.copy(), b.copy(), activation, 4.0, 2.0)
+    whole_grad = _fast.glu_and_grad_in_place(a.copy(), b.copy(), activation, 4.0, 2.0)
+    with mock.patch.object(_fast, "GLU_CHUNK", 2 * 5), on_threads(3):  # 32 chunks of two rows, on three threads
+        assert len(_fast._row_chunks(a)) >= _fast.THREADED_CHUNKS
+        np.testing.assert_array_equal(_fast.glu_by_chunks(a.copy(), b.copy(), activation, 4.0, 2.0), whole)
+        for have, want in zip(_fast.glu_and_grad_by_chunks(a.copy(), b.copy(), activation, 4.0, 2.0), whole_grad,
+                              strict=True):
+            np.testing.assert_array_equal(have, want)
+
+
+def test_tasks_run_on_as_many_threads_as_asked_at_once():
+    """Three tasks that each wait for the other two finish only if three threads run them together."""
+    import threading
+
+    barrier, seen = threading.Barrier(3, timeout=60), set()
+
+    def work(task, buffers):
+        seen.add((task, threading.get_ident(), id(buffers)))
+        barrier.wait()
+
+    with on_threads(3):
+        _fast.for_each_on_threads([0, 1, 2], work, buffers=lambda: [])
+    assert {task for task, _, _ in seen} == {0, 1, 2}
+    assert len({thread for _, thread, _ in seen}) == 3 and len({buf for _, _, buf in seen}) == 3
+
+
+def test_the_blas_runs_on_one_thread_inside_the_loops_and_as_before_after():
+    from threadpoolctl import threadpool_limits
+
+    libraries = _fast._BLAS.libraries()
+    if not libraries:
+        pytest.skip("threadpoolctl sees no BLAS in this NumPy")
+    inside = []
+    with threadpool_limits(limits=2, user_api="blas"), on_threads(2):
+        before = [lib.num_threads for lib in libraries]
+        _fast.for_each_on_threads(list(range(6)), lambda task, _: inside.append([lib.num_threads for lib in libraries]))
+        assert [lib.num_threads for lib in libraries] == before
+    assert inside and all(counts == [1] * len(libraries) for counts in inside)
+
+
+def test_loop_threads_follow_the_blas_unless_set():
+    from threadpoolctl import threadpool_limits
+
+    if not _fast._BLAS.libraries():
+        pytest.skip("threadpoolctl sees no BLAS in this NumPy")
+    with on_threads(None):
+        with threadpool_limits(limits=1, user_api="blas"):
+            assert _fast.loop_threads(10) == 1
+        with threadpool_limits(limits=2, user_api="blas"):
+            assert _fast.loop_threads(10) == min(2, _fast._BLAS.count()) and _fast.loop_threads(1) == 1
+    with on_threads(5):
+        assert _fast.loop_threads(3) == 3 and _fast.loop_threads(10) == 5
+
+
+def test_an_error_in_one_task_is_raised_once_every_thread_has_stopped():
+    import threading
+    import time
+
+    ran, lock = [], threading.Lock()
+
+    def work(task, _):
+        if task == 4:
+            raise ValueError("task 4 failed")
+        time.sleep(0.005)  # a task of some length: the failing thread gets its turn while the others wait
+        with lock:
+            ran.append(task)
+
+    libraries = _fast._BLAS.libraries()
+    before = [lib.num_threads for lib in libraries]
+    with on_threads(3), pytest.raises(ValueError, match="task 4 failed"):
+        _fast.for_each_on_threads(list(range(200)), work)
+    assert len(ran) == len(set(ran)) and 4 not in ran and len(ran) < 100  # the others stopped early
+    assert [lib.num_threads for lib in libraries] == before and _fast._BLAS._active == 0
+    with on_threads(3):  # the pool is still usable
+        _fast.for_each_on_threads(list(range(5)), lambda task, _: None)
+
+
+def test_a_loop_inside_a_task_runs_in_order_on_that_task_s_thread():
+    import threading
+
+    threads = {}
+
+    def inner(task, _):
+        threads.setdefault(task[0], set()).add(threading.get_ident())
+        assert _fast.loop_threads(10) == 1
+
+    def outer(task, _):
+        _fast.for_each_on_threads([(task, i) for i in range(20)], inner)
+
+    with on_threads(2):
+        _fast.for_each_on_threads([0, 1, 2, 3], outer)
+    assert sorted(threads) == [0, 1, 2, 3] and all(len(ids) == 1 for ids in threads.values())

@@ -160,6 +160,16 @@ def test_changing_a_weight_after_the_forward_is_refused(name):
     np.testing.assert_array_equal(backward_again(dy)[0], stable_latent_moe_vjp(x, params, CONFIG)[1](dy)[0])
 
 
+def test_a_weight_changed_by_one_unit_in_the_last_place_is_refused():
+    """A change that a sum of the entries would round away still moves the weight's fingerprint."""
+    params, x, dy = _vjp_case()
+    _, backward = stable_latent_moe_vjp(x, params, CONFIG)
+    w = params["experts.w2"]
+    w.flat[7] = np.nextafter(w.flat[7], np.float32(np.inf))
+    with pytest.raises(ValueError, match=r"params\['experts.w2'\] changed between the forward pass and backward"):
+        backward(dy)
+
+
 # ---------------------------------------------------------------------------
 # A dense checkpoint's weights are finite
 # ---------------------------------------------------------------------------

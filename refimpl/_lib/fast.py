@@ -11,9 +11,11 @@ selection would do. This module holds the versions that avoid those costs,
 
 | fast path | speeds up | by |
 |---|---|---|
-| `glu_in_place`, `glu_and_grad_by_chunks` | `refimpl.layer.activations.expert_glu`, `expert_glu_and_grad` | writing every step into the products' own buffers, fewer exponentials |
+| `glu_in_place`, `glu_by_chunks`, `glu_and_grad_by_chunks` | `refimpl.layer.activations.expert_glu`, `expert_glu_and_grad` | writing every step into the products' own buffers, fewer exponentials |
 | `routed_experts_in_buffers`, `routed_experts_backward_in_buffers`, `combine_in_buffers` | the routed expert loops of `refimpl.layer.latent_moe` and `refimpl.layer.backward`, `combine` | gathering into reused buffers, writing products with `out=` |
+| `for_each_on_threads`, `loop_threads`, `LOOP_THREADS` | the two loops above and the activation's row chunks, on several threads | whole experts (or chunks) on each thread, each with a one-threaded BLAS |
 | `WorkspacePool`, `WORKSPACES`, `release_workspaces` | every large array of the two loops above, from one call to the next | handing an array out again only once nothing outside the pool refers to it |
+| `bit_sum` | the weights' fingerprints of `refimpl.layer.backward.stable_latent_moe_vjp` | integer sums of the raw bytes, exact in any order, on several threads |
 | `input_backward_in_one_product` | the input's gradient in `refimpl.layer.backward.router_and_input_backward` | four products that are summed, as one product of concatenated operands |
 | `topk_by_partition` | `refimpl._lib.xp.topk` | partitioning instead of sorting each row |
 | `kth_largest_by_sampling`, `kth_largest_cupy` | `refimpl.balancing.kth_largest` | a sample that discards most entries first (Floyd and Rivest), CuPy's selection kernel |
@@ -39,18 +41,25 @@ import numpy as np
 
 __all__ = [
     "enabled",
+    "COMBINE_BLOCK",
     "CUTOFF_BLOCK",
     "ENABLED",
     "GLU_CHUNK",
     "PASS_MARGINS",
     "TRANSPOSE_BLOCK",
     "WORKSPACES",
+    "BIT_SUM_BLOCK",
+    "LOOP_THREADS",
     "WorkspacePool",
+    "bit_sum",
     "combine_in_buffers",
     "cutoffs_by_blocks",
     "expert_major_margins_by_blocks",
+    "loop_threads",
     "fast_path_applies",
+    "for_each_on_threads",
     "glu_and_grad_by_chunks",
+    "glu_by_chunks",
     "glu_and_grad_in_place",
     "glu_in_place",
     "histogram_count_by_experts",
@@ -217,14 +226,18 @@ def glu_and_grad_in_place(a: np.ndarray, b: np.ndarray, activation: str, beta: f
                           da: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     r"""`refimpl.layer.activations.glu_and_grad` in place: $h$ over `a`, $\partial_b\phi$ over `b`, $\partial_a\phi$ into `da`.
 
-    Four temporaries instead of some twenty, and three `exp` and two `tanh`
-    per entry instead of six and two, which is what costs most on a CPU.
-    One identity saves them: with $t = e^{-|a|}$,
-    $\sigma'(a) = \sigma(a)\sigma(-a) = t/(1+t)^2$ and
-    $\sigma(a) = \max(t, [a \ge 0]) / (1 + t)$. The derivative of a cap is
-    $\operatorname{sech}^2(u) = 4e/(1+e)^2$ with $e = e^{-2|u|}$ (no
-    cancellation, unlike $1 - \tanh^2$). (Getting $\tanh$ from the same $e$,
-    as $(1-e)/(1+e)$, would save one more call but loses digits.)
+    Three temporaries instead of some twenty, and one `exp`, two `cosh` and
+    two `tanh` per entry instead of six `exp` and two `tanh`: the calls are
+    what costs most on a CPU. Two identities save them. With $t = e^{-|a|}$
+    and $r = 1/(1+t)$, $\sigma(a) = \max(t, [a \ge 0])\,r$ and
+    $\sigma'(a) = \sigma(a)\sigma(-a) = t r^2$. The derivative of a cap is
+    $\operatorname{sech}^2(u) = (1/\cosh u)^2$, which has no cancellation
+    (unlike $1 - \tanh^2 u$, exactly 0 once $\tanh u$ rounds to 1) and
+    follows the true value down to the smallest subnormal number: $\cosh u$
+    overflows to infinity only past $|u| \approx 89$ in float32, where
+    $\operatorname{sech}^2 u < 10^{-77}$ rounds to 0 anyway. (Getting $\tanh$
+    from $e^{-2|u|}$, as $(1-e)/(1+e)$, would save one more call but loses
+    digits.)
     """
     if activation == "relu2":  # gamma(a) = max(a, 0), gamma'(a) = [a > 0], lambda(b) = b
         gamma_prime = np.multiply(a > 0, b, out=da)  # d_a phi = [a > 0] b
@@ -234,47 +247,39 @@ def glu_and_grad_in_place(a: np.ndarray, b: np.ndarray, activation: str, beta: f
         np.copyto(a, h)
         return a, gamma_prime, b
     situ = activation == "situ"
-    abs_a = np.abs(a)
-    gamma_prime = np.negative(abs_a, out=da)
-    np.exp(gamma_prime, out=gamma_prime)  # t
-    one_plus = gamma_prime + 1.0
+    scratch = np.abs(a)
+    gamma_prime = np.negative(scratch, out=da)
+    np.exp(gamma_prime, out=gamma_prime)  # t = e^{-|a|}
+    r = gamma_prime + 1.0
+    np.reciprocal(r, out=r)  # r = 1 / (1 + t)
     sig = np.maximum(gamma_prime, a >= 0)
-    sig /= one_plus
-    gamma_prime /= one_plus
-    gamma_prime /= one_plus  # sigma'(a)
-    if situ:
-        gamma = np.divide(a, beta)
-        np.tanh(gamma, out=gamma)
-        gamma *= beta  # softcap(a, beta1)
-        e = abs_a
-        e *= -2.0 / beta
-        np.exp(e, out=e)
-        np.add(e, 1.0, out=one_plus)
-        np.reciprocal(one_plus, out=one_plus)  # 1 / (1 + e)
-        e *= one_plus
-        e *= one_plus
-        e *= 4.0  # sech^2(a / beta1)
-        gamma_prime *= gamma
-        e *= sig
-        gamma_prime += e  # gamma'(a) = sech^2(a/beta1) sigma(a) + softcap(a, beta1) sigma'(a)
-        gamma *= sig  # gamma(a) = softcap(a, beta1) sigma(a)
-    else:
-        gamma = np.multiply(a, sig, out=abs_a)  # a sigma(a)
-        gamma_prime *= a
-        gamma_prime += sig  # sigma(a) + a sigma'(a)
-    lam_prime = None
-    if situ and linear_beta is not None:
-        lam_prime = np.abs(b)
-        lam_prime *= -2.0 / linear_beta
-        np.exp(lam_prime, out=lam_prime)  # e
-        np.add(lam_prime, 1.0, out=one_plus)
-        np.reciprocal(one_plus, out=one_plus)
-        b /= linear_beta
-        np.tanh(b, out=b)
-        b *= linear_beta  # lambda(b) = softcap(b, beta2)
-        lam_prime *= one_plus
-        lam_prime *= one_plus
-        lam_prime *= 4.0  # lambda'(b) = sech^2(b / beta2)
+    sig *= r  # sigma(a)
+    gamma_prime *= r
+    gamma_prime *= r  # sigma'(a) = t r^2
+    with np.errstate(over="ignore"):  # cosh(u) = inf far past the cap: 1/inf = 0, the rounded sech^2
+        if situ:
+            u = np.divide(a, beta, out=scratch)
+            sech2 = np.cosh(u, out=r)
+            np.reciprocal(sech2, out=sech2)
+            sech2 *= sech2  # sech^2(a / beta1)
+            gamma = np.tanh(u, out=u)
+            gamma *= beta  # softcap(a, beta1)
+            gamma_prime *= gamma
+            sech2 *= sig
+            gamma_prime += sech2  # gamma'(a) = sech^2(a/beta1) sigma(a) + softcap(a, beta1) sigma'(a)
+            gamma *= sig  # gamma(a) = softcap(a, beta1) sigma(a)
+        else:
+            gamma = np.multiply(a, sig, out=scratch)  # a sigma(a)
+            gamma_prime *= a
+            gamma_prime += sig  # sigma(a) + a sigma'(a)
+        lam_prime = None
+        if situ and linear_beta is not None:
+            b /= linear_beta  # b / beta2
+            lam_prime = np.cosh(b, out=sig)
+            np.reciprocal(lam_prime, out=lam_prime)
+            lam_prime *= lam_prime  # lambda'(b) = sech^2(b / beta2)
+            np.tanh(b, out=b)
+            b *= linear_beta  # lambda(b) = softcap(b, beta2)
     h = np.multiply(gamma, b, out=a)  # h = gamma(a) lambda(b)
     gamma_prime *= b  # d_a phi = gamma'(a) lambda(b)
     if lam_prime is not None:
@@ -290,30 +295,258 @@ def glu_and_grad_in_place(a: np.ndarray, b: np.ndarray, activation: str, beta: f
 GLU_CHUNK = 1 << 14
 
 
+#: Chunks a block must have before they are shared among threads: below this the threads' start costs more
+#: than they save (an expert's block inside the expert loops is never split further: it is already on a thread).
+THREADED_CHUNKS = 16
+
+
+def _row_chunks(a: np.ndarray) -> list[slice]:
+    """The row slices of a 2-D block of at most `GLU_CHUNK` entries each (one row when rows are longer)."""
+    step = max(1, GLU_CHUNK // max(1, a.shape[-1]))
+    return [slice(start, start + step) for start in range(0, a.shape[0], step)]
+
+
+def _on_chunks(chunks: list[slice], work: Callable[[slice], None]) -> None:
+    """`work(rows)` for every chunk: on `loop_threads` threads once there are `THREADED_CHUNKS` of them."""
+    if len(chunks) >= THREADED_CHUNKS:
+        for_each_on_threads(chunks, lambda rows, _: work(rows))
+    else:
+        for rows in chunks:
+            work(rows)
+
+
+def glu_by_chunks(a: np.ndarray, b: np.ndarray, activation: str, beta: float,
+                  linear_beta: float | None) -> np.ndarray:
+    """`glu_in_place` a few rows at a time (on several threads for a large block); returns `a`.
+
+    Each entry's arithmetic is `glu_in_place`'s whatever the chunk or thread, so
+    the values are those of one call on the whole block. A block that is not a
+    C-contiguous matrix (or stack of them) is transformed in one call.
+    """
+    if not (a.ndim >= 2 and a.flags.c_contiguous and b.flags.c_contiguous and a.shape == b.shape):
+        return glu_in_place(a, b, activation, beta, linear_beta)
+    a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])  # [rows, f] views
+    _on_chunks(_row_chunks(a2), lambda rows: glu_in_place(a2[rows], b2[rows], activation, beta, linear_beta))
+    return a
+
+
 def glu_and_grad_by_chunks(a: np.ndarray, b: np.ndarray, activation: str, beta: float,
-                           linear_beta: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`glu_and_grad_in_place` on a 2-D C-contiguous block, a few rows at a time; returns `(a, da, b)`."""
+                           linear_beta: float | None, da: np.ndarray | None = None,
+                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`glu_and_grad_in_place` on a 2-D C-contiguous block, a few rows at a time; returns `(a, da, b)`.
+
+    `da` (a C-contiguous array of `a`'s shape and dtype) receives the gate's
+    partial; without it, an array of the pool (`WORKSPACES`) does. A block of
+    `THREADED_CHUNKS` chunks or more shares them among `loop_threads`
+    threads; each entry's arithmetic is the same either way.
+    """
     if not (a.ndim == 2 and a.flags.c_contiguous and b.flags.c_contiguous):
         a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    da = np.empty_like(a)  # [rows, f]
-    step = max(1, GLU_CHUNK // max(1, a.shape[-1]))
-    for start in range(0, a.shape[0], step):
-        rows = slice(start, start + step)
-        glu_and_grad_in_place(a[rows], b[rows], activation, beta, linear_beta, da[rows])
+    if da is None or da.shape != a.shape or da.dtype != a.dtype or not da.flags.c_contiguous:
+        da = WORKSPACES.empty(a.shape, a.dtype)  # [rows, f]
+    _on_chunks(_row_chunks(a), lambda rows: glu_and_grad_in_place(a[rows], b[rows], activation, beta, linear_beta,
+                                                                   da[rows]))
     return a, da, b
+
+
+# ---------------------------------------------------------------------------
+# The expert loops on several threads
+# ---------------------------------------------------------------------------
+
+#: Threads the routed experts' loops run on. `None` (the default) follows NumPy's BLAS: as many threads as it
+#: may use (`threadpoolctl` reports them), each running whole experts with a one-threaded BLAS. `1` runs the
+#: experts in order on the calling thread, every product on the BLAS's own threads.
+LOOP_THREADS: int | None = None
+
+
+class _BlasThreads:
+    """NumPy's BLAS thread count, read and (while expert loops run on threads of their own) set to one.
+
+    Setting it is global to the process, so it is counted: the first loop to
+    start saves the count and sets one, the last to finish restores it, and
+    loops that overlap (called from several threads of the caller) leave the
+    caller's setting as it was.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._libraries: list | None = None
+        self._active, self._saved = 0, [1]
+
+    def libraries(self) -> list:
+        """threadpoolctl's controllers of the BLAS NumPy calls (all loaded BLAS if none lives in NumPy's folders)."""
+        if self._libraries is None:
+            try:
+                from threadpoolctl import ThreadpoolController
+            except ImportError:  # without threadpoolctl the loops stay on one thread
+                self._libraries = []
+            else:
+                blas = ThreadpoolController().select(user_api="blas").lib_controllers
+                numpy_own = [lib for lib in blas if "numpy" in str(lib.filepath)]
+                self._libraries = numpy_own or blas
+        return self._libraries
+
+    def count(self) -> int:
+        """How many threads NumPy's BLAS may use now, as the caller left it (1 when nobody can tell)."""
+        with self._lock:
+            if self._active:
+                return max(self._saved)
+        return max((lib.num_threads for lib in self.libraries()), default=1)
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._saved = [lib.num_threads for lib in self.libraries()]
+                for lib in self.libraries():
+                    lib.set_num_threads(1)
+            self._active += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                for lib, threads in zip(self.libraries(), self._saved, strict=True):
+                    lib.set_num_threads(threads)
+
+
+_BLAS = _BlasThreads()
+_WORKERS: dict[str, Any] = {"pool": None, "size": 0}
+_WORKERS_LOCK = threading.Lock()
+_IN_WORKER = threading.local()
+_DONE = object()
+
+
+def loop_threads(tasks: int) -> int:
+    """How many threads a loop over `tasks` tasks runs on: `LOOP_THREADS`, else NumPy's BLAS threads.
+
+    Never more than there are tasks, and 1 inside a worker of these loops
+    (a layer called from a loop's own work runs in order).
+    """
+    if getattr(_IN_WORKER, "active", False):
+        return 1
+    wanted = LOOP_THREADS if LOOP_THREADS is not None else _BLAS.count()
+    return max(1, min(int(wanted), tasks))
+
+
+def _no_buffers() -> None:
+    return None
+
+
+def for_each_on_threads(tasks: list, work: Callable[[Any, Any], None],
+                        buffers: Callable[[], Any] = _no_buffers) -> None:
+    r"""Run `work(task, buffers)` for every task (an expert, a chunk of rows): in order, or on `loop_threads` threads.
+
+    On one thread the tasks run in order with one set of `buffers()`. On
+    $T > 1$ threads each thread makes its own buffers and takes the next
+    task not yet taken until none is left, while NumPy's BLAS runs on one
+    thread: $T$ experts' products and elementwise work proceed at once, which
+    at an expert's sizes (some 256 rows) is faster than one product split
+    over $T$ threads (small products split badly, and NumPy's elementwise
+    work has no threads of its own). Every task writes only its own rows
+    and its own gradient blocks, and each product is computed by the same
+    one-threaded BLAS call whatever thread runs it, so the results do not
+    depend on the thread count. The first error raised by any task is
+    raised here once every thread has stopped.
+    """
+    threads = loop_threads(len(tasks))
+    if threads == 1:
+        mine = buffers()
+        for task in tasks:
+            work(task, mine)
+        return
+    with _WORKERS_LOCK:
+        if _WORKERS["size"] < threads:  # a pool as large as the largest loop asked for, kept for the next one
+            from concurrent.futures import ThreadPoolExecutor
+
+            if _WORKERS["pool"] is not None:
+                _WORKERS["pool"].shutdown(wait=False)
+            _WORKERS["pool"] = ThreadPoolExecutor(threads, thread_name_prefix="refimpl-loop")
+            _WORKERS["size"] = threads
+        pool = _WORKERS["pool"]
+    queue, lock, failed = iter(tasks), threading.Lock(), threading.Event()
+
+    def worker() -> None:
+        _IN_WORKER.active = True
+        try:
+            mine = buffers()
+            while not failed.is_set():
+                with lock:
+                    task = next(queue, _DONE)
+                if task is _DONE:
+                    return
+                work(task, mine)
+        except BaseException:
+            failed.set()  # the other threads stop at their next task
+            raise
+        finally:
+            _IN_WORKER.active = False
+
+    with _BLAS:
+        futures = [pool.submit(worker) for _ in range(threads)]
+        errors = [future.exception() for future in futures]  # waits for every thread
+    for error in errors:
+        if error is not None:
+            raise error
+
+
+#: 64-bit words of an array that `bit_sum` adds up per task (8 MB): large arrays are shared among threads.
+BIT_SUM_BLOCK = 1 << 20
+
+
+def bit_sum(value: np.ndarray) -> int:
+    """The bytes of `value` read as unsigned 64-bit words (the last few as bytes), summed modulo $2^{64}$.
+
+    An exact fingerprint of an array's contents: changing any one entry, by
+    however little, changes it (a float sum would round a small change away),
+    while only a rearrangement of whole words leaves it as it was. Integer sums
+    do not depend on their order, so the blocks of a large array are summed on
+    `loop_threads` threads and the result is the same on any number of them.
+    """
+    raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)  # [bytes]
+    whole = raw.size // 8 * 8
+    words = raw[:whole].view(np.uint64)  # [bytes / 8]
+    blocks = [slice(start, start + BIT_SUM_BLOCK) for start in range(0, words.size, BIT_SUM_BLOCK)]
+    sums = [0] * len(blocks)
+
+    def add(i: int, _: Any) -> None:
+        sums[i] = int(np.add.reduce(words[blocks[i]], dtype=np.uint64))
+
+    for_each_on_threads(list(range(len(blocks))), add)
+    return (sum(sums) + int(np.add.reduce(raw[whole:], dtype=np.uint64))) % (1 << 64)
 
 
 # ---------------------------------------------------------------------------
 # The routed experts, in reused buffers
 # ---------------------------------------------------------------------------
 
+#: Entries of the combined output summed at a time (some 65,000): a block of tokens whose partial sum and
+#: gathered rows stay in the core's own cache through all $k$ additions.
+COMBINE_BLOCK = 1 << 16
+
+
 def combine_in_buffers(sorted_rows: np.ndarray, position: np.ndarray) -> np.ndarray:
-    """`refimpl.layer.latent_moe.combine` on NumPy: each slot's rows gathered into one reused buffer (same sums, same order)."""
+    """`refimpl.layer.latent_moe.combine` on NumPy: the same sums in the same order, a block of tokens at a time.
+
+    For each block of tokens, each slot's rows are gathered into a buffer the
+    size of the block and added to the block's sum while both are in cache;
+    large outputs share their blocks among `loop_threads` threads (each
+    token's sum is the same whatever block or thread computes it).
+    """
     m, k = position.shape
-    total = np.take(sorted_rows, position[:, 0], axis=0)  # [m, width]
-    rows = np.empty_like(total)  # [m, width]
-    for r in range(1, k):
-        total += np.take(sorted_rows, position[:, r], axis=0, out=rows)
+    width = sorted_rows.shape[1]
+    total = np.empty((m, width), dtype=sorted_rows.dtype)  # [m, width]
+    step = max(1, COMBINE_BLOCK // max(1, width))
+    blocks = [slice(start, start + step) for start in range(0, m, step)]
+
+    def block(tokens: slice, rows: np.ndarray) -> None:
+        where = position[tokens]  # [b, k]
+        out = total[tokens]  # [b, width]
+        np.take(sorted_rows, where[:, 0], axis=0, out=out)
+        gathered = rows[:out.shape[0]]
+        for r in range(1, k):
+            out += np.take(sorted_rows, where[:, r], axis=0, out=gathered)
+
+    for_each_on_threads(blocks, block, lambda: np.empty((step, width), dtype=sorted_rows.dtype))
     return total
 
 
@@ -323,49 +556,57 @@ def routed_experts_in_buffers(z: np.ndarray, dispatch: Any, w1: Any, w3: Any, w2
     r"""The loop of `refimpl.layer.latent_moe.routed_experts` for NumPy float32/float64: returns `(u, hidden, out_sorted)`.
 
     `dispatch` is the `refimpl.layer.latent_moe.Dispatch` of the route and
-    `activation` the layer's pair `(glu, glu_and_grad)` of functions of the two
-    products (`refimpl.layer.activations.expert_glu` and `expert_glu_and_grad`
-    bound to the config, which run `glu_in_place` and `glu_and_grad_by_chunks`
-    after any clamp the config asks for). Each expert's
+    `activation` the layer's pair `(glu(a, b), glu_and_grad(a, b, da))` of
+    functions of the two products (`refimpl.layer.activations.expert_glu` and
+    `expert_glu_and_grad` bound to the config, which run `glu_by_chunks` and
+    `glu_and_grad_by_chunks` after any clamp the config asks for; `da` is
+    where the gate's partial goes). Each expert's
     latents are gathered into one buffer sized for the busiest expert, its
     two products are written into two more (with `save=True`, into its rows
-    of two `[m*k, f]` arrays of the pool, `WORKSPACES`, which the backward
-    reads), where the activation then runs in place, $p\,h$ is
+    of `[m*k, f]` arrays of the pool, `WORKSPACES`, which the backward
+    reads, a third one taking the gate's partial), where the activation then runs in place, $p\,h$ is
     formed in another buffer, and the down-projection is written straight
     into its rows of the sorted output (`out=`, also from the pool). With `save=True` the activation's
     partials are kept per expert (`hidden[e] = (h, da, db)`) for the backward;
     the sorted output is returned so that the backward can reuse its memory.
+    The experts run on `for_each_on_threads`'s threads, each with its own buffers.
     """
     dtype = z.dtype
     slots, f = dispatch.token.shape[0], w1.shape[1]
     out_sorted = WORKSPACES.empty((slots, w2.shape[1]), dtype)  # [m*k, l]
     experts = dispatch.experts()
     busiest = int(np.max(np.diff(dispatch.start))) if experts else 0
-    z_buf = np.empty((busiest, z.shape[1]), dtype=dtype)  # [m_e, l]
-    ph_buf = np.empty((busiest, f), dtype=dtype)  # [m_e, f]
     # The two products: kept for the backward (as h and d_b phi), those of every slot in sorted order, [m*k, f]
-    # each, from the pool; otherwise one expert's at a time, in buffers sized for the busiest expert.
-    products = (slots if save else busiest, f)
-    gate_all, up_all = (WORKSPACES.empty(products, dtype) if save else np.empty(products, dtype=dtype)
-                        for _ in range(2))
+    # each, from the pool; otherwise one expert's at a time, in each thread's buffers sized for the busiest expert.
+    # With `save`, the gate's partial too: three arrays that the backward reads.
+    kept_products = tuple(WORKSPACES.empty((slots, f), dtype) for _ in range(3)) if save else None
     hidden: dict[int, tuple] | None = {} if save else None
-    for e in experts:
+    glu, glu_and_grad = activation
+
+    def buffers() -> tuple[np.ndarray, ...]:
+        z_buf = np.empty((busiest, z.shape[1]), dtype=dtype)  # [m_e, l]
+        ph_buf = np.empty((busiest, f), dtype=dtype)  # [m_e, f]
+        products = kept_products or (*(np.empty((busiest, f), dtype=dtype) for _ in range(2)), None)  # [m_e, f] x2
+        return z_buf, ph_buf, *products
+
+    def expert(e: int, mine: tuple[np.ndarray, ...]) -> None:
+        z_buf, ph_buf, gate_all, up_all, d_gate_all = mine
         rows = dispatch.rows(e)
         m_e = rows.stop - rows.start
         z_e, ph = z_buf[:m_e], ph_buf[:m_e]
         np.take(z, dispatch.token[rows], axis=0, out=z_e, mode="clip")  # [m_e, l]
         g_e, u_e, d_e = (np.asarray(w[e, ...], dtype=dtype) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
-        glu, glu_and_grad = activation
         kept = rows if save else slice(0, m_e)
         gate, up = np.matmul(z_e, g_e.T, out=gate_all[kept]), np.matmul(z_e, u_e.T, out=up_all[kept])
         if save:
-            hidden[e] = glu_and_grad(gate, up)  # [m_e, f] x3
+            hidden[e] = glu_and_grad(gate, up, d_gate_all[rows])  # [m_e, f] x3
             h = hidden[e][0]
         else:
             h = glu(gate, up)  # [m_e, f]
         np.multiply(h, dispatch.weight[rows, :], out=ph)
         np.matmul(ph, d_e.T, out=out_sorted[rows, :])  # [m_e, l]
-        del g_e, u_e, d_e, h  # drop this expert before the next one is decoded (packed stacks)
+
+    for_each_on_threads(experts, expert, buffers)
     return combine_in_buffers(out_sorted, dispatch.position), hidden, out_sorted
 
 
@@ -385,7 +626,8 @@ def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: A
     they are the memory of gradients the caller has let go of, not fresh
     pages. A transposed operand (`a.T` of a C-contiguous block) costs no
     copy: BLAS reads it with its transpose flag. With `out` (three stacks of
-    the gradients' shapes and dtype) the gradients are written there.
+    the gradients' shapes and dtype) the gradients are written there. The
+    experts run on `for_each_on_threads`'s threads, each with its own six buffers.
     """
     dispatch = saved.dispatch
     (m, k), (n, ell, f) = dispatch.position.shape, w2.shape
@@ -402,12 +644,15 @@ def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: A
     idle = np.setdiff1d(np.arange(n), experts)
     dw1[idle], dw3[idle], dw2[idle] = 0, 0, 0
     busiest = int(np.max(np.diff(dispatch.start))) if experts else 0
-    z_buf, du_buf, lat_buf = (np.empty((busiest, ell), dtype=dtype) for _ in range(3))  # [m_e, l] each
-    o_buf, a_buf, b_buf = (np.empty((busiest, f), dtype=dtype) for _ in range(3))  # [m_e, f] each
-    for e in experts:
+
+    def buffers() -> tuple[np.ndarray, ...]:
+        return (*(np.empty((busiest, ell), dtype=dtype) for _ in range(3)),  # z_e, du_e, lat: [m_e, l] each
+                *(np.empty((busiest, f), dtype=dtype) for _ in range(3)))  # o_bar, a_bar, b_bar: [m_e, f] each
+
+    def expert(e: int, mine: tuple[np.ndarray, ...]) -> None:
         rows = dispatch.rows(e)
         m_e = rows.stop - rows.start
-        z_e, du_e, lat, o_bar, a_bar, b_bar = (buf[:m_e] for buf in (z_buf, du_buf, lat_buf, o_buf, a_buf, b_buf))
+        z_e, du_e, lat, o_bar, a_bar, b_bar = (buf[:m_e] for buf in mine)
         np.take(z, dispatch.token[rows], axis=0, out=z_e, mode="clip")  # [m_e, l]
         np.take(du, dispatch.token[rows], axis=0, out=du_e, mode="clip")  # [m_e, l]
         p_e = dispatch.weight[rows, :]  # [m_e, 1]
@@ -424,6 +669,8 @@ def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: A
         np.matmul(b_bar.T, z_e, out=dw3[e])  # dU_e = b_bar^T z_e
         np.matmul(a_bar, g_e, out=dz_sorted[rows])  # a_bar G_e
         dz_sorted[rows] += np.matmul(b_bar, u_e, out=lat)  # + b_bar U_e
+
+    for_each_on_threads(experts, expert, buffers)
     dweights = np.take(dp_sorted, dispatch.position.reshape(m * k)).reshape(m, k)  # [m, k]
     return combine_in_buffers(dz_sorted, dispatch.position), dweights, dw1, dw3, dw2
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .._lib.fast import fast_path_applies, glu_and_grad_by_chunks, glu_in_place
+from .._lib.fast import fast_path_applies, glu_and_grad_by_chunks, glu_by_chunks
 from .._lib.validation import check_float_array, check_positive
 from .._lib.xp import Array, array_namespace, compute_dtype, is_real_floating
 
@@ -389,14 +389,14 @@ def expert_glu(a: Array, b: Array, config: MoEConfig) -> Array:
     r"""The experts' activation $\phi(a, b)$ of a layer: SiTU-GLU with the config's caps (K3), or SwiGLU.
 
     `a`, `b` are fresh products (gate and up pre-activations) in the compute
-    dtype. On NumPy the fast path (`refimpl._lib.fast.glu_in_place`) overwrites
+    dtype. On NumPy the fast path (`refimpl._lib.fast.glu_by_chunks`) overwrites
     them instead of allocating; the values are those of `situ_glu` / `swiglu`.
     With `config.swiglu_limit` set, the branches are clamped first (`_clamp_branches`).
     """
     if config.swiglu_limit is not None:
         a, b = _clamp_branches(a, b, config.swiglu_limit)
     if fast_path_applies(a, b):
-        return glu_in_place(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
+        return glu_by_chunks(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
     if config.activation == "situ":
         return situ_glu(a, b, config.situ_beta, config.situ_linear_beta)
     if config.activation == "relu2":
@@ -404,11 +404,14 @@ def expert_glu(a: Array, b: Array, config: MoEConfig) -> Array:
     return swiglu(a, b)
 
 
-def expert_glu_and_grad(a: Array, b: Array, config: MoEConfig) -> tuple[Array, Array, Array]:
+def expert_glu_and_grad(a: Array, b: Array, config: MoEConfig, *,
+                        d_gate_out: Array | None = None) -> tuple[Array, Array, Array]:
     r"""`glu_and_grad` with the layer's activation and caps: $(h, \partial_a\phi, \partial_b\phi)$ of fresh products.
 
-    On NumPy the fast path (`refimpl._lib.fast.glu_and_grad_by_chunks`) writes the
-    three into the products' buffers, a few rows at a time. With `config.swiglu_limit`
+    On NumPy the fast path (`refimpl._lib.fast.glu_and_grad_by_chunks`) writes
+    $h$ and $\partial_b\phi$ into the products' buffers and $\partial_a\phi$ into
+    `d_gate_out` (an array of `a`'s shape that a loop keeps from one step to the
+    next; ignored elsewhere), a few rows at a time. With `config.swiglu_limit`
     set, the partials are those of the clamped branches times the clamp's own
     derivative: $\partial_a\phi = \operatorname{silu}'(a')\,b'\,[a \le L]$ and
     $\partial_b\phi = \operatorname{silu}(a')\,[|b| \le L]$.
@@ -418,7 +421,8 @@ def expert_glu_and_grad(a: Array, b: Array, config: MoEConfig) -> tuple[Array, A
         pass_a, pass_b = _clamp_masks(a, b, limit)  # [.., f] each
         a, b = _clamp_branches(a, b, limit)
     if fast_path_applies(a, b):
-        h, d_gate, d_up = glu_and_grad_by_chunks(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
+        h, d_gate, d_up = glu_and_grad_by_chunks(a, b, config.activation, config.situ_beta, config.situ_linear_beta,
+                                                 d_gate_out)
     else:
         h, d_gate, d_up = glu_and_grad(a, b, config.activation, config.situ_beta, config.situ_linear_beta)
     if limit is None:

@@ -102,6 +102,7 @@ from typing import Any
 import numpy as np
 
 from .._lib.fast import (
+    bit_sum,
     fast_path_applies,
     input_backward_in_one_product,
     release_workspaces,
@@ -219,22 +220,27 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConf
     return (fwd if return_intermediates else fwd.y), backward
 
 
-def weight_fingerprints(params: Mapping[str, Array]) -> dict[str, float]:
-    """One number per weight array, its sum: what `check_weights_unchanged` compares after the forward.
+def weight_fingerprints(params: Mapping[str, Array]) -> dict[str, int | float]:
+    """One number per weight array: what `check_weights_unchanged` compares after the forward.
 
-    One pass over each weight, a few percent of a backward that reads every weight three times. It is a
-    fingerprint, not a copy: an update of the weights (an optimizer step, zeroing, a rescale, a new load) moves
-    a sum, while an exact permutation of a tensor's entries would not.
+    On NumPy, the sum of the array's bytes read as 64-bit integers (`refimpl._lib.fast.bit_sum`): exact, so an
+    update of any one entry moves it, however small (an optimizer step, zeroing, a rescale, a new load), in one
+    pass over each weight, on as many threads as the BLAS may use. Elsewhere, the sum of the entries in the
+    compute dtype, which a change too small to survive the sum's rounding would not move. It is a fingerprint,
+    not a copy: an exact rearrangement of a tensor's entries leaves it as it was.
     """
-    prints = {}
+    prints: dict[str, int | float] = {}
     for name, value in params.items():
         if hasattr(value, "shape") and hasattr(value, "dtype") and value.size:
-            xp = array_namespace(value)
-            prints[name] = float(xp.sum(value, dtype=compute_dtype(xp, value)))
+            if isinstance(value, np.ndarray):
+                prints[name] = bit_sum(value)
+            else:
+                xp = array_namespace(value)
+                prints[name] = float(xp.sum(value, dtype=compute_dtype(xp, value)))
     return prints
 
 
-def check_weights_unchanged(params: Mapping[str, Array], prints: Mapping[str, float]) -> None:
+def check_weights_unchanged(params: Mapping[str, Array], prints: Mapping[str, int | float]) -> None:
     """A `ValueError` naming the first weight whose fingerprint moved since the forward pass."""
     now = weight_fingerprints(params)
     for name, before in prints.items():

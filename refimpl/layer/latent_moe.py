@@ -280,7 +280,8 @@ def routed_experts(z: Array, index: Array, weights: Array, w1: Array, w3: Array,
     xp = array_namespace(z, index, weights)
     dispatch = dispatch_by_expert(index, weights, w2.shape[0])
     if expert_input is None and fast_path_applies(z, weights):
-        glus = (lambda a, b: expert_glu(a, b, config), lambda a, b: expert_glu_and_grad(a, b, config))
+        glus = (lambda a, b: expert_glu(a, b, config),
+                lambda a, b, da: expert_glu_and_grad(a, b, config, d_gate_out=da))
         u, hidden, workspace = routed_experts_in_buffers(z, dispatch, w1, w3, w2, glus, save=save)
         return (u, RoutedActivations(dispatch, hidden, workspace)) if save else u
     out_sorted = xp.empty((index.shape[0] * index.shape[1], w2.shape[1]), dtype=z.dtype)  # [m*k, l]
