@@ -9,8 +9,9 @@ what the stage spends beyond its GEMMs: gathers, elementwise work, copies,
 the allocator and the kernel's page faults. A 4096² float32 product gives the
 machine's own speed. Every figure is the fastest of `--repeats` runs (the
 machine may be shared). Then it splits the routed experts' backward loop
-into its operations (summed over experts) and times whole steps with and
-without `out=`. A diagnostic for `bench_backward.py`, not a benchmark: it
+into its operations (summed over experts), times whole steps with and
+without `out=`, and times each product shape of the routed loops with
+NumPy's BLAS and with PyTorch's (when PyTorch is installed). A diagnostic for `bench_backward.py`, not a benchmark: it
 writes no results.
 
 Run: `python benchmarks/profile_backward.py --threads 1` (or `--threads 2`).
@@ -220,6 +221,52 @@ def stage_table(config, x, dy, p, params, repeats: int) -> None:
         print(f"  {name:52s} {t_stage:7.3f} {t_gemm:7.3f} {t_stage - t_gemm:7.3f} {gemms.flops / 1e9:6.1f} {speed}")
 
 
+def expert_products_against_torch(w1, w2, rows: int, repeats: int, threads: int) -> None:
+    """Each product of the routed experts' loops at `rows` tokens per expert, NumPy's BLAS against PyTorch's.
+
+    Every expert's own matrices, so that they come from memory as in a step;
+    the same threads on both sides. Skipped without PyTorch.
+    """
+    try:
+        import torch
+    except ImportError:
+        print("PyTorch is not installed: the products are not compared with its BLAS")
+        return
+    torch.set_num_threads(threads)
+    n, f, ell = w1.shape
+    rng = np.random.default_rng(1)
+    z_e = rng.standard_normal((rows, ell), dtype=np.float32)  # [rows, l]: a gathered latent, or du_e
+    a_e = rng.standard_normal((rows, f), dtype=np.float32)  # [rows, f]: p h, a_bar or b_bar
+    out_f, out_l = np.empty((rows, f), np.float32), np.empty((rows, ell), np.float32)
+    out_fl, out_lf = np.empty((f, ell), np.float32), np.empty((ell, f), np.float32)
+    tz, ta = torch.from_numpy(z_e), torch.from_numpy(a_e)
+    tw1, tw2 = (torch.from_numpy(np.asarray(w)) for w in (w1, w2))
+    shapes = [  # name, NumPy call, PyTorch call
+        ("fwd gate/up: z_e G_e^T", lambda e: np.matmul(z_e, w1[e].T, out=out_f), lambda e: tz @ tw1[e].T),
+        ("fwd down: (p h) D_e^T", lambda e: np.matmul(a_e, w2[e].T, out=out_l), lambda e: ta @ tw2[e].T),
+        ("bwd o_bar = du_e D_e", lambda e: np.matmul(z_e, w2[e], out=out_f), lambda e: tz @ tw2[e]),
+        ("bwd dD_e = du_e^T (p h)", lambda e: np.matmul(z_e.T, a_e, out=out_lf), lambda e: tz.T @ ta),
+        ("bwd dG_e = a_bar^T z_e", lambda e: np.matmul(a_e.T, z_e, out=out_fl), lambda e: ta.T @ tz),
+        ("bwd dz: a_bar G_e", lambda e: np.matmul(a_e, w1[e], out=out_l), lambda e: ta @ tw1[e]),
+    ]
+    flops = 2 * rows * f * ell * n
+    print(f"each product of the routed loops, {rows} rows, every one of the {n} experts in turn, "
+          f"{threads} thread(s), GFLOP/s (fastest of {repeats}):")
+    print(f"  {'product':28s} {'NumPy':>7s} {'PyTorch':>8s}")
+    for name, ours, theirs in shapes:
+        speeds = []
+        for call in (ours, theirs):
+            best = min(_timed(lambda: [call(e) for e in range(n)]) for _ in range(repeats))  # noqa: B023
+            speeds.append(flops / best / 1e9)
+        print(f"  {name:28s} {speeds[0]:7.1f} {speeds[1]:8.1f}")
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def scores_route_down(x, p, config):
     """Steps 1-3 of the forward as the layer runs them: scores, the route and its dispatch, the latent."""
     scores = router_scores(x, p["gate.weight"])
@@ -321,6 +368,8 @@ def main(argv: list[str] | None = None) -> None:
             seconds = median_time(lambda: [expert_glu_and_grad(block.copy(), block.copy(), config)
                                            for _ in range(128)], repeats)
         print(f"  {seconds:7.3f}  chunks of {min(chunk, block.size)} entries")
+    expert_products_against_torch(p["experts.w1"], p["experts.w2"], 256 if not args.smoke else 8,
+                                  repeats, args.threads or 1)
     print("the readable routed_experts_backward, by operation (one run, summed over experts):")
     for name, t in routed_loop_breakdown(z, routed, p["experts.w1"], p["experts.w3"], p["experts.w2"],
                                          u_bar).items():

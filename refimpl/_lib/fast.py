@@ -13,7 +13,7 @@ selection would do. This module holds the versions that avoid those costs,
 |---|---|---|
 | `glu_in_place`, `glu_by_chunks`, `glu_and_grad_by_chunks` | `refimpl.layer.activations.expert_glu`, `expert_glu_and_grad` | writing every step into the products' own buffers, fewer exponentials |
 | `routed_experts_in_buffers`, `routed_experts_backward_in_buffers`, `combine_in_buffers` | the routed expert loops of `refimpl.layer.latent_moe` and `refimpl.layer.backward`, `combine` | gathering into reused buffers, writing products with `out=` |
-| `for_each_on_threads`, `loop_threads`, `LOOP_THREADS` | the two loops above and the activation's row chunks, on several threads | whole experts (or chunks) on each thread, each with a one-threaded BLAS |
+| `for_each_on_threads`, `loop_threads`, `LOOP_THREADS` | the two loops above, the activation's row chunks, the combine's and the fingerprints' blocks, on several threads | whole experts (or chunks, or blocks) on each thread, each with a one-threaded BLAS |
 | `WorkspacePool`, `WORKSPACES`, `release_workspaces` | every large array of the two loops above, from one call to the next | handing an array out again only once nothing outside the pool refers to it |
 | `bit_sum` | the weights' fingerprints of `refimpl.layer.backward.stable_latent_moe_vjp` | integer sums of the raw bytes, exact in any order, on several threads |
 | `input_backward_in_one_product` | the input's gradient in `refimpl.layer.backward.router_and_input_backward` | four products that are summed, as one product of concatenated operands |
