@@ -475,3 +475,31 @@ def test_a_loop_inside_a_task_runs_in_order_on_that_task_s_thread():
     with on_threads(2):
         _fast.for_each_on_threads([0, 1, 2, 3], outer)
     assert sorted(threads) == [0, 1, 2, 3] and all(len(ids) == 1 for ids in threads.values())
+
+
+def _loop_in_a_forked_child() -> list[int]:
+    import threading
+
+    done, lock = [], threading.Lock()
+
+    def work(task, _):
+        with lock:
+            done.append(task)
+
+    with on_threads(2):
+        _fast.for_each_on_threads(list(range(8)), work)
+    return sorted(done)
+
+
+@pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="no fork here")
+def test_a_forked_child_runs_loops_on_threads_of_its_own():
+    """The parent's pool has no threads in a child made by fork: the child must make its own, not wait forever."""
+    import multiprocessing
+    import threading
+
+    both = threading.Barrier(2, timeout=60)
+    with on_threads(2):  # the parent's pool now has two threads, idle once the loop is over
+        _fast.for_each_on_threads([0, 1], lambda task, _: both.wait())
+    assert _fast._WORKERS["pool"] is not None and len(_fast._WORKERS["pool"]._threads) >= 2
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.apply_async(_loop_in_a_forked_child).get(timeout=60) == list(range(8))

@@ -32,6 +32,7 @@ path applies (`fast_path_applies`); a reader can ignore this page entirely.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -414,6 +415,29 @@ _WORKERS: dict[str, Any] = {"pool": None, "size": 0}
 _WORKERS_LOCK = threading.Lock()
 _IN_WORKER = threading.local()
 _DONE = object()
+
+
+def _reset_in_forked_child() -> None:
+    """A child made by `fork` has only the thread that forked: it forgets the parent's pool and its locks.
+
+    Without this, a loop in the child (a worker of `multiprocessing`'s fork
+    context, say) would hand its tasks to threads that exist only in the
+    parent and wait for them forever; a lock some other parent thread held
+    at the fork would never be released.
+    """
+    global _WORKERS_LOCK
+    _WORKERS["pool"], _WORKERS["size"] = None, 0
+    _WORKERS_LOCK = threading.Lock()
+    WORKSPACES._lock = threading.Lock()
+    _BLAS._lock = threading.Lock()
+    if _BLAS._active:  # forked while a loop held the BLAS at one thread: the child gets the caller's count back
+        _BLAS._active = 0
+        for lib, threads in zip(_BLAS.libraries(), _BLAS._saved, strict=False):
+            lib.set_num_threads(threads)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_forked_child)
 
 
 def loop_threads(tasks: int) -> int:
