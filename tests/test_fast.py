@@ -11,6 +11,7 @@ sum or of the operations changes.
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 from types import SimpleNamespace
@@ -35,6 +36,11 @@ from refimpl.layer.routing import route, router_scores
 
 #: The readable paths, forced: with the fast paths off every teaching module takes its portable code.
 readable = mock.patch.object(_fast, "ENABLED", False)
+
+
+def on_threads(threads):
+    """The loops forced onto `threads` threads of their own (1: in order on the caller's thread)."""
+    return mock.patch.object(_fast, "LOOP_THREADS", threads)
 
 
 def close(have, want, dtype):
@@ -358,11 +364,6 @@ def test_input_backward_in_one_product_equals_the_readable_stages(shared_experts
 # The loops on several threads
 # ---------------------------------------------------------------------------
 
-def on_threads(threads):
-    """The loops forced onto `threads` threads of their own (1: in order on the caller's thread)."""
-    return mock.patch.object(_fast, "LOOP_THREADS", threads)
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_expert_loops_give_the_same_values_on_one_and_on_three_threads(dtype):
     """Forward, saved activations and backward of the routed experts: each expert's products are the same calls."""
@@ -503,3 +504,31 @@ def test_a_forked_child_runs_loops_on_threads_of_its_own():
     assert _fast._WORKERS["pool"] is not None and len(_fast._WORKERS["pool"]._threads) >= 2
     with multiprocessing.get_context("fork").Pool(1) as pool:
         assert pool.apply_async(_loop_in_a_forked_child).get(timeout=60) == list(range(8))
+
+
+@pytest.mark.parametrize("threads", [0, -2, 2.0, "2", True])
+def test_a_thread_count_that_is_not_a_positive_integer_is_refused(threads):
+    with on_threads(threads), pytest.raises(ValueError, match=r"LOOP_THREADS must be None .* or a positive integer, "
+                                                              rf"got {re.escape(repr(threads))}"):
+        _fast.for_each_on_threads([0, 1], lambda task, _: None)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "layout", "read-only", "type"])
+def test_a_gate_partial_buffer_that_does_not_fit_is_refused(bad):
+    """`expert_glu_and_grad(..., d_gate_out=)` writes into the buffer it is given, or says why it cannot."""
+    from refimpl.layer.activations import expert_glu_and_grad
+
+    config = MoEConfig.tiny()
+    a, b = drawn_block(6, 4, np.float32, 1)
+    buffer = {"shape": np.empty((6, 5), np.float32), "dtype": np.empty((6, 4), np.float64),
+              "layout": np.empty((4, 6), np.float32).T, "read-only": np.empty((6, 4), np.float32),
+              "type": [[0.0] * 4] * 6}[bad]
+    if bad == "read-only":
+        buffer.flags.writeable = False
+    with pytest.raises(ValueError, match=r"d_gate_out\) must be a writeable C-contiguous NumPy array of shape "
+                                         r"\[6, 4\] and dtype float32, got a "):
+        expert_glu_and_grad(a.copy(), b.copy(), config, d_gate_out=buffer)
+    fits = np.empty((6, 4), np.float32)
+    h, d_gate, d_up = expert_glu_and_grad(a.copy(), b.copy(), config, d_gate_out=fits)
+    assert d_gate is fits
+    close(fits, glu_and_grad(a, b, config.activation, config.situ_beta, config.situ_linear_beta)[1], np.float32)

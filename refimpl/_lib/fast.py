@@ -337,15 +337,23 @@ def glu_and_grad_by_chunks(a: np.ndarray, b: np.ndarray, activation: str, beta: 
                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`glu_and_grad_in_place` on a 2-D C-contiguous block, a few rows at a time; returns `(a, da, b)`.
 
-    `da` (a C-contiguous array of `a`'s shape and dtype) receives the gate's
-    partial; without it, an array of the pool (`WORKSPACES`) does. A block of
+    `da` (a writeable C-contiguous array of `a`'s shape and dtype, else a
+    `ValueError`) receives the gate's partial; without it, an array of the
+    pool (`WORKSPACES`) does. A block of
     `THREADED_CHUNKS` chunks or more shares them among `loop_threads`
     threads; each entry's arithmetic is the same either way.
     """
     if not (a.ndim == 2 and a.flags.c_contiguous and b.flags.c_contiguous):
         a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    if da is None or da.shape != a.shape or da.dtype != a.dtype or not da.flags.c_contiguous:
+    if da is None:
         da = WORKSPACES.empty(a.shape, a.dtype)  # [rows, f]
+    elif not (isinstance(da, np.ndarray) and da.shape == a.shape and da.dtype == a.dtype
+              and da.flags.c_contiguous and da.flags.writeable):
+        got = (f"{type(da).__name__} of shape {list(getattr(da, 'shape', []))}, dtype {getattr(da, 'dtype', None)}"
+               + ("" if getattr(getattr(da, "flags", None), "c_contiguous", False) else ", not C-contiguous")
+               + ("" if getattr(getattr(da, "flags", None), "writeable", False) else ", not writeable"))
+        raise ValueError(f"the buffer for the gate's partial (d_gate_out) must be a writeable C-contiguous NumPy "
+                         f"array of shape {list(a.shape)} and dtype {a.dtype}, got a {got}")
     _on_chunks(_row_chunks(a), lambda rows: glu_and_grad_in_place(a[rows], b[rows], activation, beta, linear_beta,
                                                                    da[rows]))
     return a, da, b
@@ -447,6 +455,10 @@ def loop_threads(tasks: int) -> int:
     Never more than there are tasks, and 1 inside a worker of these loops
     (a layer called from a loop's own work runs in order).
     """
+    if LOOP_THREADS is not None and (isinstance(LOOP_THREADS, bool) or not isinstance(LOOP_THREADS, int)
+                                     or LOOP_THREADS < 1):
+        raise ValueError(f"refimpl._lib.fast.LOOP_THREADS must be None (follow NumPy's BLAS) or a positive "
+                         f"integer, got {LOOP_THREADS!r}")
     if getattr(_IN_WORKER, "active", False):
         return 1
     wanted = LOOP_THREADS if LOOP_THREADS is not None else _BLAS.count()

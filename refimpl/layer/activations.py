@@ -414,7 +414,8 @@ def expert_glu_and_grad(a: Array, b: Array, config: MoEConfig, *,
     next; ignored elsewhere), a few rows at a time. With `config.swiglu_limit`
     set, the partials are those of the clamped branches times the clamp's own
     derivative: $\partial_a\phi = \operatorname{silu}'(a')\,b'\,[a \le L]$ and
-    $\partial_b\phi = \operatorname{silu}(a')\,[|b| \le L]$.
+    $\partial_b\phi = \operatorname{silu}(a')\,[|b| \le L]$ (new arrays: `d_gate_out`
+    then holds the clamped branches' partial, before the mask).
     """
     limit = config.swiglu_limit
     if limit is not None:
