@@ -349,11 +349,10 @@ def glu_and_grad_by_chunks(a: np.ndarray, b: np.ndarray, activation: str, beta: 
         da = WORKSPACES.empty(a.shape, a.dtype)  # [rows, f]
     elif not (isinstance(da, np.ndarray) and da.shape == a.shape and da.dtype == a.dtype
               and da.flags.c_contiguous and da.flags.writeable):
-        got = (f"{type(da).__name__} of shape {list(getattr(da, 'shape', []))}, dtype {getattr(da, 'dtype', None)}"
-               + ("" if getattr(getattr(da, "flags", None), "c_contiguous", False) else ", not C-contiguous")
-               + ("" if getattr(getattr(da, "flags", None), "writeable", False) else ", not writeable"))
+        got = (f"an array of shape {list(da.shape)}, dtype {da.dtype}, C-contiguous {da.flags.c_contiguous}, "
+               f"writeable {da.flags.writeable}") if isinstance(da, np.ndarray) else f"a {type(da).__name__}"
         raise ValueError(f"the buffer for the gate's partial (d_gate_out) must be a writeable C-contiguous NumPy "
-                         f"array of shape {list(a.shape)} and dtype {a.dtype}, got a {got}")
+                         f"array of shape {list(a.shape)} and dtype {a.dtype}, got {got}")
     _on_chunks(_row_chunks(a), lambda rows: glu_and_grad_in_place(a[rows], b[rows], activation, beta, linear_beta,
                                                                    da[rows]))
     return a, da, b
@@ -363,7 +362,7 @@ def glu_and_grad_by_chunks(a: np.ndarray, b: np.ndarray, activation: str, beta: 
 # The expert loops on several threads
 # ---------------------------------------------------------------------------
 
-#: Threads the routed experts' loops run on. `None` (the default) follows NumPy's BLAS: as many threads as it
+#: Threads the fast paths' loops (experts, row chunks, blocks) run on. `None` (the default) follows NumPy's BLAS: as many threads as it
 #: may use (`threadpoolctl` reports them), each running whole experts with a one-threaded BLAS. `1` runs the
 #: experts in order on the calling thread, every product on the BLAS's own threads.
 LOOP_THREADS: int | None = None
