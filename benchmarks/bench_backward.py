@@ -22,7 +22,10 @@ show what the backward adds, and so is one float32 matrix product of 4096²
 yardstick for the fraction of it that each step reaches. Rounds take turns
 (NumPy, PyTorch, the product, ...) so a change of load on a shared machine
 touches all alike; the ratios are given for the medians and for the fastest
-runs.
+runs. Each timed run starts after `SETTLE` seconds of rest: NumPy's OpenBLAS
+leaves its threads spinning for some 0.1 s after a threaded product (the
+4096² product, or a step's own), and without the rest the piece timed next
+(PyTorch's step, in these rounds) would share the cores with them.
 
 Run: `python benchmarks/bench_backward.py` (writes `docs/benchmarks/backward.{json,md}`).
 """
@@ -66,6 +69,8 @@ except ImportError:  # PyTorch is an optional, benchmark-only dependency
 
 #: The side of the square float32 product timed in the same rounds as the machine's own speed.
 GEMM_SIZE = 4096
+#: Seconds of rest before each timed run, untimed: long enough for a spinning OpenBLAS thread to fall asleep.
+SETTLE = 0.3
 
 
 def torch_step(x, p, experts, dy, config: MoEConfig, *, careful: bool):
@@ -222,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
         work["torch_careful"] = careful_step
         if not args.skip_naive:
             naive = torch_leaves(params, x, careful=False)
-    timings = time_round_robin(work, repeats=repeats)
+    timings = time_round_robin(work, repeats=repeats, settle=0.0 if args.smoke else SETTLE)
     gemm_timing = timings.pop("gemm")
     peak = gemm_flops / gemm_timing.median / 1e9  # GFLOP/s of the machine's own product, this run
     peak_best = gemm_flops / gemm_timing.best / 1e9
@@ -286,10 +291,13 @@ def main(argv: list[str] | None = None) -> dict:
     headers = ["implementation", "median", "best", "worst", "spread", "runs", "time / this project",
                "GFLOP/s", "of the machine"]
     notes = [f"Same process, {threads} threads for NumPy's BLAS and for PyTorch; the NumPy and careful PyTorch "
-             "steps (and the forward alone) take turns, the naive PyTorch step is timed after them. "
+             "steps (and the forward alone) take turns, the naive PyTorch step is timed after them; "
+             f"each timed run starts after {SETTLE} s of rest, so that no BLAS thread left spinning by the run "
+             "before shares the cores with it. "
              "The first row writes each step's gradients into the last step's arrays (`backward(dy, out=grads)`), "
              "as a training loop does and as PyTorch's allocator does by reusing freed memory; the second "
-             "allocates them anew, 300 MB of expert gradients that the kernel must map and zero again. "
+             "returns new gradient arrays (300 MB of expert gradients), which the layer's pool of workspaces "
+             "makes from the memory of the last step's once they are let go of. "
              "GFLOP/s counts only the matrix products: "
              f"{flops_step / 1e9:.1f} GFLOP per step, three times the forward's {flops_forward / 1e9:.1f}. "
              f"\"Of the machine\" divides it by the speed of one float32 product of {result['gemm_size']}² "

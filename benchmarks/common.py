@@ -121,15 +121,21 @@ def time_call(name: str, fn: Callable[[], Any], *, repeats: int = 5, warmup: int
 
 
 def time_round_robin(work: Mapping[str, Callable[[], Any]], *, repeats: int = 5, warmup: int = 1,
-                     sync: Callable[[], None] | None = None) -> dict[str, Timing]:
+                     sync: Callable[[], None] | None = None, settle: float = 0.0) -> dict[str, Timing]:
     """Time several pieces of work in turns: round r runs each piece once, in order.
 
     On a shared machine the load drifts; taking turns spreads that drift
     evenly over the pieces, so their ratios (a layer against the GEMM peak,
     NumPy against PyTorch) stay fair even when the absolute times do not.
+    `settle` seconds pass, untimed, before each timed run: threads that the
+    piece before left spinning (an OpenBLAS thread spins for some 0.1 s after
+    its product, waiting for the next one) are asleep by then instead of
+    sharing the cores with the piece being timed.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if settle < 0:
+        raise ValueError(f"settle must be >= 0 seconds, got {settle}")
     for _ in range(warmup):
         for fn in work.values():
             fn()
@@ -138,6 +144,8 @@ def time_round_robin(work: Mapping[str, Callable[[], Any]], *, repeats: int = 5,
     timings = {name: Timing(name) for name in work}
     for _ in range(repeats):
         for name, fn in work.items():
+            if settle:
+                time.sleep(settle)
             start = time.perf_counter()
             fn()
             if sync is not None:

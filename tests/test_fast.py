@@ -438,6 +438,132 @@ def test_loop_threads_follow_the_blas_unless_set():
         assert _fast.loop_threads(3) == 3 and _fast.loop_threads(10) == 5
 
 
+
+def product_bound(a, b):
+    r"""The classical bound on a float product's error: $|\hat c - c| \le \gamma_k\,|a|\,|b|$, $\gamma_k = k u/(1 - k u)$."""
+    k, unit = a.shape[1], np.finfo(a.dtype).eps / 2
+    return k * unit / (1 - k * unit) * (np.abs(a).astype(np.longdouble) @ np.abs(b).astype(np.longdouble))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("m", "k", "n", "split"), [(300, 64, 40, "rows"), (40, 64, 300, "columns"),
+                                                    (200, 7, 130, "rows"), (5, 9, 4, None)])
+def test_matmul_shares_its_rows_or_columns_among_threads_and_is_the_product(dtype, m, k, n, split):
+    """Each block is one product of the BLAS on one thread, written into its part: the whole is `a @ b`."""
+    rng = np.random.default_rng(m * n + k)
+    a, b = (rng.standard_normal(shape).astype(dtype) for shape in ((m, k), (k, n)))
+    exact = a.astype(np.longdouble) @ b.astype(np.longdouble)  # [m, n], to within long double's rounding
+    tasks, run = [], _fast.for_each_on_threads
+
+    def spy(blocks, work, *rest):
+        tasks.append(blocks)
+        run(blocks, work, *rest)
+
+    with mock.patch.object(_fast, "for_each_on_threads", spy), on_threads(3), \
+            mock.patch.object(_fast, "THREADED_PRODUCT", 1 if split else 10**9):
+        have = _fast.matmul(a, b)
+        have_transposed = _fast.matmul(b.T, a.T)  # strided operands: the BLAS reads them transposed
+    assert have.dtype == dtype and have.shape == (m, n)
+    np.testing.assert_array_less(np.abs(have - exact), product_bound(a, b) + np.finfo(dtype).tiny)
+    np.testing.assert_array_less(np.abs(have_transposed - exact.T), product_bound(b.T, a.T) + np.finfo(dtype).tiny)
+    if split is None:
+        assert tasks == []
+        return
+    blocks = tasks[0]
+    size = m if split == "rows" else n
+    assert 1 < len(blocks) <= 3 and blocks[0].start == 0 and blocks[-1].stop == size
+    assert all(one.stop == two.start and (one.stop - one.start) % 16 == 0
+               for one, two in zip(blocks[:-1], blocks[1:], strict=True))
+
+
+def test_matmul_leaves_everything_but_two_numpy_matrices_to_the_operator():
+    a = np.arange(6.0).reshape(2, 3)
+    with on_threads(2), mock.patch.object(_fast, "THREADED_PRODUCT", 1):
+        assert _fast.matmul(a, np.arange(3.0)).tolist() == (a @ np.arange(3.0)).tolist()  # a vector
+        strict = array_api_strict.asarray(a)
+        assert to_numpy(_fast.matmul(strict, strict.T)).tolist() == (a @ a.T).tolist()
+        with pytest.raises(ValueError, match="matmul"):  # NumPy's own message for operands that do not fit
+            _fast.matmul(a, a)
+
+
+def test_on_own_threads_holds_the_blas_at_one_thread_for_the_whole_call():
+    """Inside, the BLAS is on one thread and the loops keep the caller's count; after (even after an error), as before."""
+    from threadpoolctl import threadpool_limits
+
+    libraries = _fast._BLAS.libraries()
+    if not libraries:
+        pytest.skip("threadpoolctl sees no BLAS in this NumPy")
+    seen = {}
+
+    @_fast.on_own_threads
+    def inside(fail):
+        seen["blas"], seen["loops"] = [lib.num_threads for lib in libraries], _fast.loop_threads(10)
+        if fail:
+            raise RuntimeError("inside failed")
+        return "done"
+
+    with threadpool_limits(limits=2, user_api="blas"):
+        before = [lib.num_threads for lib in libraries]
+        with on_threads(None):
+            assert inside(False) == "done"
+            assert seen == {"blas": [1] * len(libraries), "loops": min(2, max(before))}
+            with pytest.raises(RuntimeError, match="inside failed"):
+                inside(True)
+            assert [lib.num_threads for lib in libraries] == before and _fast._BLAS._active == 0
+        with on_threads(1):  # the products then run on the BLAS's own threads: it keeps them
+            inside(False)
+            assert seen == {"blas": before, "loops": 1}
+        with readable:
+            inside(False)
+            assert seen["blas"] == before
+
+
+def test_a_layer_step_runs_its_products_with_the_blas_on_one_thread():
+    """The layer's forward and backward never hand a product to the BLAS's threads when the loops have threads."""
+    from threadpoolctl import threadpool_limits
+
+    from refimpl.layer import backward as backward_module
+    from refimpl.layer import latent_moe as layer_module
+
+    libraries = _fast._BLAS.libraries()
+    if not libraries:
+        pytest.skip("threadpoolctl sees no BLAS in this NumPy")
+    counts = []
+
+    def counted(a, b):
+        counts.append(max(lib.num_threads for lib in libraries))
+        return _fast.matmul(a, b)
+
+    config = MoEConfig.tiny()
+    rng = np.random.default_rng(0)
+    params = init_params(config, rng, dtype=np.float32)
+    x, dy = (rng.standard_normal((24, config.d)).astype(np.float32) for _ in range(2))
+    with threadpool_limits(limits=2, user_api="blas"), on_threads(None), \
+            mock.patch.object(layer_module, "matmul", counted), mock.patch.object(backward_module, "matmul", counted):
+        from refimpl.layer.backward import stable_latent_moe_vjp
+
+        _, step_backward = stable_latent_moe_vjp(x, params, config)
+        step_backward(dy)
+    assert len(counts) >= 5 and set(counts) == {1}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_step_with_its_products_on_threads_is_the_step_on_one_thread(dtype):
+    from refimpl.layer.backward import stable_latent_moe_vjp
+
+    config = MoEConfig.tiny(hidden_size=40, latent_size=24, num_experts=6, top_k=2, intermediate_size=20)
+    rng = np.random.default_rng(5)
+    params = init_params(config, rng, dtype=dtype)
+    x, dy = (rng.standard_normal((70, config.d)).astype(dtype) for _ in range(2))
+    results = []
+    for threads in (1, 3):
+        with on_threads(threads), mock.patch.object(_fast, "THREADED_PRODUCT", 1):
+            y, step_backward = stable_latent_moe_vjp(x, params, config)
+            dx, grads = step_backward(dy)
+            results.append([y, dx, *grads.values()])
+    for have, want in zip(*results, strict=True):
+        close(have, want, dtype)
+
 def test_an_error_in_one_task_is_raised_once_every_thread_has_stopped():
     import threading
     import time

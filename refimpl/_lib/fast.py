@@ -14,6 +14,7 @@ selection would do. This module holds the versions that avoid those costs,
 | `glu_in_place`, `glu_by_chunks`, `glu_and_grad_by_chunks` | `refimpl.layer.activations.expert_glu`, `expert_glu_and_grad` | writing every step into the products' own buffers, fewer exponentials |
 | `routed_experts_in_buffers`, `routed_experts_backward_in_buffers`, `combine_in_buffers` | the routed expert loops of `refimpl.layer.latent_moe` and `refimpl.layer.backward`, `combine` | gathering into reused buffers, writing products with `out=` |
 | `for_each_on_threads`, `loop_threads`, `LOOP_THREADS` | the two loops above, the activation's row chunks, the combine's and the fingerprints' blocks, on several threads | whole experts (or chunks, or blocks) on each thread, each with a one-threaded BLAS |
+| `on_own_threads`, `matmul`, `THREADED_PRODUCT` | a layer's forward and backward (`stable_latent_moe`, `stable_latent_moe_vjp`) and their large products | the BLAS held at one thread for the whole call, each large product cut into blocks of rows or columns on the loops' threads, so that no idle BLAS thread spins beside them |
 | `WorkspacePool`, `WORKSPACES`, `release_workspaces` | every large array of the two loops above, from one call to the next | handing an array out again only once nothing outside the pool refers to it |
 | `bit_sum` | the weights' fingerprints of `refimpl.layer.backward.stable_latent_moe_vjp` | integer sums of the raw bytes, exact in any order, on several threads |
 | `input_backward_in_one_product` | the input's gradient in `refimpl.layer.backward.router_and_input_backward` | four products that are summed, as one product of concatenated operands |
@@ -31,6 +32,7 @@ path applies (`fast_path_applies`); a reader can ignore this page entirely.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -49,6 +51,7 @@ __all__ = [
     "LOOP_THREADS",
     "PASS_MARGINS",
     "THREADED_CHUNKS",
+    "THREADED_PRODUCT",
     "TRANSPOSE_BLOCK",
     "WORKSPACES",
     "bit_sum",
@@ -67,6 +70,8 @@ __all__ = [
     "kth_largest_by_sampling",
     "kth_largest_cupy",
     "loop_threads",
+    "matmul",
+    "on_own_threads",
     "release_workspaces",
     "routed_experts_backward_in_buffers",
     "routed_experts_in_buffers",
@@ -525,6 +530,76 @@ def for_each_on_threads(tasks: list, work: Callable[[Any, Any], None],
             raise error
 
 
+def on_own_threads(function: Callable[..., Any]) -> Callable[..., Any]:
+    r"""Run `function` with NumPy's BLAS held at one thread, its parallel work on the loops' threads alone.
+
+    A layer's step mixes two kinds of parallel work: large products, which
+    NumPy hands to its BLAS's threads, and the loops of this module, which run
+    on threads of their own. An OpenBLAS thread does not sleep when its
+    product is done: it spins, waiting for the next one, for some $2^{28}$
+    clock ticks (a tenth of a second) before it blocks. A loop that starts
+    within that time shares the cores with the spinning threads, and at two
+    threads on two cores a step measured 5 % slower for it. Under this
+    decorator the BLAS stays at one thread for the whole call, the large
+    products are shared among the loops' threads by `matmul`, and no BLAS
+    thread is woken at all. The thread count is unchanged (`loop_threads`
+    still reads the caller's setting); with `LOOP_THREADS = 1`, or a BLAS on
+    one thread, the call runs as it would without the decorator.
+    """
+    @functools.wraps(function)
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if not (ENABLED and loop_threads(2) > 1):
+            return function(*args, **kwargs)
+        with _BLAS:
+            return function(*args, **kwargs)
+
+    return held
+
+
+#: Multiply-adds a product must have before `matmul` shares it among threads (some 16 million, a fifth of a
+#: millisecond on one core): below that, handing the halves to the threads costs more than it saves.
+THREADED_PRODUCT = 1 << 24
+
+
+def matmul(a: Any, b: Any) -> Any:
+    r"""`a @ b`; for a large product of two NumPy matrices, its rows (or columns) shared among `loop_threads` threads.
+
+    The output is cut into `loop_threads` blocks of rows, or of columns when
+    it has more columns than rows (a weight's gradient, `[n, d]` from
+    $m$ tokens: cutting its few rows would make every thread pack all of the
+    long right operand), and each block is one product of the BLAS on one
+    thread, written straight into its part of the result: each entry is
+    still one row of `a` times one column of `b`, summed by the BLAS (the
+    same sum a threaded BLAS would form; its rounding may differ from an
+    unthreaded call's only where the BLAS blocks the sum differently).
+    Anything else (other array libraries, other shapes, small products, one
+    thread) is `a @ b` itself.
+    Inside `on_own_threads` this is how the layer's large products use every
+    thread without waking the BLAS's own.
+    """
+    if not (fast_path_applies(a, b) and a.ndim == 2 and b.ndim == 2 and a.shape[1] == b.shape[0]):
+        return a @ b
+    (m, k), n = a.shape, b.shape[1]
+    threads = loop_threads(max(m, n) // 64)
+    if threads == 1 or m * k * n < THREADED_PRODUCT:
+        return a @ b
+    out = np.empty((m, n), dtype=a.dtype)  # [m, n]
+    by_rows = m >= n
+    size = m if by_rows else n
+    per_thread = -(-size // threads)
+    step = -(-per_thread // 16) * 16  # whole blocks of 16 rows (or columns), one per thread
+    blocks = [slice(start, min(start + step, size)) for start in range(0, size, step)]
+
+    def block(part: slice, _: Any) -> None:
+        if by_rows:
+            np.matmul(a[part], b, out=out[part])  # [rows, n]
+        else:
+            np.matmul(a, b[:, part], out=out[:, part])  # [m, columns]
+
+    for_each_on_threads(blocks, block)
+    return out
+
+
 #: 64-bit words of an array that `bit_sum` adds up per task (8 MB): large arrays are shared among threads.
 BIT_SUM_BLOCK = 1 << 20
 
@@ -742,23 +817,23 @@ def input_backward_in_one_product(h: np.ndarray, y_bar: np.ndarray, logit_bar: n
     logit_cols, latent_cols = left[:, :n], left[:, n:n + ell]
     np.copyto(logit_cols, logit_bar)
     np.copyto(latent_cols, z_bar)
-    grads = {"gate.weight": np.matmul(logit_cols.T, h),  # [n, d]
-             "routed_expert_down_proj.weight": np.matmul(latent_cols.T, h)}  # [l, d]
+    grads = {"gate.weight": matmul(logit_cols.T, h),  # [n, d]
+             "routed_expert_down_proj.weight": matmul(latent_cols.T, h)}  # [l, d]
     right = [w_gate, w_down]
     if shared is not None:
         hidden, dh_da, dh_db = shared  # [m, N_s f] each
-        h_bar = y_bar @ down_proj  # [m, N_s f]
+        h_bar = matmul(y_bar, down_proj)  # [m, N_s f]
         a_bar = np.multiply(h_bar, dh_da, out=left[:, n + ell:n + ell + width_s])
         b_bar = np.multiply(h_bar, dh_db, out=left[:, n + ell + width_s:])
-        grads["shared_experts.gate_proj.weight"] = np.matmul(a_bar.T, h)  # [N_s f, d]
-        grads["shared_experts.up_proj.weight"] = np.matmul(b_bar.T, h)
-        grads["shared_experts.down_proj.weight"] = np.matmul(y_bar.T, hidden)  # [d, N_s f]
+        grads["shared_experts.gate_proj.weight"] = matmul(a_bar.T, h)  # [N_s f, d]
+        grads["shared_experts.up_proj.weight"] = matmul(b_bar.T, h)
+        grads["shared_experts.down_proj.weight"] = matmul(y_bar.T, hidden)  # [d, N_s f]
         right += [gate_proj, up_proj]
     else:  # no shared experts: zero gradients of their (empty) weights
         grads.update({name: np.zeros(w.shape, dtype=h.dtype) for name, w in (
             ("shared_experts.gate_proj.weight", gate_proj), ("shared_experts.up_proj.weight", up_proj),
             ("shared_experts.down_proj.weight", down_proj))})
-    x_bar = left @ np.concatenate(right, axis=0)  # [m, d]
+    x_bar = matmul(left, np.concatenate(right, axis=0))  # [m, d]
     return x_bar, grads
 
 

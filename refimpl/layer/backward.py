@@ -105,6 +105,8 @@ from .._lib.fast import (
     bit_sum,
     fast_path_applies,
     input_backward_in_one_product,
+    matmul,
+    on_own_threads,
     release_workspaces,
     routed_experts_backward_in_buffers,
 )
@@ -135,6 +137,7 @@ Backward = Callable[..., tuple[Array, Mapping[str, Array]]]
 # The whole layer
 # ---------------------------------------------------------------------------
 
+@on_own_threads
 def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, *,
                           token_ids: Array | None = None,
                           return_intermediates: bool = False) -> tuple[Array | MoEOutput, Backward]:
@@ -190,6 +193,7 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConf
     def weight(name: str) -> Array:
         return xp.astype(params[name], dtype, copy=False)
 
+    @on_own_threads
     def backward(dy: Array, *, out: Mapping[str, Array] | None = None,
                  dscores: Array | None = None) -> tuple[Array, Mapping[str, Array]]:
         check_upstream(dy, (m, d), dscores, tuple(fwd.scores.shape))
@@ -499,8 +503,8 @@ def latent_output_backward(y_bar: Array, u: Array, v: Array, weight: Callable[[s
     grads: dict[str, Array] = {}
     # 7. The up-projection: $$\bar W_\uparrow = \bar y^\top v, \qquad \bar v = \bar y W_\uparrow$$
     if config.use_latent_projection:
-        grads["routed_expert_up_proj.weight"] = y_bar.T @ v  # [d, l]
-        v_bar = y_bar @ weight("routed_expert_up_proj.weight")  # [m, l]
+        grads["routed_expert_up_proj.weight"] = matmul(y_bar.T, v)  # [d, l]
+        v_bar = matmul(y_bar, weight("routed_expert_up_proj.weight"))  # [m, l]
     else:
         v_bar = y_bar
     # 6. RMSNorm on the latent sum.

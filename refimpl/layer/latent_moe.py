@@ -72,7 +72,13 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from .._lib.fast import combine_in_buffers, fast_path_applies, routed_experts_in_buffers
+from .._lib.fast import (
+    combine_in_buffers,
+    fast_path_applies,
+    matmul,
+    on_own_threads,
+    routed_experts_in_buffers,
+)
 from .._lib.validation import check_finite, check_float_array, check_float_dtype
 from .._lib.values import generator_value, switch_value
 from .._lib.xp import Array, array_namespace, bincount, compute_dtype, is_numpy, to_numpy
@@ -108,6 +114,7 @@ __all__ = [
 # The forward pass
 # ---------------------------------------------------------------------------
 
+@on_own_threads
 def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, *,
                       return_intermediates: bool = False, mxfp8_inputs: bool = False,
                       token_ids: Array | None = None,
@@ -316,7 +323,7 @@ def down_project(h: Array, weight: Callable[[str], Array], config: MoEConfig) ->
 
     `weight(name)` gives a parameter by its HF name, in the compute dtype.
     """
-    return h @ weight("routed_expert_down_proj.weight").T if config.use_latent_projection else h
+    return matmul(h, weight("routed_expert_down_proj.weight").T) if config.use_latent_projection else h
 
 
 def latent_output(u: Array, weight: Callable[[str], Array], config: MoEConfig) -> tuple[Array, Array]:
@@ -329,7 +336,7 @@ def latent_output(u: Array, weight: Callable[[str], Array], config: MoEConfig) -
         v = rms_norm(u, weight("routed_expert_norm.weight"), config.rms_norm_eps)  # [m, l]
     else:
         v = u
-    y_routed = v @ weight("routed_expert_up_proj.weight").T if config.use_latent_projection else v  # [m, d]
+    y_routed = matmul(v, weight("routed_expert_up_proj.weight").T) if config.use_latent_projection else v  # [m, d]
     return v, y_routed
 
 
@@ -347,9 +354,9 @@ def shared_experts(x: Array, gate_proj: Array, up_proj: Array, down_proj: Array,
         zero = xp.zeros(x.shape, dtype=x.dtype)
         return (zero, None) if save else zero
     if save:
-        hidden = expert_glu_and_grad(x @ gate_proj.T, x @ up_proj.T, config)  # [m, N_s f] x3
-        return hidden[0] @ down_proj.T, hidden
-    return expert_glu(x @ gate_proj.T, x @ up_proj.T, config) @ down_proj.T
+        hidden = expert_glu_and_grad(matmul(x, gate_proj.T), matmul(x, up_proj.T), config)  # [m, N_s f] x3
+        return matmul(hidden[0], down_proj.T), hidden
+    return matmul(expert_glu(matmul(x, gate_proj.T), matmul(x, up_proj.T), config), down_proj.T)
 
 
 # ---------------------------------------------------------------------------

@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from .._lib.fast import matmul
 from .._lib.validation import check_bias, check_finite, check_float_array, check_int, check_positive
 from .._lib.values import switch_value
 from .._lib.xp import (
@@ -169,7 +170,7 @@ def router_scores(x: Array, router_weight: Array, score_function: str = "sigmoid
     xp = array_namespace(x, router_weight)
     dtype = compute_dtype(xp, x, router_weight)
     # $$z_{i,j} = x_i \cdot W_r[j]$$
-    logits = xp.astype(x, dtype, copy=False) @ xp.astype(router_weight, dtype, copy=False).T  # [m, n]
+    logits = matmul(xp.astype(x, dtype, copy=False), xp.astype(router_weight, dtype, copy=False).T)  # [m, n]
     # $$s_{i,j} = \sigma(z_{i,j})$$ (or softmax, or $\sqrt{\operatorname{softplus}}$)
     return score_function_values(logits, score_function)
 
