@@ -104,6 +104,49 @@ def test_glu_and_grad_in_place_far_past_the_caps(dtype):
 
 
 # ---------------------------------------------------------------------------
+# RMSNorm by rows
+# ---------------------------------------------------------------------------
+
+@given(st.integers(1, 70), st.integers(1, 9), st.sampled_from([np.float32, np.float64]),
+       st.sampled_from([1, 3]), st.integers(0, 2**32 - 1))
+@settings(max_examples=40)
+def test_rms_norm_by_chunks_is_the_readable_norm(rows, width, dtype, threads, seed):
+    """The norm and its backward by chunks of two rows (many chunks, on threads) against the readable code."""
+    from refimpl.layer.activations import rms_norm, rms_norm_backward
+
+    rng = np.random.default_rng(seed)
+    u, dv = (rng.standard_normal((rows, width)).astype(dtype) * rng.choice([1e-3, 1.0, 50.0]) for _ in range(2))
+    gain = rng.standard_normal(width).astype(dtype)
+    with readable:
+        want, (want_du, want_dg) = rms_norm(u, gain, 1e-5), rms_norm_backward(u, gain, dv, 1e-5)
+    with mock.patch.object(_fast, "GLU_CHUNK", 2 * width), on_threads(threads):
+        have, (have_du, have_dg) = rms_norm(u, gain, 1e-5), rms_norm_backward(u, gain, dv, 1e-5)
+        again = rms_norm_backward(u, gain, dv, 1e-5)[1]
+    np.testing.assert_array_equal(have, want)  # the same operations on every entry
+    np.testing.assert_array_equal(have_du, want_du)
+    # The gain's gradient sums the same m terms per entry in another order: within m units of its rounding.
+    terms = np.abs(dv * (u / np.sqrt(np.mean(u * u, axis=-1, keepdims=True) + 1e-5)))
+    np.testing.assert_array_less(np.abs(have_dg - want_dg),
+                                 2 * rows * np.finfo(dtype).eps * np.sum(terms, axis=0) + np.finfo(dtype).tiny)
+    with mock.patch.object(_fast, "GLU_CHUNK", 2 * width), on_threads(1):
+        np.testing.assert_array_equal(rms_norm_backward(u, gain, dv, 1e-5)[1], again)  # whatever the threads
+
+
+def test_rms_norm_fast_path_only_takes_numpy_matrices():
+    """Stacks, other layouts and other array libraries keep the readable code; the values are the same."""
+    from refimpl.layer.activations import rms_norm
+
+    rng = np.random.default_rng(1)
+    x, gain = rng.standard_normal((3, 4, 5)).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+    with readable:
+        want = rms_norm(x, gain)
+    np.testing.assert_array_equal(rms_norm(x, gain), want)
+    np.testing.assert_array_equal(rms_norm(np.asfortranarray(x[0]), gain), want[0])
+    np.testing.assert_array_equal(to_numpy(rms_norm(array_api_strict.asarray(x[0]), array_api_strict.asarray(gain))),
+                                  want[0])
+
+
+# ---------------------------------------------------------------------------
 # The routed experts
 # ---------------------------------------------------------------------------
 

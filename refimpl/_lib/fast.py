@@ -15,6 +15,7 @@ selection would do. This module holds the versions that avoid those costs,
 | `routed_experts_in_buffers`, `routed_experts_backward_in_buffers`, `combine_in_buffers` | the routed expert loops of `refimpl.layer.latent_moe` and `refimpl.layer.backward`, `combine` | gathering into reused buffers, writing products with `out=` |
 | `for_each_on_threads`, `loop_threads`, `LOOP_THREADS` | the two loops above, the activation's row chunks, the combine's and the fingerprints' blocks, on several threads | whole experts (or chunks, or blocks) on each thread, each with a one-threaded BLAS |
 | `on_own_threads`, `matmul`, `THREADED_PRODUCT` | a layer's forward and backward (`stable_latent_moe`, `stable_latent_moe_vjp`) and their large products | the BLAS held at one thread for the whole call, each large product cut into blocks of rows or columns on the loops' threads, so that no idle BLAS thread spins beside them |
+| `rms_norm_by_chunks`, `rms_norm_backward_by_chunks` | `refimpl.layer.activations.rms_norm`, `rms_norm_backward` | a few rows at a time, in cache, on several threads |
 | `WorkspacePool`, `WORKSPACES`, `release_workspaces` | every large array of the two loops above, from one call to the next | handing an array out again only once nothing outside the pool refers to it |
 | `bit_sum` | the weights' fingerprints of `refimpl.layer.backward.stable_latent_moe_vjp` | integer sums of the raw bytes, exact in any order, on several threads |
 | `input_backward_in_one_product` | the input's gradient in `refimpl.layer.backward.router_and_input_backward` | four products that are summed, as one product of concatenated operands |
@@ -73,6 +74,8 @@ __all__ = [
     "matmul",
     "on_own_threads",
     "release_workspaces",
+    "rms_norm_backward_by_chunks",
+    "rms_norm_by_chunks",
     "routed_experts_backward_in_buffers",
     "routed_experts_in_buffers",
     "topk_by_partition",
@@ -361,6 +364,73 @@ def glu_and_grad_by_chunks(a: np.ndarray, b: np.ndarray, activation: str, beta: 
     _on_chunks(_row_chunks(a), lambda rows: glu_and_grad_in_place(a[rows], b[rows], activation, beta, linear_beta,
                                                                    da[rows]))
     return a, da, b
+
+
+# ---------------------------------------------------------------------------
+# RMSNorm by rows
+# ---------------------------------------------------------------------------
+
+def rms_norm_by_chunks(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    r"""`refimpl.layer.activations.rms_norm` of a C-contiguous `[m, width]` block, a few rows at a time.
+
+    The readable norm makes four arrays of the block's size (the squares,
+    $x/\operatorname{rms}$, the product by the gain, the result), each of
+    them fresh memory; here each chunk of rows (`GLU_CHUNK` entries) makes
+    its squares in cache and writes its result once, and a block of
+    `THREADED_CHUNKS` chunks or more shares them among `loop_threads`
+    threads. Every entry goes through the readable norm's operations in
+    its order (a row's mean is the same sum), so the values are equal bit
+    for bit.
+    """
+    out = np.empty_like(x)  # [m, width]
+
+    def chunk(rows: slice) -> None:
+        block = x[rows]  # [c, width]
+        rms = np.mean(block * block, axis=-1, keepdims=True)  # [c, 1]
+        rms += eps
+        np.sqrt(rms, out=rms)
+        np.divide(block, rms, out=out[rows])
+        out[rows] *= weight
+
+    _on_chunks(_row_chunks(x), chunk)
+    return out
+
+
+def rms_norm_backward_by_chunks(u: np.ndarray, weight: np.ndarray, dv: np.ndarray,
+                                eps: float) -> tuple[np.ndarray, np.ndarray]:
+    r"""`refimpl.layer.activations.rms_norm_backward` of C-contiguous `[m, width]` blocks, a few rows at a time.
+
+    Each chunk of rows forms $\rho$, $\hat u$ and $\bar{\hat u}$ in cache and
+    writes its rows of $\bar u$ once (the readable code makes some eight
+    arrays of the block's size); $\bar u$ is equal bit for bit. The gain's
+    gradient $\bar g = \sum_i \bar v_i \odot \hat u_i$ is summed per chunk,
+    then over the chunks in order: the same terms in another order than
+    the readable sum's, and the same whatever the thread count.
+    """
+    du = np.empty_like(u)  # [m, width]
+    chunks = _row_chunks(u)
+    partial = np.empty((len(chunks), u.shape[1]), dtype=u.dtype)  # [chunks, width]
+
+    def chunk(i: int, _: Any) -> None:
+        rows = chunks[i]
+        block, dv_block = u[rows], dv[rows]  # [c, width]
+        rho = np.mean(block * block, axis=-1, keepdims=True)  # [c, 1]
+        rho += eps
+        np.sqrt(rho, out=rho)
+        u_hat = block / rho
+        np.sum(dv_block * u_hat, axis=0, out=partial[i])  # this chunk's part of the gain's gradient
+        du_hat = dv_block * weight
+        projection = np.mean(du_hat * u_hat, axis=-1, keepdims=True)  # [c, 1]
+        u_hat *= projection
+        du_hat -= u_hat
+        np.divide(du_hat, rho, out=du[rows])
+
+    if len(chunks) >= THREADED_CHUNKS:
+        for_each_on_threads(list(range(len(chunks))), chunk)
+    else:
+        for i in range(len(chunks)):
+            chunk(i, None)
+    return du, np.sum(partial, axis=0)
 
 
 # ---------------------------------------------------------------------------

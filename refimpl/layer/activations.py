@@ -50,7 +50,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .._lib.fast import fast_path_applies, glu_and_grad_by_chunks, glu_by_chunks
+from .._lib.fast import (
+    fast_path_applies,
+    glu_and_grad_by_chunks,
+    glu_by_chunks,
+    rms_norm_backward_by_chunks,
+    rms_norm_by_chunks,
+)
 from .._lib.validation import check_float_array, check_positive
 from .._lib.xp import Array, array_namespace, compute_dtype, is_real_floating
 
@@ -328,6 +334,8 @@ def rms_norm(x: Array, weight: Array, eps: float = 1e-5) -> Array:
     if weight.ndim != 1 or x.shape[-1] != weight.shape[0]:
         raise ValueError(
             f"weight must have shape [{x.shape[-1]}] to match the last axis of x {x.shape}, got {weight.shape}")
+    if fast_path_applies(x, weight) and x.ndim == 2 and x.flags.c_contiguous:
+        return rms_norm_by_chunks(x, weight, eps)  # on NumPy: a few rows at a time, the same values
     xp = array_namespace(x, weight)
     _, (x32, g) = _upcast(xp, x, weight)
     # $$\operatorname{rms}(x) = \sqrt{\tfrac{1}{\ell}\textstyle\sum_c x_c^2 + \varepsilon}$$
@@ -351,6 +359,9 @@ def rms_norm_backward(u: Array, weight: Array, dv: Array, eps: float) -> tuple[A
     `[width]`, in the caller's compute dtype; returns `(du, dweight)`. The
     latent norm of the layer and the training model's pre-norms both use it.
     """
+    if fast_path_applies(u, weight, dv) and u.ndim == 2 and u.shape == dv.shape and u.flags.c_contiguous \
+            and dv.flags.c_contiguous:
+        return rms_norm_backward_by_chunks(u, weight, dv, eps)  # on NumPy: a few rows at a time
     xp = array_namespace(u, weight, dv)
     # $$\rho_i = \sqrt{\tfrac{1}{\ell}\textstyle\sum_c u_{i,c}^2 + \varepsilon}$$
     rho = xp.sqrt(xp.mean(u * u, axis=-1, keepdims=True) + eps)  # [m, 1]
