@@ -519,6 +519,27 @@ def test_matmul_shares_its_rows_or_columns_among_threads_and_is_the_product(dtyp
                for one, two in zip(blocks[:-1], blocks[1:], strict=True))
 
 
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_large_product_s_result_comes_from_the_pool_and_stays_the_caller_s(threads):
+    """A result still held is never handed out again; once let go of, its memory serves the next product."""
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((256, 64)).astype(np.float32), rng.standard_normal((64, 256)).astype(np.float32)
+    pool = _fast.WorkspacePool()
+    with mock.patch.object(_fast, "WORKSPACES", pool), on_threads(threads), \
+            mock.patch.object(_fast, "THREADED_PRODUCT", 1):
+        first = _fast.matmul(a, b)
+        second = _fast.matmul(2 * a, b)
+        assert not np.shares_memory(first, second)
+        np.testing.assert_array_equal(first, a @ b)  # not overwritten by the second product
+        address = first.__array_interface__["data"][0]
+        del first
+        third = _fast.matmul(a, b)
+        assert third.__array_interface__["data"][0] == address
+        with mock.patch.object(_fast, "POOLED_PRODUCT", third.nbytes + 1):  # a smaller result: a new array
+            assert _fast.matmul(a, b).__array_interface__["data"][0] not in {
+                address, second.__array_interface__["data"][0]}
+
 def test_matmul_leaves_everything_but_two_numpy_matrices_to_the_operator():
     a = np.arange(6.0).reshape(2, 3)
     with on_threads(2), mock.patch.object(_fast, "THREADED_PRODUCT", 1):

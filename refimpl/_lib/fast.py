@@ -51,6 +51,7 @@ __all__ = [
     "GLU_CHUNK",
     "LOOP_THREADS",
     "PASS_MARGINS",
+    "POOLED_PRODUCT",
     "THREADED_CHUNKS",
     "THREADED_PRODUCT",
     "TRANSPOSE_BLOCK",
@@ -143,7 +144,7 @@ class WorkspacePool:
     pool makes a new array every time.
     """
 
-    def __init__(self, keep: int = 4, kinds: int = 16) -> None:
+    def __init__(self, keep: int = 4, kinds: int = 32) -> None:
         self.keep, self.kinds = keep, kinds
         self._arrays: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
         self._lock = threading.Lock()
@@ -376,13 +377,14 @@ def rms_norm_by_chunks(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndar
     The readable norm makes four arrays of the block's size (the squares,
     $x/\operatorname{rms}$, the product by the gain, the result), each of
     them fresh memory; here each chunk of rows (`GLU_CHUNK` entries) makes
-    its squares in cache and writes its result once, and a block of
+    its squares in cache and writes its result once (into an array of the
+    pool, `WORKSPACES`), and a block of
     `THREADED_CHUNKS` chunks or more shares them among `loop_threads`
     threads. Every entry goes through the readable norm's operations in
     its order (a row's mean is the same sum), so the values are equal bit
     for bit.
     """
-    out = np.empty_like(x)  # [m, width]
+    out = WORKSPACES.empty(x.shape, x.dtype)  # [m, width]
 
     def chunk(rows: slice) -> None:
         block = x[rows]  # [c, width]
@@ -401,13 +403,14 @@ def rms_norm_backward_by_chunks(u: np.ndarray, weight: np.ndarray, dv: np.ndarra
     r"""`refimpl.layer.activations.rms_norm_backward` of C-contiguous `[m, width]` blocks, a few rows at a time.
 
     Each chunk of rows forms $\rho$, $\hat u$ and $\bar{\hat u}$ in cache and
-    writes its rows of $\bar u$ once (the readable code makes some eight
-    arrays of the block's size); $\bar u$ is equal bit for bit. The gain's
+    writes its rows of $\bar u$ once, into an array of the pool (the
+    readable code makes some eight arrays of the block's size); $\bar u$
+    is equal bit for bit. The gain's
     gradient $\bar g = \sum_i \bar v_i \odot \hat u_i$ is summed per chunk,
     then over the chunks in order: the same terms in another order than
     the readable sum's, and the same whatever the thread count.
     """
-    du = np.empty_like(u)  # [m, width]
+    du = WORKSPACES.empty(u.shape, u.dtype)  # [m, width]
     chunks = _row_chunks(u)
     partial = np.empty((len(chunks), u.shape[1]), dtype=u.dtype)  # [chunks, width]
 
@@ -631,6 +634,11 @@ def on_own_threads(function: Callable[..., Any]) -> Callable[..., Any]:
 THREADED_PRODUCT = 1 << 24
 
 
+#: Bytes of a product's result from which `matmul` takes it from the pool (256 KiB): above the C allocator's
+#: first threshold (128 KiB) for memory it maps afresh for each array and gives back when the array is freed.
+POOLED_PRODUCT = 1 << 18
+
+
 def matmul(a: Any, b: Any) -> Any:
     r"""`a @ b`; for a large product of two NumPy matrices, its rows (or columns) shared among `loop_threads` threads.
 
@@ -642,18 +650,26 @@ def matmul(a: Any, b: Any) -> Any:
     still one row of `a` times one column of `b`, summed by the BLAS (the
     same sum a threaded BLAS would form; its rounding may differ from an
     unthreaded call's only where the BLAS blocks the sum differently).
-    Anything else (other array libraries, other shapes, small products, one
-    thread) is `a @ b` itself.
+    A result of `POOLED_PRODUCT` bytes or more comes from the pool of
+    workspaces (`WORKSPACES`): a step makes some twenty such arrays of 0.5
+    to 16 MB, and fresh ones would be mapped and zeroed by the kernel at
+    every step (at two threads that cost a step some 4 %). On one thread the product is
+    one call of the BLAS into that array. Anything else (other array
+    libraries, other shapes, small products) is `a @ b` itself.
     Inside `on_own_threads` this is how the layer's large products use every
     thread without waking the BLAS's own.
     """
     if not (fast_path_applies(a, b) and a.ndim == 2 and b.ndim == 2 and a.shape[1] == b.shape[0]):
         return a @ b
     (m, k), n = a.shape, b.shape[1]
-    threads = loop_threads(max(m, n) // 64)
-    if threads == 1 or m * k * n < THREADED_PRODUCT:
+    if m * k * n < THREADED_PRODUCT:
         return a @ b
-    out = np.empty((m, n), dtype=a.dtype)  # [m, n]
+    pooled = m * n * a.dtype.itemsize >= POOLED_PRODUCT
+    # [m, n]: a large result in the memory of an earlier step's, once that one is let go of
+    out = WORKSPACES.empty((m, n), a.dtype) if pooled else np.empty((m, n), dtype=a.dtype)
+    threads = loop_threads(max(m, n) // 64)
+    if threads == 1:
+        return np.matmul(a, b, out=out)
     by_rows = m >= n
     size = m if by_rows else n
     per_thread = -(-size // threads)
