@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  {median_time(lambda: [a_bar_t @ z_e for _ in range(128)], repeats):7.3f}  contiguous a^T @ z")
     print("the activation with its partials (in place), 128 blocks [256, f], whole or by row chunks:")
     block = rng.standard_normal((256, config.f), dtype=np.float32)
-    for chunk in (block.size, _fast.GLU_CHUNK):
+    for chunk in (block.size, 1 << 14):
         with mock.patch.object(_fast, "GLU_CHUNK", chunk):
             seconds = median_time(lambda: [expert_glu_and_grad(block.copy(), block.copy(), config)
                                            for _ in range(128)], repeats)

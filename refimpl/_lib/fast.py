@@ -301,9 +301,12 @@ def glu_and_grad_in_place(a: np.ndarray, b: np.ndarray, activation: str, beta: f
     return h, gamma_prime, d_up
 
 
-#: Entries of a block that the in-place GLU transforms at a time (some 16,000): its temporaries then stay
-#: in the core's own cache instead of streaming through memory once per operation.
-GLU_CHUNK = 1 << 14
+#: Entries of a block that the in-place GLU transforms at a time (some 131,000, 512 KB of float32): its
+#: temporaries then stay in the core's own cache instead of streaming through memory once per operation, and an
+#: expert's block at the benchmark size (256 rows of 384) is one chunk. Smaller chunks cost one thread nothing
+#: but slowed a step on two threads by 6 % (16,384 entries), most likely because each NumPy call must take the
+#: interpreter's lock to start, and two threads making many short calls wait for each other at it.
+GLU_CHUNK = 1 << 17
 
 
 #: Chunks a block must have before they are shared among threads: below this the threads' start costs more
