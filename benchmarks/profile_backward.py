@@ -65,6 +65,61 @@ def kernel_time(fn) -> str:
     return f"{t:7.3f} s, {r1.ru_minflt - r0.ru_minflt:6d} faults, {r1.ru_stime - r0.ru_stime:5.2f} s kernel"
 
 
+def step_variants(x, params, config, dy, *, repeats: int, threads: int) -> None:
+    """Whole steps as shipped and with one fast-path choice undone, in turns: what each choice is worth.
+
+    * the activation in chunks of 16,384 entries (`GLU_CHUNK` before it was raised);
+    * the results of the large products as new arrays instead of from the pool;
+    * the large products on the BLAS's own `threads` threads (and the loops on theirs), as before the
+      layer held the BLAS at one thread for a whole step: each product then leaves OpenBLAS's threads
+      spinning for some 0.1 s beside the loop that follows.
+    """
+    from threadpoolctl import threadpool_limits
+
+    from refimpl.layer import latent_moe as layer
+    from refimpl.layer import routing
+
+    def on_blas_threads(a, b):
+        with threadpool_limits(limits=threads, user_api="blas"):
+            return a @ b
+
+    products_on_blas = [mock.patch.object(module, "matmul", on_blas_threads) for module in (_fast, layer, bw, routing)]
+    variants = {
+        "as shipped": [],
+        "activation in chunks of 16,384 entries": [mock.patch.object(_fast, "GLU_CHUNK", 1 << 14)],
+        "large products' results new arrays, not from the pool": [mock.patch.object(_fast, "POOLED_PRODUCT", 1 << 62)],
+        "large products on the BLAS's own threads": products_on_blas,
+    }
+    runs: dict[str, list[float]] = {name: [] for name in variants}
+    faults = dict.fromkeys(variants, 0)
+    kernel = dict.fromkeys(variants, 0.0)
+    grads: dict = {}
+
+    def step():
+        grads["out"] = backward_of(bw.stable_latent_moe_vjp(x, params, config))(dy, out=grads.get("out"))[1]
+
+    for round_ in range(repeats + 1):  # the first round warms each variant up and is not counted
+        for name, patches in variants.items():
+            for patch in patches:
+                patch.start()
+            try:
+                r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+                step()
+                t, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+            finally:
+                for patch in patches:
+                    patch.stop()
+            if round_:
+                runs[name].append(t)
+                faults[name] += r1.ru_minflt - r0.ru_minflt
+                kernel[name] += r1.ru_stime - r0.ru_stime
+    print(f"one whole step (forward + backward(dy, out=)) as shipped and with one choice undone, in turns, "
+          f"{threads} thread(s), median of {repeats} (seconds; minor page faults and kernel seconds per step):")
+    for name in variants:
+        print(f"  {statistics.median(runs[name]):7.3f} s, {faults[name] / repeats:6.0f} faults, "
+              f"{kernel[name] / repeats:5.2f} s kernel  {name}")
+
+
 def routed_loop_breakdown(z, saved, w1, w3, w2, du) -> dict[str, float]:
     """The operations of `routed_experts_backward`'s loop, each timed and summed over experts."""
     acc: dict[str, float] = defaultdict(float)
@@ -355,6 +410,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {kernel_time(lambda: backward_of(bw.stable_latent_moe_vjp(x, params, config))(dy, out=grads))}"
               f"  step, backward(dy, out=grads)")
         print(f"  {kernel_time(without_pool)}  step, pool emptied first")
+    step_variants(x, params, config, dy, repeats=5 if not args.smoke else 1, threads=args.threads or 1)
     a_bar = rng.standard_normal((256, config.f), dtype=np.float32)
     z_e = rng.standard_normal((256, config.ell), dtype=np.float32)
     a_bar_t = np.ascontiguousarray(a_bar.T)

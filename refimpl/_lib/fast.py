@@ -304,7 +304,8 @@ def glu_and_grad_in_place(a: np.ndarray, b: np.ndarray, activation: str, beta: f
 #: Entries of a block that the in-place GLU transforms at a time (some 131,000, 512 KB of float32): its
 #: temporaries then stay in the core's own cache instead of streaming through memory once per operation, and an
 #: expert's block at the benchmark size (256 rows of 384) is one chunk. Smaller chunks cost one thread nothing
-#: but slowed a step on two threads by 6 % (16,384 entries), most likely because each NumPy call must take the
+#: but slowed a step on two threads by some 5 % (16,384 entries; `benchmarks/profile_backward.py --threads 2`
+#: times both), most likely because each NumPy call must take the
 #: interpreter's lock to start, and two threads making many short calls wait for each other at it.
 GLU_CHUNK = 1 << 17
 
@@ -614,8 +615,9 @@ def on_own_threads(function: Callable[..., Any]) -> Callable[..., Any]:
     on threads of their own. An OpenBLAS thread does not sleep when its
     product is done: it spins, waiting for the next one, for some $2^{28}$
     clock ticks (a tenth of a second) before it blocks. A loop that starts
-    within that time shares the cores with the spinning threads, and at two
-    threads on two cores a step measured 5 % slower for it. Under this
+    within that time shares the cores with the spinning threads (at two
+    threads on two cores, `benchmarks/profile_backward.py` times a step both
+    ways). Under this
     decorator the BLAS stays at one thread for the whole call, the large
     products are shared among the loops' threads by `matmul`, and no BLAS
     thread is woken at all. The thread count is unchanged (`loop_threads`
@@ -655,8 +657,8 @@ def matmul(a: Any, b: Any) -> Any:
     unthreaded call's only where the BLAS blocks the sum differently).
     A result of `POOLED_PRODUCT` bytes or more comes from the pool of
     workspaces (`WORKSPACES`): a step makes some twenty such arrays of 0.5
-    to 16 MB, and fresh ones would be mapped and zeroed by the kernel at
-    every step (at two threads that cost a step some 4 %). On one thread the product is
+    to 16 MB, and the C allocator may hand each of them freshly mapped
+    memory that the kernel must zero at every step. On one thread the product is
     one call of the BLAS into that array. Anything else (other array
     libraries, other shapes, small products) is `a @ b` itself.
     Inside `on_own_threads` this is how the layer's large products use every

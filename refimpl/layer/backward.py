@@ -76,7 +76,8 @@ enough terms per entry for the BLAS to run at its speed.
 
 **Workspaces kept between calls.** A step's largest arrays — the three
 expert gradient stacks ($3 n f \ell$ numbers, 300 MB at the benchmark
-size), the sorted expert outputs and products of the forward — are memory
+size), the sorted expert outputs and products of the forward, the results
+of the large products and of the latent norm — are memory
 the operating system must map and zero again whenever they are made anew,
 which costs a step about half of its arithmetic again. On NumPy the fast
 path takes them from a pool kept between calls (`release_workspaces()`
