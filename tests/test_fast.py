@@ -560,25 +560,28 @@ def test_on_own_threads_holds_the_blas_at_one_thread_for_the_whole_call():
     seen = {}
 
     @_fast.on_own_threads
-    def inside(fail):
+    def inside(x, fail=False):
         seen["blas"], seen["loops"] = [lib.num_threads for lib in libraries], _fast.loop_threads(10)
         if fail:
             raise RuntimeError("inside failed")
         return "done"
 
+    large, small = np.zeros(_fast.HELD_FROM, np.float32), np.zeros(_fast.HELD_FROM - 1, np.float32)
     with threadpool_limits(limits=2, user_api="blas"):
         before = [lib.num_threads for lib in libraries]
         with on_threads(None):
-            assert inside(False) == "done"
+            assert inside(large) == "done"
             assert seen == {"blas": [1] * len(libraries), "loops": min(2, max(before))}
             with pytest.raises(RuntimeError, match="inside failed"):
-                inside(True)
+                inside(large, fail=True)
             assert [lib.num_threads for lib in libraries] == before and _fast._BLAS._active == 0
+            inside(small)  # a small call keeps the BLAS's threads
+            assert seen["blas"] == before
         with on_threads(1):  # the products then run on the BLAS's own threads: it keeps them
-            inside(False)
+            inside(large)
             assert seen == {"blas": before, "loops": 1}
         with readable:
-            inside(False)
+            inside(large)
             assert seen["blas"] == before
 
 
@@ -602,7 +605,7 @@ def test_a_layer_step_runs_its_products_with_the_blas_on_one_thread():
     rng = np.random.default_rng(0)
     params = init_params(config, rng, dtype=np.float32)
     x, dy = (rng.standard_normal((24, config.d)).astype(np.float32) for _ in range(2))
-    with threadpool_limits(limits=2, user_api="blas"), on_threads(None), \
+    with threadpool_limits(limits=2, user_api="blas"), on_threads(None), mock.patch.object(_fast, "HELD_FROM", 1), \
             mock.patch.object(layer_module, "matmul", counted), mock.patch.object(backward_module, "matmul", counted):
         from refimpl.layer.backward import stable_latent_moe_vjp
 
@@ -688,9 +691,9 @@ def test_a_forked_child_runs_loops_on_threads_of_its_own():
     import multiprocessing
     import threading
 
-    both = threading.Barrier(2, timeout=60)
-    with on_threads(2):  # the parent's pool now has two threads, idle once the loop is over
-        _fast.for_each_on_threads([0, 1], lambda task, _: both.wait())
+    all_three = threading.Barrier(3, timeout=60)
+    with on_threads(3):  # the caller and two threads of the pool, which stay idle once the loop is over
+        _fast.for_each_on_threads([0, 1, 2], lambda task, _: all_three.wait())
     assert _fast._WORKERS["pool"] is not None and len(_fast._WORKERS["pool"]._threads) >= 2
     with multiprocessing.get_context("fork").Pool(1) as pool:
         assert pool.apply_async(_loop_in_a_forked_child).get(timeout=60) == list(range(8))

@@ -14,7 +14,7 @@ selection would do. This module holds the versions that avoid those costs,
 | `glu_in_place`, `glu_by_chunks`, `glu_and_grad_by_chunks` | `refimpl.layer.activations.expert_glu`, `expert_glu_and_grad` | writing every step into the products' own buffers, fewer exponentials |
 | `routed_experts_in_buffers`, `routed_experts_backward_in_buffers`, `combine_in_buffers` | the routed expert loops of `refimpl.layer.latent_moe` and `refimpl.layer.backward`, `combine` | gathering into reused buffers, writing products with `out=` |
 | `for_each_on_threads`, `loop_threads`, `LOOP_THREADS` | the two loops above, the activation's row chunks, the combine's and the fingerprints' blocks, on several threads | whole experts (or chunks, or blocks) on each thread, each with a one-threaded BLAS |
-| `on_own_threads`, `matmul`, `THREADED_PRODUCT` | a layer's forward and backward (`stable_latent_moe`, `stable_latent_moe_vjp`) and their large products | the BLAS held at one thread for the whole call, each large product cut into blocks of rows or columns on the loops' threads, so that no idle BLAS thread spins beside them |
+| `on_own_threads`, `HELD_FROM`, `matmul`, `THREADED_PRODUCT`, `POOLED_PRODUCT` | a large layer's forward and backward (`stable_latent_moe`, `stable_latent_moe_vjp`) and their large products | the BLAS held at one thread for the whole call, each large product cut into blocks of rows or columns on the loops' threads, so that no idle BLAS thread spins beside them; large results from the pool |
 | `rms_norm_by_chunks`, `rms_norm_backward_by_chunks` | `refimpl.layer.activations.rms_norm`, `rms_norm_backward` | a few rows at a time, in cache, on several threads |
 | `WorkspacePool`, `WORKSPACES`, `release_workspaces` | every large array of the two loops above, from one call to the next | handing an array out again only once nothing outside the pool refers to it |
 | `bit_sum` | the weights' fingerprints of `refimpl.layer.backward.stable_latent_moe_vjp` | integer sums of the raw bytes, exact in any order, on several threads |
@@ -49,6 +49,7 @@ __all__ = [
     "CUTOFF_BLOCK",
     "ENABLED",
     "GLU_CHUNK",
+    "HELD_FROM",
     "LOOP_THREADS",
     "PASS_MARGINS",
     "POOLED_PRODUCT",
@@ -563,8 +564,12 @@ def for_each_on_threads(tasks: list, work: Callable[[Any, Any], None],
     work has no threads of its own). Every task writes only its own rows
     and its own gradient blocks, and each product is computed by the same
     one-threaded BLAS call whatever thread runs it, so the results do not
-    depend on the thread count. The first error raised by any task is
-    raised here once every thread has stopped.
+    depend on the thread count. The calling thread is one of the $T$: it
+    takes tasks too, while $T - 1$ threads of a pool kept between calls
+    join it (waking a sleeping thread can take a tenth of a millisecond,
+    which a loop of short tasks would otherwise wait for on every thread).
+    The first error raised by any task is raised here once every thread
+    has stopped.
     """
     threads = loop_threads(len(tasks))
     if threads == 1:
@@ -573,13 +578,13 @@ def for_each_on_threads(tasks: list, work: Callable[[Any, Any], None],
             work(task, mine)
         return
     with _WORKERS_LOCK:
-        if _WORKERS["size"] < threads:  # a pool as large as the largest loop asked for, kept for the next one
+        if _WORKERS["size"] < threads - 1:  # a pool as large as the largest loop asked for, kept for the next one
             from concurrent.futures import ThreadPoolExecutor
 
             if _WORKERS["pool"] is not None:
                 _WORKERS["pool"].shutdown(wait=False)
-            _WORKERS["pool"] = ThreadPoolExecutor(threads, thread_name_prefix="refimpl-loop")
-            _WORKERS["size"] = threads
+            _WORKERS["pool"] = ThreadPoolExecutor(threads - 1, thread_name_prefix="refimpl-loop")
+            _WORKERS["size"] = threads - 1
         pool = _WORKERS["pool"]
     queue, lock, failed = iter(tasks), threading.Lock(), threading.Event()
 
@@ -600,11 +605,21 @@ def for_each_on_threads(tasks: list, work: Callable[[Any, Any], None],
             _IN_WORKER.active = False
 
     with _BLAS:
-        futures = [pool.submit(worker) for _ in range(threads)]
-        errors = [future.exception() for future in futures]  # waits for every thread
+        futures = [pool.submit(worker) for _ in range(threads - 1)]
+        try:
+            worker()  # the calling thread's share
+            own = None
+        except BaseException as error:  # noqa: BLE001 (raised below, once the other threads have stopped)
+            own = error
+        errors = [own, *(future.exception() for future in futures)]  # waits for every thread
     for error in errors:
         if error is not None:
             raise error
+
+
+#: Entries of a call's first array from which `on_own_threads` holds the BLAS at one thread (some million: the
+#: benchmark layer's input has four million; a layer of the tests or the training studies has far fewer).
+HELD_FROM = 1 << 20
 
 
 def on_own_threads(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -622,11 +637,16 @@ def on_own_threads(function: Callable[..., Any]) -> Callable[..., Any]:
     products are shared among the loops' threads by `matmul`, and no BLAS
     thread is woken at all. The thread count is unchanged (`loop_threads`
     still reads the caller's setting); with `LOOP_THREADS = 1`, or a BLAS on
-    one thread, the call runs as it would without the decorator.
+    one thread, the call runs as it would without the decorator, and so does
+    a call whose first argument (the layer's input, or `dy`) has fewer than
+    `HELD_FROM` entries: its products are too small to share among threads
+    that must first be woken (a tenth of a millisecond or more each, on a
+    virtual machine), and the BLAS's own spinning threads serve it better.
     """
     @functools.wraps(function)
     def held(*args: Any, **kwargs: Any) -> Any:
-        if not (ENABLED and loop_threads(2) > 1):
+        first = args[0] if args else None
+        if not (ENABLED and getattr(first, "size", 0) >= HELD_FROM and loop_threads(2) > 1):
             return function(*args, **kwargs)
         with _BLAS:
             return function(*args, **kwargs)
@@ -634,9 +654,9 @@ def on_own_threads(function: Callable[..., Any]) -> Callable[..., Any]:
     return held
 
 
-#: Multiply-adds a product must have before `matmul` shares it among threads (some 16 million, a fifth of a
-#: millisecond on one core): below that, handing the halves to the threads costs more than it saves.
-THREADED_PRODUCT = 1 << 24
+#: Multiply-adds a product must have before `matmul` shares it among threads (some 67 million, a millisecond
+#: on one core): below that, waking the threads that take the other blocks costs about what they save.
+THREADED_PRODUCT = 1 << 26
 
 
 #: Bytes of a product's result from which `matmul` takes it from the pool (256 KiB): above the C allocator's

@@ -60,9 +60,10 @@ code of the layer does not branch on any of them.
 Weights use the PyTorch `Linear` layout `[out, in]`, so a projection is
 `x @ W.T`, and carry the Hugging Face names of the released checkpoint. The
 large projections are written `matmul(x, W.T)`: that is `x @ W.T` on any
-array library; on NumPy it shares the product's rows among the layer's own
-threads, which also run the expert loops, so that a step never wakes the
-BLAS's threads (the speed section of the backward page says why).
+array library; on NumPy a large product's rows are shared among the
+layer's own threads, which also run the expert loops, so that a large
+step never wakes the BLAS's threads (the speed section of the backward
+page says why).
 """
 
 from __future__ import annotations
