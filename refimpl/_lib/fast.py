@@ -566,8 +566,8 @@ def for_each_on_threads(tasks: list, work: Callable[[Any, Any], None],
     one-threaded BLAS call whatever thread runs it, so the results do not
     depend on the thread count. The calling thread is one of the $T$: it
     takes tasks too, while $T - 1$ threads of a pool kept between calls
-    join it (waking a sleeping thread can take a tenth of a millisecond,
-    which a loop of short tasks would otherwise wait for on every thread).
+    join it (waking a sleeping thread is slow on some machines, a wait a
+    loop of short tasks would otherwise make for every thread).
     The first error raised by any task is raised here once every thread
     has stopped.
     """
@@ -640,8 +640,8 @@ def on_own_threads(function: Callable[..., Any]) -> Callable[..., Any]:
     one thread, the call runs as it would without the decorator, and so does
     a call whose first argument (the layer's input, or `dy`) has fewer than
     `HELD_FROM` entries: its products are too small to share among threads
-    that must first be woken (a tenth of a millisecond or more each, on a
-    virtual machine), and the BLAS's own spinning threads serve it better.
+    that must first be woken, and the BLAS's own spinning threads serve it
+    better.
     """
     @functools.wraps(function)
     def held(*args: Any, **kwargs: Any) -> Any:
