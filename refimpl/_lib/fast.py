@@ -322,13 +322,14 @@ def _row_chunks(a: np.ndarray) -> list[slice]:
     return [slice(start, start + step) for start in range(0, a.shape[0], step)]
 
 
-def _on_chunks(chunks: list[slice], work: Callable[[slice], None]) -> None:
-    """`work(rows)` for every chunk: on `loop_threads` threads once there are `THREADED_CHUNKS` of them."""
-    if len(chunks) >= THREADED_CHUNKS:
-        for_each_on_threads(chunks, lambda rows, _: work(rows))
+def _on_chunks(chunks: list[slice], work: Callable[[int, slice], None]) -> None:
+    """`work(i, chunks[i])` for every chunk: on `loop_threads` threads once there are `THREADED_CHUNKS` of them."""
+    tasks = list(enumerate(chunks))
+    if len(tasks) >= THREADED_CHUNKS:
+        for_each_on_threads(tasks, lambda task, _: work(*task))
     else:
-        for rows in chunks:
-            work(rows)
+        for task in tasks:
+            work(*task)
 
 
 def glu_by_chunks(a: np.ndarray, b: np.ndarray, activation: str, beta: float,
@@ -342,7 +343,7 @@ def glu_by_chunks(a: np.ndarray, b: np.ndarray, activation: str, beta: float,
     if not (a.ndim >= 2 and a.flags.c_contiguous and b.flags.c_contiguous and a.shape == b.shape):
         return glu_in_place(a, b, activation, beta, linear_beta)
     a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])  # [rows, f] views
-    _on_chunks(_row_chunks(a2), lambda rows: glu_in_place(a2[rows], b2[rows], activation, beta, linear_beta))
+    _on_chunks(_row_chunks(a2), lambda _, rows: glu_in_place(a2[rows], b2[rows], activation, beta, linear_beta))
     return a
 
 
@@ -367,7 +368,7 @@ def glu_and_grad_by_chunks(a: np.ndarray, b: np.ndarray, activation: str, beta: 
                f"writeable {da.flags.writeable}") if isinstance(da, np.ndarray) else f"a {type(da).__name__}"
         raise ValueError(f"the buffer for the gate's partial (d_gate_out) must be a writeable C-contiguous NumPy "
                          f"array of shape {list(a.shape)} and dtype {a.dtype}, got {got}")
-    _on_chunks(_row_chunks(a), lambda rows: glu_and_grad_in_place(a[rows], b[rows], activation, beta, linear_beta,
+    _on_chunks(_row_chunks(a), lambda _, rows: glu_and_grad_in_place(a[rows], b[rows], activation, beta, linear_beta,
                                                                    da[rows]))
     return a, da, b
 
@@ -391,7 +392,7 @@ def rms_norm_by_chunks(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndar
     """
     out = WORKSPACES.empty(x.shape, x.dtype)  # [m, width]
 
-    def chunk(rows: slice) -> None:
+    def chunk(_: int, rows: slice) -> None:
         block = x[rows]  # [c, width]
         rms = np.mean(block * block, axis=-1, keepdims=True)  # [c, 1]
         rms += eps
@@ -419,8 +420,7 @@ def rms_norm_backward_by_chunks(u: np.ndarray, weight: np.ndarray, dv: np.ndarra
     chunks = _row_chunks(u)
     partial = np.empty((len(chunks), u.shape[1]), dtype=u.dtype)  # [chunks, width]
 
-    def chunk(i: int, _: Any) -> None:
-        rows = chunks[i]
+    def chunk(i: int, rows: slice) -> None:
         block, dv_block = u[rows], dv[rows]  # [c, width]
         rho = np.mean(block * block, axis=-1, keepdims=True)  # [c, 1]
         rho += eps
@@ -433,11 +433,7 @@ def rms_norm_backward_by_chunks(u: np.ndarray, weight: np.ndarray, dv: np.ndarra
         du_hat -= u_hat
         np.divide(du_hat, rho, out=du[rows])
 
-    if len(chunks) >= THREADED_CHUNKS:
-        for_each_on_threads(list(range(len(chunks))), chunk)
-    else:
-        for i in range(len(chunks)):
-            chunk(i, None)
+    _on_chunks(chunks, chunk)
     return du, np.sum(partial, axis=0)
 
 
