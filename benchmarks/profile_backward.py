@@ -10,9 +10,11 @@ the allocator and the kernel's page faults. A 4096² float32 product gives the
 machine's own speed. Every figure is the fastest of `--repeats` runs (the
 machine may be shared). Then it splits the routed experts' backward loop
 into its operations (summed over experts), times whole steps with and
-without `out=`, and times each product shape of the routed loops with
-NumPy's BLAS and with PyTorch's (when PyTorch is installed). A diagnostic for `bench_backward.py`, not a benchmark: it
-writes no results.
+without `out=`, times whole steps with one choice undone (in turns here, and
+the pool of workspaces also in processes of their own), and times each
+product shape of the routed loops with NumPy's BLAS and with PyTorch's
+(when PyTorch is installed). A diagnostic for `bench_backward.py`, not a
+benchmark: it writes no results.
 
 Run: `python benchmarks/profile_backward.py --threads 1` (or `--threads 2`).
 """
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import resource
 import statistics
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from unittest import mock
@@ -69,7 +73,9 @@ def step_variants(x, params, config, dy, *, repeats: int, threads: int) -> None:
     """Whole steps as shipped and with one fast-path choice undone, in turns: what each choice is worth.
 
     * the activation in chunks of 16,384 entries (`GLU_CHUNK` before it was raised);
-    * the results of the large products as new arrays instead of from the pool;
+    * the results of the large products as new arrays instead of from the pool (in this process, whose
+      allocator has by now seen many large arrays freed and may hand new ones out of memory it holds:
+      `pool_in_fresh_processes` measures the pool where a training loop's process stands);
     * the large products on the BLAS's own `threads` threads (and the loops on theirs), as before the
       layer held the BLAS at one thread for a whole step: each product then leaves OpenBLAS's threads
       spinning for some 0.1 s beside the loop that follows.
@@ -118,6 +124,56 @@ def step_variants(x, params, config, dy, *, repeats: int, threads: int) -> None:
     for name in variants:
         print(f"  {statistics.median(runs[name]):7.3f} s, {faults[name] / repeats:6.0f} faults, "
               f"{kernel[name] / repeats:5.2f} s kernel  {name}")
+
+
+def steps_in_this_process(config, m: int, *, steps: int, pooled: bool) -> str:
+    """Warm-up and `steps` timed whole steps (`out=`) of a layer made here: median, fastest, faults per step.
+
+    Run by `pool_in_fresh_processes` in a process of its own, so that nothing
+    timed before has shaped its allocator. With `pooled=False` the large
+    products' results are new arrays (`POOLED_PRODUCT` out of reach).
+    """
+    if not pooled:
+        _fast.POOLED_PRODUCT = 1 << 62
+    rng = np.random.default_rng(0)
+    params = init_params(config, rng, dtype=np.float32)
+    x = rng.standard_normal((m, config.d), dtype=np.float32)
+    dy = rng.standard_normal((m, config.d), dtype=np.float32)
+    grads: dict = {}
+
+    def step():
+        grads["out"] = backward_of(bw.stable_latent_moe_vjp(x, params, config))(dy, out=grads.get("out"))[1]
+
+    for _ in range(5):  # the allocator's state settles over the first steps
+        step()
+    runs, faults = [], 0
+    for _ in range(steps):
+        time.sleep(0.3)  # no BLAS thread left spinning by the last step
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        step()
+        runs.append(time.perf_counter() - t0)
+        faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0.ru_minflt
+    return (f"{statistics.median(runs):7.3f} s median, {min(runs):7.3f} s fastest, "
+            f"{faults / steps:6.0f} faults per step")
+
+
+def pool_in_fresh_processes(threads: int, steps: int, smoke: bool) -> None:
+    """The pool's worth where it matters: each variant in processes of their own, two of each, in turns.
+
+    In this script's own process the allocator has by then seen many large
+    arrays freed, and hands new ones out of memory it already has; a
+    training loop's process (and the benchmark's) is in the state measured here.
+    """
+    print(f"one whole step (forward + backward(dy, out=)), {threads} thread(s), each variant in a process of its "
+          f"own after five untimed steps, {steps} timed steps each:")
+    for _ in range(2):
+        for variant in ("pooled", "new"):
+            command = [sys.executable, __file__, "--threads", str(threads), "--steps-in-own-process", variant,
+                       "--repeats", str(steps), *(["--smoke"] if smoke else [])]
+            line = subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
+            label = "large products' results from the pool (as shipped)" if variant == "pooled" \
+                else "large products' results new arrays"
+            print(f"  {line}  {label}")
 
 
 def routed_loop_breakdown(z, saved, w1, w3, w2, du) -> dict[str, float]:
@@ -331,6 +387,9 @@ def scores_route_down(x, p, config):
 
 def main(argv: list[str] | None = None) -> None:
     parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--steps-in-own-process", choices=("pooled", "new"), default=None,
+                        help="internal: time --repeats whole steps in this process alone, with the large "
+                             "products' results pooled or new, print one line and stop")
     args = parser.parse_args(argv)
     set_blas_threads(args.threads or 1)
     repeats = args.repeats or 3
@@ -338,6 +397,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         config, m = MoEConfig.small(hidden_size=64, latent_size=32, num_experts=8, top_k=2,
                                     intermediate_size=16), 64
+    if args.steps_in_own_process is not None:
+        print(steps_in_this_process(config, m, steps=repeats, pooled=args.steps_in_own_process == "pooled"))
+        return
     rng = np.random.default_rng(0)
     params = init_params(config, rng, dtype=np.float32)
     x = rng.standard_normal((m, config.d), dtype=np.float32)
@@ -411,6 +473,7 @@ def main(argv: list[str] | None = None) -> None:
               f"  step, backward(dy, out=grads)")
         print(f"  {kernel_time(without_pool)}  step, pool emptied first")
     step_variants(x, params, config, dy, repeats=5 if not args.smoke else 1, threads=args.threads or 1)
+    pool_in_fresh_processes(args.threads or 1, 8 if not args.smoke else 1, args.smoke)
     a_bar = rng.standard_normal((256, config.f), dtype=np.float32)
     z_e = rng.standard_normal((256, config.ell), dtype=np.float32)
     a_bar_t = np.ascontiguousarray(a_bar.T)

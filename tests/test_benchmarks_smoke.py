@@ -408,5 +408,6 @@ def test_profile_smoke():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for stage in ("whole: forward", "whole: backward", "readable loop", "fast path",
-                  "bwd 8: shared_experts_backward"):
+                  "bwd 8: shared_experts_backward", "results from the pool (as shipped)",
+                  "products' results new arrays"):
         assert stage in proc.stdout, stage
