@@ -170,7 +170,10 @@ def pool_in_fresh_processes(threads: int, steps: int, smoke: bool) -> None:
         for variant in ("pooled", "new"):
             command = [sys.executable, __file__, "--threads", str(threads), "--steps-in-own-process", variant,
                        "--repeats", str(steps), *(["--smoke"] if smoke else [])]
-            line = subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
+            child = subprocess.run(command, capture_output=True, text=True)
+            if child.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} failed with exit status {child.returncode}:\n{child.stderr}")
+            line = child.stdout.strip()
             label = "large products' results from the pool (as shipped)" if variant == "pooled" \
                 else "large products' results new arrays"
             print(f"  {line}  {label}")
