@@ -343,7 +343,8 @@ def glu_by_chunks(a: np.ndarray, b: np.ndarray, activation: str, beta: float,
     if not (a.ndim >= 2 and a.flags.c_contiguous and b.flags.c_contiguous and a.shape == b.shape):
         return glu_in_place(a, b, activation, beta, linear_beta)
     a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])  # [rows, f] views
-    _on_chunks(_row_chunks(a2), lambda _, rows: glu_in_place(a2[rows], b2[rows], activation, beta, linear_beta))
+    _on_chunks(_row_chunks(a2),
+               lambda _, rows: glu_in_place(a2[rows], b2[rows], activation, beta, linear_beta))
     return a
 
 
@@ -368,8 +369,8 @@ def glu_and_grad_by_chunks(a: np.ndarray, b: np.ndarray, activation: str, beta: 
                f"writeable {da.flags.writeable}") if isinstance(da, np.ndarray) else f"a {type(da).__name__}"
         raise ValueError(f"the buffer for the gate's partial (d_gate_out) must be a writeable C-contiguous NumPy "
                          f"array of shape {list(a.shape)} and dtype {a.dtype}, got {got}")
-    _on_chunks(_row_chunks(a), lambda _, rows: glu_and_grad_in_place(a[rows], b[rows], activation, beta, linear_beta,
-                                                                   da[rows]))
+    _on_chunks(_row_chunks(a), lambda _, rows: glu_and_grad_in_place(a[rows], b[rows], activation, beta,
+                                                                      linear_beta, da[rows]))
     return a, da, b
 
 
