@@ -338,8 +338,12 @@ def stage_table(config, x, dy, p, params, repeats: int) -> None:
 def expert_products_against_torch(w1, w2, rows: int, repeats: int, threads: int) -> None:
     """Each product of the routed experts' loops at `rows` tokens per expert, NumPy's BLAS against PyTorch's.
 
-    Every expert's own matrices, so that they come from memory as in a step;
-    the same threads on both sides. Skipped without PyTorch.
+    Each product is timed twice on both sides: over every expert's own
+    matrices in turn, so that the weights come from memory as in a step, and
+    over the first expert's again and again, so that they stay in cache. The
+    second separates the libraries' kernels at this shape from the cost of
+    fetching the weights. The same threads on both sides. Skipped without
+    PyTorch.
     """
     try:
         import torch
@@ -352,27 +356,31 @@ def expert_products_against_torch(w1, w2, rows: int, repeats: int, threads: int)
     z_e = rng.standard_normal((rows, ell), dtype=np.float32)  # [rows, l]: a gathered latent, or du_e
     a_e = rng.standard_normal((rows, f), dtype=np.float32)  # [rows, f]: p h, a_bar or b_bar
     out_f, out_l = np.empty((rows, f), np.float32), np.empty((rows, ell), np.float32)
-    out_fl, out_lf = np.empty((f, ell), np.float32), np.empty((ell, f), np.float32)
+    g1, g2 = np.empty_like(w1), np.empty_like(w2)  # [n, f, l], [n, l, f]: the weight gradients' stacks
     tz, ta = torch.from_numpy(z_e), torch.from_numpy(a_e)
-    tw1, tw2 = (torch.from_numpy(np.asarray(w)) for w in (w1, w2))
+    tw1, tw2, tg1, tg2 = (torch.from_numpy(np.asarray(w)) for w in (w1, w2, g1, g2))
     shapes = [  # name, NumPy call, PyTorch call
         ("fwd gate/up: z_e G_e^T", lambda e: np.matmul(z_e, w1[e].T, out=out_f), lambda e: tz @ tw1[e].T),
         ("fwd down: (p h) D_e^T", lambda e: np.matmul(a_e, w2[e].T, out=out_l), lambda e: ta @ tw2[e].T),
         ("bwd o_bar = du_e D_e", lambda e: np.matmul(z_e, w2[e], out=out_f), lambda e: tz @ tw2[e]),
-        ("bwd dD_e = du_e^T (p h)", lambda e: np.matmul(z_e.T, a_e, out=out_lf), lambda e: tz.T @ ta),
-        ("bwd dG_e = a_bar^T z_e", lambda e: np.matmul(a_e.T, z_e, out=out_fl), lambda e: ta.T @ tz),
+        ("bwd dD_e = du_e^T (p h)", lambda e: np.matmul(z_e.T, a_e, out=g2[e]),
+         lambda e: torch.matmul(tz.T, ta, out=tg2[e])),
+        ("bwd dG_e = a_bar^T z_e", lambda e: np.matmul(a_e.T, z_e, out=g1[e]),
+         lambda e: torch.matmul(ta.T, tz, out=tg1[e])),
         ("bwd dz: a_bar G_e", lambda e: np.matmul(a_e, w1[e], out=out_l), lambda e: ta @ tw1[e]),
     ]
     flops = 2 * rows * f * ell * n
-    print(f"each product of the routed loops, {rows} rows, every one of the {n} experts in turn, "
-          f"{threads} thread(s), GFLOP/s (fastest of {repeats}):")
-    print(f"  {'product':28s} {'NumPy':>7s} {'PyTorch':>8s}")
+    print(f"each product of the routed loops, {rows} rows, {threads} thread(s), GFLOP/s (fastest of {repeats}), "
+          f"with every one of the {n} experts' weights or weight gradients in turn (in memory) and with the "
+          f"first expert's each time (in cache):")
+    print(f"  {'product':28s} {'NumPy':>7s} {'PyTorch':>8s} {'NumPy, in cache':>16s} {'PyTorch, in cache':>18s}")
     for name, ours, theirs in shapes:
         speeds = []
-        for call in (ours, theirs):
-            best = min(_timed(lambda: [call(e) for e in range(n)]) for _ in range(repeats))  # noqa: B023
-            speeds.append(flops / best / 1e9)
-        print(f"  {name:28s} {speeds[0]:7.1f} {speeds[1]:8.1f}")
+        for experts in (range(n), [0] * n):
+            for call in (ours, theirs):
+                best = min(_timed(lambda: [call(e) for e in experts]) for _ in range(repeats))  # noqa: B023
+                speeds.append(flops / best / 1e9)
+        print(f"  {name:28s} {speeds[0]:7.1f} {speeds[1]:8.1f} {speeds[2]:16.1f} {speeds[3]:18.1f}")
 
 
 def _timed(fn) -> float:

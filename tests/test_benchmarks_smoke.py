@@ -409,5 +409,6 @@ def test_profile_smoke():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for stage in ("whole: forward", "whole: backward", "readable loop", "fast path",
                   "bwd 8: shared_experts_backward", "results from the pool (as shipped)",
-                  "products' results new arrays"):
+                  "products' results new arrays", "first expert's each time (in cache)",
+                  "bwd dz: a_bar G_e"):
         assert stage in proc.stdout, stage
