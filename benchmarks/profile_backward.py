@@ -339,11 +339,11 @@ def expert_products_against_torch(w1, w2, rows: int, repeats: int, threads: int)
     """Each product of the routed experts' loops at `rows` tokens per expert, NumPy's BLAS against PyTorch's.
 
     Each product is timed twice on both sides: over every expert's own
-    matrices in turn, so that the weights come from memory as in a step, and
-    over the first expert's again and again, so that they stay in cache. The
-    second separates the libraries' kernels at this shape from the cost of
-    fetching the weights. The same threads on both sides. Skipped without
-    PyTorch.
+    matrices in turn, so that the weights come from memory and the weight
+    gradients go to it as in a step, and over the first expert's again and
+    again, so that they stay in cache. The second separates the libraries'
+    kernels at this shape from the cost of moving the matrices. The same
+    threads on both sides. Skipped without PyTorch.
     """
     try:
         import torch
@@ -356,7 +356,7 @@ def expert_products_against_torch(w1, w2, rows: int, repeats: int, threads: int)
     z_e = rng.standard_normal((rows, ell), dtype=np.float32)  # [rows, l]: a gathered latent, or du_e
     a_e = rng.standard_normal((rows, f), dtype=np.float32)  # [rows, f]: p h, a_bar or b_bar
     out_f, out_l = np.empty((rows, f), np.float32), np.empty((rows, ell), np.float32)
-    g1, g2 = np.empty_like(w1), np.empty_like(w2)  # [n, f, l], [n, l, f]: the weight gradients' stacks
+    g1, g2 = np.array(w1), np.array(w2)  # [n, f, l], [n, l, f]: the weight gradients' stacks, pages mapped
     tz, ta = torch.from_numpy(z_e), torch.from_numpy(a_e)
     tw1, tw2, tg1, tg2 = (torch.from_numpy(np.asarray(w)) for w in (w1, w2, g1, g2))
     shapes = [  # name, NumPy call, PyTorch call
