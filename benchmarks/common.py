@@ -230,6 +230,27 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpu_id() -> str | None:
+    """Vendor, family and model number from /proc/cpuinfo ("GenuineIntel family 6 model 207").
+
+    A virtual machine often names its CPU only "Intel(R) Xeon(R) Processor";
+    the model number still tells one generation from another.
+    """
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if not line.strip():  # the first processor's block is enough
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return None
+    if "vendor_id" not in fields:
+        return None
+    return f"{fields['vendor_id']} family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+
+
 def _blas_name() -> str:
     try:
         blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
@@ -243,6 +264,7 @@ def machine_info(**extra: Any) -> dict[str, Any]:
     info: dict[str, Any] = {
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": _cpu_model(),
+        "cpu_id": _cpu_id(),
         "cpus_available": available_cpus(),
         "python": platform.python_version(),
         "numpy": np.__version__,
