@@ -15,6 +15,7 @@ every random input moved by one unit in the last place (`test_records_nudged.py`
 
 from __future__ import annotations
 
+import difflib
 import re
 import textwrap
 from pathlib import Path
@@ -121,7 +122,9 @@ def same_by_meaning(was: str, now: str, stem: str) -> list[str]:
     """
     old_lines, new_lines = was.split("\n"), now.split("\n")
     if len(old_lines) != len(new_lines):
-        return [f"{len(old_lines)} lines in the record, {len(new_lines)} now"]
+        # The lines themselves, so that a failure seen once (on another machine, under load) says what changed.
+        changed = list(difflib.unified_diff(old_lines, new_lines, "record", "now", n=1, lineterm=""))
+        return [f"{len(old_lines)} lines in the record, {len(new_lines)} now:", *changed[:40]]
     problems = []
     for old, new in zip(old_lines, new_lines, strict=True):
         old, new = re.sub(" +", " ", old.strip()), re.sub(" +", " ", new.strip())
