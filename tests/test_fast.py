@@ -540,6 +540,51 @@ def test_a_large_product_s_result_comes_from_the_pool_and_stays_the_caller_s(thr
             assert _fast.matmul(a, b).__array_interface__["data"][0] not in {
                 address, second.__array_interface__["data"][0]}
 
+def _matmul_warnings(calls):
+    """The RuntimeWarnings `calls()` raises, as text (every one recorded, none shown)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        calls()
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_matmul_ignores_the_invalid_flag_but_keeps_the_nan_and_the_overflow_warning(split):
+    """The BLAS's "invalid" flag is not reported (some OpenBLAS builds leave it after finite products), the result is.
+
+    inf times 0 is a NaN in the result whether or not NumPy warns; an overflow of finite operands still warns.
+    """
+    a = np.ones((4, 3), dtype=np.float32)
+    a[1, 0] = np.inf  # row 1 meets a zero below: inf * 0
+    b = np.ones((3, 5), dtype=np.float32)
+    b[0, 2] = 0.0
+    with on_threads(2 if split else 1), mock.patch.object(_fast, "THREADED_PRODUCT", 1 if split else 10**9):
+        assert _matmul_warnings(lambda: _fast.matmul(a, b)) == []
+        got = _fast.matmul(a, b)
+        assert np.isnan(got[1, 2]) and np.isinf(got[1, 0]) and np.isfinite(np.delete(got, 1, axis=0)).all()
+        huge = np.full((2, 2), 3e38, dtype=np.float32)  # 3e38 * 3e38: no float32 holds it
+        assert any("overflow" in text for text in _matmul_warnings(lambda: _fast.matmul(huge, huge)))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_routed_expert_loops_ignore_the_invalid_flag_and_keep_the_nan(threads):
+    """A latent entry at infinity meets a zero weight: NaN in that token's output and gradients, and no warning."""
+    config = MoEConfig.small(hidden_size=16, latent_size=8, num_experts=4, top_k=2, intermediate_size=6)
+    p, z, du, index, weights = route_of(config, 3, 7, np.float32)
+    stacks = [p["experts.w1"].copy(), p["experts.w3"].copy(), p["experts.w2"]]
+    stacks[0][:, :, 0] = 0.0  # every expert's gate and up rows ignore latent entry 0 ...
+    stacks[1][:, :, 0] = 0.0
+    z[2, 0] = np.inf  # ... which is infinite for token 2: inf * 0 in both products
+    with on_threads(threads):
+        seen = _matmul_warnings(lambda: routed_experts(z, index, weights, *stacks, config, save=True))
+        u, saved = routed_experts(z, index, weights, *stacks, config, save=True)
+        seen += _matmul_warnings(lambda: routed_experts_backward(z, saved, *stacks, du))
+        dz = routed_experts_backward(z, saved, *stacks, du)[0]
+    assert [text for text in seen if "invalid" in text] == []
+    assert np.isnan(u[2]).all() and np.isfinite(np.delete(u, 2, axis=0)).all()
+    assert np.isnan(dz[2]).any()
+
+
 def test_matmul_leaves_everything_but_two_numpy_matrices_to_the_operator():
     a = np.arange(6.0).reshape(2, 3)
     with on_threads(2), mock.patch.object(_fast, "THREADED_PRODUCT", 1):

@@ -17,6 +17,7 @@ selection would do. This module holds the versions that avoid those costs,
 | `on_own_threads`, `HELD_FROM`, `matmul`, `THREADED_PRODUCT`, `POOLED_PRODUCT` | a large layer's forward and backward (`stable_latent_moe`, `stable_latent_moe_vjp`) and their large products | the BLAS held at one thread for the whole call, each large product cut into blocks of rows or columns on the loops' threads, so that no idle BLAS thread spins beside them; large results from the pool |
 | `rms_norm_by_chunks`, `rms_norm_backward_by_chunks` | `refimpl.layer.activations.rms_norm`, `rms_norm_backward` | a few rows at a time, in cache, on several threads |
 | `WorkspacePool`, `WORKSPACES`, `release_workspaces` | every large array of the two loops above, from one call to the next | handing an array out again only once nothing outside the pool refers to it |
+| `blas_flags_ignored` | the products of `matmul` and of the routed expert loops | ignoring the "invalid" flag a BLAS may leave after a product of finite operands (the result is what counts) |
 | `bit_sum` | the weights' fingerprints of `refimpl.layer.backward.stable_latent_moe_vjp` | integer sums of the raw bytes, exact in any order, on several threads |
 | `input_backward_in_one_product` | the input's gradient in `refimpl.layer.backward.router_and_input_backward` | four products that are summed, as one product of concatenated operands |
 | `topk_by_partition` | `refimpl._lib.xp.topk` | partitioning instead of sorting each row |
@@ -58,6 +59,7 @@ __all__ = [
     "TRANSPOSE_BLOCK",
     "WORKSPACES",
     "bit_sum",
+    "blas_flags_ignored",
     "combine_in_buffers",
     "cutoffs_by_blocks",
     "enabled",
@@ -661,6 +663,26 @@ THREADED_PRODUCT = 1 << 26
 POOLED_PRODUCT = 1 << 18
 
 
+def blas_flags_ignored() -> np.errstate:
+    r"""The floating-point state the fast paths' products run in: the "invalid" flag left by the BLAS ignored.
+
+    NumPy reads the processor's floating-point flags after each product and
+    turns a raised "invalid" flag into `RuntimeWarning: invalid value
+    encountered in matmul`. NumPy's OpenBLAS (0.3.31, Skylake-X kernels) has
+    been seen to leave that flag raised after products of a few finite
+    entries of modest size (a [1, 5] by [5, 10] float32 product, entries
+    below 2 in magnitude), in one process and not in another running the
+    same code on the same data: the worked examples that check a PyTorch
+    port, run as notebooks beside other tests, printed dozens of such
+    warnings, from the expert loops and from `matmul`, once in several runs.
+    The flag says nothing about the result there. Where a product's result
+    really is invalid (an infinite operand times a zero one) it holds NaN,
+    which the layer's finite checks name; a product of finite operands that
+    is not finite has overflowed, and the "overflow" flag still warns.
+    """
+    return np.errstate(invalid="ignore")
+
+
 def matmul(a: Any, b: Any) -> Any:
     r"""`a @ b`; for a large product of two NumPy matrices, its rows (or columns) shared among `loop_threads` threads.
 
@@ -685,13 +707,15 @@ def matmul(a: Any, b: Any) -> Any:
         return a @ b
     (m, k), n = a.shape, b.shape[1]
     if m * k * n < THREADED_PRODUCT:
-        return a @ b
+        with blas_flags_ignored():
+            return a @ b
     pooled = m * n * a.dtype.itemsize >= POOLED_PRODUCT
     # [m, n]: a large result in the memory of an earlier step's, once that one is let go of
     out = WORKSPACES.empty((m, n), a.dtype) if pooled else np.empty((m, n), dtype=a.dtype)
     threads = loop_threads(max(m, n) // 64)
     if threads == 1:
-        return np.matmul(a, b, out=out)
+        with blas_flags_ignored():
+            return np.matmul(a, b, out=out)
     by_rows = m >= n
     size = m if by_rows else n
     per_thread = -(-size // threads)
@@ -699,10 +723,11 @@ def matmul(a: Any, b: Any) -> Any:
     blocks = [slice(start, min(start + step, size)) for start in range(0, size, step)]
 
     def block(part: slice, _: Any) -> None:
-        if by_rows:
-            np.matmul(a[part], b, out=out[part])  # [rows, n]
-        else:
-            np.matmul(a, b[:, part], out=out[:, part])  # [m, columns]
+        with blas_flags_ignored():
+            if by_rows:
+                np.matmul(a[part], b, out=out[part])  # [rows, n]
+            else:
+                np.matmul(a, b[:, part], out=out[:, part])  # [m, columns]
 
     for_each_on_threads(blocks, block)
     return out
@@ -816,14 +841,16 @@ def routed_experts_in_buffers(z: np.ndarray, dispatch: Any, w1: Any, w3: Any, w2
         np.take(z, dispatch.token[rows], axis=0, out=z_e, mode="clip")  # [m_e, l]
         g_e, u_e, d_e = (np.asarray(w[e, ...], dtype=dtype) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
         kept = rows if save else slice(0, m_e)
-        gate, up = np.matmul(z_e, g_e.T, out=gate_all[kept]), np.matmul(z_e, u_e.T, out=up_all[kept])
+        with blas_flags_ignored():
+            gate, up = np.matmul(z_e, g_e.T, out=gate_all[kept]), np.matmul(z_e, u_e.T, out=up_all[kept])
         if save:
             hidden[e] = glu_and_grad(gate, up, d_gate_all[rows])  # [m_e, f] x3
             h = hidden[e][0]
         else:
             h = glu(gate, up)  # [m_e, f]
         np.multiply(h, dispatch.weight[rows, :], out=ph)
-        np.matmul(ph, d_e.T, out=out_sorted[rows, :])  # [m_e, l]
+        with blas_flags_ignored():
+            np.matmul(ph, d_e.T, out=out_sorted[rows, :])  # [m_e, l]
 
     for_each_on_threads(experts, expert, buffers)
     return combine_in_buffers(out_sorted, dispatch.position), hidden, out_sorted
@@ -877,17 +904,18 @@ def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: A
         p_e = dispatch.weight[rows, :]  # [m_e, 1]
         h, dh_da, dh_db = saved.hidden[e]  # [m_e, f] each
         g_e, u_e, d_e = (np.asarray(w[e, ...], dtype=dtype) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
-        np.matmul(du_e, d_e, out=o_bar)  # o_bar = du_e D_e
-        np.einsum("tf,tf->t", o_bar, h, out=dp_sorted[rows])  # dp = o_bar . h, one pass and no temporary
-        np.multiply(h, p_e, out=a_bar)
-        np.matmul(du_e.T, a_bar, out=dw2[e])  # dD_e = du_e^T (p h)
-        o_bar *= p_e  # h_bar
-        np.multiply(o_bar, dh_da, out=a_bar)
-        np.multiply(o_bar, dh_db, out=b_bar)
-        np.matmul(a_bar.T, z_e, out=dw1[e])  # dG_e = a_bar^T z_e
-        np.matmul(b_bar.T, z_e, out=dw3[e])  # dU_e = b_bar^T z_e
-        np.matmul(a_bar, g_e, out=dz_sorted[rows])  # a_bar G_e
-        dz_sorted[rows] += np.matmul(b_bar, u_e, out=lat)  # + b_bar U_e
+        with blas_flags_ignored():  # the products' "invalid" flag, not their results
+            np.matmul(du_e, d_e, out=o_bar)  # o_bar = du_e D_e
+            np.einsum("tf,tf->t", o_bar, h, out=dp_sorted[rows])  # dp = o_bar . h, one pass and no temporary
+            np.multiply(h, p_e, out=a_bar)
+            np.matmul(du_e.T, a_bar, out=dw2[e])  # dD_e = du_e^T (p h)
+            o_bar *= p_e  # h_bar
+            np.multiply(o_bar, dh_da, out=a_bar)
+            np.multiply(o_bar, dh_db, out=b_bar)
+            np.matmul(a_bar.T, z_e, out=dw1[e])  # dG_e = a_bar^T z_e
+            np.matmul(b_bar.T, z_e, out=dw3[e])  # dU_e = b_bar^T z_e
+            np.matmul(a_bar, g_e, out=dz_sorted[rows])  # a_bar G_e
+            dz_sorted[rows] += np.matmul(b_bar, u_e, out=lat)  # + b_bar U_e
 
     for_each_on_threads(experts, expert, buffers)
     dweights = np.take(dp_sorted, dispatch.position.reshape(m * k)).reshape(m, k)  # [m, k]
