@@ -669,12 +669,11 @@ def blas_flags_ignored() -> np.errstate:
     NumPy reads the processor's floating-point flags after each product and
     turns a raised "invalid" flag into `RuntimeWarning: invalid value
     encountered in matmul`. NumPy's OpenBLAS (0.3.31, Skylake-X kernels) has
-    been seen to leave that flag raised after products of a few finite
-    entries of modest size (a [1, 5] by [5, 10] float32 product, entries
-    below 2 in magnitude), in one process and not in another running the
-    same code on the same data: the worked examples that check a PyTorch
-    port, run as notebooks beside other tests, printed dozens of such
-    warnings, from the expert loops and from `matmul`, once in several runs.
+    been seen to leave that flag raised after small products of finite
+    operands, in one process and not in another running the same code on
+    the same data: the worked examples that check a PyTorch port, run as
+    notebooks beside other tests, printed dozens of such warnings, from the
+    expert loops and from `matmul`, in some runs and not in others.
     The flag says nothing about the result there. Where a product's result
     really is invalid (an infinite operand times a zero one) it holds NaN,
     which the layer's finite checks name; a product of finite operands that
