@@ -1086,6 +1086,45 @@ def test_an_unstable_sort_is_named_only_where_it_differs_on_ties():
     assert tied("routing", caught.value.case)
 
 
+_UNSTABLE_ON_A_PLAIN_CPU = """
+import numpy as np
+from refimpl.testing.puzzles import PUZZLES
+from refimpl.testing.puzzles.core import PuzzleFailure
+
+row = -np.array([[0.5, 0.5, 0.5, 0.2, 0.5, 0.9, 0.5, 0.5]])
+print("short rows stable:", np.array_equal(np.argsort(row, axis=1), np.argsort(row, axis=1, kind="stable")))
+
+def route_with_bias(logits, bias, top_k):
+    return np.argsort(-(1.0 / (1.0 + np.exp(-logits)) + bias), axis=1)[:, :top_k]
+
+try:
+    PUZZLES["routing"].check(route_with_bias)
+    print("passed")
+except PuzzleFailure as failure:
+    print("named:", failure.mistake.name if failure.mistake else None, "experts:", failure.case.args[0].shape[1])
+"""
+
+
+def test_an_unstable_sort_is_caught_on_a_numpy_without_its_vectorized_sort():
+    """On a CPU where NumPy has no vectorized sort (its dispatched paths switched off here, as on a CPU without
+    AVX2), np.argsort sorts a row of up to 16 values by insertion, which keeps ties in id order: the default
+    sort is then right on every short row, and only the family of rows longer than 16 experts shows it."""
+    import os
+    import subprocess
+    import sys
+
+    from numpy._core._multiarray_umath import __cpu_dispatch__
+
+    env = {**os.environ, "NPY_DISABLE_CPU_FEATURES": " ".join(__cpu_dispatch__)}
+    run = subprocess.run([sys.executable, "-c", _UNSTABLE_ON_A_PLAIN_CPU], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "short rows stable: True", run.stdout  # the setting took: insertion sort on short rows
+    named, experts = lines[1].removeprefix("named: ").split(" experts: ")
+    assert named == "unstable_on_ties" and int(experts) > 16, run.stdout
+
+
 def test_a_mistake_that_fits_the_shrunk_input_alone_is_not_named():
     with pytest.raises(PuzzleFailure) as caught:
         PUZZLES["qb_update"].check(qb_qth_on_small_batches)

@@ -69,7 +69,12 @@ scores and biases on a grid whose biased values are at least $2^{-14}$
 apart, except in the properties that are about ties, where ties are exact
 (values on a grid of eighths). Tolerances follow from the arithmetic: a few
 units in the last place of float64, scaled by the size of the values
-involved.
+involved. The same inputs are not the same sort everywhere, though: where
+NumPy has no vectorized sort for the CPU, `np.argsort` orders a row of up to
+16 values by insertion, which keeps equal values in id order, so an answer
+with an unstable sort is right on every short row. The routing puzzle
+therefore also draws rows of 17 to 24 experts with ties, on which such an
+answer fails on every machine.
 
 ## In a notebook
 
