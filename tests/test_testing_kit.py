@@ -284,6 +284,110 @@ class TestProfiles:
             kit.check_router(good.router, tie_order="higher_id")
 
 
+def router_by_default_sort(scores, bias, top_k):
+    """Eq. (13) with np.argsort's default kind: unstable, so a tie goes to whichever expert the sort leaves first."""
+    index = np.argsort(-(scores + bias), axis=1)[:, :top_k]
+    raw = np.take_along_axis(scores, index, axis=1)
+    return index, raw / raw.sum(axis=1, keepdims=True)
+
+
+class TestTieOrderOnLongRows:
+    """An unstable sort is caught whatever the machine's sort does with short rows."""
+
+    def test_long_rows_are_drawn_whatever_max_experts_says(self):
+        """The declared tie order is tried on rows of 17 to 32 experts even when max_experts is 8."""
+        widths = []
+
+        def recording(scores, bias, top_k):
+            widths.append(scores.shape[1])
+            return good.router(scores, bias, top_k)
+
+        kit.check_router(recording, tie_order="lower_id", max_experts=8)
+        assert max(widths) >= 17 and min(widths) <= 8
+        assert sum(w >= 17 for w in widths) >= 10  # not one lucky draw
+        widths.clear()
+        kit.check_router(recording, max_experts=8)  # no declared tie order: no long rows
+        assert max(widths) <= 8
+
+    def test_an_unstable_numpy_sort_fails_the_declared_tie_order(self):
+        failure = failure_of(kit.check_router, router_by_default_sort, tie_order="lower_id")
+        assert failure.failed == ["tie order: lower id first"], str(failure)
+
+    def test_torch_topk_fails_the_declared_tie_order(self):
+        torch = pytest.importorskip("torch")
+
+        def torch_topk_router(scores, bias, top_k):
+            s = torch.from_numpy(scores)
+            index = torch.topk(s + torch.from_numpy(bias), top_k, dim=-1).indices  # [m, k], ties unspecified
+            raw = torch.gather(s, 1, index)
+            return index.numpy(), (raw / raw.sum(dim=-1, keepdim=True)).numpy()
+
+        failure = failure_of(kit.check_router, torch_topk_router, tie_order="lower_id")
+        assert failure.failed == ["tie order: lower id first"], str(failure)
+
+    def test_a_cpp_port_with_std_sort_fails_the_declared_tie_order(self, tmp_path):
+        """libstdc++'s std::sort (introsort, finished by insertion sort below 17 values) keeps ties in id
+        order on short rows: the kit catches a C++ top-k built on it by its long rows."""
+        import ctypes
+        import shutil
+
+        compiler = shutil.which("g++") or shutil.which("c++")
+        if compiler is None:
+            pytest.skip("no C++ compiler (g++ or c++) on this machine")
+        source = tmp_path / "topk.cpp"
+        source.write_text(
+            "#include <algorithm>\n#include <vector>\n"
+            "extern \"C\" void topk(const float* v, int m, int n, int k, long long* out) {\n"
+            "  std::vector<int> ids(n);\n"
+            "  for (int i = 0; i < m; ++i) {\n"
+            "    const float* row = v + (long long)i * n;\n"
+            "    for (int j = 0; j < n; ++j) ids[j] = j;\n"
+            "    std::sort(ids.begin(), ids.end(), [row](int a, int b) { return row[a] > row[b]; });\n"
+            "    for (int r = 0; r < k; ++r) out[(long long)i * k + r] = ids[r];\n"
+            "  }\n"
+            "}\n")
+        library = tmp_path / "libtopk.so"
+        subprocess.run([compiler, "-O2", "-shared", "-fPIC", str(source), "-o", str(library)], check=True,
+                       capture_output=True, timeout=120)
+        topk = ctypes.CDLL(str(library)).topk
+
+        def cpp_router(scores, bias, top_k):
+            biased = np.ascontiguousarray(scores + bias, dtype=np.float32)  # [m, n]
+            index = np.empty((biased.shape[0], top_k), dtype=np.int64)  # [m, k]
+            topk(biased.ctypes.data_as(ctypes.c_void_p), biased.shape[0], biased.shape[1], top_k,
+                 index.ctypes.data_as(ctypes.c_void_p))
+            raw = np.take_along_axis(scores, index, axis=1)
+            return index, raw / raw.sum(axis=1, keepdims=True)
+
+        failure = failure_of(kit.check_router, cpp_router, tie_order="lower_id")
+        assert failure.failed == ["tie order: lower id first"], str(failure)
+        assert failure.violations[0].inputs["scores"].shape[1] >= 17, str(failure)  # short rows pass
+
+    def test_an_unstable_sort_is_caught_where_numpy_has_no_vectorized_sort(self):
+        """With NumPy's dispatched paths off (as on a CPU it has no vectorized sort for), np.argsort orders
+        rows of up to 16 values by insertion, keeping ties in id order: only the long rows show the mistake."""
+        import inspect
+        import os
+
+        from numpy._core._multiarray_umath import __cpu_dispatch__
+
+        script = (
+            "import numpy as np\n"
+            "import refimpl.testing as kit\n"
+            + inspect.getsource(router_by_default_sort) +
+            "row = -np.array([[0.5, 0.5, 0.5, 0.2, 0.5, 0.9, 0.5, 0.5]])\n"
+            "print(np.array_equal(np.argsort(row, axis=1), np.argsort(row, axis=1, kind='stable')))\n"
+            "try:\n"
+            "    kit.check_router(router_by_default_sort, tie_order='lower_id')\n"
+            "except kit.CheckFailure as failure:\n"
+            "    print(failure.failed)\n"
+        )
+        env = {**os.environ, "NPY_DISABLE_CPU_FEATURES": " ".join(__cpu_dispatch__)}
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.splitlines() == ["True", "['tie order: lower id first']"], run.stdout
+
+
 def test_without_hypothesis_the_kit_says_what_to_install():
     """The kit alone needs Hypothesis: without it the import fails naming the package and the extra,
     while the rest of refimpl imports and runs."""

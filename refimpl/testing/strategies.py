@@ -320,7 +320,8 @@ def bias_shifts(max_abs: float = 100.0) -> st.SearchStrategy[float]:
 
 @checked_switches("distinct", "ties", "allow_all_experts", "integer_q", "for_update")
 @st.composite
-def routing_cases(draw: st.DrawFn, *, max_tokens: int = 12, max_experts: int = 10, distinct: bool = True,
+def routing_cases(draw: st.DrawFn, *, max_tokens: int = 12, min_experts: int = 2, max_experts: int = 10,
+                  distinct: bool = True,
                   ties: bool = False, allow_all_experts: bool = True, integer_q: bool = False,
                   for_update: bool = False, resolution: float = 2.0**-14, bias_offset: float = 0.0,
                   dtype: Any = np.float64) -> RoutingCase:
@@ -337,9 +338,9 @@ def routing_cases(draw: st.DrawFn, *, max_tokens: int = 12, max_experts: int = 1
     * both false: independent floats (near-ties possible).
 
     `bias_offset` is added to every bias (the construction stays tie-free).
-    `allow_all_experts`, `integer_q` and `for_update` are those of `routing_sizes`.
+    `min_experts`, `allow_all_experts`, `integer_q` and `for_update` are those of `routing_sizes`.
     """
-    m, n, k = draw(routing_sizes(max_tokens=max_tokens, max_experts=max_experts,
+    m, n, k = draw(routing_sizes(max_tokens=max_tokens, min_experts=min_experts, max_experts=max_experts,
                                  allow_all_experts=allow_all_experts, integer_q=integer_q,
                                  for_update=for_update))
     if ties:
