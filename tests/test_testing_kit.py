@@ -414,6 +414,21 @@ def test_without_hypothesis_the_kit_says_what_to_install():
 
 
 class TestStrategies:
+    @settings(max_examples=50, deadline=None)
+    @given(rst.routing_cases(ties=True, min_experts=17, max_experts=20))
+    def test_min_experts_bounds_the_rows(self, case):
+        assert 17 <= case.n <= 20
+
+    @pytest.mark.parametrize("low", [0, 11])
+    def test_min_experts_outside_one_to_max_experts_is_refused(self, low):
+        @settings(max_examples=1, deadline=None, database=None)
+        @given(rst.routing_cases(min_experts=low, max_experts=10))
+        def draw(case):
+            pass
+
+        with pytest.raises(ValueError, match=f"min_experts must be .* max_experts \\(10\\), got {low}"):
+            draw()
+
     @settings(max_examples=200, deadline=None)
     @given(rst.routing_cases(distinct=True, max_tokens=16, max_experts=12), rst.bias_shifts())
     def test_distinct_cases_have_no_near_ties_even_after_a_shift(self, case, c):

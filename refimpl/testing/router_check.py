@@ -446,8 +446,7 @@ def check_router(fn: Callable[..., tuple[Any, Any]], *, renormalize: bool = True
         invariants.append(named("experts only from the chosen groups", with_groups, chosen_groups_only))
     invariants.append(named("ties give a valid top-k", tied, valid_topk_with_ties))
     if tie_order == "lower_id":
-        # Rows of up to 16 values are sorted by insertion in libstdc++'s std::sort and in NumPy where it has no
-        # vectorized sort for the CPU, which keeps ties in id order: an unstable sort shows itself on longer rows.
+        # An unstable sort shows itself on rows longer than those a sort may order by insertion (`LONG_ROWS`).
         longer = rst.routing_cases(ties=True, max_tokens=max_tokens, min_experts=LONG_ROWS[0],
                                    max_experts=max(LONG_ROWS[1], max_experts))
         invariants.append(named("tie order: lower id first", st.one_of(tied, longer), lower_id_ties))

@@ -231,6 +231,9 @@ def routing_sizes(draw: st.DrawFn, *, max_tokens: int = 12, min_experts: int = 2
     * `for_update=True`: `k < n` and enough tokens for Eq. (14)
       (`min_tokens_for_update`), even if that exceeds `max_tokens`.
     """
+    if not 1 <= min_experts <= max_experts:
+        raise ValueError(f"routing_sizes: min_experts must be at least 1 and at most max_experts ({max_experts}), "
+                         f"got {min_experts}")
     n = draw(st.integers(min_experts, max_experts), label="n")
     k = draw(st.integers(1, n if allow_all_experts and not for_update else n - 1), label="k")
     step = n // int(np.gcd(n, k)) if integer_q else 1
@@ -321,8 +324,7 @@ def bias_shifts(max_abs: float = 100.0) -> st.SearchStrategy[float]:
 @checked_switches("distinct", "ties", "allow_all_experts", "integer_q", "for_update")
 @st.composite
 def routing_cases(draw: st.DrawFn, *, max_tokens: int = 12, min_experts: int = 2, max_experts: int = 10,
-                  distinct: bool = True,
-                  ties: bool = False, allow_all_experts: bool = True, integer_q: bool = False,
+                  distinct: bool = True, ties: bool = False, allow_all_experts: bool = True, integer_q: bool = False,
                   for_update: bool = False, resolution: float = 2.0**-14, bias_offset: float = 0.0,
                   dtype: Any = np.float64) -> RoutingCase:
     """A `RoutingCase`: scores, a bias and `top_k`, drawn together.
