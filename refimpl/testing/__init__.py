@@ -160,7 +160,12 @@ answer to an earlier input ("stale output"), or whose answer to the same
 input changes from call to call ("drift"), fails, and so does a build that
 writes into the `state_dict` or `text_config` it was handed, then or later
 from its forward. A check asked for float64 holds float64's tolerance, and
-its report says the precision the port achieved.
+its report says the precision the port achieved. A router that declares the
+lower id first on ties is tried on rows of 17 to 32 experts as well as short
+ones: sorts that are unstable in general (`np.argsort`'s default kind where
+NumPy has no vectorized sort for the CPU, libstdc++'s `std::sort`) order a
+row of up to 16 values by insertion, which keeps ties in id order, so short
+rows alone would let them pass.
 
 Your function receives copies of the inputs, so the reference never sees
 what it did to them; and if it writes into them, that is reported,
