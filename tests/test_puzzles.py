@@ -1106,8 +1106,8 @@ except PuzzleFailure as failure:
 
 
 def test_an_unstable_sort_is_caught_on_a_numpy_without_its_vectorized_sort():
-    """On a CPU where NumPy has no vectorized sort (its dispatched paths switched off here, as on a CPU without
-    AVX2), np.argsort sorts a row of up to 16 values by insertion, which keeps ties in id order: the default
+    """On a CPU for which NumPy has no vectorized sort (its dispatched paths switched off here to stand for
+    one), np.argsort sorts a row of up to 16 values by insertion, which keeps ties in id order: the default
     sort is then right on every short row, and only the family of rows longer than 16 experts shows it."""
     import os
     import subprocess
