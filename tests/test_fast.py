@@ -585,6 +585,36 @@ def test_routed_expert_loops_ignore_the_invalid_flag_and_keep_the_nan(threads):
     assert np.isnan(dz[2]).any()
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_routed_backward_warns_of_an_invalid_step_between_its_products_as_the_readable_loop_does(threads):
+    """Only the products' "invalid" flag is ignored: inf times a zero weight in the steps between them still warns.
+
+    Slot 0 carries a routing weight of exactly 0 and a saved hidden activation at infinity, so both loops form
+    0 * inf for it outside any product (the weighted activation of the down-projection's gradient), and the
+    readable loop's NumPy warns of it; the fast loop must too, and give the same NaN where it lands.
+    """
+    config = MoEConfig.small(hidden_size=16, latent_size=8, num_experts=4, top_k=2, intermediate_size=6)
+    p, z, du, index, weights = route_of(config, 5, 7, np.float32)
+    weights[0, 0] = 0.0
+    stacks = p["experts.w1"], p["experts.w3"], p["experts.w2"]
+    with readable:
+        _, saved = routed_experts(z, index, weights, *stacks, config, save=True)
+    dispatch = saved.dispatch
+    slot = int(dispatch.position[0, 0])  # token 0's first slot, in expert order
+    expert = int(index[0, 0])
+    saved.hidden[expert][0][slot - int(dispatch.start[expert])] = np.inf  # h of that slot
+    results = []
+    with readable:
+        seen_readable = _matmul_warnings(lambda: results.append(routed_experts_backward(z, saved, *stacks, du)))
+    with on_threads(threads):
+        seen_fast = _matmul_warnings(lambda: results.append(routed_experts_backward(z, saved, *stacks, du)))
+    expected, got = results
+    assert any("invalid value encountered in multiply" in text for text in seen_readable)
+    assert any("invalid value encountered in multiply" in text for text in seen_fast), seen_fast
+    for have, want in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(np.isnan(have), np.isnan(want))  # the NaN lands in the same entries
+
+
 def test_matmul_leaves_everything_but_two_numpy_matrices_to_the_operator():
     a = np.arange(6.0).reshape(2, 3)
     with on_threads(2), mock.patch.object(_fast, "THREADED_PRODUCT", 1):

@@ -903,18 +903,22 @@ def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: A
         p_e = dispatch.weight[rows, :]  # [m_e, 1]
         h, dh_da, dh_db = saved.hidden[e]  # [m_e, f] each
         g_e, u_e, d_e = (np.asarray(w[e, ...], dtype=dtype) for w in (w1, w3, w2))  # [f,l] [f,l] [l,f]
-        with blas_flags_ignored():  # the products' "invalid" flag, not their results
+        # Only the products ignore the BLAS's "invalid" flag; the steps between them warn as NumPy's own do.
+        with blas_flags_ignored():
             np.matmul(du_e, d_e, out=o_bar)  # o_bar = du_e D_e
-            np.einsum("tf,tf->t", o_bar, h, out=dp_sorted[rows])  # dp = o_bar . h, one pass and no temporary
-            np.multiply(h, p_e, out=a_bar)
+        np.einsum("tf,tf->t", o_bar, h, out=dp_sorted[rows])  # dp = o_bar . h, one pass and no temporary
+        np.multiply(h, p_e, out=a_bar)
+        with blas_flags_ignored():
             np.matmul(du_e.T, a_bar, out=dw2[e])  # dD_e = du_e^T (p h)
-            o_bar *= p_e  # h_bar
-            np.multiply(o_bar, dh_da, out=a_bar)
-            np.multiply(o_bar, dh_db, out=b_bar)
+        o_bar *= p_e  # h_bar
+        np.multiply(o_bar, dh_da, out=a_bar)
+        np.multiply(o_bar, dh_db, out=b_bar)
+        with blas_flags_ignored():
             np.matmul(a_bar.T, z_e, out=dw1[e])  # dG_e = a_bar^T z_e
             np.matmul(b_bar.T, z_e, out=dw3[e])  # dU_e = b_bar^T z_e
             np.matmul(a_bar, g_e, out=dz_sorted[rows])  # a_bar G_e
-            dz_sorted[rows] += np.matmul(b_bar, u_e, out=lat)  # + b_bar U_e
+            np.matmul(b_bar, u_e, out=lat)  # b_bar U_e
+        dz_sorted[rows] += lat  # a_bar G_e + b_bar U_e
 
     for_each_on_threads(experts, expert, buffers)
     dweights = np.take(dp_sorted, dispatch.position.reshape(m * k)).reshape(m, k)  # [m, k]
