@@ -589,9 +589,10 @@ def test_routed_expert_loops_ignore_the_invalid_flag_and_keep_the_nan(threads):
 def test_routed_backward_warns_of_an_invalid_step_between_its_products_as_the_readable_loop_does(threads):
     """Only the products' "invalid" flag is ignored: inf times a zero weight in the steps between them still warns.
 
-    Slot 0 carries a routing weight of exactly 0 and a saved hidden activation at infinity, so both loops form
-    0 * inf for it outside any product (the weighted activation of the down-projection's gradient), and the
-    readable loop's NumPy warns of it; the fast loop must too, and give the same NaN where it lands.
+    Token 0's first slot carries a routing weight of exactly 0 and a saved hidden activation at infinity, so
+    both loops form 0 * inf for it outside any product (the weighted activation of the down-projection's
+    gradient), and the readable loop's NumPy warns of it; the fast loop must too, and give the same NaN where
+    it lands.
     """
     config = MoEConfig.small(hidden_size=16, latent_size=8, num_experts=4, top_k=2, intermediate_size=6)
     p, z, du, index, weights = route_of(config, 5, 7, np.float32)
