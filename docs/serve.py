@@ -8,6 +8,7 @@ links of `404.html` would never be tried. This server puts the site where `site_
 does; what works here works there. Like the host, it serves only the files of the site: a symbolic link that
 leads out of the site, a folder without `index.html` (no listings) and anything that is not a regular file
 are answered with 404, and a path no file can have (an encoded NUL, bytes that are not UTF-8) with 400.
+A browser that leaves before a file is sent (a tab closed mid-page) is not reported: it is no error.
 
     python docs/serve.py [--site site] [--port 8000] [--bind 127.0.0.1]
 """
@@ -171,6 +172,17 @@ class SiteHandler(SimpleHTTPRequestHandler):
             super().log_request(code, size)
 
 
+class SiteServer(ThreadingHTTPServer):
+    """Python's threading server, quiet when a reader's browser leaves before a file is sent."""
+
+    def handle_error(self, request, client_address) -> None:
+        # A tab closed or a link followed mid-page drops the connection while a file is being written to it:
+        # no error of the server's, and Python's server would print a traceback for each one.
+        if isinstance(sys.exc_info()[1], ConnectionError):  # BrokenPipeError, ConnectionResetError, ...
+            return
+        super().handle_error(request, client_address)
+
+
 def make_server(site: Path, port: int, bind: str = "127.0.0.1", prefix: str | None = None) -> ThreadingHTTPServer:
     """An HTTP server for the built site in `site` (not yet serving); port 0 takes a free port."""
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -179,7 +191,7 @@ def make_server(site: Path, port: int, bind: str = "127.0.0.1", prefix: str | No
     if not (site / "index.html").is_file():
         raise FileNotFoundError(f"site: {site} holds no index.html; build the site first (make docs)")
     handler = functools.partial(SiteHandler, directory=str(site), prefix=prefix or site_prefix())
-    return ThreadingHTTPServer((bind, port), handler)
+    return SiteServer((bind, port), handler)
 
 
 def main(argv: list[str] | None = None) -> int:

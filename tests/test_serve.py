@@ -80,3 +80,36 @@ def test_nothing_outside_the_site_is_served(tmp_path):
         for path in ("/refimpl/../secret.txt", "/refimpl/%2e%2e/secret.txt", "/secret.txt"):
             status, _, body = running.get(path)
             assert b"secret" not in body, path
+
+
+def test_a_reader_who_leaves_mid_page_costs_no_traceback(tmp_path, capfd):
+    """A browser that closes its connection while a file is still being sent (a tab closed, a link followed
+    before the page finished) is no error of the server's: `make serve` prints nothing for it, where Python's
+    server prints a traceback for each such request. An error of the server's own is still printed."""
+    import socket
+    import struct
+    import threading
+    import time
+
+    site = small_site(tmp_path / "site")
+    (site / "assets" / "large.bin").write_bytes(bytes(16 << 20))  # more than any socket buffer holds
+    with ServedSite(site, "/refimpl/") as running:
+        port = running.server.server_address[1]
+        for _ in range(3):
+            client = socket.create_connection(("127.0.0.1", port), timeout=30)
+            client.sendall(b"GET /refimpl/assets/large.bin HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert client.recv(64).startswith(b"HTTP/1.0 200")
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+            client.close()
+        assert running.get("/refimpl/page/")[2] == b"<p>a page</p>"  # still serving
+        deadline = time.monotonic() + 30
+        while any("process_request_thread" in thread.name for thread in threading.enumerate()):
+            assert time.monotonic() < deadline, "a request's thread still runs after 30 s"
+            time.sleep(0.01)  # each interrupted send has ended, and said what it says
+        try:
+            raise RuntimeError("an error of the server's own")
+        except RuntimeError:
+            running.server.handle_error(None, ("127.0.0.1", 1))
+    err = capfd.readouterr().err
+    assert "BrokenPipeError" not in err and "ConnectionResetError" not in err, err
+    assert err.count("Traceback") == 1 and "RuntimeError: an error of the server's own" in err, err
