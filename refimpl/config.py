@@ -710,7 +710,7 @@ def hf_reading_family(hf: Mapping[str, Any], *, code: str | None = None) -> HFFa
     if not isinstance(text, Mapping):
         raise ValueError(f"hf['text_config'] must be a mapping of the language model's keys, got {shown(text)}")
     family = _reading_code(hf, text, "hf['text_config']" if text is not hf else "hf", code)
-    wrapper = ALL_RECORDS.get(hf.get("model_type")) if "text_config" in hf else None
+    wrapper = _record_named(hf.get("model_type")) if "text_config" in hf else None
     if family is not None and wrapper is not None and wrapper.wraps == family.model_type:
         return wrapper
     return family
@@ -721,6 +721,10 @@ def _reading_code(hf: Mapping[str, Any], text: Mapping[str, Any], where: str, co
     if code is not None and code not in HF_CODES:
         raise ValueError(f"code must be None (the code the file names), 'k3' (K3's own modeling code) or "
                          f"'transformers' (transformers' class of its model_type), got {shown(code)}")
+    for holder, name in ((hf, "hf"), (text, where)):
+        if holder.get("model_type") is not None and not isinstance(holder.get("model_type"), str):
+            raise ValueError(f"{name}['model_type'] must be a string naming the model, got "
+                             f"{shown(holder.get('model_type'))}")
     if code == "k3":
         return None
     model_type = text.get("model_type")

@@ -269,6 +269,14 @@ class MoELayerRule:
     #: layer and that has `num_moe_layers` of them (the first `num_hash_layers` routed by a table); a
     #: `ValueError` naming `layer` when the rule has no such file
     write: Callable[[int, int, int], dict[str, Any]] = lambda layer, n, hashed: {}
+    #: `write` lists the decoder layers one by one (a kind per layer, or the dense ones), so a file for layer
+    #: `layer` grows with it: `write_family_keys` refuses more than `MAX_LISTED_LAYERS` entries
+    lists_layers: bool = False
+
+
+#: The most layers a written configuration lists one by one: far beyond any model's few hundred layers, and a
+#: `config.json` of about a megabyte. A `layer` index of $10^9$ would otherwise build a list of $10^9$ entries.
+MAX_LISTED_LAYERS = 100_000
 
 
 def _first_k_dense_keys(text: Mapping[str, Any], where: str, family: HFFamily, total: int) -> dict[str, Any]:
@@ -384,18 +392,22 @@ LAYER_RULES: dict[str, MoELayerRule] = {rule.name: rule for rule in (
                  is_moe=lambda layer, keys: layer >= keys["first_k_dense_replace"],
                  write=lambda layer, n, hashed: {"num_hidden_layers": layer + n, "first_k_dense_replace": layer}),
     MoELayerRule(name="mlp_layer_types", keys=("mlp_layer_types", "first_k_dense_replace"),
+                 lists_layers=True,
                  read=_mlp_layer_types_keys, count=_mlp_layer_types_count, is_moe=_mlp_layer_types_is_moe,
                  write=lambda layer, n, hashed: {"num_hidden_layers": layer + n, "first_k_dense_replace": layer,
                                                  "mlp_layer_types": ["dense"] * layer + ["sparse"] * n}),
     MoELayerRule(name="layers_block_type", keys=("layers_block_type", "hybrid_override_pattern"),
+                 lists_layers=True,
                  read=_block_type_keys, counts_by_list=True,
                  count=lambda total, keys: sum(kind == "moe" for kind in keys["layers_block_type"]),
                  is_moe=lambda layer, keys: keys["layers_block_type"][layer] == "moe",
                  write=lambda layer, n, hashed: {"layers_block_type": ["mlp"] * layer + ["moe"] * n}),
     MoELayerRule(name="hash_mlp_layer_types", keys=("mlp_layer_types", "num_hash_layers"), read=_hash_keys,
+                 lists_layers=True,
                  count=lambda total, keys: total, is_moe=lambda layer, keys: True, hashed=_hash_is_hashed,
                  write=_write_hash),
     MoELayerRule(name="sparse_step", keys=("decoder_sparse_step", "mlp_only_layers"), read=_sparse_step_keys,
+                 lists_layers=True,
                  count=_sparse_step_count,
                  is_moe=lambda layer, keys: layer not in keys["mlp_only_layers"]
                  and (layer + 1) % keys["decoder_sparse_step"] == 0,
@@ -779,5 +791,10 @@ def write_family_keys(fields: Mapping[str, Any], family: HFFamily, layer: int) -
         keys[spec.key] = value
     if family.extra_keys is not None:
         keys.update(family.extra_keys(fields))
+    listed = layer + fields["num_moe_layers"]
+    if family.rule.lists_layers and listed > MAX_LISTED_LAYERS:
+        raise ValueError(f"layer {layer} with num_moe_layers = {fields['num_moe_layers']}: a {family.config_class} "
+                         f"file lists its layers one by one ({', '.join(family.rule.keys)}), and one for this layer "
+                         f"would list {listed} of them, more than the {MAX_LISTED_LAYERS} this writer makes")
     keys.update(family.rule.write(layer, fields["num_moe_layers"], fields["num_hash_layers"]))
     return keys

@@ -119,8 +119,8 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
     bad = dict(params)
     bad["experts.w3"] = bad["experts.w3"].copy()
     bad["experts.w3"][2, 0, 0] = np.nan
-    with pytest.raises(ValueError, match=r"params\['experts.w3'\]\[2\] \(expert 2\) cannot be written as MXFP4: "
-                                         r"w must be finite"):
+    with pytest.raises(ValueError, match=r"params\['experts.w3'\] holds 1 non-finite value\(s\) \(NaN or infinity\), "
+                                         r"the first at index \(2, 0, 0\)"):
         save_hf_layer(tmp_path / "a", TINY, bad)
     assert not (tmp_path / "a").exists()
 
@@ -308,9 +308,65 @@ def test_a_crash_at_any_rename_never_loads_a_mix(tmp_path, monkeypatch):
             assert_same_layer(state, old)
         save(folder, OTHER, seed=1, shard_size=SHARDS, overwrite=True)
         assert_same_layer(loaded(folder), new)
-        if k > 1:  # the mark listed the crashed save's files, temporary ones included: nothing of it is left
-            listed = set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values())
-            assert set(snapshot(folder)) == {"config.json", "model.safetensors.index.json"} | listed, k
+        # Nothing of the crashed save is left: its mark listed its files, temporary ones included, and a crash
+        # at the mark's own rename (k = 1) leaves only temporary files named as a save names them.
+        assert set(snapshot(folder)) == _checkpoint_files(folder), k
+
+
+def _checkpoint_files(folder: Path) -> set[str]:
+    """The files of the sharded checkpoint in `folder`: its config, its index and the shards the index lists."""
+    listed = set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values())
+    return {"config.json", "model.safetensors.index.json"} | listed
+
+
+def _crash_while_staging(folder: Path, k: int, seed: int) -> int:
+    """Run an overwriting save in a forked child that dies (os._exit) once it has staged its k-th shard."""
+    import refimpl.checkpoints.hf_checkpoint as module
+
+    pid = os.fork()
+    if pid == 0:  # the child
+        code = 4
+        try:
+            calls = []
+            real = module._write_safetensors
+
+            def write(*args):
+                real(*args)
+                calls.append(args)
+                if len(calls) == k:
+                    os._exit(3)  # a crash: power cut, kill -9
+            module._write_safetensors = write
+            save(folder, OTHER, seed=seed, shard_size=SHARDS, overwrite=True)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="simulates a crash in a forked process")
+def test_a_crash_while_staging_leaves_the_old_checkpoint_and_the_next_save_removes_its_files(tmp_path):
+    folder = save(tmp_path / "ckpt", shard_size=SHARDS)
+    old = loaded(folder)
+    (folder / ".notes.tmp").write_text("mine")  # a hidden file of the user's, not named as a save names its own
+    assert _crash_while_staging(folder, 2, seed=1) == 3
+    assert_same_layer(loaded(folder), old)  # no mark yet: the old checkpoint loads as it was
+    assert len(set(snapshot(folder)) - _checkpoint_files(folder)) == 3  # two staged shards and the user's file
+    save(folder, OTHER, seed=2, shard_size=SHARDS, overwrite=True)
+    assert set(snapshot(folder)) == _checkpoint_files(folder) | {".notes.tmp"}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="simulates a crash in a forked process")
+def test_two_crashed_saves_in_a_row_leave_nothing_after_a_complete_one(tmp_path, monkeypatch):
+    renames = _renames_of_a_save(tmp_path, monkeypatch)
+    folder = save(tmp_path / "ckpt", shard_size=SHARDS)
+    assert _crash_during_save(folder, 3) == 3
+    assert _crash_during_save(folder, renames - 1) == 3  # the second one, too, placed shards of its own
+    with pytest.raises(ValueError, match=INCOMPLETE_SAVE_MARK):
+        loaded(folder)
+    save(folder, OTHER, seed=1, shard_size=SHARDS, overwrite=True)
+    assert_same_layer(loaded(folder), loaded_fresh(tmp_path / "fresh", OTHER, 1, shard_size=SHARDS))
+    assert set(snapshot(folder)) == _checkpoint_files(folder)
 
 
 # ---------------------------------------------------------------------------

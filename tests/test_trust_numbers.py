@@ -10,6 +10,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+import safetensors.numpy
 
 from refimpl import MoEConfig, init_params, sigmoid, stable_latent_moe
 from refimpl.balancing import quantile_balancing_update
@@ -178,9 +179,14 @@ def test_a_weight_changed_by_one_unit_in_the_last_place_is_refused():
 @pytest.mark.parametrize("name", ["experts.w2", "gate.weight"])
 def test_a_non_finite_dense_weight_is_refused_naming_the_tensor(tmp_path, value, name):
     params = {k: v.astype(ml_dtypes.bfloat16) if "bias" not in k else v for k, v in init_params(CONFIG, 0).items()}
-    params[name][2 if name.startswith("experts") else 0].flat[5] = value
     config = CONFIG.replace(num_moe_layers=2)
-    save_hf_layer(tmp_path, config, params, layer=1, mxfp4=False)
+    save_hf_layer(tmp_path, config, params, layer=1, mxfp4=False)  # refuses non-finite weights: damage the file
+    tensors = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+    key = "language_model.model.layers.1.block_sparse_moe." + ("experts.2.w2.weight" if name.startswith("experts")
+                                                               else "gate.weight")
+    tensors[key] = tensors[key].copy()
+    tensors[key].flat[5] = value
+    safetensors.numpy.save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     x = RNG.standard_normal((16, 32)).astype(np.float32)
     with pytest.raises(ValueError, match=r"non-finite value\(s\) \(NaN or infinity\)"):
         _, loaded = load_hf_layer(tmp_path, 1)

@@ -147,6 +147,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -159,7 +160,7 @@ import numpy as np
 from .._lib.files import flush_file, fsync_folder, new_file_mode
 from ..config import MoEConfig, family_hf_config, hf_reading_family, is_moe_layer
 from ..families import ALL_RECORDS, HFFamily, family_prefix, read_layer_keys, record_of
-from ..layer.latent_moe import MoEParams, check_params, parameter_shapes
+from ..layer.latent_moe import MoEParams, check_params, is_packed_stack, parameter_shapes
 from ..mx import MX_BLOCK, check_float_dtype, mxfp4_decode, mxfp4_encode
 from .safetensors import (
     CONFIG_FILE,
@@ -312,12 +313,38 @@ def _check_quantization(text: Mapping[str, Any], hf: Mapping[str, Any]) -> bool:
     return True
 
 
-def _find_prefix(shards: Shards, layer: int) -> str:
-    for prefix in ("language_model.", ""):
-        if f"{layer_prefix(layer, prefix)}gate.weight" in shards:
-            return prefix
+#: The prefixes K3's released block can sit under: the multimodal release's, and a text-only model's.
+K3_PREFIXES = ("language_model.", "")
+
+
+def _k3_block_prefix(shards: Shards, layer: int) -> str | None:
+    """Where layer `layer`'s K3 block is in `shards`: a released prefix, None for transformers' draft layout.
+
+    Exactly one of the places may hold tensors of the block: two copies (under both released prefixes, or
+    released and draft) are refused by name, since reading either would silently drop the other.
+    """
+    draft = family_prefix(ALL_RECORDS["kimi_k3"], layer)
+    places = {layer_prefix(layer, prefix): prefix for prefix in K3_PREFIXES}
+    places[draft] = None
+    held = [base for base in places if any(name.startswith(base) for name in shards.file_of)]
+    if len(held) > 1:
+        raise ValueError(f"{shards.path} holds layer {layer}'s block more than once, under "
+                         f"{' and '.join(repr(base) for base in held)}: keep one copy of it")
+    if held:
+        return places[held[0]]
+    if f"{draft}gate.weight" in shards:
+        return None
     raise ValueError(f"{shards.path} has no tensor {layer_prefix(layer)}gate.weight (nor without the "
                      "'language_model.' prefix): the layer's router is missing")
+
+
+def _refuse_leftovers(shards: Shards, base: str, read: set[str], why: str) -> None:
+    """A `ValueError` listing the tensors under `base` that were not read (`read`): nothing is left over."""
+    left = sorted(name for name in shards.file_of if name.startswith(base) and name not in read)
+    if left:
+        shown_names = ", ".join(repr(name) for name in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5
+                                                                     else "")
+        raise ValueError(f"{shards.path} holds {len(left)} tensor(s) of the block that {why}: {shown_names}")
 
 
 def _tensor(shards: Shards, name: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
@@ -335,7 +362,8 @@ def _tensor(shards: Shards, name: str, shape: tuple[int, ...], kind: str) -> np.
 
 
 def _expert_stack(shards: Shards, base: str, hf_name: str, n: int, shape: tuple[int, int],
-                  quantized: bool, dtype: np.dtype) -> ExpertStack:
+                  quantized: bool, dtype: np.dtype, read: set[str]) -> ExpertStack:
+    """Stack `hf_name` of the `n` experts under `base`, kept as stored; the names it uses are added to `read`."""
     out, inp = shape
     first = f"{base}experts.0.{hf_name}.weight_packed"
     packed_layout = first in shards
@@ -352,6 +380,7 @@ def _expert_stack(shards: Shards, base: str, hf_name: str, n: int, shape: tuple[
         else:
             parts.append((_tensor(shards, f"{name}.weight", (out, inp), "float"),))
         names.append(name)
+        read.update(f"{name}.{kind}" for kind in (("weight_packed", "weight_scale") if packed_layout else ("weight",)))
     return ExpertStack("mxfp4" if packed_layout else "dense", tuple(parts), (n, out, inp), dtype, tuple(names))
 
 
@@ -375,12 +404,16 @@ def load_hf_layer(path: str | os.PathLike, layer: int, *,
     validated before its data is used), a `weight_map` entry or symbolic
     link leading out of the folder, a layer out of range or dense (by the family's rule), an
     unknown quantization format, a configuration `MoEConfig` cannot
-    represent, a missing or misshapen tensor, a folder left by an
+    represent, a missing or misshapen tensor, a tensor under the block's
+    prefix that the configuration has no place for, the block held twice
+    (under two prefixes), a folder left by an
     interrupted `save_hf_layer`, and (when the expert is decoded) a scale
     byte 255 or a value `dtype` cannot hold. `TypeError` for a `layer` that
-    is not an integer or a `dtype` that is not floating. Nothing is
-    returned unless everything checks.
+    is not an integer, a `dtype` that is not floating or a `path` that is
+    not a path. Nothing is returned unless everything checks.
     """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path must be a folder's path (str or os.PathLike), got {type(path).__name__} {path!r:.80}")
     path = Path(path)
     if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
         raise TypeError(f"layer must be an integer, got {type(layer).__name__} {layer!r}")
@@ -416,16 +449,16 @@ def load_hf_layer(path: str | os.PathLike, layer: int, *,
                          f"moe_layer_freq={freq}), not an MoE layer")
     quantized = _check_quantization(text, hf)
     shards = Shards(path)
-    draft = ALL_RECORDS["kimi_k3"]  # K3 as transformers' draft holds it: fused experts under mlp.
-    if not any(f"{layer_prefix(layer, prefix)}gate.weight" in shards for prefix in ("language_model.", "")) \
-            and f"{family_prefix(draft, layer)}gate.weight" in shards:
+    prefix = _k3_block_prefix(shards, layer)
+    if prefix is None:  # K3 as transformers' draft holds it: fused experts under mlp.
         if quantized:
             raise ValueError(f"{config_file}: quantization_config declares MXFP4 experts, but {path} holds K3 in "
                              "transformers' fused layout, whose experts are floating")
-        return config, _read_block(shards, draft, config, layer, "fused", False, dtype)
-    base = layer_prefix(layer, _find_prefix(shards, layer))
+        return config, _read_block(shards, ALL_RECORDS["kimi_k3"], config, layer, "fused", False, dtype)
+    base = layer_prefix(layer, prefix)
 
     params = MoEParams()
+    read: set[str] = set()  # the names of the block's tensors taken; any other under `base` is refused
     for name, shape in parameter_shapes(config).items():
         if name in _EXPERT_MATRICES.values():
             continue
@@ -435,9 +468,14 @@ def load_hf_layer(path: str | os.PathLike, layer: int, *,
         _tensor(shards, base + name, shape, "float")  # present, floating, the right shape
         keep = np.dtype(np.float32) if name == "gate.e_score_correction_bias" and dtype.itemsize < 4 else dtype
         params[name] = to_dtype(shards.read(base + name), keep, base + name)  # in memory, detached from the map
+        read.add(base + name)
     shapes = parameter_shapes(config)
     for hf_name, stack in _EXPERT_MATRICES.items():
-        params[stack] = _expert_stack(shards, base, hf_name, config.num_experts, shapes[stack][1:], quantized, dtype)
+        params[stack] = _expert_stack(shards, base, hf_name, config.num_experts, shapes[stack][1:], quantized, dtype,
+                                      read)
+    _refuse_leftovers(shards, base, read, f"this configuration has no place for (num_experts = {config.num_experts}, "
+                      f"shared experts {config.num_shared_experts or 'none'}, experts stored "
+                      f"{'as MXFP4' if quantized else 'as floating tensors'})")
     # Order as parameter_shapes, the order every other function lists them in.
     return config, MoEParams((name, params[name]) for name in shapes)
 
@@ -464,8 +502,13 @@ def _load_family_layer(path: Path, hf: Mapping[str, Any], text: Mapping[str, Any
                          f"save_pretrained writes {family.model_type}) nor under "
                          f"{family_prefix(family, layer, 'fused')!r} (with save_original_format=False): "
                          f"layer {layer}'s block is missing")
-    hashed = family.rule.hashed(layer, layer_keys)
     same = family.block == family.block_on_disk  # then the names tell the layouts apart
+    if len(layouts) > 1 and not same:
+        raise ValueError(f"{path} holds layer {layer}'s block twice, under "
+                         f"{family_prefix(family, layer, 'per_expert')!r} (as save_pretrained writes "
+                         f"{family.model_type}) and under {family_prefix(family, layer, 'fused')!r} (the in-memory "
+                         "names): keep one copy of it")
+    hashed = family.rule.hashed(layer, layer_keys)
     return config, _read_block(shards, family, config, layer, None if same else layouts[0], hashed, dtype)
 
 
@@ -518,7 +561,7 @@ def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[st
     (nested, `config.to_hf_config(nested=True)`, with K3's
     `quantization_config` when `mxfp4`, the default), the tensors of layer
     `layer` go under `{prefix}model.layers.{layer}.block_sparse_moe.`
-    (`prefix` default `"language_model."`) with one module per expert
+    (`prefix` `"language_model."`, the default, or `""`) with one module per expert
     (MXFP4-encoded with `refimpl.mx.mxfp4_encode` when `mxfp4`, otherwise
     as given). Layer 0 is dense in this layout, so `layer` must be in
     `[1, config.num_moe_layers]`.
@@ -536,7 +579,9 @@ def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[st
 
     Either way the result is one `model.safetensors` or, with `shard_size`
     (bytes), shards listed in `model.safetensors.index.json`, and
-    `load_hf_layer(path, layer)` reads the layer back.
+    `load_hf_layer(path, layer)` reads the layer back; so NaN or an
+    infinity in any parameter, which the reader refuses as damage, is a
+    `ValueError` naming the parameter before anything is written.
 
     A folder that already holds a checkpoint (`config.json`, the index,
     `model.safetensors` or the mark of an interrupted save) is refused with
@@ -546,7 +591,9 @@ def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[st
     file is written and flushed under a temporary name in the folder first,
     so a failure there leaves the folder as it was; then the files are
     renamed into place, the index last. New files get the permissions of
-    the process's umask. See the page for the details.
+    the process's umask. What interrupted saves left (the files their
+    mark lists, and the hidden temporary files of a save killed while it
+    wrote them) goes once a save completes. See the page for the details.
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
@@ -559,7 +606,10 @@ def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[st
     if shard_size is not None and (isinstance(shard_size, bool) or not isinstance(shard_size, int | np.integer)
                                    or shard_size < 1):
         raise ValueError(f"shard_size must be a positive number of bytes or None, got {shard_size!r}")
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path must be a folder's path (str or os.PathLike), got {type(path).__name__} {path!r:.80}")
     check_params(params, config)
+    _check_finite_params(params)
     if model_type is None:
         hf, tensors_of = _k3_checkpoint(config, params, layer, expert_layout, mxfp4 is not False,
                                         "language_model." if prefix is None else prefix, tid2eid)
@@ -587,6 +637,22 @@ def save_hf_layer(path: str | os.PathLike, config: MoEConfig, params: Mapping[st
     return path
 
 
+def _check_finite_params(params: Mapping[str, Any]) -> None:
+    """Refuse NaN and infinities before anything is written: `load_hf_layer` refuses them as a damaged file.
+
+    A packed stack is checked as each expert is decoded for writing (`to_dtype`); its MXFP4 bytes, copied as
+    they are, hold no NaN but a scale byte 255, which the reader refuses when it decodes.
+    """
+    for name, value in params.items():
+        if is_packed_stack(value):
+            continue
+        bad = ~np.isfinite(np.asarray(value))
+        if np.any(bad):
+            raise ValueError(f"params[{name!r}] holds {int(np.sum(bad))} non-finite value(s) (NaN or infinity), the "
+                             f"first at index {tuple(int(i) for i in np.argwhere(bad)[0])}: a checkpoint holding "
+                             "it could not be read back (load_hf_layer refuses it as damaged), so nothing was written")
+
+
 def _k3_checkpoint(config: MoEConfig, params: Mapping[str, Any], layer: Any, expert_layout: Any, mxfp4: bool,
                    prefix: str, tid2eid: Any) -> tuple[dict[str, Any], Callable[[], dict[str, np.ndarray]]]:
     """K3's released layout: its `config.json`, and how to make the layer's tensors (encoded only when asked)."""
@@ -595,6 +661,9 @@ def _k3_checkpoint(config: MoEConfig, params: Mapping[str, Any], layer: Any, exp
                          "too (K3's released checkpoint stores one module per expert)")
     if tid2eid is not None:
         raise ValueError("tid2eid is DeepSeek-V4's hash-layer table: pass model_type='deepseek_v4' too")
+    if prefix not in K3_PREFIXES:
+        raise ValueError(f"prefix must be 'language_model.' (the multimodal release's) or '' (a text-only model's), "
+                         f"the two places load_hf_layer reads K3's block from; got {prefix!r}")
     if isinstance(layer, bool) or not isinstance(layer, int | np.integer) or not 1 <= layer <= config.num_moe_layers:
         raise ValueError(f"layer must be an MoE layer in [1, {config.num_moe_layers}] (layer 0 is dense), "
                          f"got {layer!r}")
@@ -705,14 +774,40 @@ def _old_checkpoint_files(path: Path) -> set[str]:
             pass  # an unreadable index lists nothing; its shards are left alone
     elif os.path.lexists(path / SINGLE_FILE):
         old.add(SINGLE_FILE)
-    if os.path.lexists(path / INCOMPLETE_SAVE_MARK):
-        try:
-            mark = read_json(path / INCOMPLETE_SAVE_MARK)
-            old.update(file for file in mark.get("writing", []) if _is_plain_file_name(file))
-            old.update(file for file in mark.get("temporary", []) if _is_temporary_name(file))
-        except (ValueError, AttributeError, TypeError, OSError):
-            pass
-    return old
+    written, temporary = _marked_files(path)
+    old.update(written)
+    old.update(temporary)
+    return old | _stray_temporaries(path)
+
+
+def _marked_files(path: Path) -> tuple[set[str], set[str]]:
+    """The files an interrupted save recorded in its mark: (final names it was writing, its temporary files)."""
+    if not os.path.lexists(path / INCOMPLETE_SAVE_MARK):
+        return set(), set()
+    try:
+        mark = read_json(path / INCOMPLETE_SAVE_MARK)
+        return ({file for file in mark.get("writing", []) if _is_plain_file_name(file)},
+                {file for file in mark.get("temporary", []) if _is_temporary_name(file)})
+    except (ValueError, AttributeError, TypeError, OSError):
+        return set(), set()  # an unreadable mark lists nothing; what it listed is left alone
+
+
+#: The hidden files `_stage` makes (`tempfile.mkstemp`'s eight random characters) for a checkpoint's files.
+_STAGED_NAME = re.compile(r"\.(config\.json|model\.safetensors\.index\.json|model(-\d{5}-of-\d{5}(-\d+)?)?"
+                          r"\.safetensors|" + re.escape(INCOMPLETE_SAVE_MARK) + r")\.[a-z0-9_]{8}\.tmp")
+
+
+def _stray_temporaries(path: Path) -> set[str]:
+    """The temporary files of a save killed while it wrote them, before any mark could list them.
+
+    Only names `_stage` gives a checkpoint's own files match; they are hidden, and nothing reads them.
+    """
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return set()
+    return {name for name in names if _STAGED_NAME.fullmatch(name) and os.path.isfile(path / name)
+            and not os.path.islink(path / name)}
 
 
 def _fresh_shard_names(path: Path, count: int, taken: set[str]) -> list[str]:
@@ -758,14 +853,18 @@ def _write_transaction(path: Path, files: dict[str, Callable[[str], None]], old:
         for name, write in files.items():
             staged.append((_stage(path, name, write, mode), path / name))
         stale_index = INDEX_FILE not in files and os.path.lexists(path / INDEX_FILE)
-        if not os.path.lexists(path / INCOMPLETE_SAVE_MARK):  # an interrupted save's mark stays until we succeed
-            mark = {"writing": list(files), "temporary": [temporary.name for temporary, _ in staged],
-                    "replacing": sorted(old | ({INDEX_FILE} if stale_index else set()))}
-            staged.append((_stage(path, INCOMPLETE_SAVE_MARK, lambda tmp: Path(tmp).write_text(json.dumps(mark)),
-                                  mode), path / INCOMPLETE_SAVE_MARK))
-            os.replace(*staged[-1])
-            staged.pop()
-            mark_placed = True
+        # An interrupted save's mark stays until a save succeeds; this save's mark adds its own files to what that
+        # one listed, so that whichever save completes next removes what every interrupted one left.
+        earlier = os.path.lexists(path / INCOMPLETE_SAVE_MARK)
+        written, temporary = _marked_files(path)
+        mark = {"writing": sorted(written | set(files)),
+                "temporary": sorted(temporary | {temporary.name for temporary, _ in staged}),
+                "replacing": sorted(old | ({INDEX_FILE} if stale_index else set()))}
+        staged.append((_stage(path, INCOMPLETE_SAVE_MARK, lambda tmp: Path(tmp).write_text(json.dumps(mark)),
+                              mode), path / INCOMPLETE_SAVE_MARK))
+        os.replace(*staged[-1])
+        staged.pop()
+        mark_placed = not earlier
         for temporary, final in staged:
             replacing = os.path.lexists(final)
             replaced = replaced or replacing

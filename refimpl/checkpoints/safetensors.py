@@ -135,6 +135,11 @@ def _checked_entry(file: Path, name: str, entry: Any, data_size: int) -> tuple[i
         raise ValueError(f"{where} has dtype {dtype!r}, which this reader does not know (known: {sorted(_ST_DTYPES)})")
     if not (isinstance(shape, list) and all(_is_count(n) for n in shape)):
         raise ValueError(f"{where} needs a shape that is a list of non-negative integers, got {shape!r:.80}")
+    nonzero_bytes = int(np.prod([max(n, 1) for n in shape], dtype=object)) * np.dtype(_ST_DTYPES[dtype]).itemsize
+    if len(shape) > _MAX_DIMS or nonzero_bytes > _MAX_BYTES:
+        raise ValueError(f"{where} has shape {shape!r:.80}, which no array can have (at most {_MAX_DIMS} "
+                         f"dimensions, and the product of the nonzero ones times the item size at most "
+                         f"{_MAX_BYTES} bytes)")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(n) for n in offsets)):
         raise ValueError(f"{where} needs data_offsets [begin, end] of two non-negative integers, "
                          f"got {offsets!r:.80}")
@@ -147,6 +152,12 @@ def _checked_entry(file: Path, name: str, entry: Any, data_size: int) -> tuple[i
         raise ValueError(f"{where} of shape {shape} and dtype {dtype} needs {count} bytes, but its data_offsets "
                          f"[{begin}, {end}] hold {end - begin}")
     return begin, end
+
+
+#: NumPy's limits on an array: its number of dimensions, and the product of its nonzero dimensions times its
+#: item size (an empty array of shape [0, 10**30] is still refused by `reshape`).
+_MAX_DIMS = 64
+_MAX_BYTES = np.iinfo(np.intp).max
 
 
 def _is_count(n: Any) -> bool:
@@ -192,6 +203,8 @@ class Shards:
             self.file_of = dict(weight_map)
         elif os.path.lexists(path / SINGLE_FILE):
             single = inside_folder(path, SINGLE_FILE, "the shard")
+            if not single.exists():
+                raise ValueError(f"{single} is a symbolic link to {single.resolve()}, which does not exist")
             header, _ = read_safetensors_header(single)
             self.file_of = {name: SINGLE_FILE for name in header if name != "__metadata__"}
         else:
