@@ -269,20 +269,29 @@ def test_a_failure_at_any_rename_never_loads_a_mix(tmp_path, monkeypatch):
 
 def _crash_during_save(folder: Path, k: int) -> int:
     """Run an overwriting save in a forked child that dies (os._exit: no handler, no cleanup) at its k-th rename."""
+    return _crash_at_call(folder, os, "replace", k, seed=1, after=False)
+
+
+def _crash_at_call(folder: Path, owner, name: str, k: int, *, seed: int, after: bool) -> int:
+    """Run an overwriting save in a forked child that dies (os._exit) at its k-th call of `owner.name`, before
+    the call or, with `after`, once it has returned; the child's exit code (3 when it died there)."""
     pid = os.fork()
     if pid == 0:  # the child
         code = 4
         try:
             calls = []
-            real = os.replace
+            real = getattr(owner, name)
 
-            def replace(*args):
+            def dying(*args):
                 calls.append(args)
-                if len(calls) == k:
+                if len(calls) == k and not after:
                     os._exit(3)  # a crash: power cut, kill -9
-                return real(*args)
-            os.replace = replace
-            save(folder, OTHER, seed=1, shard_size=SHARDS, overwrite=True)
+                result = real(*args)
+                if len(calls) == k:
+                    os._exit(3)
+                return result
+            setattr(owner, name, dying)
+            save(folder, OTHER, seed=seed, shard_size=SHARDS, overwrite=True)
             code = 0
         finally:
             os._exit(code)
@@ -323,25 +332,7 @@ def _crash_while_staging(folder: Path, k: int, seed: int) -> int:
     """Run an overwriting save in a forked child that dies (os._exit) once it has staged its k-th shard."""
     import refimpl.checkpoints.hf_checkpoint as module
 
-    pid = os.fork()
-    if pid == 0:  # the child
-        code = 4
-        try:
-            calls = []
-            real = module._write_safetensors
-
-            def write(*args):
-                real(*args)
-                calls.append(args)
-                if len(calls) == k:
-                    os._exit(3)  # a crash: power cut, kill -9
-            module._write_safetensors = write
-            save(folder, OTHER, seed=seed, shard_size=SHARDS, overwrite=True)
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+    return _crash_at_call(folder, module, "_write_safetensors", k, seed=seed, after=True)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="simulates a crash in a forked process")
