@@ -7,7 +7,9 @@ links of `404.html` would never be tried. This server puts the site where `site_
 (`http://127.0.0.1:8000/refimpl/`), sends `/` there, and answers a missing page with `404.html`, as the host
 does; what works here works there. Like the host, it serves only the files of the site: a symbolic link that
 leads out of the site, a folder without `index.html` (no listings) and anything that is not a regular file
-are answered with 404, and a path no file can have (an encoded NUL, bytes that are not UTF-8) with 400.
+are answered with 404, and so is a file asked for as a folder (`page.html/`); a path no file can have (an
+encoded NUL, bytes that are not UTF-8) is answered with 400. A redirect stays on this server whatever host the
+request's target names.
 A browser that leaves before a file is sent (a tab closed mid-page) is not reported: it is no error.
 
     python docs/serve.py [--site site] [--port 8000] [--bind 127.0.0.1]
@@ -69,11 +71,14 @@ class SiteHandler(SimpleHTTPRequestHandler):
 
         Only a regular file whose real path (every symbolic link followed) lies inside the site is served, as
         the host serves only what was uploaded: a link out of the site, a folder without `index.html` (never a
-        listing), a FIFO or a device is answered as missing. A path no file can have (an encoded NUL, bytes
-        that are not UTF-8) is a bad request. Every request gets an answer, never a dropped connection.
+        listing), a FIFO or a device is answered as missing, and so is a file asked for as a folder (a path
+        ending in `/`). A path no file can have (an encoded NUL, bytes that are not UTF-8) is a bad request.
+        A folder's redirect names this server's path alone (`local_location`). Every request gets an answer,
+        never a dropped connection.
         """
+        parts = urlsplit(self.path)
         try:
-            name = self.site_path(urlsplit(self.path).path)
+            name = self.site_path(parts.path)
         except ValueError as exc:
             self.send_error(HTTPStatus.BAD_REQUEST, str(exc))
             return None
@@ -82,19 +87,21 @@ class SiteHandler(SimpleHTTPRequestHandler):
             return None
         try:
             if os.path.isdir(name):
-                if not urlsplit(self.path).path.endswith("/"):  # a folder gets its slash, as on the host
+                if not parts.path.endswith("/"):  # a folder gets its slash, as on the host
                     index = self.open_inside(os.path.join(name, "index.html"))
                     if index is None:
                         self.send_error(HTTPStatus.NOT_FOUND)
                         return None
                     index.close()
-                    parts = urlsplit(self.path)
                     self.send_response(HTTPStatus.MOVED_PERMANENTLY)
-                    self.send_header("Location", parts._replace(path=parts.path + "/").geturl())
+                    self.send_header("Location", self.local_location(parts.path + "/", parts.query))
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return None
                 name = os.path.join(name, "index.html")
+            elif self.names_folder(parts.path):  # a file asked for as a folder (`page.html/`): the host has none
+                self.send_error(HTTPStatus.NOT_FOUND)
+                return None
             file = self.open_inside(name)
         except OSError:  # a name too long for the file system, or one that vanished meanwhile
             file = None
@@ -112,6 +119,21 @@ class SiteHandler(SimpleHTTPRequestHandler):
             file.close()
             raise
         return file
+
+    @staticmethod
+    def names_folder(path: str) -> bool:
+        """Whether the URL path `path` names a folder: its last part, decoded, is empty (a trailing slash) or
+        `.`. Such a path is a folder's address on the host, never a file's: `a.html/` is not `a.html`."""
+        last = unquote(path, errors="replace").rsplit("/", 1)[-1]
+        return last in ("", ".")
+
+    @staticmethod
+    def local_location(path: str, query: str = "") -> str:
+        """A redirect's `Location` on this server: the path (with one leading slash, so that `//host/...`
+        cannot name another host) and the query, never the scheme or host of the request's target. A request
+        may name any host in its target (`GET http://elsewhere/refimpl/page`); the answer stays on this one."""
+        location = "/" + path.lstrip("/")
+        return f"{location}?{query}" if query else location
 
     def site_path(self, path: str) -> str | None:
         """The file name in the site for the URL path `path`; None when `path` is outside the prefix.
