@@ -13,9 +13,12 @@ For Kimi K3 and for every MoE family of transformers this package reads
 (`refimpl.families.FAMILIES`), one [safetensors](https://huggingface.co/docs/safetensors) file per case, at
 test sizes and at the published configuration's widths, and `manifest.json`,
 which says what each file holds and how closely a port must match it. Every
-file comes from fixed seeds: two runs write the same bytes. The folder must
-not hold a manifest already (`--overwrite` replaces one); every file is
-written under a temporary name and renamed once complete.
+file comes from fixed seeds: two runs write the same bytes. Before anything
+is written, every file the run would write (each case's `.safetensors` and
+the manifest) is checked: one that exists already is refused unless
+`--overwrite` is given, and one that exists and is not a regular file (a
+folder, a link) is refused even then. Every file is written under a
+temporary name and renamed once complete.
 
 ## The manifest
 
@@ -172,6 +175,7 @@ import argparse
 import json
 import math
 import os
+import stat
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -615,12 +619,32 @@ def _safetensors_bytes(tensors: Mapping[str, np.ndarray]) -> bytes:
     return save(dict(tensors), metadata={"format": "pt"})
 
 
+def _check_targets(folder: Path, names: Sequence[str], overwrite: bool) -> None:
+    """Refuse, before anything is written, a run that would replace what it was not asked to replace.
+
+    Raises `FileExistsError` naming the first of `names` in `folder` that exists and is not a regular file
+    (never replaced: a rename over a folder fails halfway through the run, and one over a link replaces the
+    link), else the first that exists at all when `overwrite` is False.
+    """
+    present = [folder / name for name in names if os.path.lexists(folder / name)]
+    for path in present:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise FileExistsError(f"{path} exists and is not a regular file: move it away (--overwrite replaces "
+                                  "only regular files)")
+    if present and not overwrite:
+        raise FileExistsError(f"{present[0]} exists: pass --overwrite (overwrite=True) to replace it")
+
+
 def write_goldens(folder: str | os.PathLike, *, sizes: str = "test", model_types: Sequence[str] | None = None,
                   overwrite: bool = False, log: Any = None) -> dict[str, Any]:
     """Write the golden files and `manifest.json` into `folder` (created if absent); returns the manifest.
 
-    A folder that holds a manifest already is refused (`FileExistsError`) unless `overwrite`; a path that is
-    not a folder is a `NotADirectoryError`. Each file is written atomically, the manifest last.
+    Every file the call would write (each case's `.safetensors` and the manifest) is checked before any is
+    written: one that exists already is refused (`FileExistsError`, naming it) unless `overwrite`, and one
+    that exists and is not a regular file (a folder, a symbolic link, a FIFO) is refused even with
+    `overwrite`, so that a refused call leaves the folder as it was, and a user's own file of the same name
+    is never replaced unasked. A path that is not a folder is a `NotADirectoryError`. Each file is written
+    atomically, the manifest last.
     """
     from . import __version__
 
@@ -630,8 +654,7 @@ def write_goldens(folder: str | os.PathLike, *, sizes: str = "test", model_types
     folder = Path(folder)
     if os.path.lexists(folder) and not folder.is_dir():
         raise NotADirectoryError(f"{folder} exists and is not a folder: the golden files need a folder")
-    if (folder / MANIFEST).exists() and not overwrite:
-        raise FileExistsError(f"{folder / MANIFEST} exists: pass --overwrite (overwrite=True) to replace it")
+    _check_targets(folder, [MANIFEST, *(f"{case.name}.safetensors" for case in cases)], overwrite)
     folder.mkdir(parents=True, exist_ok=True)
     files = []
     for case in cases:
@@ -658,7 +681,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model-type", action="append", dest="model_types", metavar="NAME",
                         choices=["kimi_k3", *FAMILIES],
                         help="only this family's cases (repeat for several; kimi_k3 for K3's); all by default")
-    parser.add_argument("--overwrite", action="store_true", help="replace a manifest already in the folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace golden files and a manifest already in the folder (regular files only)")
     args = parser.parse_args(argv)
     try:
         manifest = write_goldens(args.folder, sizes=args.sizes, model_types=args.model_types,
