@@ -68,7 +68,12 @@ class Mistake:
     `case`; by default it is the puzzle's own `agree`, and a mistake whose
     answers vary with the order of the arithmetic (float32) loosens it, and
     sets `narrow`: it is then named only for an answer whose results come
-    back in a floating type narrower than float64.
+    back in a floating type narrower than float64. Where a catalogued form
+    rounds part of the computation to float32 but returns float64 (so that
+    `narrow` would refuse the form itself), `like` keeps the tight agreement
+    and loosens it only for an answer whose values are all float32 numbers
+    (`_float32_valued`): a float64 answer is never called float32 for
+    differing from the reference by float32-sized amounts alone.
 
     A mistake whose results are implementation-defined (an unstable sort or
     np.argpartition leaves equal values in any order, and np.argpartition
@@ -833,14 +838,40 @@ def _float32_like(got: Any, wrong: Any, case: Case) -> bool:
     return True
 
 
+def _float32_valued(got: Any) -> bool:
+    """Whether every float of an answer (an array, or a tuple of them) is a float32 number: what an answer
+    whose result was float32 holds once converted to float64, and what a float64 computation almost never
+    gives (a smoothed step, a result rounded to decimals). A loosened `like` uses it to tell narrowing from
+    values when the catalogued form itself returns float64."""
+    parts = got if isinstance(got, tuple) else (got,)
+    for part in parts:
+        a = np.asarray(part)
+        if a.dtype.kind != "f":
+            continue
+        with np.errstate(over="ignore"):
+            if not np.array_equal(a, a.astype(np.float32).astype(a.dtype)):
+                return False
+    return True
+
+
 def _narrow_floats(raw: Any) -> list[str]:
-    """The floating dtypes narrower than float64 in an answer's raw result (an array, or a pair of them)."""
+    """The floating dtypes narrower than float64 in an answer's raw result (an array, or a pair of them).
+
+    Each part is read through `np.asarray`, as the check reads the answer, so that an array of another
+    library (a torch tensor, whose `dtype` NumPy cannot interpret) counts by the NumPy type it converts
+    to; a part that does not convert is not counted here (the check reports it as malformed).
+    """
     parts = raw if isinstance(raw, tuple | list) else (raw,)
     found = []
     for part in parts:
-        kind = getattr(part, "dtype", None)
-        if kind is not None and np.dtype(kind).kind == "f" and np.dtype(kind).itemsize < 8:
-            found.append(np.dtype(kind).name)
+        if getattr(part, "dtype", None) is None:
+            continue
+        try:
+            kind = np.asarray(part).dtype
+        except Exception:  # noqa: BLE001 - an object NumPy cannot read: the conversion reports it
+            continue
+        if kind.kind == "f" and kind.itemsize < 8:
+            found.append(kind.name)
     return sorted(set(found))
 
 

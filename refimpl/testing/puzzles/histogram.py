@@ -135,7 +135,7 @@ of tokens $m$; `bias` `[n]`, the bias the histogram was built with (it fixed the
 $q = mk/n$ whole. Return the thresholds $\tilde b_j$, `[n]`, not centred.""",
     hint=r"""`np.cumsum(counts, axis=1)`; the first bin reaching `t` in every row is
 `np.argmax(cumulative >= t, axis=1)`. Read the bin's count and the count before it with fancy indexing
-(`counts[np.arange(n), beta]`). The bin width is `(high - low) / B`.""",
+(`counts[np.arange(n), h]`). The bin width is `(high - low) / B`.""",
     solution=histogram_thresholds,
     reference=_histogram_reference,
     reference_name="refimpl.BiasHistogram(bias, top_k, B) with these counts, .thresholds()",

@@ -177,6 +177,23 @@ def _same_set_by_id(got: np.ndarray, wrong: np.ndarray, case: Case) -> bool:
         np.sort(np.take_along_axis(biased, wrong, axis=1), axis=1)))
 
 
+def _same_by_token_order(got: np.ndarray, wrong: np.ndarray, case: Case) -> bool:
+    """`like` for a router that sorts along axis 0 (each expert's tokens) with any sort: column j of the
+    answer lists token ids, each token once, whose biased scores s_:,j + b_j are the mistake's in the same
+    order (an unstable sort may order tokens with equal values differently)."""
+    if np.array_equal(got, wrong):
+        return True
+    biased = _biased_scores(case)
+    m, n = biased.shape
+    if got.shape != wrong.shape or got.ndim != 2 or got.shape[0] != m or got.shape[1] > n:
+        return False
+    if not (_valid_routes(got.T, m) and _valid_routes(wrong.T, m)):
+        return False
+    columns = biased[:, :got.shape[1]]
+    return bool(np.array_equal(np.take_along_axis(columns, got, axis=0),
+                               np.take_along_axis(columns, wrong, axis=0)))
+
+
 def _differs_only_on_ties(results: list[tuple[Case, np.ndarray, np.ndarray]]) -> bool:
     """An unstable sort's signature: on every input without ties the answer is the reference's route; on
     the others it differs from it, somewhere, only by the order of experts with equal s + b."""
@@ -330,7 +347,8 @@ comes first among ties. The first `top_k` columns are the route.""",
         Mistake("wrong_axis", "each expert's tokens sorted (axis 0) instead of each token's experts (axis 1)",
                 "logits has one row per token: a token's experts are along axis 1. Sorting along axis 0 ranks "
                 "the tokens of each expert, and its first k columns are token ids, not expert ids.",
-                _routing_from(lambda v, k: np.argsort(-v, axis=0, kind="stable")[:, :k])),
+                _routing_from(lambda v, k: np.argsort(-v, axis=0, kind="stable")[:, :k]),
+                like=_same_by_token_order),
     ),
 )
 
@@ -450,9 +468,13 @@ The bias is an argument only so that you can leave it out.""",
                 "over every expert makes them small and depend on the experts that were not chosen.",
                 _weights_from(lambda raw, s, b, k, c: c * (raw / s.sum(axis=1, keepdims=True) if k > 1 else raw))),
         Mistake("scaled_twice", "the scaling factor applied twice",
-                "c multiplies the weights once, p = c s / sum s. Applied both before and after the "
-                "renormalization (or in the gate and again in the layer), the weights are c^2 times too large.",
-                _weights_from(lambda raw, s, b, k, c: c * c * (_renormalized(raw) if k > 1 else raw))),
+                "c multiplies the weights once, p = c s / sum s. Applied twice after the renormalization (in "
+                "the gate and again in the layer), it makes every weight c^2 times too large. Applied before "
+                "and after it, the first factor cancels wherever the weights are renormalized (c s / sum c s "
+                "= s / sum s), so k > 1 comes out right and c^2 shows only where nothing renormalizes: a "
+                "top-1 weight becomes c^2 s instead of c s.",
+                _weights_from(lambda raw, s, b, k, c: c * c * (_renormalized(raw) if k > 1 else raw)),
+                also=(_weights_from(lambda raw, s, b, k, c: c * (_renormalized(c * raw) if k > 1 else c * raw)),)),
         Mistake("scaled_before_renormalizing", "the scaling factor applied before renormalizing, where it cancels",
                 "(c s) / sum(c s) = s / sum s: a factor applied before the division cancels out. Multiply by c "
                 "after renormalizing.",
