@@ -157,6 +157,7 @@ import numpy as np
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
+from .._lib.validation import check_int
 from .._lib.values import switch_value
 from .._lib.xp import dtype_name
 from ..layer.latent_moe import stable_latent_moe
@@ -168,9 +169,9 @@ from .hf_cases import (
     ROUTING_RESOLUTION,
     UNIT_ROUNDOFF,
     HFBlockCase,
-    check_pinned,
     hf_block_cases,
     kit_family,
+    pinned_keys,
     tolerance,
 )
 from .outputs import float_output, fmt
@@ -495,14 +496,17 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
        a finite real `[m, d]` array;
     2. **one build answers every input**: one build is asked three batches,
        `x`, another `x'` and `x` again: each answer matches the reference, a
-       forward that returns an earlier answer for a new input is a *stale
-       output*, one whose answer to the same input changes is a *drift*, and
+       forward that returns an earlier answer for a new input (the first one's,
+       or the previous call's) is a *stale output*, one whose answer to the
+       same input changes otherwise is a *drift*, and
        a build that writes into the `state_dict` or `text_config` it was
        handed (then, or later from `forward`) fails, naming it;
     3. **matches the reference block** on every compared token; when a
        catalogued difference is named, the invariant runs again with the
        cases on which that difference shows scoped out, and so on, so that
-       every distinct difference is reported, each with its own case;
+       every distinct difference is reported, each with its own case (a
+       difference that shows on nearly every case leaves such a round too few
+       cases: it fails, saying it could check nothing beyond that difference);
     4. **unchanged when every bias shifts by one constant** (for blocks with
        a selection bias): the same case with every expert's bias moved by 8
        or by -40 gives the same output. Trained biases sit far from zero; a
@@ -520,9 +524,13 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
 
     `pinned` maps config keys to the values the port fixes (`{"hidden_act":
     "situ", "latent_moe_use_norm": True}`): every draw keeps them, so the
-    draws are spent on what the port covers. Every report, and the returned
-    `CheckResult` of a pass, says how many cases each invariant covered and
-    how many the build declined with `refimpl.testing.Unsupported`.
+    draws are spent on what the port covers. A key the block's reader does not
+    read (a misspelling) and pins no configuration can take (`{"num_experts":
+    0}`) are a `ValueError` before anything runs (`hf_cases.pinned_keys`).
+    Every report, and the returned `CheckResult` of a pass, says how many
+    cases each invariant covered and how many the build declined with
+    `refimpl.testing.Unsupported`; an invariant that covered fewer than
+    `MIN_COVERED` cases fails, whatever kept them out.
 
     `model_type` names a transformers family instead of K3 (`"deepseek_v3"`,
     `"glm4_moe"`, `"kimi_linear"`, `"qwen3_moe"`, `"mixtral"`, `"nemotron_h"`), or
@@ -536,12 +544,18 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
     MXFP4 invariant then. A build may decline a configuration its port does not
     cover by raising `refimpl.testing.Unsupported`.
     """
+    if not callable(build):
+        raise TypeError(f"build must be a function build(text_config, state_dict) -> forward, got "
+                        f"{type(build).__name__}")
     tolerance(dtype)  # an unsupported dtype is an error before anything runs
-    pinned = check_pinned(pinned)
     mxfp4 = switch_value(mxfp4, "mxfp4")
+    max_tokens = check_int("max_tokens", max_tokens, low=1)
+    max_experts = check_int("max_experts", max_experts, low=2)  # the fewest experts a routing choice needs
     if model_type is not None:
         kit_family(model_type)  # an unknown family is an error before anything runs
         mxfp4 = False
+    with kit_storage():
+        pinned = pinned_keys(pinned, model_type=model_type, mxfp4=mxfp4, max_experts=max_experts)
     dense = hf_block_cases(dtype=dtype, max_tokens=max_tokens, max_experts=max_experts, model_type=model_type,
                            pinned=pinned)
     packed = hf_block_cases(mxfp4=True, dtype=dtype, max_tokens=max_tokens, max_experts=max_experts, pinned=pinned)
@@ -635,6 +649,15 @@ def _every_difference(port: _Port, cases: st.SearchStrategy, why: str, settings:
                                 settings)
         outcomes.append(outcome)
         v = outcome.violation
+        if v is not None and not isinstance(v, _Mismatch) and outcome.coverage.scoped_out and scope:
+            # Too few cases left: the differences named so far show on (nearly) every case drawn.
+            names = ", ".join(entry.name for entry in scope)
+            v.summary = (f"could not check anything beyond {names}: it shows on {outcome.coverage.scoped_out} of "
+                         f"the cases drawn, which were scoped out ({outcome.coverage.covered} covered); a further "
+                         "difference would not show here")
+            v.args = (v.summary,)
+            v.details.append(f"correct {names} (or pin config keys on which it does not show) and run the check "
+                             "again to look for other differences")
         if not isinstance(v, _Mismatch):
             break
         if "computed_in_float32" in v.conventions:
@@ -725,8 +748,17 @@ class _Port:
             raise Violation(f"build kept what it was handed and wrote into {', '.join(written)} later, when "
                             "forward ran: a build must leave its inputs as they were (the caller loads the "
                             "same state dict into other blocks)", [_shapes(case)], inputs)
+        both = replace(ref_other, compared=ref_other.compared & ref.compared)
         drift = _distance(y_again, y_first, ref)
         if drift > 1.0 or (np.isfinite(y_first).all() and not np.isfinite(y_again).all()):
+            # A forward one call behind answers x again with its answer to x', the input before: stale, not drift.
+            fresh = self.run(other)
+            if both.compared.any() and _distance(y_again, fresh, both) <= 1.0 < _distance(fresh, y_first, both):
+                raise Violation("stale output: forward returned its answer to an earlier input for a new one",
+                                ["asked x, another batch x' and x again, it answered x the second time with what "
+                                 "a fresh build answers x': a forward that returns the previous call's output "
+                                 "(a pipeline one call behind, or a buffer returned before it is refilled)",
+                                 _shapes(case)], inputs)
             scale = _scale_factor(y_again, replace(ref, y=y_first))
             details = [f"the third call (x again) is off the first by {drift:.3g} x the tolerance"]
             if scale is not None:
@@ -735,7 +767,6 @@ class _Port:
             raise Violation("drift: forward answered the same input differently on a later call",
                             [*details, _shapes(case)], inputs)
         fresh = self.run(other)  # what a build answers x' on its first call
-        both = replace(ref_other, compared=ref_other.compared & ref.compared)
         off = _distance(y_other, fresh, ref_other)
         if off <= 1.0:
             return

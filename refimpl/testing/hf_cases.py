@@ -8,10 +8,12 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
-from hypothesis import reject
+from hypothesis import HealthCheck, Phase, find, reject
+from hypothesis import settings as Settings
 from hypothesis import strategies as st
+from hypothesis.errors import NoSuchExample
 
-from .._lib.values import factor_value, integer_value, seed_value, switch_value
+from .._lib.values import factor_value, integer_value, same_json_value, seed_value, switch_value
 from .._lib.xp import dtype_name
 from ..checkpoints import ExpertStack
 from ..checkpoints.state_dict import hf_state_dict_from_params
@@ -22,7 +24,7 @@ from ..mx import mxfp4_decode, mxfp4_encode
 from .strategies import checked_switches
 
 __all__ = ["CONDITIONING", "GROWTH", "K3_AUTO_MAP", "ROUTING_RESOLUTION", "UNIT_ROUNDOFF", "HFBlockCase", "check_pinned",
-           "draft_moe_config", "hf_block_case", "hf_block_cases", "hf_family_text_configs", "hf_text_configs",
+           "draft_moe_config", "pinned_keys", "pinned_reader_keys", "hf_block_case", "hf_block_cases", "hf_family_text_configs", "hf_text_configs",
            "keys_family", "kit_family", "kit_model_types", "tolerance"]
 
 #: The error growth $G$ of the block: the tolerance is $G u$ times a token's size.
@@ -40,8 +42,17 @@ UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, 
 
 
 def tolerance(dtype: Any) -> float:
-    """The relative tolerance $G u$ for `dtype`, $u$ its unit roundoff."""
-    name = dtype_name(np.dtype(dtype))
+    """The relative tolerance $G u$ for `dtype`, $u$ its unit roundoff.
+
+    What is no dtype at all (`"nonsense"`) is a `TypeError`, a dtype without a tolerance (int8) a `ValueError`;
+    both name `dtype` and the dtypes accepted.
+    """
+    try:
+        resolved = np.dtype(dtype)
+    except (TypeError, ValueError):
+        raise TypeError(f"dtype must be one of {sorted(UNIT_ROUNDOFF)}, got {type(dtype).__name__} "
+                        f"{dtype!r:.60}") from None
+    name = dtype_name(resolved)
     if name not in UNIT_ROUNDOFF:
         raise ValueError(f"dtype must be one of {sorted(UNIT_ROUNDOFF)}, got {name}")
     return GROWTH * UNIT_ROUNDOFF[name]
@@ -312,6 +323,85 @@ def check_pinned(pinned: Mapping[str, Any] | None) -> dict[str, Any]:
     if bad:
         raise TypeError(f"pinned must map config keys (strings) to values, got the keys {bad!r}")
     return dict(pinned)
+
+
+def pinned_reader_keys(model_type: str | None) -> tuple[list[str], dict[str, str]]:
+    """The config keys `pinned` may fix for `model_type` (K3's when None), and each alias with the key it means.
+
+    They are the keys the reader of the block's configuration reads: K3's code's (`HF_KEYS`), or the family's
+    configuration class's (its own spelling, `hidden_size`, Nemotron-H's latent and dense widths, a draft's
+    own keys). A key outside them would pin nothing: the drawn configuration would carry it unread.
+    """
+    if model_type is None:
+        return sorted(set(HF_KEYS.values())), {}
+    family = kit_family(model_type)
+    keys = keys_family(family)
+    known = {spec.key for spec in keys.keys.values()} | {"hidden_size"}
+    if keys.layers == "layers_block_type":  # Nemotron-H: a latent width and the dense width of its shared expert
+        known |= {"moe_latent_size", "intermediate_size"}
+    if family.draft_config is not None:
+        known |= {HF_KEYS[name] for name in family.draft_config[1]}
+    aliases = {alias: spec.key for spec in keys.keys.values() for alias in spec.aliases if alias not in known}
+    return sorted(known), aliases
+
+
+def pinned_keys(pinned: Mapping[str, Any] | None, *, model_type: str | None = None, mxfp4: bool = False,
+                max_experts: int = 8) -> dict[str, Any]:
+    """`pinned` checked before any case is drawn: keys the reader knows, values some configuration takes.
+
+    A key the block's reader does not read (`"hiden_act"`) is a `ValueError` naming it and listing the known
+    keys, since it would silently pin nothing; an alias of a family's key (Qwen3-MoE's `num_experts` for
+    `num_local_experts`) is written under the key the strategy draws. Then one configuration is drawn with
+    the pins (and one with MXFP4 experts, when `mxfp4`); when none can be built, within a few hundred draws,
+    the pins are a `ValueError` saying why the last draw failed, rather than a check whose every draw is
+    rejected and which therefore checks nothing.
+    """
+    pinned = check_pinned(pinned)
+    known, aliases = pinned_reader_keys(model_type)
+    reader = "K3's code" if model_type is None else f"{kit_family(model_type).config_class} ({model_type!r})"
+    for alias in [key for key in pinned if key in aliases]:
+        key = aliases[alias]
+        if key in pinned and not same_json_value(pinned[key], pinned[alias]):
+            raise ValueError(f"pinned gives one quantity two values: pinned[{alias!r}] = {pinned[alias]!r} and "
+                             f"pinned[{key!r}] = {pinned[key]!r} ({reader} reads {alias!r} as {key!r})")
+        pinned[key] = pinned.pop(alias)
+    unknown = [key for key in pinned if key not in known]
+    if unknown:
+        raise ValueError(f"pinned has the key {unknown[0]!r}, which {reader} does not read (a misspelling?), so it "
+                         f"would pin nothing; the keys it reads are {known}")
+    if not pinned:
+        return pinned
+    attempts: list[tuple[bool, st.SearchStrategy]] = [
+        (False, hf_text_configs(max_experts=max_experts, pinned=pinned) if model_type is None
+         else hf_family_text_configs(model_type, max_experts=max_experts, pinned=pinned))]
+    if mxfp4 and model_type is None:
+        attempts.append((True, hf_text_configs(mxfp4=True, max_experts=max_experts, pinned=pinned)))
+    for packed, strategy in attempts:
+        failures: list[str] = []
+
+        def builds(text: dict[str, Any], packed: bool = packed, failures: list[str] = failures) -> bool:
+            try:
+                case = HFBlockCase(text, 0, 1, mxfp4=packed, model_type=model_type)
+                case.state_dict  # noqa: B018  (builds the config, the weights and, for MXFP4, their blocks)
+            except (TypeError, ValueError, ZeroDivisionError) as exc:
+                message = str(exc)
+                for key in pinned:  # the reader names the mapping "hf": here the value is the pinned one
+                    message = message.replace(f"hf[{key!r}]", f"pinned[{key!r}]")
+                failures[:] = [message]
+                return False
+            return True
+
+        quick = Settings(max_examples=300, derandomize=True, database=None, deadline=None,
+                         phases=(Phase.generate,), suppress_health_check=list(HealthCheck))
+        try:
+            find(strategy, builds, settings=quick)
+        except NoSuchExample:
+            where = " with MXFP4 experts (pass mxfp4=False for a port that reads float experts only)" if packed else ""
+            why = f": the last one drawn failed with: {failures[0]}" if failures else ""
+            raise ValueError(f"pinned = {pinned!r} leaves no configuration that {reader} builds{where}{why}") from None
+        except (TypeError, ValueError, ZeroDivisionError) as exc:  # a pinned value the strategy cannot draw around
+            raise ValueError(f"pinned = {pinned!r} leaves no configuration that {reader} builds: {exc}") from None
+    return pinned
 
 
 class _Keys:

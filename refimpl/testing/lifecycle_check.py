@@ -249,7 +249,7 @@ class _Run:
     def __init__(self, make: Callable[[int, int], Any], case: LifecycleCase, name: str, lines: list[str]) -> None:
         self.make, self.case, self.name, self.lines = make, case, name, lines
         lines.append(f"{name} = make({case.num_experts}, {case.top_k})")
-        self.balancer = call_user(make, case.num_experts, case.top_k)
+        self.balancer = adapter_of(make, case.num_experts, case.top_k)
 
     def observe(self, scores: np.ndarray, **flags: Any) -> None:
         shown = "".join(f", {key}={value!r}" for key, value in flags.items())
@@ -262,7 +262,10 @@ class _Run:
 
     def set_frozen(self, frozen: bool) -> None:
         self.lines.append(f"{self.name}.frozen = {frozen}")
-        self.balancer.frozen = frozen
+        try:
+            self.balancer.frozen = frozen
+        except Exception as exc:  # a read-only or failing `frozen` of the user's adapter
+            raise Violation(f"setting the adapter's frozen = {frozen} raised {type(exc).__name__}: {exc}") from exc
 
     def resume(self) -> None:
         """Checkpoint now and continue in a fresh balancer loaded from it."""
@@ -270,7 +273,7 @@ class _Run:
         self.lines.append(f"{self.name} = make({self.case.num_experts}, {self.case.top_k})")
         self.lines.append(f"{self.name}.load_state_dict(state)")
         state = copy.deepcopy(call_user(self.balancer.state_dict))
-        self.balancer = call_user(self.make, self.case.num_experts, self.case.top_k)
+        self.balancer = adapter_of(self.make, self.case.num_experts, self.case.top_k)
         call_user(self.balancer.load_state_dict, state)
 
     def bias(self) -> np.ndarray:
@@ -292,6 +295,32 @@ class _Run:
                 if between is not None:
                     between(rank, i)
         self.update()
+
+
+#: The methods every adapter has (`bias` is read as an attribute, `frozen` is optional).
+PROTOCOL = ("observe", "update", "state_dict", "load_state_dict")
+
+
+def adapter_of(make: Callable[[int, int], Any], num_experts: int, top_k: int) -> Any:
+    """`make(num_experts, top_k)`, checked to hold every method of the protocol; a `Violation` naming those missing.
+
+    An adapter without `observe` (or any other method) would otherwise fail with an `AttributeError` from
+    inside the check, far from the cause.
+    """
+    balancer = call_user(make, num_experts, top_k)
+    missing = []
+    for method in PROTOCOL:
+        try:
+            found = callable(getattr(balancer, method, None))
+        except Exception:  # a property of the user's adapter that raises
+            found = False
+        if not found:
+            missing.append(method)
+    if missing:
+        raise Violation(f"make({num_experts}, {top_k}) returned a {type(balancer).__name__} without the method"
+                        f"{'s' if len(missing) > 1 else ''} {', '.join(f'{m}()' for m in missing)} of the adapter "
+                        f"protocol ({', '.join(f'{m}()' for m in PROTOCOL)} and the attribute bias)")
+    return balancer
 
 
 def _script(lines: list[str], first: str, second: str) -> list[str]:
@@ -465,6 +494,9 @@ def check_balancer_lifecycle(make: Callable[[int, int], Any], *, estimator: str 
     that reproduces it; returns a `CheckResult` otherwise. Derandomized, and
     writes nothing.
     """
+    if not callable(make):
+        raise TypeError(f"make must be a function make(num_experts, top_k) returning the adapter, got "
+                        f"{type(make).__name__} {make!r:.60}")
     if estimator not in (None, "exact", "histogram"):
         raise ValueError(f"estimator must be None, 'exact' or 'histogram', got {estimator!r}")
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
@@ -493,8 +525,12 @@ def check_balancer_lifecycle(make: Callable[[int, int], Any], *, estimator: str 
         invariant("replicas not counted as data",
                   "a tensor-parallel replica sees the same tokens as its original", replicas_not_data),
     ]
-    probe = call_user(make, 4, 1)
-    if hasattr(probe, "frozen"):
+    try:
+        probe = call_user(make, 4, 1)
+        frozen = hasattr(probe, "frozen")
+    except Exception:  # make (or its adapter's frozen) fails: every invariant reports it, with the call that failed
+        frozen = False
+    if frozen:
         invariants.insert(len(invariants) - 2, invariant(
             "no move while frozen", "a frozen bias neither moves nor gathers data for later", frozen_does_not_move))
     return run_check("check_balancer_lifecycle", invariants, kit_settings(settings))

@@ -45,6 +45,9 @@ def profile(name: str | Settings | None = None) -> Settings:
         return name
     if name is None:
         name = os.environ.get("REFIMPL_TESTING_PROFILE", "quick")
+    elif not isinstance(name, str):  # a list or a number is no profile name (and a list cannot be looked up)
+        raise TypeError(f"settings must be a profile name ({' or '.join(repr(p) for p in sorted(PROFILES))}), a "
+                        f"hypothesis.settings or None, got {type(name).__name__} {name!r:.60}")
     if name not in PROFILES:
         raise ValueError(f"settings must be one of {sorted(PROFILES)} or a hypothesis.settings, got {name!r}")
     return PROFILES[name]

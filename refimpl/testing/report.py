@@ -54,6 +54,7 @@ __all__ = [
     "run_check",
     "run_invariant",
     "kit_storage",
+    "too_few_covered",
     "written_inputs",
 ]
 
@@ -466,10 +467,13 @@ class Outcome:
 def run_invariant(invariant: Invariant, settings: Settings) -> Outcome:
     """Run one invariant as a Hypothesis property: its shrunk violation, if any, and its coverage.
 
-    Cases are counted until the first failure (the shrinking that follows reruns cases that are not new).
+    Cases are counted until the first failure (the shrinking that follows reruns cases that are not new). An
+    invariant that held on fewer than `MIN_COVERED` cases (or `max_examples`, if fewer) is reported as broken
+    (`too_few_covered`), whatever kept the cases out: a property that ran on nothing proves nothing.
     """
     covered, declined, scoped_out = [0], [], [0]
     failed = [False]
+    gave_up = False  # whether Hypothesis found no case at all that it could use
 
     @settings
     @given(invariant.strategy)
@@ -501,7 +505,8 @@ def run_invariant(invariant: Invariant, settings: Settings) -> Outcome:
         v.invariant = invariant
         return Outcome(invariant, v, coverage())
     except Unsatisfiable:
-        covered[0] = 0  # Hypothesis gave up: every case it drew was declined or scoped out
+        covered[0] = 0  # Hypothesis gave up: every case it drew was declined, scoped out or rejected
+        gave_up = True
     except Flaky as exc:
         # Hypothesis saw a failure it could not reproduce; the failure itself is inside the group.
         inner = next((e for e in getattr(exc, "exceptions", ()) if isinstance(e, Violation)), None)
@@ -512,15 +517,39 @@ def run_invariant(invariant: Invariant, settings: Settings) -> Outcome:
                       inner.inputs if inner is not None else None)
         v.invariant = invariant
         return Outcome(invariant, v, coverage())
-    if declined and covered[0] < min(MIN_COVERED, settings.max_examples):
-        reasons = sorted(set(declined))
-        v = Violation(f"too few cases were covered to check anything: {covered[0]} covered, {len(declined)} "
-                      f"declined with refimpl.testing.Unsupported (at least {MIN_COVERED} must be covered)",
-                      [f"declined because: {reason}" for reason in reasons[:3]]
-                      + ([f"(and {len(reasons) - 3} other reasons)"] if len(reasons) > 3 else []))
+    needed = min(MIN_COVERED, settings.max_examples)
+    if covered[0] < needed:
+        v = too_few_covered(coverage(), needed, gave_up)
         v.invariant = invariant
         return Outcome(invariant, v, coverage())
     return Outcome(invariant, None, coverage())
+
+
+def too_few_covered(coverage: Coverage, needed: int, gave_up: bool = False) -> Violation:
+    """The violation of an invariant that covered fewer than `needed` cases, saying what kept the others out.
+
+    Cases are lost three ways: declined by the user's code (`Unsupported`), scoped out by the check (a
+    difference already named shows on them), or rejected while they were drawn (the strategy could not make a
+    case, as with pinned config keys no configuration satisfies); Hypothesis gives up (`gave_up`) when it
+    found no case at all.
+    """
+    lost = [f"{coverage.declined} declined with refimpl.testing.Unsupported",
+            f"{coverage.scoped_out} scoped out"]
+    details = [f"declined because: {reason}" for reason in coverage.reasons[:3]]
+    if len(coverage.reasons) > 3:
+        details.append(f"(and {len(coverage.reasons) - 3} other reasons)")
+    if coverage.scoped_out:
+        details.append("scoped out: a difference already named shows on every one of these cases, so this round "
+                       "could check nothing beyond it; correct that difference and run the check again to look "
+                       "for others")
+    if gave_up and not coverage.declined and not coverage.scoped_out:
+        details.append("every case Hypothesis tried was rejected while it was drawn: the strategy could make no "
+                       "case (pinned config keys that no configuration satisfies are one cause)")
+    elif not coverage.declined and not coverage.scoped_out:
+        details.append("the other draws were rejected while they were drawn (the strategy could make few cases, "
+                       "or the settings allow few examples)")
+    return Violation(f"too few cases were covered to check anything: {coverage.covered} covered, "
+                     f"{', '.join(lost)} (at least {needed} must be covered)", details)
 
 
 _STORAGE: list[str] = []  # this process's private Hypothesis folder, made on first use

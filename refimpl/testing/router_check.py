@@ -13,6 +13,7 @@ broke, and a reader can read that one alone. Two kinds of router are checked:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,7 +23,9 @@ import numpy as np
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
-from .._lib.values import switch_value
+from .._lib.validation import check_float_dtype, check_int, check_positive
+from .._lib.values import is_real, switch_value
+from .._lib.xp import dtype_name
 from ..config import MoEConfig
 from ..families import family_of
 from ..layer.routing import route, score_function_values
@@ -266,6 +269,9 @@ def weight_sums(router: _Router, case: Any) -> None:
 def shift_invariance(router: _Router, drawn: tuple[Any, float]) -> None:
     r"""Eq. (13)-(14): $\operatorname{argtopk}_k(s_i + b + c) = \operatorname{argtopk}_k(s_i + b)$."""
     case, c = drawn
+    if router.model_type is None and np.dtype(router.dtype).itemsize < 4:
+        _shifted_half(router, case, c)
+        return
     bias = case.bias.astype(np.float64) + c
     ids, w = sorted_route(*_run(router, case))
     ids_c, w_c = sorted_route(*_run(router, case, bias if router.model_type else bias.astype(router.dtype)))
@@ -284,6 +290,41 @@ def shift_invariance(router: _Router, drawn: tuple[Any, float]) -> None:
                         "(the bias must not enter the weights)",
                         token_lines(bad, lambda i: f"token {i}: weights with b {fmt(w[i])}, with b + c {fmt(w_c[i])}")
                         + [error_line(w_c, w, router.rtol, router.atol)], _inputs(router, case, shift_c=c))
+
+
+def _shifted_half(router: _Router, case: Any, c: float) -> None:
+    r"""Bias-shift invariance in a half dtype: the shifted call judged against the bias it actually received.
+
+    In float16 or bfloat16, $b + c$ is itself rounded when it is handed over: far from zero nearby biases
+    merge, and the route of the rounded bias is another route. So the router's answer to the shifted bias is
+    held to the reference's answer on that rounded bias: a valid top-$k$ of $s + \operatorname{round}(b + c)$
+    (ties among merged biases go either way), weighted by the raw scores of the experts it chose.
+    """
+    received = (case.bias.astype(router.dtype).astype(np.float64) + c).astype(router.dtype)  # [n]
+    index, weights = _run(router, case, received)
+    sb = _scores(router, case) + received.astype(np.float64)  # [m, n], as the router received them
+    chosen = np.zeros(sb.shape, dtype=bool)
+    np.put_along_axis(chosen, index, True, axis=1)
+    low = np.where(chosen, sb, np.inf).min(axis=1)
+    high = np.where(chosen, -np.inf, sb).max(axis=1)
+    inputs = _inputs(router, case, shift_c=c)
+    bad = np.flatnonzero(low < high)
+    if bad.size:
+        raise Violation(f"with every bias shifted by c = {c:g} ({dtype_name(np.dtype(router.dtype))}, as handed "
+                        f"over), {bad.size} of {case.m} tokens chose an expert whose s + b + c is below an "
+                        "unchosen one", token_lines(bad, lambda i: f"token {i}: chose {np.sort(index[i]).tolist()}, "
+                                                                   f"s + b + c = {fmt(sb[i])}"), inputs)
+    renormalize, scale = _rule(router, case)
+    raw = np.take_along_axis(_scores(router, case), index, axis=1)  # [m, k]
+    expected = (raw / raw.sum(axis=1, keepdims=True) if renormalize else raw) * scale
+    bad = np.flatnonzero(~np.all(within(weights, expected, router.rtol, router.atol), axis=1))
+    if bad.size:
+        raise Violation(f"with every bias shifted by c = {c:g}, {bad.size} of {case.m} tokens have weights that "
+                        "are not their raw scores" + (" renormalized" if renormalize else "") + f" times {scale:g} "
+                        "(the bias must not enter the weights)",
+                        token_lines(bad, lambda i: f"token {i}: expected weights {fmt(expected[i])}, got "
+                                                   f"{fmt(weights[i])}")
+                        + [error_line(weights, expected, router.rtol, router.atol)], inputs)
 
 
 def selection(router: _Router, case: Any) -> None:
@@ -343,6 +384,25 @@ def valid_topk_with_ties(router: _Router, case: Any) -> None:
                                                    f"{fmt(sb[i])}"), _inputs(router, case))
 
 
+def tied_route(router: _Router, case: Any) -> None:
+    r"""Eq. (13) with ties: a valid top-$k$ of $s + b$, weighted by the raw scores of the experts it chose.
+
+    A tie leaves the choice among the tied experts open, not the weights: they come from the raw scores of
+    the $k$ experts chosen (renormalized over those $k$ and scaled), so a router that renormalizes over every
+    expert at or above the $k$-th value (more than $k$ of them on a tie) fails here.
+    """
+    valid_topk_with_ties(router, case)
+    renormalize, _ = _rule(router, case)
+    checks = [raw_weights, weight_sums] if renormalize else [raw_weights]
+    for check in checks:
+        try:
+            check(router, case)
+        except Violation as v:
+            v.summary = f"on an input with tied biased scores, {v.summary}"
+            v.args = (v.summary,)
+            raise
+
+
 def lower_id_ties(router: _Router, case: Any) -> None:
     """The tie order declared: among equal biased scores the lower expert id is chosen."""
     ids, _ = sorted_route(*_run(router, case))
@@ -359,6 +419,23 @@ def lower_id_ties(router: _Router, case: Any) -> None:
 # ---------------------------------------------------------------------------
 # The check
 # ---------------------------------------------------------------------------
+
+def _tolerance_value(name: str, value: Any) -> float:
+    """`value` as a float if it is a finite real number >= 0 (a tolerance); else an error naming `name`.
+
+    A negative or NaN tolerance would fail a correct router on every case, and a string would fail inside
+    NumPy: both are refused before anything runs.
+    """
+    if not is_real(value):
+        raise TypeError(f"{name} must be a real number >= 0, got {type(value).__name__} {value!r:.60}")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond float64
+        number = math.inf
+    if not (math.isfinite(number) and number >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return number
+
 
 def check_router(fn: Callable[..., tuple[Any, Any]], *, renormalize: bool = True, scaling_factor: float = 1.0,
                  tie_order: str | None = None, dtype: Any = np.float32, rtol: float = 1e-5, atol: float = 1e-6,
@@ -391,8 +468,9 @@ def check_router(fn: Callable[..., tuple[Any, Any]], *, renormalize: bool = True
        the same experts with the same weights, for shifts $c$ up to 100;
     6. **selection is the top-k of s + b** (`selection`): the same experts as `route` (within the chosen groups);
     7. **experts only from the chosen groups** (`chosen_groups_only`, for a family with groups);
-    8. **ties give a valid top-k** (`valid_topk_with_ties`): on inputs with exact ties, every chosen biased
-       score is at least every unchosen one;
+    8. **ties give a valid top-k** (`tied_route`): on inputs with exact ties, every chosen biased score is at
+       least every unchosen one, and the weights are those of invariants 3 and 4 over the router's own choice
+       (a tie leaves the choice open, not the weights);
     9. **tie order: lower id first** (`lower_id_ties`), only when `tie_order="lower_id"` (K3's Eq. 13), on
        rows of up to `max_experts` experts and on rows of 17 to 32 (`LONG_ROWS`) whatever `max_experts` says:
        many sorts order a row of up to 16 values by insertion, which keeps ties in id order, so an unstable
@@ -400,9 +478,21 @@ def check_router(fn: Callable[..., tuple[Any, Any]], *, renormalize: bool = True
 
     Inputs for 3-7 have no two nearly equal biased scores in a token (see `strategies.routing_cases`; a
     family's token whose group scores nearly tie is not compared for its groups), so any correct float32 router
-    agrees. `rtol` and `atol` apply to the weights. `settings` is a profile name or a `hypothesis.settings`.
+    agrees. `rtol` and `atol` apply to the weights (finite, at least 0). `settings` is a profile name or a
+    `hypothesis.settings`. `dtype` is float32 (default), float64, float16 or bfloat16; in a half dtype the
+    shifted bias $b + c$ is itself rounded when it is handed over, so invariant 5 holds the shifted call to the
+    reference on the bias it received (a valid top-$k$ of $s + \operatorname{round}(b + c)$, weights from its raw
+    scores) rather than to the unshifted call. Bad arguments are a `TypeError` or `ValueError` naming them.
     """
+    if not callable(fn):
+        raise TypeError(f"fn must be the router, a function, got {type(fn).__name__} {fn!r:.60}")
     renormalize = switch_value(renormalize, "renormalize")
+    scaling_factor = check_positive("scaling_factor", scaling_factor)
+    dtype = check_float_dtype(dtype, "dtype")
+    rtol, atol = _tolerance_value("rtol", rtol), _tolerance_value("atol", atol)
+    max_tokens = check_int("max_tokens", max_tokens, low=1)
+    max_experts = check_int("max_experts", max_experts, low=2)  # a choice needs two experts to choose from
+    resolved = kit_settings(settings)  # a bad profile name is an error before anything runs
     if tie_order not in (None, "lower_id"):
         raise ValueError(f"tie_order must be None or 'lower_id', got {tie_order!r}")
     if model_type is not None:
@@ -444,11 +534,11 @@ def check_router(fn: Callable[..., tuple[Any, Any]], *, renormalize: bool = True
     if grouped:
         with_groups = distinct.filter(lambda case: case.config.topk_group < case.config.n_group)
         invariants.append(named("experts only from the chosen groups", with_groups, chosen_groups_only))
-    invariants.append(named("ties give a valid top-k", tied, valid_topk_with_ties))
+    invariants.append(named("ties give a valid top-k", tied, tied_route))
     if tie_order == "lower_id":
         # An unstable sort shows itself on rows longer than those a sort may order by insertion (`LONG_ROWS`).
         longer = rst.routing_cases(ties=True, max_tokens=max_tokens, min_experts=LONG_ROWS[0],
                                    max_experts=max(LONG_ROWS[1], max_experts))
         invariants.append(named("tie order: lower id first", st.one_of(tied, longer), lower_id_ties))
-    return run_check("check_router", invariants, kit_settings(settings))
+    return run_check("check_router", invariants, resolved)
 
