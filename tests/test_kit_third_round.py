@@ -267,3 +267,35 @@ def test_an_adapter_without_a_protocol_method_is_reported_naming_it():
 
     failure = _failure(check_balancer_lifecycle, NoStateDict)
     assert all("without the method state_dict() of the adapter protocol" in v.summary for v in failure.violations)
+
+
+# ---------------------------------------------------------------------------
+# The reference adapter: its own arguments and state checked
+# ---------------------------------------------------------------------------
+
+def test_the_reference_adapter_refuses_an_estimator_it_does_not_have():
+    from refimpl.testing.lifecycle_check import ReferenceAdapter
+
+    with pytest.raises(ValueError, match="estimator must be 'exact' or 'histogram', got 'exakt'"):
+        ReferenceAdapter(8, 2, estimator="exakt")  # used to run the histogram silently
+
+
+@pytest.mark.parametrize(("state", "message"), [
+    ({"bias": np.zeros(3), "blocks": []}, r"state\['bias'\] must be 8 finite values \(one per expert\), got shape \[3\]"),
+    ({"bias": np.full(8, np.nan), "blocks": []}, r"got shape \[8\] with NaN or inf"),
+    ({"bias": np.zeros(8), "blocks": [np.zeros((4, 5))]}, r"state\['blocks'\]\[0\] must be \[m, 8\] scores, got shape "
+                                                          r"\[4, 5\]"),
+    ({"bias": np.zeros(8)}, r"exactly the keys \['bias', 'blocks'\], got \['bias'\]"),
+    ({"bias": np.zeros(8), "blocks": np.zeros((2, 8))}, r"state\['blocks'\] must be a list"),
+])
+def test_the_reference_adapter_refuses_a_state_that_is_not_its_own(state, message):
+    from refimpl.testing.lifecycle_check import ReferenceAdapter
+
+    adapter = ReferenceAdapter(8, 2)
+    adapter.observe(np.full((4, 8), 0.5, np.float32))
+    before = adapter.state_dict()
+    with pytest.raises(ValueError, match=message):
+        adapter.load_state_dict(state)
+    after = adapter.state_dict()  # nothing changed
+    np.testing.assert_array_equal(after["bias"], before["bias"])
+    assert len(after["blocks"]) == len(before["blocks"]) == 1

@@ -181,6 +181,7 @@ import numpy as np
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
+from .._lib.validation import check_int
 from .._lib.values import switch_value
 from .outputs import fmt, user_array
 from .profiles import kit_settings
@@ -549,7 +550,11 @@ class ReferenceAdapter:
     """
 
     def __init__(self, num_experts: int, top_k: int, *, estimator: str = "exact", bins: int = 1000) -> None:
-        self.num_experts, self.top_k, self.estimator, self.bins = num_experts, top_k, estimator, bins
+        if estimator not in ("exact", "histogram"):
+            raise ValueError(f"estimator must be 'exact' or 'histogram', got {estimator!r}")
+        self.num_experts = check_int("num_experts", num_experts, low=1)
+        self.top_k = check_int("top_k", top_k, low=1, high=self.num_experts)
+        self.estimator, self.bins = estimator, bins
         self.bias = np.zeros(num_experts, dtype=np.float32)
         self.frozen = False
         self.blocks: list[np.ndarray] = []  # the step's counted forwards
@@ -575,8 +580,24 @@ class ReferenceAdapter:
         return {"bias": self.bias.copy(), "blocks": [b.copy() for b in self.blocks]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.bias = np.array(state["bias"], dtype=np.float32)
-        self.blocks = [np.array(b, dtype=np.float32) for b in state["blocks"]]
+        """Take `state_dict()`'s output back, checked: exactly `bias` (`[n]`, finite) and `blocks` (a list of
+        `[m, n]` score arrays), each refused by name otherwise; nothing changes unless all of it checks."""
+        if not isinstance(state, dict) or set(state) != {"bias", "blocks"}:
+            shown = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"state must be a dict with exactly the keys ['bias', 'blocks'], got {shown}")
+        bias = np.array(state["bias"], dtype=np.float32)
+        if bias.shape != (self.num_experts,) or not np.all(np.isfinite(bias)):
+            raise ValueError(f"state['bias'] must be {self.num_experts} finite values (one per expert), got shape "
+                             f"{list(bias.shape)}" + ("" if bias.shape != (self.num_experts,) else " with NaN or inf"))
+        if not isinstance(state["blocks"], list | tuple):
+            raise ValueError(f"state['blocks'] must be a list of [m, {self.num_experts}] score arrays, got "
+                             f"{type(state['blocks']).__name__}")
+        blocks = [np.array(b, dtype=np.float32) for b in state["blocks"]]
+        for i, block in enumerate(blocks):
+            if block.ndim != 2 or block.shape[1] != self.num_experts:
+                raise ValueError(f"state['blocks'][{i}] must be [m, {self.num_experts}] scores, got shape "
+                                 f"{list(block.shape)}")
+        self.bias, self.blocks = bias, blocks
 
 
 def observe_switches(training: Any, grad: Any, recomputing: Any, replica: Any) -> tuple[bool, bool, bool, bool]:
