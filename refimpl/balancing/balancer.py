@@ -35,7 +35,7 @@ import numpy as np
 from .._lib.files import check_regular_file, parse_json, write_atomically
 from .._lib.validation import check_float_array, check_int, check_shape
 from .._lib.values import shown
-from .._lib.xp import Array, array_namespace, to_numpy
+from .._lib.xp import Array, array_namespace, is_array, to_numpy
 from ..config import MoEConfig
 from ..layer.routing import expert_load, route
 
@@ -47,9 +47,20 @@ FORMER_KINDS = {"quantile": "qb", "histogram": "qb-hist"}
 
 
 def load_ratio(load: Array) -> float:
-    """The max/min load of a step (1.0 is perfect balance; infinity when some expert got no token)."""
+    """The max/min load of a step (1.0 is perfect balance; infinity when some expert got no token).
+
+    `load` `[n]` counts each expert's tokens: a non-empty 1-D array of non-negative integers (a ratio of no
+    experts, or of fractional or negative counts, means nothing), else a `ValueError` naming `load`.
+    """
+    if not is_array(load):
+        raise TypeError(f"load must be an array of token counts [n], got {type(load).__name__} {shown(load)}")
     values = to_numpy(load)
+    if values.ndim != 1 or values.shape[0] < 1 or values.dtype.kind not in "iu":
+        raise ValueError(f"load must be token counts [n] (a non-empty 1-D integer array, one count per expert), "
+                         f"got {values.dtype} of shape {list(values.shape)}")
     low, high = int(values.min()), int(values.max())
+    if low < 0:
+        raise ValueError(f"load must hold non-negative token counts, got a smallest count of {low}")
     return math.inf if low == 0 else high / low
 
 
@@ -313,11 +324,50 @@ class Balancer:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{path}: the fields 'options', 'num_experts', 'top_k' and 'bias' describe no "
                              f"{kind!r} balancer: {exc}") from None
+        loads, ratios, biases = _checked_history(fields, balancer.num_experts, balancer._bias.dtype,
+                                                 sizes["step_count"], path)
         balancer.step_count = sizes["step_count"]
-        balancer.loads = [row.copy() for row in fields["loads"]]
-        balancer.ratios = [float(r) for r in fields["ratios"]]
-        balancer.biases = [row.copy() for row in fields["biases"]]
+        balancer.loads = list(loads)
+        balancer.ratios = [float(r) for r in ratios]
+        balancer.biases = list(biases)
         return balancer
+
+
+def _checked_history(fields: dict[str, np.ndarray], n: int, dtype: np.dtype, step_count: int,
+                     path: str | PathLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The history of a saved balancer (`loads`, `ratios`, `biases`), checked as `advance` would have written it.
+
+    `advance` appends one entry to each per step and counts the step, so a file `save` wrote holds, for
+    $s$ = `step_count` steps: `loads` `[s, n]` non-negative integer counts, `ratios` `[s]` floats (max/min
+    of each load: at least 1, or infinity), `biases` `[s, n]` in the dtype of the bias. An edited file that
+    breaks this is refused here, naming the file and the field, rather than restored into a balancer whose
+    next `save` fails or whose history reads negative loads. Returns the three arrays (`loads` as int64).
+    """
+    loads, ratios, biases = fields["loads"], fields["ratios"], fields["biases"]
+
+    def refuse(name: str, expected: str, array: np.ndarray) -> ValueError:
+        return ValueError(f"{path}: the field {name!r} must be {expected}, got {array.dtype} of shape "
+                          f"{list(array.shape)}")
+
+    if loads.ndim != 2 or loads.shape[1] != n or loads.dtype.kind not in "iu":
+        raise refuse("loads", f"integer counts [s, {n}] (one row of {n} experts per step)", loads)
+    steps = loads.shape[0]
+    if steps and (int(loads.min()) < 0 or int(loads.max()) > np.iinfo(np.int64).max):
+        raise ValueError(f"{path}: the field 'loads' must hold token counts from 0 to 2**63 - 1, got values from "
+                         f"{int(loads.min())} to {int(loads.max())}")
+    if ratios.shape != (steps,) or ratios.dtype.kind != "f":
+        raise refuse("ratios", f"floats [{steps}] (one max/min load ratio per step of 'loads')", ratios)
+    if not (ratios >= 1.0).all():  # NaN fails too
+        bad = ratios[~(ratios >= 1.0)]
+        raise ValueError(f"{path}: the field 'ratios' must hold max/min load ratios (at least 1, or infinity), "
+                         f"got {shown(bad[0].item())}")
+    if biases.shape != (steps, n) or biases.dtype != dtype:
+        raise refuse("biases", f"{dtype} [{steps}, {n}] (the bias that routed each step of 'loads', in the "
+                               "dtype of the field 'bias')", biases)
+    if step_count != steps:
+        raise ValueError(f"{path}: the field 'step_count' must be the number of steps in the history ("
+                         f"{steps}, the rows of 'loads', 'ratios' and 'biases'), got {step_count}")
+    return loads.astype(np.int64), ratios, biases
 
 
 def _checked_options(options: Any, factory: type, where: str) -> dict[str, Any]:

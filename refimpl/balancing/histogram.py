@@ -151,7 +151,7 @@ from .._lib.validation import check_bias, check_finite, check_float_array, check
 from .._lib.values import is_real, shown
 from .._lib.xp import Array, array_namespace, bincount, compute_dtype, dtype_name, is_array
 from .balancer import Balancer
-from .quantile import cutoff_values
+from .quantile import cutoff_values, quantile_rank
 
 __all__ = [
     "BiasHistogram",
@@ -557,9 +557,20 @@ class HistogramBalancer(Balancer):
         return {"bins": self.bins, "micro_batches": self.micro_batches}
 
     def check_batch(self, m: int) -> None:
+        """Raise `ValueError` if a batch of `m` tokens cannot be split into the micro-batches or is too small for the rule.
+
+        The histogram reads the same order statistic as Eq. (14) (the $(q+1)$-th smallest required bias,
+        $q = mk/n$), which exists only in a batch of at least $n/(n-k)$ tokens: a smaller one is refused
+        here, before the first step, not by `BiasHistogram.thresholds` in the middle of the run.
+        """
         super().check_batch(m)
         if m < self.micro_batches:
             raise ValueError(f"a batch of {m} tokens cannot be split into micro_batches={self.micro_batches}")
+        try:
+            quantile_rank(m, self.num_experts, self.top_k)
+        except ValueError as exc:
+            raise ValueError(f"a batch of {m} tokens is too small for the histogram's Quantile Balancing of "
+                             f"{self.num_experts} experts with top_k={self.top_k}: {exc}") from None
 
     def next_bias(self, scores: Array, bias: Array, index: Array) -> Array:
         self.check_batch(scores.shape[0])

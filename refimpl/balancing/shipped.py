@@ -87,14 +87,14 @@ many bins away from it (`docs/measure_lifecycle.py`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from .._lib.validation import check_bias, check_finite, check_float_array, check_int
-from .._lib.values import is_real
-from .._lib.xp import Array, array_namespace, compute_dtype, is_array
+from .._lib.values import is_integer, is_real, shown, switch_value
+from .._lib.xp import Array, array_namespace, compute_dtype, is_array, to_numpy
 from .quantile import cutoff_values, expert_major_margins, kth_largest
 
 __all__ = [
@@ -172,7 +172,7 @@ def megatron_qb_update(blocks: Iterable[Array] | Array, beta: Array, top_k: int,
     if estimation_scope == "global_batch":
         if float(ema) != 0.0:
             raise ValueError(f"the global_batch mode derives the bias directly and needs ema=0, got {ema!r}")
-        router = MegatronGlobalBatchQB(beta.shape[0] if is_array(beta) else -1, top_k, num_bins=num_bins, bias=beta)
+        router = MegatronGlobalBatchQB(_FROM_BIAS, top_k, num_bins=num_bins, bias=beta)
         for block in blocks:
             router.route(block)
         router.finalize()
@@ -189,19 +189,77 @@ def megatron_qb_update(blocks: Iterable[Array] | Array, beta: Array, top_k: int,
 # The histogram modes: Megatron-Core's global_batch scope and torchtitan's QuantileBalancer
 # ---------------------------------------------------------------------------
 
+#: The `num_experts` this module's own update functions pass (`megatron_qb_update`, `torchtitan_qb_update`):
+#: the experts are those of the `bias` they are given, whose length is checked there.
+_FROM_BIAS = -1
+
+
 def _checked_sizes(num_experts: int, top_k: int, num_bins: int, bias: Any) -> np.ndarray:
-    """The sizes both histogram modes accept (0 < k < n, at least two bins), and the starting bias, float32 `[n]`."""
-    if bias is not None:
-        num_experts = np.asarray(bias).shape[0] if np.asarray(bias).ndim == 1 else num_experts
+    """The sizes both histogram modes accept (0 < k < n, at least two bins), and the starting bias, float32 `[n]`.
+
+    A `bias` must have `num_experts` entries: a bias of 4 for `num_experts=8` is refused, not taken as the
+    number of experts. Only `num_experts=_FROM_BIAS` (-1, what this module's update functions pass) reads
+    the number from the bias.
+    """
+    if bias is not None and is_integer(num_experts) and num_experts == _FROM_BIAS:
+        check_bias(bias)
+        num_experts = bias.shape[0]
     num_experts = check_int("num_experts", num_experts, low=2)
     check_int("top_k", top_k, low=1, high=num_experts - 1)
     check_int("num_bins", num_bins, low=2)
     if bias is None:
         return np.zeros(num_experts, dtype=np.float32)
-    check_bias(bias, num_experts)
-    held = np.array(bias, dtype=np.float32)
-    check_finite("bias", held)
+    check_bias(bias, num_experts, context=f"(one entry per expert: num_experts={num_experts})")
+    return _as_float32("bias", bias)
+
+
+def _as_float32(name: str, values: Any) -> np.ndarray:
+    """`values` as a float32 NumPy array, which must stay finite: a float64 beyond float32's range is refused
+    (naming `name`), not made infinite."""
+    with np.errstate(over="ignore"):
+        held = np.array(to_numpy(values), dtype=np.float32)
+    check_finite(name, held)
     return held
+
+
+def _checked_counts(name: str, histogram: Any) -> np.ndarray:
+    """A histogram of counts `[E, bins]`: a 2-D array of non-negative integers (what every rank adds up)."""
+    counts = to_numpy(histogram) if is_array(histogram) else histogram
+    if not isinstance(counts, np.ndarray) or counts.ndim != 2 or counts.dtype.kind not in "iu":
+        what = (f"{counts.dtype} of shape {list(counts.shape)}" if isinstance(counts, np.ndarray)
+                else f"{type(histogram).__name__} {shown(histogram)}")
+        raise ValueError(f"{name} must be integer counts [E, bins] (one row of bins per expert), got {what}")
+    if counts.size and int(counts.min()) < 0:
+        raise ValueError(f"{name} must hold non-negative counts, got a smallest count of {int(counts.min())}")
+    return counts
+
+
+def _checked_bounds(name: str, bounds: Any, num_bins: int) -> np.ndarray:
+    """The histogram's range `[2]` as float32: finite, low < high, and a bin width float32 can divide by."""
+    check_float_array(name, bounds, ndim=1)
+    if tuple(bounds.shape) != (2,):
+        raise ValueError(f"{name} must have shape [2] (the low and the high end of the range), got "
+                         f"{list(bounds.shape)}")
+    held = _as_float32(name, bounds)
+    lower, upper = held[0], held[1]
+    with np.errstate(over="ignore", divide="ignore"):
+        span = upper - lower
+        scale = np.float32(num_bins) / span if span > 0 else np.float32(np.inf)
+    if not (lower < upper and np.isfinite(span) and np.isfinite(scale)):
+        raise ValueError(f"{name} must be a range (low, high) with low < high, whose width float32 holds and "
+                         f"divides into {num_bins} bins, got ({float(lower):g}, {float(upper):g})")
+    return held
+
+
+def _checked_state(owner: str, state: Any, expected: tuple[str, ...]) -> None:
+    """`state` must be a mapping with exactly the keys `expected`, as torch's `load_state_dict(strict=True)` requires."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{owner}.load_state_dict: state must be a dict of {list(expected)}, got "
+                        f"{type(state).__name__}")
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected), key=str)
+    if missing or unexpected:
+        raise ValueError(f"{owner}.load_state_dict: state must hold exactly the keys {list(expected)}; missing "
+                         f"{missing}, unexpected {unexpected}")
 
 
 def _checked_scores(scores: Any, n: int) -> np.ndarray:
@@ -235,16 +293,12 @@ def megatron_global_batch_update(histogram: Array, bin_bounds: Array, bias: Arra
     and the new range $[\min b - 1, \max b + 1]$. A histogram with no token
     returns the bias and the range unchanged. All in float32, as shipped.
     """
-    counts = np.asarray(histogram)
-    if counts.ndim != 2 or not np.issubdtype(counts.dtype, np.integer):
-        raise ValueError(f"histogram must be integer counts [E, bins], got {counts.dtype} {list(counts.shape)}")
+    counts = _checked_counts("histogram", histogram)
     num_experts, num_bins = counts.shape
     check_int("top_k", top_k, low=1, high=num_experts - 1)
-    bounds = np.asarray(bin_bounds, dtype=np.float32)
-    old = np.asarray(bias, dtype=np.float32)
-    if bounds.shape != (2,) or old.shape != (num_experts,):
-        raise ValueError(f"bin_bounds must be [2] and bias [{num_experts}], got {list(bounds.shape)} and "
-                         f"{list(old.shape)}")
+    bounds = _checked_bounds("bin_bounds", bin_bounds, num_bins)
+    check_bias(bias, num_experts, context=f"(one entry per expert of the histogram {list(counts.shape)})")
+    old = _as_float32("bias", bias)
     cumulative = np.cumsum(counts, axis=1, dtype=np.int64)  # [E, B]
     total_tokens = cumulative[0, -1]  # every token adds one count to every expert's row
     # $$q = m k / E$$ in float32, and the rank $$t = \max(1, \lceil q \rceil)$$
@@ -292,9 +346,12 @@ class MegatronGlobalBatchQB:
 
     def route(self, scores: Array, *, grad_enabled: bool = True) -> np.ndarray:
         """Route one micro-batch of sigmoid scores `[m, E]` with `qb_bias`; count it when the switches allow. Ids `[m, k]`."""
+        grad_enabled = switch_value(grad_enabled, "grad_enabled")
+        counting = (switch_value(self.training, "MegatronGlobalBatchQB.training")
+                    and not switch_value(self.frozen_expert_bias, "MegatronGlobalBatchQB.frozen_expert_bias"))
         s = _checked_scores(scores, self.num_experts)  # [m, E]
         top_indices, cutoff = _biased_cutoff(s, self.qb_bias, self.top_k)
-        if self.training and grad_enabled and not self.frozen_expert_bias:
+        if counting and grad_enabled:
             lower, upper = self.qb_bin_bounds[0], self.qb_bin_bounds[1]
             # floor((cutoff - scores - lower) * (num_bins / (upper - lower))), clamped into the end bins
             scale = np.float32(self.num_bins) / (upper - lower)
@@ -308,7 +365,8 @@ class MegatronGlobalBatchQB:
     def finalize(self, *other_ranks: MegatronGlobalBatchQB) -> None:
         """The end of a global batch: pool the ranks' histograms, update the bias once, zero every histogram."""
         routers = (self, *other_ranks)
-        if self.training and not self.frozen_expert_bias:
+        if switch_value(self.training, "MegatronGlobalBatchQB.training") and \
+                not switch_value(self.frozen_expert_bias, "MegatronGlobalBatchQB.frozen_expert_bias"):
             pooled = sum((r.qb_histogram.astype(np.int64) for r in routers[1:]), self.qb_histogram.astype(np.int64))
             new_bias, new_bounds = megatron_global_batch_update(pooled.astype(np.int32), self.qb_bin_bounds,
                                                                 self.qb_bias, self.top_k)
@@ -322,8 +380,18 @@ class MegatronGlobalBatchQB:
         return {"qb_bias": self.qb_bias.copy(), "qb_bin_bounds": self.qb_bin_bounds.copy()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.qb_bias = np.array(state["qb_bias"], dtype=np.float32)
-        self.qb_bin_bounds = np.array(state["qb_bin_bounds"], dtype=np.float32)
+        """Load `qb_bias` `[E]` and `qb_bin_bounds` `[2]`, checked first, as torch's `strict=True` load checks.
+
+        Exactly those two keys; each a floating array of its shape, finite in float32; the range with
+        low < high. Anything else is a `ValueError` naming the key, and the router is left as it was
+        (torch refuses a size mismatch or a missing key the same way, before copying anything).
+        """
+        _checked_state("MegatronGlobalBatchQB", state, ("qb_bias", "qb_bin_bounds"))
+        check_bias(state["qb_bias"], self.num_experts, name="state['qb_bias']",
+                   context=f"(one entry per expert: num_experts={self.num_experts})")
+        bias = _as_float32("state['qb_bias'] in float32", state["qb_bias"])
+        bounds = _checked_bounds("state['qb_bin_bounds']", state["qb_bin_bounds"], self.num_bins)
+        self.qb_bias, self.qb_bin_bounds = bias, bounds
 
 
 def torchtitan_estimate(histogram: Array, bias: Array, top_k: int) -> np.ndarray:
@@ -335,10 +403,11 @@ def torchtitan_estimate(histogram: Array, bias: Array, top_k: int) -> np.ndarray
     p)\, w$, $w = (\max b - \min b + 2)/B$. The division is unguarded, as
     shipped: a histogram with no token gives $0/0$ and a NaN bias.
     """
-    counts = np.asarray(histogram)
+    counts = _checked_counts("histogram", histogram)
     num_experts, num_bins = counts.shape
     check_int("top_k", top_k, low=1, high=num_experts - 1)
-    old = np.asarray(bias, dtype=np.float32)
+    check_bias(bias, num_experts, context=f"(one entry per expert of the histogram {list(counts.shape)})")
+    old = _as_float32("bias", bias)
     counts_e = counts.sum(axis=-1, dtype=np.int64)  # [E]
     target_count = counts_e.astype(np.float32) * np.float32(top_k / num_experts)  # [E]
     cumulative = np.cumsum(counts, axis=-1, dtype=np.int64)  # [E, B]
@@ -381,7 +450,7 @@ class TorchtitanQuantileBalancer:
 
     def observe(self, scores: np.ndarray, cutoff: np.ndarray) -> None:
         """Add one micro-batch's required biases `cutoff - scores` to the histogram (nothing outside training)."""
-        if not self.training:
+        if not switch_value(self.training, "TorchtitanQuantileBalancer.training"):
             return
         b = self.expert_bias
         lower_bound = b.min() - np.float32(1.0)
@@ -408,13 +477,22 @@ class TorchtitanQuantileBalancer:
         return {"expert_bias_E": self.expert_bias.copy()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.expert_bias = np.array(state["expert_bias_E"], dtype=np.float32)
+        """Load `expert_bias_E` `[E]`, checked first: the one key, a finite floating array of the experts' size.
+
+        Anything else is a `ValueError` naming the key, and the balancer is left as it was (as torch's
+        `strict=True` load refuses a size mismatch or a missing key).
+        """
+        _checked_state("TorchtitanQuantileBalancer", state, ("expert_bias_E",))
+        check_bias(state["expert_bias_E"], self.num_experts, name="state['expert_bias_E']",
+                   context=f"(one entry per expert: num_experts={self.num_experts})")
+        bias = _as_float32("state['expert_bias_E'] in float32", state["expert_bias_E"])
+        self.expert_bias = bias
 
 
 def torchtitan_qb_update(blocks: Iterable[Array] | Array, bias: Array, top_k: int, *,
                          num_bins: int = 1000) -> np.ndarray:
     """torchtitan's next bias `[E]` from one step whose micro-batches of sigmoid scores are `blocks` (NaN when all are empty)."""
-    balancer = TorchtitanQuantileBalancer(-1, top_k, num_bins=num_bins, bias=bias)
+    balancer = TorchtitanQuantileBalancer(_FROM_BIAS, top_k, num_bins=num_bins, bias=bias)
     for block in [blocks] if is_array(blocks) else list(blocks):
         balancer.route(block)
     balancer.step()

@@ -266,9 +266,26 @@ def read_checkpoint(folder: str | Path) -> Checkpoint:
     """The current checkpoint of `folder` (the one `latest.json` names): its configuration and steps done.
 
     Raises `ValueError` naming the file when the folder holds no complete
-    checkpoint, or one written by another format.
+    checkpoint, or one written by another format, and naming the folder when
+    the operating system cannot look at it (a name too long, a folder above it
+    this process may not enter): never a bare `OSError`.
     """
     folder = Path(folder)
+    try:
+        return _read_checkpoint(folder)
+    except OSError as exc:
+        raise ValueError(f"{_short(folder)} cannot be read as a training checkpoint: {exc.strerror or exc}") \
+            from None
+
+
+def _short(path: Path) -> str:
+    """`path` for a message: whole when short, else its start and its length (a 4,000-character name helps no one)."""
+    text = str(path)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def _read_checkpoint(folder: Path) -> Checkpoint:
+    """`read_checkpoint`'s work, which may raise `OSError` from the file system."""
     if not folder.is_dir():
         raise ValueError(f"{folder} is not a folder holding a training checkpoint")
     if not (folder / POINTER_FILE).exists():  # present but not a regular file: refused by name below
@@ -357,9 +374,7 @@ def load_run(folder: str | Path, config: TrainConfig, corpus: Corpus) -> RunStat
                                          for name in shapes):
         raise ValueError(f"{where / 'params.npz'} does not hold the parameters of this model")
     run.params = params
-    with np.load(check_regular_file(where / "adam.npz"), allow_pickle=False) as data:
-        for name in run.adam.names:
-            run.adam.m[name], run.adam.v[name] = data[f"m.{name}"], data[f"v.{name}"]
+    run.adam.m, run.adam.v = _read_moments(where / "adam.npz", {name: shapes[name] for name in run.adam.names})
     run.adam.t = _count(manifest, "adam_step", where)
     for number, fresh in enumerate(run.balancers):
         restored = Balancer.restore(where / f"balancer-{number}.npz")
@@ -383,6 +398,47 @@ def load_run(folder: str | Path, config: TrainConfig, corpus: Corpus) -> RunStat
     return run
 
 
+def _few(names: list[str], shown: int = 4) -> str:
+    """The first `shown` of `names` and how many more, for a message."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{names[:shown]}{more}"
+
+
+def _read_moments(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, np.ndarray],
+                                                                             dict[str, np.ndarray]]:
+    """Adam's moments `m` and `v` from `adam.npz`, each checked; a `ValueError` naming the file and the key else.
+
+    The file must hold exactly `m.<name>` and `v.<name>` for each trained parameter `name` (`shapes`), each
+    float32 of the parameter's shape and finite, and every `v` non-negative (a mean of squared gradients:
+    a negative one makes the step's square root NaN, and the run would train on NaN to the end). The
+    digests prove only that the file is the one the manifest lists; a tool that rewrote both is caught here.
+    """
+    with np.load(check_regular_file(path), allow_pickle=False) as data:
+        arrays = {name: data[name] for name in data.files}
+    expected = {f"{moment}.{name}" for name in shapes for moment in ("m", "v")}
+    missing, unexpected = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
+    if missing or unexpected:
+        listed = "; ".join(f"{label} {_few(keys)}" for label, keys in (("missing", missing), ("unexpected", unexpected))
+                           if keys)
+        raise ValueError(f"{path} must hold exactly Adam's moments m.<name> and v.<name> of the {len(shapes)} "
+                         f"trained parameters: {listed}")
+    moments: dict[str, dict[str, np.ndarray]] = {"m": {}, "v": {}}
+    for name, shape in shapes.items():
+        for moment in ("m", "v"):
+            key, value = f"{moment}.{name}", arrays[f"{moment}.{name}"]
+            if value.dtype != np.float32 or value.shape != tuple(shape):
+                raise ValueError(f"{path}: {key} must be float32 of shape {list(shape)} (its parameter's), got "
+                                 f"{value.dtype} of shape {list(value.shape)}")
+            if not np.isfinite(value).all():
+                raise ValueError(f"{path}: {key} must be finite, got {int((~np.isfinite(value)).sum())} entries "
+                                 "that are NaN or infinite")
+            if moment == "v" and (value < 0).any():
+                raise ValueError(f"{path}: {key} must be non-negative (a mean of squared gradients), got a "
+                                 f"smallest entry of {float(value.min()):g}")
+            moments[moment][name] = value
+    return moments["m"], moments["v"]
+
+
 # ---------------------------------------------------------------------------
 # Who may write a checkpoint folder
 # ---------------------------------------------------------------------------
@@ -404,6 +460,14 @@ def check_checkpoint_folder(folder: str | Path, *, resume: str | Path | None = N
     """
     overwrite = switch_value(overwrite, "overwrite")
     folder = Path(folder)
+    try:
+        _check_checkpoint_folder(folder, resume=resume, overwrite=overwrite)
+    except OSError as exc:
+        raise ValueError(f"checkpoint: {_short(folder)} cannot be checked: {exc.strerror or exc}") from None
+
+
+def _check_checkpoint_folder(folder: Path, *, resume: str | Path | None, overwrite: bool) -> None:
+    """`check_checkpoint_folder`'s work, which may raise `OSError` from the file system."""
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"checkpoint: {folder} is a file, not a folder")
     if not folder.is_dir():

@@ -6,16 +6,20 @@ allocates anything or trains a step it checks:
 
 * every number (a negative seed, a size of 0, a `--batch` too small for
   the balancer, a NaN learning rate, a context longer than the held-out
-  text, a model or batch that would not fit in this machine's memory): an
-  error naming the flag, exit status 2;
+  text, a model, batch or `qb-hist` histogram (`--bins`) that would not fit
+  in this machine's memory): an error naming the flag, exit status 2;
 * `--out`: not a folder, not under a regular file, in a folder it can
   write; an existing file is refused unless `--overwrite` is given;
 * `--checkpoint`: a new or empty folder, or one holding a checkpoint (of
-  this run when resuming, or any with `--overwrite`);
+  this run when resuming, or any with `--overwrite`); neither it inside
+  `--out` nor `--out` inside it;
+* every path: one the operating system refuses to look at (a name too
+  long, a folder this process may not enter) is an error naming the flag;
 * `--resume`: a readable checkpoint, and no flag that contradicts it;
 * with `--expert-parallel`: every rank checks its own arguments (rank 0
   alone checks `--out`, the file it writes), and the ranks then share their
-  errors and compare their configurations, seed and corpus, so that every
+  errors (any exception met while checking, not only an argument error)
+  and compare their configurations, seed and corpus, so that every
   rank stops with the same message and status 2; the number of ranks must
   divide `--experts`, and `--checkpoint` and `--resume` are refused (they
   are for a run on one process). A rank that fails while training ends the
@@ -240,6 +244,17 @@ def _resumed_config(parser: argparse.ArgumentParser, found: Checkpoint, given: M
     return replace(saved, steps=steps)
 
 
+def _unreadable_path(parser: argparse.ArgumentParser, flag: str, path: Path, exc: OSError) -> NoReturn:
+    """End with the argparse error (status 2) for a path the operating system refuses to look at.
+
+    A name longer than the system allows (`ENAMETOOLONG`), a folder above it this process may not enter
+    (`EACCES`), a loop of symbolic links: `stat` itself fails, and the run is refused naming the flag, with
+    the system's reason, instead of a traceback.
+    """
+    named = str(path) if len(str(path)) <= 80 else f"{str(path)[:60]}... ({len(str(path))} characters)"
+    parser.error(f"argument {flag}: {named} cannot be checked: {exc.strerror or exc}")
+
+
 def _existing_ancestor(path: Path) -> Path:
     """The nearest folder above `path` (or `path` itself) that exists."""
     for folder in (path, *path.parents):
@@ -255,8 +270,12 @@ def _check_folder_writable(parser: argparse.ArgumentParser, flag: str, folder: P
     nearest folder above it that exists (the missing ones are made when the
     run writes).
     """
-    above = _existing_ancestor(folder)
-    if not above.is_dir():
+    try:
+        above = _existing_ancestor(folder)
+        is_folder = above.is_dir()
+    except OSError as exc:
+        _unreadable_path(parser, flag, folder, exc)
+    if not is_folder:
         parser.error(f"argument {flag}: {above} is a file, not a folder, so {folder} cannot be created")
     try:
         with tempfile.NamedTemporaryFile(dir=above, prefix=".write-test-"):
@@ -267,10 +286,18 @@ def _check_folder_writable(parser: argparse.ArgumentParser, flag: str, folder: P
 
 def _check_out(parser: argparse.ArgumentParser, out: Path, overwrite: bool) -> None:
     """`--out` must name a file that can be written, and replace an existing one only with `--overwrite`."""
-    if out.is_dir():
+    try:
+        is_folder = out.is_dir()
+    except OSError as exc:
+        _unreadable_path(parser, "--out", out, exc)
+    if is_folder:
         parser.error(f"argument --out: {out} is a folder; name the log file to write, e.g. {out / 'run.json'}")
     _check_folder_writable(parser, "--out", out.parent)
-    if out.exists() and not overwrite:
+    try:
+        exists = out.exists()
+    except OSError as exc:
+        _unreadable_path(parser, "--out", out, exc)
+    if exists and not overwrite:
         parser.error(f"argument --out: {out} already exists; pass --overwrite to replace it (it is replaced only "
                      "once the new log is written in full)")
 
@@ -286,10 +313,23 @@ def _check_checkpoint_folder(parser: argparse.ArgumentParser, folder: Path, *, r
 
 
 def _check_out_outside(parser: argparse.ArgumentParser, out: Path, checkpoint: Path) -> None:
-    """`--out` must not lie inside the checkpoint folder: the log there would be a file no checkpoint owns."""
-    if out.resolve().is_relative_to(checkpoint.resolve()):
+    """`--out` and the checkpoint folder must not lie one inside the other, checked before the first step.
+
+    The log inside the checkpoint folder would be a file no checkpoint owns; the checkpoint folder inside
+    `--out` (`--out x.json --checkpoint x.json/ck`) makes the log's name a folder, so the whole run would
+    train and then fail to write its log. Both paths are resolved (`.`, `..` and symbolic links).
+    """
+    try:
+        out_path, folder = out.resolve(), checkpoint.resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a loop of symbolic links (Python before 3.13)
+        parser.error(f"argument --checkpoint: {checkpoint} or --out {out} cannot be resolved: "
+                     f"{getattr(exc, 'strerror', None) or exc}")
+    if out_path.is_relative_to(folder):
         parser.error(f"argument --out: {out} lies inside the checkpoint folder {checkpoint}; write the log "
                      "elsewhere (a checkpoint folder holds only the checkpoint's own files)")
+    if folder.is_relative_to(out_path):
+        parser.error(f"argument --checkpoint: {checkpoint} lies inside --out {out}, the log file the run writes "
+                     "at its end; name a checkpoint folder outside it")
 
 
 def _checked_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
@@ -405,6 +445,8 @@ def _main_expert_parallel(argv: list[str]) -> dict[str, Any]:
         corpus = _checked_corpus(parser, config)
     except _Refused as exc:
         error = ValueError(str(exc))
+    except Exception as exc:  # noqa: BLE001 - any failure here must reach the other ranks, not leave them waiting
+        error = exc
     try:
         check_expert_parallel(config, comm, corpus=corpus, error=error)
     except (TypeError, ValueError) as exc:

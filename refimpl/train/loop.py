@@ -26,7 +26,7 @@ import numpy as np
 
 from .._lib.files import write_atomically
 from .._lib.values import seed_value, switch_value
-from ..balancing import Balancer
+from ..balancing import Balancer, HistogramBalancer
 from ..layer.routing import route
 from .checkpoints import (
     RunState,
@@ -36,7 +36,7 @@ from .checkpoints import (
     load_run,
     write_checkpoint,
 )
-from .config import PRECISIONS, TrainConfig, TrainConfigError
+from .config import BALANCERS, PRECISIONS, TrainConfig, TrainConfigError
 from .data import VOCAB, Corpus, load_corpus, sample_batch
 from .model import BIAS, model_shapes, moe_prefix
 from .step import ONE_PROCESS, Ranks, evaluate, forward_backward
@@ -44,6 +44,11 @@ from .step import ONE_PROCESS, Ranks, evaluate, forward_backward
 # ---------------------------------------------------------------------------
 # What a run needs: text longer than its context, memory for its arrays
 # ---------------------------------------------------------------------------
+
+#: The bytes per count of one `qb-hist` histogram at its peak (the int64 counts, their int64 cumulative sum, the
+#: comparison with the rank as bool and as int64), measured with `tracemalloc` around `HistogramBalancer.step`.
+HISTOGRAM_BYTES_PER_COUNT = 25
+
 
 def _memory_parts(config: TrainConfig) -> list[tuple[str, str, int]]:
     """The largest arrays of a run, roughly: `(field to blame, what they are, bytes)`."""
@@ -55,12 +60,19 @@ def _memory_parts(config: TrainConfig) -> list[tuple[str, str, int]]:
     # Per token and layer: a dozen [d] vectors, a few [n] score rows, the k slots' expert activations.
     activations = layers * 4 * (12 * moe.hidden_size + 6 * moe.num_experts
                                 + 3 * moe.top_k * (3 * moe.intermediate_size + 2 * moe.latent_size)) + 4 * 4 * VOCAB
-    return [
+    parts = [
         ("context", f"the context windows of the batches ((--batch {m} + {config.eval_batch} held out) x --context "
                     f"{c}, with --embed {e})", (m + config.eval_batch) * window),
         ("batch", f"a batch's activations (--batch {m} tokens through {layers} layers)", m * activations),
         ("moe.num_experts", f"the model's {count:,} parameters, their gradients and Adam's moments", 20 * count),
     ]
+    if isinstance(BALANCERS[config.balancer](config), HistogramBalancer):
+        # One layer's histogram at a time: its [n, B] counts and, while the threshold is read, their cumulative
+        # sum and the comparison with the rank (as bool, then int64): 8 + 8 + 1 + 8 bytes per count.
+        cells = moe.num_experts * config.bins
+        parts.append(("bins", f"the histogram of qb-hist (--experts {moe.num_experts} x --bins {config.bins:,} "
+                              "counts, with the arrays its read-out makes)", HISTOGRAM_BYTES_PER_COUNT * cells))
+    return parts
 
 
 def _physical_memory() -> int | None:
