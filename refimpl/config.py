@@ -562,8 +562,11 @@ class MoEConfig:
         `text_config` of a top-level `{"model_type": "kimi_k3", ...}` mapping,
         the layout of K3's own `config.json`. Raises `ValueError` for a
         config the reference code cannot express: a latent norm without the
-        latent projections, or `top_k = 1` with renormalization (the
-        reference keeps the raw score of a single expert).
+        latent projections, `top_k = 1` with renormalization (the
+        reference keeps the raw score of a single expert), and fields K3's
+        keys have no place for: ungated relu2 experts, a shared width of its
+        own, `swiglu_limit`, `capacity_factor`, `hash_routing` and
+        `num_hash_layers` (each would read back as a different layer).
         """
         nested = switch_value(nested, "nested")
         if self.use_latent_norm and not self.use_latent_projection:
@@ -582,6 +585,7 @@ class MoEConfig:
         if self.swiglu_limit is not None:
             raise ValueError(f"K3's configuration keys cannot express swiglu_limit={self.swiglu_limit} (DeepSeek-V4's "
                              "clamped experts: read them with model_type 'deepseek_v4')")
+        self._check_k3_has_no_baseline_switches()
         values = asdict(self)
         out: dict[str, Any] = {"model_type": "kimi_linear"}
         out.update({key: values[field] for field, key in HF_KEYS.items()})
@@ -596,6 +600,26 @@ class MoEConfig:
         if not nested:
             return out
         return {"model_type": "kimi_k3", "text_config": out}
+
+    def _check_k3_has_no_baseline_switches(self) -> None:
+        """Refuse the other systems' switches, which K3's configuration has no key for.
+
+        `from_hf_config` reads a K3 file back with `capacity_factor=None`, `hash_routing=False` and
+        `num_hash_layers=0` (K3 serves every assignment and routes every layer by its scores), so writing
+        any other value would return a different layer from the round trip, silently.
+        """
+        if self.capacity_factor is not None:
+            raise ValueError(f"MoEConfig.capacity_factor must be None to write K3's configuration, got "
+                             f"{self.capacity_factor}: K3's keys have no expert capacity (its layer serves every "
+                             "assignment), so the file would read back as a layer that drops no token")
+        if self.hash_routing:
+            raise ValueError("MoEConfig.hash_routing must be False to write K3's configuration, got True: K3's keys "
+                             "have no hash routing (its layers route by their scores), so the file would read back "
+                             "as a layer that routes by its scores")
+        if self.num_hash_layers != 0:
+            raise ValueError(f"MoEConfig.num_hash_layers must be 0 to write K3's configuration, got "
+                             f"{self.num_hash_layers}: K3's keys have no table-routed layers (DeepSeek-V4's "
+                             "num_hash_layers: write them with model_type 'deepseek_v4')")
 
 
 #: What the reference modeling code makes of an absent key (`None`: see `from_hf_config`).

@@ -206,14 +206,39 @@ def _in_working_dtype(name: str, x: np.ndarray, work: type) -> np.ndarray:
 # Elements and scales
 # ---------------------------------------------------------------------------
 
-def e2m1_decode(codes: np.ndarray) -> np.ndarray:
-    """The float32 value of each 4-bit E2M1 code (uint8 array with values 0-15)."""
-    return E2M1_VALUES[codes]
+def _check_codes(name: str, x: Any, high: int, what: str) -> np.ndarray:
+    """`x` as a uint8 array if it holds integers in [0, `high`] (any integer dtype); else an error naming `name`.
+
+    A code is a bit pattern: a float (1.7), a bool or a value out of range (256, -1) is no code, and a cast
+    to uint8 would wrap it silently onto another one, so each is refused (`TypeError` for the dtype,
+    `ValueError` for the values, with their range and count).
+    """
+    x = np.asarray(x)
+    if x.dtype.kind not in "ui":
+        raise TypeError(f"{name} must be an array of {what} (uint8, or integers in [0, {high}]), got dtype {x.dtype}")
+    if x.dtype != np.uint8 or high < 255:
+        outside = (x < 0) | (x > high)
+        if np.any(outside):
+            raise ValueError(f"{name} must hold {what} in [0, {high}], got {int(np.sum(outside))} value(s) outside "
+                             f"it (values in [{int(x.min())}, {int(x.max())}])")
+    return x.astype(np.uint8, copy=False)
 
 
-def e8m0_decode(scale: np.ndarray) -> np.ndarray:
-    r"""The float32 value $2^{s - 127}$ of each E8M0 byte $s$ (255 gives NaN; every other byte is exact)."""
-    scale = np.asarray(scale, dtype=np.uint8)
+def e2m1_decode(codes: Any) -> np.ndarray:
+    """The float32 value of each 4-bit E2M1 code: `codes` holds integers 0-15 (uint8 or any integer dtype).
+
+    A float, a bool or a code above 15 is refused, naming `codes` (a TypeError or ValueError).
+    """
+    return E2M1_VALUES[_check_codes("codes", codes, 15, "4-bit E2M1 codes")]
+
+
+def e8m0_decode(scale: Any) -> np.ndarray:
+    r"""The float32 value $2^{s - 127}$ of each E8M0 byte $s$ (255 gives NaN; every other byte is exact).
+
+    `scale` holds bytes 0-255 (uint8 or any integer dtype); a float, a bool or a value outside a byte is
+    refused, naming `scale` (a cast would wrap 256 onto byte 0 and -1 onto the NaN byte).
+    """
+    scale = _check_codes("scale", scale, 255, "E8M0 scale bytes")
     return scale.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
 
 

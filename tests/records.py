@@ -4,7 +4,8 @@ Used by the notebook tests (`test_notebooks.py`, a fresh run in a fresh kernel) 
 every random input moved by one unit in the last place (`test_records_nudged.py`). The rules:
 
 * the words between numbers must be equal (runs of spaces count as one), and so must whole numbers:
-  counts, sizes and ids are facts of the method;
+  counts, sizes and ids are facts of the method (the record decides: a fresh decimal never
+  reproduces a whole number of the record, "3.5" is not "3");
 * a decimal agrees when it is within one unit of the last digit the record prints (a value on a
   rounding boundary prints either neighbour; a fresh run that prints fewer digits gets no wider
   tolerance from them), or, on the lines an example's `ROUNDING` entry names, within a
@@ -96,6 +97,11 @@ def last_digit(token: str) -> float:
     return 10.0 ** (int(exponent or 0) - decimals)
 
 
+def is_decimal(token: str) -> bool:
+    """Whether a printed number is a decimal (it has a point or an exponent), not a whole number."""
+    return any(c in token for c in ".eE")
+
+
 def decimals_agree(recorded: str, fresh: str, tolerance: float = 0.0) -> bool:
     """Whether a fresh run's printed decimal reproduces the record's, to the record's own precision.
 
@@ -116,7 +122,8 @@ def same_by_meaning(was: str, now: str, stem: str) -> list[str]:
     """What differs in meaning between two printed texts (masked already): an empty list when nothing does.
 
     Line by line, runs of spaces are one space (a number one digit wider shifts its column); the words
-    between numbers must be equal, and so must whole numbers (counts, sizes, ids); a decimal agrees with
+    between numbers must be equal, and so must the record's whole numbers (counts, sizes, ids: a fresh
+    "3.5" or "3.0" does not reproduce a recorded "3"); a decimal of the record agrees with
     the record's when it is within one unit of the last digit the record prints (`decimals_agree`), or
     within the example's `ROUNDING` tolerance on the lines it names.
     """
@@ -137,10 +144,10 @@ def same_by_meaning(was: str, now: str, stem: str) -> list[str]:
             tolerance = max([t for t, suffix in rules if after.startswith(suffix)], default=0.0)
             if x == y:
                 continue
-            if any(c in x + y for c in ".eE"):
-                ok = decimals_agree(x, y, tolerance)
-            else:
-                ok = False
+            # The record decides what a number is: a whole number there (a count, a size, an id) must come back
+            # as the same text, so a fresh "3.5" does not reproduce a recorded "3"; a recorded decimal may come
+            # back as a whole one when it is within the record's last digit ("1e-12" against "0").
+            ok = is_decimal(x) and decimals_agree(x, y, tolerance)
             if not ok:
                 problems.append(f"- {old}\n+ {new}\n  ({x} against {y})")
                 break

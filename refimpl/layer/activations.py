@@ -50,6 +50,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .._lib.fast import (
     fast_path_applies,
     glu_and_grad_by_chunks,
@@ -58,7 +60,7 @@ from .._lib.fast import (
     rms_norm_by_chunks,
 )
 from .._lib.validation import check_float_array, check_positive
-from .._lib.xp import Array, array_namespace, compute_dtype, is_real_floating
+from .._lib.xp import Array, array_namespace, compute_dtype, dtype_name, is_real_floating
 
 if TYPE_CHECKING:
     from ..config import MoEConfig
@@ -91,7 +93,7 @@ def situ_glu(gate: Array, up: Array, beta: float = 4.0, linear_beta: float | Non
     branch uncapped: $\operatorname{softcap}(a,\beta_1)\sigma(a)\,b$, which is not
     bounded (the reference code's form when `activation_situ_linear_beta` is absent).
     """
-    xp, a, b = _situ_inputs(gate, up, beta, linear_beta)
+    xp, a, b, beta, linear_beta = _situ_inputs(gate, up, beta, linear_beta)
     # The capped gate: $$\operatorname{softcap}(a, \beta_1)\,\sigma(a) \in (-\beta_1, \beta_1)$$
     capped_gate = beta * xp.tanh(a / beta) * sigmoid(a)
     if linear_beta is None:
@@ -156,18 +158,39 @@ def _sech2(u: Array) -> Array:
     return 4.0 * e / ((1.0 + e) * (1.0 + e))
 
 
-def _capped_input(x: Array, beta: float) -> tuple[Any, Array]:
-    """Check a cap's input and its bound; return the namespace and `x` in the compute dtype."""
+def _factor_in(name: str, value: Any, dtype: Any) -> float:
+    """`value` as a Python float if it is a positive finite real that `dtype`, the compute dtype, holds.
+
+    A cap or an epsilon enters the arithmetic in the compute dtype (float32 for float32 and half inputs):
+    one float32 rounds to infinity (`beta=1e39`) or to zero (`beta=1e-46`, `eps=1e-50`) makes the
+    result NaN (infinity over infinity, zero over zero), so it is refused, naming the argument and
+    the dtype's range, rather than computed. The Python float is what the callers compute with: it
+    takes the arrays' dtype (a NumPy float64 would widen float32 arithmetic, a Fraction would stop it).
+    """
+    number = check_positive(name, value)
+    # NumPy's and CuPy's float32 is a scalar type NumPy reads; another library's (torch.float32) goes by its name.
+    compute = np.dtype(dtype) if isinstance(dtype, type) else np.dtype(dtype_name(dtype))
+    with np.errstate(over="ignore", under="ignore"):
+        held = compute.type(number)
+    if not 0 < held < np.inf:
+        info = np.finfo(compute)
+        raise ValueError(f"{name} must be a number {compute.name} (the compute dtype of these inputs) holds: between "
+                         f"{float(info.smallest_subnormal):.4g} and {float(info.max):.8g}, got {value!r}, which "
+                         f"{compute.name} rounds to {held}")
+    return number
+
+
+def _capped_input(x: Array, beta: float) -> tuple[Any, Array, float]:
+    """Check a cap's input and its bound; return the namespace, `x` in the compute dtype and the bound."""
     check_float_array("x", x)
-    check_positive("beta", beta)
     xp = array_namespace(x)
-    _, (x32,) = _upcast(xp, x)
-    return xp, x32
+    dtype, (x32,) = _upcast(xp, x)
+    return xp, x32, _factor_in("beta", beta, dtype)
 
 
 def softcap(x: Array, beta: float) -> Array:
     r"""Smoothly cap `x` to $(-\beta, \beta)$: $\operatorname{softcap}(x, \beta) = \beta\tanh(x/\beta)$."""
-    xp, x32 = _capped_input(x, beta)
+    xp, x32, beta = _capped_input(x, beta)
     # $$\beta \tanh(x / \beta)$$
     out = beta * xp.tanh(x32 / beta)
     return xp.astype(out, _result_dtype(x), copy=False)
@@ -180,7 +203,7 @@ def softcap_grad(x: Array, beta: float) -> Array:
     non-zero, as it is mathematically, far past the cap, until the exponential
     underflows.
     """
-    xp, x32 = _capped_input(x, beta)
+    xp, x32, beta = _capped_input(x, beta)
     # $$\frac{d}{dx}\,\beta\tanh(x/\beta) = \operatorname{sech}^2(x/\beta)$$
     return xp.astype(_sech2(x32 / beta), _result_dtype(x), copy=False)
 
@@ -191,13 +214,13 @@ def hard_clamp(x: Array, beta: float) -> Array:
     Computed in float32 or wider and returned in the dtype of `x`, like the
     other activations (NumPy's `clip` refuses bfloat16 directly).
     """
-    xp, x32 = _capped_input(x, beta)
+    xp, x32, beta = _capped_input(x, beta)
     return xp.astype(xp.clip(x32, -beta, beta), _result_dtype(x), copy=False)
 
 
 def hard_clamp_grad(x: Array, beta: float) -> Array:
     r"""Derivative of `hard_clamp`: 1 inside $(-\beta, \beta)$, exactly 0 outside."""
-    xp, x32 = _capped_input(x, beta)
+    xp, x32, beta = _capped_input(x, beta)
     return xp.astype(xp.abs(x32) < beta, _result_dtype(x), copy=False)
 
 
@@ -208,15 +231,19 @@ def _check_pair(gate: Array, up: Array) -> None:
         raise ValueError(f"gate and up must have the same shape, got gate {gate.shape} and up {up.shape}")
 
 
-def _situ_inputs(gate: Array, up: Array, beta: float, linear_beta: float | None) -> tuple[Any, Array, Array]:
-    """Check SiTU-GLU's inputs and caps; return the namespace and the pre-activations in the compute dtype."""
+def _situ_inputs(gate: Array, up: Array, beta: float,
+                 linear_beta: float | None) -> tuple[Any, Array, Array, float, float | None]:
+    """Check SiTU-GLU's inputs and caps; return the namespace, the pre-activations in the compute dtype and
+    the caps as Python floats (each one the compute dtype holds, see `_factor_in`)."""
     _check_pair(gate, up)
     check_positive("beta", beta)
     if linear_beta is not None:
         check_positive("linear_beta", linear_beta)
     xp = array_namespace(gate, up)
-    _, (a, b) = _upcast(xp, gate, up)
-    return xp, a, b
+    dtype, (a, b) = _upcast(xp, gate, up)
+    beta = _factor_in("beta", beta, dtype)
+    linear_beta = None if linear_beta is None else _factor_in("linear_beta", linear_beta, dtype)
+    return xp, a, b, beta, linear_beta
 
 
 def glu_and_grad(a: Array, b: Array, activation: str = "situ", beta: float = 4.0,
@@ -281,7 +308,7 @@ def situ_glu_grad(gate: Array, up: Array, beta: float = 4.0,
     With `linear_beta=None` (uncapped up branch) $h(b) = b$ and $h'(b) = 1$.
     Computed in float32 or wider and returned in the input dtype.
     """
-    xp, a, b = _situ_inputs(gate, up, beta, linear_beta)
+    xp, a, b, beta, linear_beta = _situ_inputs(gate, up, beta, linear_beta)
     _, d_gate, d_up = glu_and_grad(a, b, "situ", beta, linear_beta)
     return xp.astype(d_gate, _result_dtype(gate), copy=False), xp.astype(d_up, _result_dtype(gate), copy=False)
 
@@ -330,7 +357,7 @@ def rms_norm(x: Array, weight: Array, eps: float = 1e-5) -> Array:
     """
     check_float_array("x", x)
     check_float_array("weight", weight)
-    check_positive("eps", eps)
+    eps = _factor_in("eps", eps, compute_dtype(array_namespace(x, weight), x, weight))
     if weight.ndim != 1 or x.shape[-1] != weight.shape[0]:
         raise ValueError(
             f"weight must have shape [{x.shape[-1]}] to match the last axis of x {x.shape}, got {weight.shape}")

@@ -85,7 +85,7 @@ from .._lib.fast import (
     routed_experts_in_buffers,
 )
 from .._lib.validation import check_finite, check_float_array, check_float_dtype
-from .._lib.values import generator_value, switch_value
+from .._lib.values import generator_value, is_real, shown, switch_value
 from .._lib.xp import Array, array_namespace, bincount, compute_dtype, is_numpy, to_numpy
 from ..config import MoEConfig
 from ..mx import MX_BLOCK, mxfp8_round
@@ -489,18 +489,23 @@ def init_params(config: MoEConfig, rng: np.random.Generator | int | None = None,
     bias is $\mathcal{N}(0, \text{bias\_scale}^2)$ (zero by default, as at the start of
     training). `rng` is a NumPy `Generator` or a seed. With `activation="relu2"` each gate matrix is a copy
     of its up matrix: the ungated expert $\operatorname{relu}(W z)^2$ as the GLU $\max(a, 0)\,b$.
+
+    `bias_scale` must be a finite real number $\ge 0$ (not a bool, not a string: a `TypeError`), and the
+    bias it scales must stay within the bias dtype (float32 for half weights, else `dtype`): a NaN or a
+    scale of 1e300 would make the bias NaN or infinite, which every route then refuses; it is a
+    `ValueError` naming `bias_scale` here instead.
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     rng = generator_value(rng, "rng")
     dtype = check_float_dtype(dtype)
+    scale = _bias_scale_value(bias_scale)
     params = MoEParams()
     for name, shape in parameter_shapes(config).items():
         if name == "routed_expert_norm.weight":
             value = np.ones(shape)
         elif name == "gate.e_score_correction_bias":
-            value = bias_scale * rng.standard_normal(shape)
-            params[name] = value.astype(np.float32 if np.dtype(dtype).itemsize < 4 else dtype)
+            params[name] = _scaled_bias(scale, rng.standard_normal(shape), dtype, bias_scale)
             continue
         else:
             fan_in = shape[-1]
@@ -510,6 +515,36 @@ def init_params(config: MoEConfig, rng: np.random.Generator | int | None = None,
         params["experts.w1"] = params["experts.w3"].copy()
         params["shared_experts.gate_proj.weight"] = params["shared_experts.up_proj.weight"].copy()
     return params
+
+
+def _bias_scale_value(bias_scale: Any) -> float:
+    """`bias_scale` as a Python float if it is a finite real number >= 0; else an error naming it."""
+    if not is_real(bias_scale):
+        raise TypeError(f"bias_scale must be a real number >= 0 (the router bias's standard deviation), got "
+                        f"{type(bias_scale).__name__} {shown(bias_scale)}")
+    try:
+        scale = float(bias_scale)
+    except OverflowError:  # an int beyond float64
+        scale = math.inf
+    if not (math.isfinite(scale) and scale >= 0):
+        raise ValueError(f"bias_scale must be a finite number >= 0 (the router bias's standard deviation), got "
+                         f"{shown(bias_scale)}")
+    return scale
+
+
+def _scaled_bias(scale: float, draws: np.ndarray, dtype: np.dtype, bias_scale: Any) -> np.ndarray:
+    """The router bias `scale * draws` in its dtype (float32 for half weights: a half bias is refused by `route`).
+
+    A product beyond the dtype's range would be an infinite bias: a `ValueError` naming `bias_scale`.
+    """
+    bias_dtype = np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+    with np.errstate(over="ignore"):  # an overflow is refused below, by name
+        bias = (scale * draws).astype(bias_dtype)
+    if not np.all(np.isfinite(bias)):
+        raise ValueError(f"bias_scale must keep the router bias within {bias_dtype.name}'s range (at most "
+                         f"{float(np.finfo(bias_dtype).max):.8g}), got {shown(bias_scale)}, which makes "
+                         f"{int(np.sum(~np.isfinite(bias)))} of its {bias.size} entries infinite")
+    return bias
 
 
 def is_packed_stack(w: Any) -> bool:

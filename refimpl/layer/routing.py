@@ -128,6 +128,13 @@ def route(scores: Array, bias: Array, top_k: int, *, renormalize: bool = True,
     m, n = scores.shape
     top_k = check_int("top_k", top_k, low=1, high=n)
     renormalize, scaling_factor = weighting(renormalize, scaling_factor)
+    if renormalize:
+        # Renormalized weights are shares of the chosen scores' sum: a negative score is no score (sigmoid,
+        # softmax and sqrt-softplus give none), and a sum near 0 makes the shares huge (+-5000 from -0.4999).
+        # Without renormalizing, p = c s is what the formula says; the testing kit's mistakes select by
+        # logits that way.
+        _check_nonnegative("scores", scores, "router scores: sigmoid, softmax and sqrtsoftplus give no negative "
+                           "value")
     n_group = check_int("n_group", n_group, low=1, high=n)
     topk_group = check_int("topk_group", topk_group, low=1, high=n_group)
     if n % n_group:
@@ -192,15 +199,29 @@ def mixture_weights(raw: Array, *, renormalize: bool = True, scaling_factor: flo
     Renormalizing scores that all underflowed to 0 (a sigmoid below $-103$ in
     float32, a $\sqrt{\operatorname{softplus}}$ below $-104$) would divide 0
     by 0 and let NaN flow into the layer: that is a `ValueError`.
+
+    `raw` must be a `[m, k]` real floating array of finite scores, $\ge 0$ to
+    be renormalized (what every score function gives): a `TypeError` or
+    `ValueError` naming `raw` otherwise, since a NaN or an infinity would come
+    out as NaN weights blamed on another argument, and a negative score as
+    shares of a sum near 0, far outside $[0, c]$.
     """
     renormalize, scaling_factor = weighting(renormalize, scaling_factor)
+    check_float_array("raw", raw, ndim=2)
+    check_finite("raw", raw)
     xp = array_namespace(raw)
     if renormalize:
-        total = xp.sum(raw, axis=-1, keepdims=True)  # [m, 1]
+        _check_nonnegative("raw", raw, "the scores of each token's chosen experts")
+        with np.errstate(over="ignore"):  # an overflow is refused below, by name
+            total = xp.sum(raw, axis=-1, keepdims=True)  # [m, 1]
         if raw.shape[0] and not bool(xp.all(total > 0)):
             raise ValueError("scores of the chosen experts must have a positive sum for every token to be "
-                             "renormalized, got a sum <= 0 for "
+                             "renormalized, got a sum of 0 for "
                              f"{int(xp.sum(xp.astype(~(total > 0), xp.int64)))} token(s) (the scores underflowed)")
+        if raw.shape[0] and not bool(xp.all(xp.isfinite(total))):
+            raise ValueError(f"raw must have a sum within {dtype_name(raw.dtype)}'s range for every token to be "
+                             "renormalized, got an infinite sum for "
+                             f"{int(xp.sum(xp.astype(~xp.isfinite(total), xp.int64)))} token(s)")
     with np.errstate(over="ignore"):  # an overflow is refused below, by name
         # $$p_{i,r} = c\,\hat s_{i,r} / \textstyle\sum_{r'} \hat s_{i,r'}$$ (or $c\,\hat s_{i,r}$)
         weights = raw / total * scaling_factor if renormalize else raw * scaling_factor  # [m, k]
@@ -289,6 +310,20 @@ def _check_scores_and_bias(scores: Array, bias: Array) -> None:
     check_float_array("scores", scores, ndim=2)
     check_bias(bias, scores.shape[1], context=f"to match scores {list(scores.shape)}")
     check_finite("scores", scores)
+
+
+def _check_nonnegative(name: str, values: Array, what: str) -> None:
+    """Every entry of the finite array `values` must be >= 0 to be renormalized; else a `ValueError` naming `name`.
+
+    Only renormalizing needs it: a share of a sum with a negative term is no weight. Selection
+    (`biased_scores`, `selection_cutoff`) ranks any finite values, and `c s` scales them as they are.
+    """
+    xp = array_namespace(values)
+    negative = values < 0
+    if bool(xp.any(negative)):
+        count = int(xp.sum(xp.astype(negative, xp.int64)))
+        raise ValueError(f"{name} must be >= 0 to be renormalized ({what}), got {count} negative "
+                         f"entr{'y' if count == 1 else 'ies'} (the smallest {float(xp.min(values)):g})")
 
 
 # ---------------------------------------------------------------------------
