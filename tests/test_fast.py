@@ -11,6 +11,7 @@ sum or of the operations changes.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 import warnings
@@ -337,33 +338,45 @@ def test_pool_without_exact_reference_counts_makes_new_arrays():
 # The weights' fingerprints
 # ---------------------------------------------------------------------------
 
-def bit_sum_by_hand(value):
+def fingerprint_by_hand(value, columns=_fast.FINGERPRINT_COLUMNS, rows_per_block=_fast.FINGERPRINT_ROWS):
+    """`fingerprint` in Python integers: rows of `columns` little words, blocks of `rows_per_block` rows, each
+    block's column and row sums modulo 2**64 hashed, then the blocks' hashes with the dtype and shape."""
     raw = np.ascontiguousarray(value).tobytes()
-    whole = len(raw) // 8 * 8
-    words = sum(int.from_bytes(raw[i:i + 8], sys.byteorder) for i in range(0, whole, 8))
-    return (words + sum(raw[whole:])) % 2**64
+    row_bytes = 8 * columns
+    raw += bytes(-len(raw) % row_bytes)  # zero bytes pad the last row
+    rows = [[int.from_bytes(raw[r + 8 * c:r + 8 * c + 8], sys.byteorder) for c in range(columns)]
+            for r in range(0, len(raw), row_bytes)]
+    whole = hashlib.sha256(f"{np.dtype(value.dtype).str} {tuple(value.shape)}".encode())
+    for start in range(0, len(rows), rows_per_block):
+        block = rows[start:start + rows_per_block]
+        column_sums = [sum(row[c] for row in block) % 2**64 for c in range(columns)]
+        row_sums = [sum(row) % 2**64 for row in block]
+        digest = hashlib.sha256(np.array(column_sums, dtype=np.uint64).tobytes())
+        digest.update(np.array(row_sums, dtype=np.uint64).tobytes())
+        whole.update(digest.digest())
+    return whole.digest()
 
 
 @pytest.mark.parametrize("value", [
-    np.arange(7, dtype=np.float32) - 3.5,  # 28 bytes: three words and four single bytes
+    np.arange(7, dtype=np.float32) - 3.5,  # 28 bytes: one padded row
     np.linspace(-1, 1, 12).reshape(3, 4)[:, ::2],  # not contiguous
-    np.full(5, -1.0, dtype=np.float64),  # every word large: the sum wraps around
+    np.full(5, -1.0, dtype=np.float64),  # every word large: the sums wrap around
     np.arange(9, dtype=np.float32).astype(ml_dtypes.bfloat16),
     np.zeros(0, dtype=np.float32),
 ])
-def test_bit_sum_is_the_sum_of_the_words(value):
-    assert _fast.bit_sum(value) == bit_sum_by_hand(value)
+def test_fingerprint_is_the_hash_of_the_row_and_column_sums(value):
+    assert _fast.fingerprint(value) == fingerprint_by_hand(value)
 
 
-def test_bit_sum_moves_with_the_smallest_change_and_not_with_the_thread_count():
+def test_fingerprint_moves_with_the_smallest_change_and_not_with_the_thread_count():
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((64, 33)).astype(np.float32)  # 2112 entries: 1056 words
-    with mock.patch.object(_fast, "BIT_SUM_BLOCK", 50), on_threads(1):  # 22 blocks in order
-        in_order = _fast.bit_sum(w)
-    with mock.patch.object(_fast, "BIT_SUM_BLOCK", 50), on_threads(3):  # the same blocks on three threads
-        assert _fast.bit_sum(w) == in_order == bit_sum_by_hand(w)
-    w.flat[1000] = np.nextafter(w.flat[1000], np.float32(np.inf))  # one entry, by one unit in the last place
-    assert _fast.bit_sum(w) != in_order
+    w = rng.standard_normal((64, 330)).astype(np.float32)  # 21120 entries: 10560 words, 21 rows of 509
+    with mock.patch.object(_fast, "FINGERPRINT_ROWS", 2), on_threads(1):  # 11 blocks in order
+        in_order = _fast.fingerprint(w)
+    with mock.patch.object(_fast, "FINGERPRINT_ROWS", 2), on_threads(3):  # the same blocks on three threads
+        assert _fast.fingerprint(w) == in_order == fingerprint_by_hand(w, rows_per_block=2)
+        w.flat[1000] = np.nextafter(w.flat[1000], np.float32(np.inf))  # one entry, by one unit in the last place
+        assert _fast.fingerprint(w) != in_order
 
 
 # ---------------------------------------------------------------------------

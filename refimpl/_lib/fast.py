@@ -18,7 +18,7 @@ selection would do. This module holds the versions that avoid those costs,
 | `rms_norm_by_chunks`, `rms_norm_backward_by_chunks` | `refimpl.layer.activations.rms_norm`, `rms_norm_backward` | a few rows at a time, in cache, on several threads |
 | `WorkspacePool`, `WORKSPACES`, `release_workspaces` | every large array of the two loops above, from one call to the next | handing an array out again only once nothing outside the pool refers to it |
 | `blas_flags_ignored` | the products of `matmul` and of the routed expert loops | ignoring the "invalid" flag a BLAS may leave after a product of finite operands (the result is what counts) |
-| `bit_sum` | the weights' fingerprints of `refimpl.layer.backward.stable_latent_moe_vjp` | integer sums of the raw bytes, exact in any order, on several threads |
+| `fingerprint`, `FINGERPRINT_COLUMNS`, `FINGERPRINT_ROWS` | the weights' fingerprints of `refimpl.layer.backward.stable_latent_moe_vjp` | integer sums of the raw bytes by rows and columns of cache-sized blocks, exact in any order, on several threads, instead of a hash or a copy of every byte |
 | `input_backward_in_one_product` | the input's gradient in `refimpl.layer.backward.router_and_input_backward` | four products that are summed, as one product of concatenated operands |
 | `topk_by_partition` | `refimpl._lib.xp.topk` | partitioning instead of sorting each row |
 | `kth_largest_by_sampling`, `kth_largest_cupy` | `refimpl.balancing.kth_largest` | a sample that discards most entries first (Floyd and Rivest), CuPy's selection kernel |
@@ -35,20 +35,23 @@ path applies (`fast_path_applies`); a reader can ignore this page entirely.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 __all__ = [
-    "BIT_SUM_BLOCK",
     "COMBINE_BLOCK",
     "CUTOFF_BLOCK",
     "ENABLED",
+    "FINGERPRINT_COLUMNS",
+    "FINGERPRINT_ROWS",
     "GLU_CHUNK",
     "HELD_FROM",
     "LOOP_THREADS",
@@ -58,13 +61,13 @@ __all__ = [
     "THREADED_PRODUCT",
     "TRANSPOSE_BLOCK",
     "WORKSPACES",
-    "bit_sum",
     "blas_flags_ignored",
     "combine_in_buffers",
     "cutoffs_by_blocks",
     "enabled",
     "expert_major_margins_by_blocks",
     "fast_path_applies",
+    "fingerprint",
     "for_each_on_threads",
     "glu_and_grad_by_chunks",
     "glu_and_grad_in_place",
@@ -515,9 +518,10 @@ def _reset_in_forked_child() -> None:
     parent and wait for them forever; a lock some other parent thread held
     at the fork would never be released.
     """
-    global _WORKERS_LOCK
+    global _WORKERS_LOCK, _WORKSPACES_TAKEN_LOCK
     _WORKERS["pool"], _WORKERS["size"] = None, 0
     _WORKERS_LOCK = threading.Lock()
+    _WORKSPACES_TAKEN_LOCK = threading.Lock()
     WORKSPACES._lock = threading.Lock()
     _BLAS._lock = threading.Lock()
     if _BLAS._active:  # forked while a loop held the BLAS at one thread: the child gets the caller's count back
@@ -732,30 +736,114 @@ def matmul(a: Any, b: Any) -> Any:
     return out
 
 
-#: 64-bit words of an array that `bit_sum` adds up per task (8 MB): large arrays are shared among threads.
-BIT_SUM_BLOCK = 1 << 20
+#: 64-bit words in each row of the matrix that `fingerprint` reads each block of an array as (4072 bytes). A
+#: prime, so that two words share a column only when their distance is a multiple of it, which the lengths of
+#: a weight's rows and matrices (powers of two, multiples of 32 or 384) rarely are.
+FINGERPRINT_COLUMNS = 509
+
+#: Rows of `FINGERPRINT_COLUMNS` words in a block of `fingerprint` (some 520 KB): a block is read from memory
+#: once, for its column sums, and stays in the core's cache for its row sums.
+FINGERPRINT_ROWS = 128
 
 
-def bit_sum(value: np.ndarray) -> int:
-    """The bytes of `value` read as unsigned 64-bit words (the last few as bytes), summed modulo $2^{64}$.
+def fingerprint(value: np.ndarray) -> bytes:
+    r"""A 32-byte fingerprint of an array's bytes that any change a training loop makes moves, at one read of them.
 
-    An exact fingerprint of an array's contents: changing any one entry, by
-    however little, changes it (a float sum would round a small change away),
-    while only a rearrangement of whole words leaves it as it was. Integer sums
-    do not depend on their order, so the blocks of a large array are summed on
-    `loop_threads` threads and the result is the same on any number of them.
+    `refimpl.layer.backward.stable_latent_moe_vjp` compares a weight's
+    fingerprint at the forward and at `backward` to refuse gradients of
+    weights that changed in between. A copy would double the weights' memory
+    and a hash of every byte (SHA-256 at 0.4 to 2 GB/s) costs ten times or
+    more what one read costs, so the array's bytes are summed instead, as integers:
+
+    1. The bytes (C order; zero bytes pad the last row) are read as rows of
+       `FINGERPRINT_COLUMNS` unsigned 64-bit words, and the rows are cut into
+       blocks of `FINGERPRINT_ROWS`.
+    2. For each block, the sum of each column and the sum of each row,
+       modulo $2^{64}$: exact integers, so the smallest change of one entry
+       moves its row's sum, whatever the other entries are.
+    3. Each block's $509 + 128$ sums are hashed (SHA-256, about 1 % of the
+       array's bytes), and the blocks' hashes with the dtype and shape.
+
+    So the fingerprint stays the same only if every row sum and every column
+    sum of every block stays the same (or SHA-256 collides). Whatever the
+    dtype, that catches:
+
+    * any change of at most three 64-bit words: any one entry changed, by
+      however little, or the signs of any one, two or three entries flipped.
+      A row or a column holding one changed word moves (a word that changed
+      moved by a nonzero amount modulo $2^{64}$), and three words cannot
+      each share their row and their column with another one.
+    * any two different words swapped: they lie in different rows or in
+      different columns, whose sums both move. Two rows of a matrix or two
+      experts' matrices swapped are many words moved, and are seen unless
+      the words moved into every row and column of a block add up to those
+      that left it.
+    * a contiguous part of the array (the whole array, one expert's matrix,
+      a row) multiplied by $-1$: each float64 word moves by $2^{63}$, each
+      float32 word by $2^{63} \pm 2^{31}$ (or by one of the two, at an end of
+      the part where one of its entries is outside). A part of a block
+      shorter than two of its rows leaves a column with one changed word; a
+      longer one changes a whole row, whose sum moves: the float64 moves add
+      up to $509 \cdot 2^{63}$, which is $2^{63}$ modulo $2^{64}$ (509 is
+      odd), the float32 ones to $2^{63}$ plus an odd multiple of $2^{31}$ (the
+      509 low halves each move up or down), and a lone half at the part's end
+      does not cancel either.
+    * the array, or a part, multiplied by a positive factor other than 1:
+      every entry's magnitude grows (or every one shrinks), so every changed
+      word moves the same way, and a sum stays the same only when its words'
+      moves add up to a multiple of $2^{64}$. For a power of two, $2^j$, with
+      the entries staying normal, each nonzero float64 entry moves by
+      $j\,2^{52}$, so a sum of $c$ of them stays only when $jc$ is a multiple
+      of $2^{12}$: never for a row of 509 nonzero entries, nor for a column
+      with one. Each nonzero float32 entry in the low half of a word (at an
+      even index, on a little-endian machine) moves by $j\,2^{23}$ and each
+      in the high half by $j\,2^{55}$: a row or column with one of the first
+      kind always moves, since fewer than $2^{32} / |j|$ of them cannot add
+      up to a multiple of $2^{32}$.
+
+    What it cannot see is a change that keeps every row and column sum of
+    every block modulo $2^{64}$: two equal words swapped (no change at all),
+    four words at the corners of a rectangle of one block (words $p$,
+    $p + a$, $p + 509t$ and $p + 509t + a$ of the block, $a < 509$) rearranged
+    so that each of their two rows and two columns keeps its sum, such as
+    the signs of four such float64 entries flipped, or a sum of many words'
+    moves that happens to be a multiple of $2^{64}$ in every row and column a
+    change touches. A multiplication by a negative factor other than $-1$
+    moves each word by a sign flip and a magnitude change together, and is
+    seen unless such a coincidence happens. The integer sums do not depend on
+    their order, so the blocks run on `loop_threads` threads and the
+    fingerprint is the same on any number of them.
     """
     raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)  # [bytes]
-    whole = raw.size // 8 * 8
-    words = raw[:whole].view(np.uint64)  # [bytes / 8]
-    blocks = [slice(start, start + BIT_SUM_BLOCK) for start in range(0, words.size, BIT_SUM_BLOCK)]
-    sums = [0] * len(blocks)
+    columns, row_bytes = FINGERPRINT_COLUMNS, 8 * FINGERPRINT_COLUMNS
+    rows = -(-raw.size // row_bytes)  # the last one padded with zero bytes
+    blocks = [(start, min(start + FINGERPRINT_ROWS, rows)) for start in range(0, rows, FINGERPRINT_ROWS)]
+    digests = [b""] * len(blocks)
 
-    def add(i: int, _: Any) -> None:
-        sums[i] = int(np.add.reduce(words[blocks[i]], dtype=np.uint64))
+    def words(start: int, stop: int) -> np.ndarray:
+        """Rows `start` to `stop` as a `[rows, columns]` matrix of words: a view, or a padded copy at the end."""
+        part = raw[start * row_bytes:stop * row_bytes]
+        if part.size == (stop - start) * row_bytes:
+            return part.view(np.uint64).reshape(-1, columns)
+        padded = np.zeros((stop - start) * row_bytes, dtype=np.uint8)
+        padded[:part.size] = part
+        return padded.view(np.uint64).reshape(-1, columns)
 
-    for_each_on_threads(list(range(len(blocks))), add)
-    return (sum(sums) + int(np.add.reduce(raw[whole:], dtype=np.uint64))) % (1 << 64)
+    def block(i: int, sums: tuple[np.ndarray, np.ndarray]) -> None:
+        matrix = words(*blocks[i])  # [rows, columns]
+        column_sums, row_sums = sums[0], sums[1][:matrix.shape[0]]
+        np.add.reduce(matrix, axis=0, out=column_sums)  # modulo 2^64, exact in any order
+        np.add.reduce(matrix, axis=1, out=row_sums)
+        digest = hashlib.sha256(column_sums)
+        digest.update(row_sums)
+        digests[i] = digest.digest()
+
+    for_each_on_threads(list(range(len(blocks))), block,
+                        lambda: (np.empty(columns, dtype=np.uint64), np.empty(FINGERPRINT_ROWS, dtype=np.uint64)))
+    whole = hashlib.sha256(f"{np.dtype(value.dtype).str} {tuple(value.shape)}".encode())
+    for digest in digests:
+        whole.update(digest)
+    return whole.digest()
 
 
 # ---------------------------------------------------------------------------
@@ -855,6 +943,35 @@ def routed_experts_in_buffers(z: np.ndarray, dispatch: Any, w1: Any, w3: Any, w2
     return combine_in_buffers(out_sorted, dispatch.position), hidden, out_sorted
 
 
+#: The forwards' saved records whose spent workspace a backward has taken (by `id`, each forgotten when its
+#: record is freed), and the lock under which one is taken.
+_WORKSPACES_TAKEN: set[int] = set()
+_WORKSPACES_TAKEN_LOCK = threading.Lock()
+
+
+def _take_saved_workspace(saved: Any) -> np.ndarray | None:
+    """The forward's spent `[m*k, l]` buffer (`saved.workspace`) to the first backward that asks; None after.
+
+    `backward` may be called more than once, and from several threads at
+    once; each call writes its slots' latent gradients all over this scratch
+    buffer, so two calls given the same one would write each other's rows.
+    The first call takes it (a step's single backward then allocates
+    nothing); every later or concurrent one gets None and takes a buffer of
+    the pool (`WORKSPACES`). The record of which forwards gave theirs out
+    lives here, not in `saved` (a frozen record of the forward), and each
+    entry is dropped when its forward's record is freed.
+    """
+    if getattr(saved, "workspace", None) is None:
+        return None
+    key = id(saved)
+    with _WORKSPACES_TAKEN_LOCK:
+        if key in _WORKSPACES_TAKEN:
+            return None
+        _WORKSPACES_TAKEN.add(key)
+    weakref.finalize(saved, _WORKSPACES_TAKEN.discard, key)  # before its id can be another record's
+    return saved.workspace
+
+
 def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: Any, w2: Any, du: np.ndarray,
                             out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -873,11 +990,15 @@ def routed_experts_backward_in_buffers(z: np.ndarray, saved: Any, w1: Any, w3: A
     copy: BLAS reads it with its transpose flag. With `out` (three stacks of
     the gradients' shapes and dtype) the gradients are written there. The
     experts run on `for_each_on_threads`'s threads, each with its own six buffers.
+    The slots' latent gradients are written into the forward's spent sorted
+    outputs (`saved.workspace`) by the first call only (`_take_saved_workspace`):
+    a later call, or one running at the same time from another thread, takes
+    its own from the pool.
     """
     dispatch = saved.dispatch
     (m, k), (n, ell, f) = dispatch.position.shape, w2.shape
     dtype = z.dtype
-    workspace = saved.workspace
+    workspace = _take_saved_workspace(saved)
     reuse = workspace is not None and workspace.dtype == dtype and workspace.shape == (m * k, ell)
     dz_sorted = workspace if reuse else WORKSPACES.empty((m * k, ell), dtype)  # [m*k, l]
     dp_sorted = WORKSPACES.empty((m * k,), dtype)  # [m*k]

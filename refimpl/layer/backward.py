@@ -97,14 +97,15 @@ the count cannot see is a raw address taken out of an array
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from .._lib.fast import (
-    bit_sum,
     fast_path_applies,
+    fingerprint,
     input_backward_in_one_product,
     matmul,
     on_own_threads,
@@ -116,7 +117,7 @@ from .._lib.values import switch_value
 from .._lib.xp import Array, array_namespace, compute_dtype
 from ..config import MoEConfig
 from .activations import rms_norm_backward
-from .latent_moe import MoEOutput, MoEParams, RoutedActivations, combine, stable_latent_moe
+from .latent_moe import MoEOutput, MoEParams, RoutedActivations, combine, is_packed_stack, stable_latent_moe
 from .routing import score_function_grad, weighting
 
 __all__ = [
@@ -155,7 +156,8 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConf
     float32 or float64 and in the compute dtype otherwise (a half-precision
     weight gets a float32 gradient). The bias entry is zeros (the bias only
     selects). The arithmetic runs in the forward's compute dtype (float32, or
-    float64 for float64 input). `backward` may be called more than once.
+    float64 for float64 input). `backward` may be called more than once,
+    and from several threads at once: each call writes arrays of its own.
 
     Every configuration the forward accepts is differentiated: the sigmoid,
     softmax and $\sqrt{\operatorname{softplus}}$ score functions, groups, a
@@ -171,7 +173,8 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConf
     mapping as `dparams`: it must have the names, shapes and dtypes of the
     `dparams` above (the `dparams` of an earlier step will do, once its
     values are used), and no array of it may overlap another, a parameter,
-    `x` or `dy`. A training loop saves by it what matters most on a CPU at
+    `x`, `dy` or `dscores` (all read while the gradients are written). A
+    training loop saves by it what matters most on a CPU at
     scale: the three expert gradient stacks, $3 n f \ell$ numbers (300 MB at
     the benchmark size), are written where they lie instead of being
     allocated and faulted in by the kernel again at every step. Without
@@ -189,6 +192,7 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConf
     # The backward must differentiate the forward that ran: the input is kept as it was (a copy, `m d`
     # numbers; the caller may reuse its array), and the weights, too large to copy, are fingerprinted.
     x_kept = xp.astype(x, dtype, copy=True)  # [m, d]
+    z_kept = latent_for_backward(fwd, x_kept, config)  # [m, l]
     prints = weight_fingerprints(params)
 
     def weight(name: str) -> Array:
@@ -200,14 +204,15 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConf
         check_upstream(dy, (m, d), dscores, tuple(fwd.scores.shape))
         check_weights_unchanged(params, prints)
         if out is not None:
-            _check_out(out, params, lambda name: _grad_dtype(xp, params[name], dtype), inputs={"x": x, "dy": dy})
+            read = {"x": x, "dy": dy, **({} if dscores is None else {"dscores": dscores})}
+            _check_out(out, params, lambda name: _grad_dtype(xp, params[name], dtype), inputs=read)
         h = x_kept  # [m, d]
         y_bar = xp.astype(dy, dtype, copy=False)  # [m, d]
         # 9-6. $$y = y_s + y_r \;\Rightarrow\; \bar y_s = \bar y_r = \bar y$$, then the up-projection and the norm.
         u_bar, grads = latent_output_backward(y_bar, fwd.u, fwd.v, weight, config)  # [m, l]
         # 4-5. The routed experts, grouped by expert: $\bar z$, $\bar p$ and the three stacks.
         z_bar, p_bar, grads["experts.w1"], grads["experts.w3"], grads["experts.w2"] = routed_experts_backward(
-            fwd.z, fwd.routed, params["experts.w1"], params["experts.w3"], params["experts.w2"], u_bar,
+            z_kept, fwd.routed, params["experts.w1"], params["experts.w3"], params["experts.w2"], u_bar,
             None if out is None else (out["experts.w1"], out["experts.w3"], out["experts.w2"]))
         # 2, 1, 3, 8. The weights to the router, the latent to the input, the shared experts.
         x_bar, more = router_and_input_backward(h, y_bar, fwd.scores, fwd.index, fwd.kept, p_bar, z_bar,
@@ -225,27 +230,70 @@ def stable_latent_moe_vjp(x: Array, params: Mapping[str, Array], config: MoEConf
     return (fwd if return_intermediates else fwd.y), backward
 
 
-def weight_fingerprints(params: Mapping[str, Array]) -> dict[str, int | float]:
-    """One number per weight array: what `check_weights_unchanged` compares after the forward.
+def latent_for_backward(fwd: MoEOutput, x_kept: Array, config: MoEConfig) -> Array:
+    r"""The latent $z$ the backward reads, `[m, l]`: the forward's, or the kept input where $z$ is the input.
 
-    On NumPy, the sum of the array's bytes read as 64-bit integers (`refimpl._lib.fast.bit_sum`): exact, so an
-    update of any one entry moves it, however small (an optimizer step, zeroing, a rescale, a new load), in one
-    pass over each weight, on as many threads as the BLAS may use. Elsewhere, the sum of the entries in the
-    compute dtype, which a change too small to survive the sum's rounding would not move. It is a fingerprint,
-    not a copy: an exact rearrangement of a tensor's entries leaves it as it was.
+    Without a latent projection `down_project` returns the input itself, so
+    `fwd.z` may be the caller's own array (a float32 input needs no cast),
+    which the caller may change before calling `backward`. The kept copy of
+    the input holds the same values as they were; with a projection `fwd.z` is
+    the layer's own product and is read as it is, with no copy.
     """
-    prints: dict[str, int | float] = {}
-    for name, value in params.items():
-        if hasattr(value, "shape") and hasattr(value, "dtype") and value.size:
-            if isinstance(value, np.ndarray):
-                prints[name] = bit_sum(value)
-            else:
-                xp = array_namespace(value)
-                prints[name] = float(xp.sum(value, dtype=compute_dtype(xp, value)))
-    return prints
+    return fwd.z if config.use_latent_projection else x_kept
 
 
-def check_weights_unchanged(params: Mapping[str, Array], prints: Mapping[str, int | float]) -> None:
+def weight_fingerprints(params: Mapping[str, Array]) -> dict[str, bytes | float]:
+    """One value per weight: what `check_weights_unchanged` compares after the forward (`weight_fingerprint`)."""
+    return {name: weight_fingerprint(value) for name, value in params.items()}
+
+
+def weight_fingerprint(value: Any) -> bytes | float:
+    """A weight's fingerprint: equal at two times if the weight did not change in between.
+
+    On NumPy, `refimpl._lib.fast.fingerprint`: integer sums of the array's
+    bytes by rows and columns of blocks, in one read of the weight from memory,
+    on as many threads as the BLAS may use. Any change of one entry moves it, however
+    small (an optimizer step, zeroing, a new load), and so do a rescale by any
+    power of two or by $-1$ (of the whole weight or of one expert's matrix),
+    sign flips of a few entries, and two experts' matrices or two rows
+    swapped; that function says exactly what it cannot see (a rearrangement
+    that keeps every row and column sum of a block). A packed expert stack is
+    fingerprinted by the bytes it stores (`packed_stack_fingerprint`).
+    Elsewhere (CuPy, `array_api_strict`), the sum of the entries in the
+    compute dtype, which a change too small to survive the sum's rounding, a
+    rearrangement or two sign flips of equal entries would not move.
+    """
+    if isinstance(value, np.ndarray):
+        return fingerprint(value)
+    if is_packed_stack(value):
+        return packed_stack_fingerprint(value)
+    xp = array_namespace(value)
+    return float(xp.sum(value, dtype=compute_dtype(xp, value)))
+
+
+def packed_stack_fingerprint(stack: Any) -> bytes:
+    """The fingerprint of a stack that decodes one expert on `stack[e]` (`refimpl.checkpoints.ExpertStack`).
+
+    The weights are what the stored bytes decode to, so an `ExpertStack` is
+    fingerprinted by its `parts` (MXFP4 blocks and scales, or dense matrices,
+    each `refimpl._lib.fast.fingerprint`), with its format, dtype and shape:
+    one read of the stored bytes, decoding nothing. A stack without `parts`
+    is fingerprinted by its experts decoded one at a time.
+    """
+    header = f"{getattr(stack, 'format', type(stack).__name__)} {np.dtype(stack.dtype).str} {tuple(stack.shape)}"
+    digest = hashlib.sha256(header.encode())
+    parts = getattr(stack, "parts", None)
+    if parts is not None:
+        for expert in parts:
+            for stored in expert:
+                digest.update(fingerprint(np.asarray(stored)))
+    else:
+        for e in range(stack.shape[0]):
+            digest.update(fingerprint(np.asarray(stack[e])))
+    return digest.digest()
+
+
+def check_weights_unchanged(params: Mapping[str, Array], prints: Mapping[str, bytes | float]) -> None:
     """A `ValueError` naming the first weight whose fingerprint moved since the forward pass."""
     now = weight_fingerprints(params)
     for name, before in prints.items():
