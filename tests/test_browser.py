@@ -37,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -83,11 +84,21 @@ class QuietHandler(SimpleHTTPRequestHandler):
         pass
 
 
+class QuietServer(ThreadingHTTPServer):
+    """Python's threading server, without a traceback for each file Chromium stops reading (a page left
+    before its fonts arrive): the test's log keeps only errors of the server's own."""
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):  # BrokenPipeError, ConnectionResetError, ...
+            return
+        super().handle_error(request, client_address)
+
+
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory):
     """The built site served on 127.0.0.1 from a thread: (base URL, site folder)."""
     site = build_site(request.config, tmp_path_factory).require()
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(site)))
+    httpd = QuietServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(site)))
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
