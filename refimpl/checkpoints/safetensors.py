@@ -155,7 +155,7 @@ def _checked_entry(file: Path, name: str, entry: Any, data_size: int) -> tuple[i
 
 
 #: NumPy's limits on an array: its number of dimensions, and the product of its nonzero dimensions times its
-#: item size (an empty array of shape [0, 10**30] is still refused by `reshape`).
+#: item size (an empty array of shape `[0, 10**30]` is still refused by `reshape`).
 _MAX_DIMS = 64
 _MAX_BYTES = np.iinfo(np.intp).max
 
