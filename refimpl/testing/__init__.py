@@ -135,13 +135,18 @@ spent on what the port covers instead of being declined.
 ## Every difference, not only the first
 
 When `check_hf_moe_block`'s comparison fails and a catalogue entry names the
-difference, the comparison runs again with the cases on which that
-difference shows left out ("scoped out"), and again after the next named
-difference, so a port with two differences (the scaling factor applied twice
-and the latent norm skipped, say) is reported with both names, each with
-its own pasteable case. A port that computes in float32 when asked for
-float64 is named as such, and the next round holds it at float32's
-tolerance.
+difference, the comparison runs again with that difference assumed: the port
+is compared with the reference computed with it
+(`refimpl.testing.conventions.assume`), on every case, and what is left is
+named against variants that have both differences. So a port with two
+differences is reported with both names, each with its own pasteable case,
+even when the first changes every output (`w1` and `w3` swapped, and the
+shared experts left out, say). An entry that is not a change of the config
+or the weights (the weights from $s + b$, a bfloat16 sum) cannot be assumed:
+the next round leaves out ("scopes out") the cases on which it shows, and
+fails, saying so, when that leaves too few to check anything. A port that
+computes in float32 when asked for float64 is named as such, and the next
+round holds it at float32's tolerance.
 
 ## Cases your port does not cover
 

@@ -60,25 +60,45 @@ cannot be applied twice visibly), and a function computing the variant's
 output on a case with the public pieces of this package: `stable_latent_moe`
 with a changed `MoEConfig`, changed parameters, or a route computed another
 way and passed as `routing=(index, weights)`.
+
+## Assuming a difference
+
+Most entries are a change of the configuration or of the weights the layer
+is computed with (`Convention.change`). Such an entry can be **assumed**:
+`assume(case, ["gate_up_swapped"])` is the same case with the layer
+computed as a block that has the difference computes it, so its
+`expected()` is that block's output, and every entry run on it gives the
+output of a block with both differences. `check_hf_moe_block` uses this to
+look for a second difference in a port whose first one changes every
+output. The entries that compute a route or an output another way (the
+weights from $s + b$, the group rules, the bfloat16 routers and sums, the
+norm after the up-projection, the weight on the expert's input, the MXFP4
+decodings) are not changes of the config or weights and cannot be assumed:
+the check leaves out the cases on which they show instead.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from ..config import MoEConfig
 from ..layer.activations import rms_norm
 from ..layer.latent_moe import MoEParams, latent_output, routed_experts, stable_latent_moe
 from ..layer.routing import biased_scores, route, router_scores, score_function_values
 from ..mx import mxfp4_decode
 from .hf_cases import HFBlockCase, keys_family, kit_family
 
-__all__ = ["CATALOGUE", "Convention", "convention"]
+__all__ = ["CATALOGUE", "Convention", "assume", "convention"]
+
+#: A difference as a change of what the layer is computed with: the case (with the differences assumed before
+#: it) to the config and float64 weights of a block that also has this one.
+Change = Callable[[HFBlockCase], tuple[MoEConfig, MoEParams]]
 
 
 @dataclass(frozen=True)
@@ -87,7 +107,9 @@ class Convention:
 
     `applies(case)` says whether the difference can change the output of
     `case` (a `refimpl.testing.HFBlockCase`); `output(case)` is the variant's
-    `y` `[m, d]`, float64, on the case's weights and tokens.
+    `y` `[m, d]`, float64, on the case's weights and tokens. `change`, for an
+    entry that is a change of the config or the weights (None for the others),
+    makes that change: such an entry can be assumed (`assume`).
     """
 
     name: str
@@ -98,6 +120,12 @@ class Convention:
     #: For a mistake whose output depends on how the port breaks ties (experts masked with one value tie with
     #: each other): every output a tie order can give, `[c, m, d]`; a block matches when each token matches one.
     resolutions: Callable[[HFBlockCase], np.ndarray] | None = None
+    change: Change | None = None
+
+    @property
+    def composable(self) -> bool:
+        """Whether the difference can be assumed (`assume`): a change of the config or the weights."""
+        return self.change is not None
 
     def describe(self) -> str:
         """`name: summary (issue)`, one line for a report."""
@@ -164,21 +192,21 @@ def _bias_in_weights(case: HFBlockCase) -> np.ndarray:
     return _run(case, routing=(index, _weights(case, biased)))
 
 
-def _scale_applied_twice(case: HFBlockCase) -> np.ndarray:
+def _scale_applied_twice(case: HFBlockCase) -> tuple[MoEConfig, MoEParams]:
     c = case.config
-    return _run(case, config=c.replace(routed_scaling_factor=c.routed_scaling_factor ** 2))
+    return c.replace(routed_scaling_factor=c.routed_scaling_factor ** 2), case.params64
 
 
-def _scale_never_applied(case: HFBlockCase) -> np.ndarray:
-    return _run(case, config=case.config.replace(routed_scaling_factor=1.0))
+def _scale_never_applied(case: HFBlockCase) -> tuple[MoEConfig, MoEParams]:
+    return case.config.replace(routed_scaling_factor=1.0), case.params64
 
 
-def _top1_renormalized(case: HFBlockCase) -> np.ndarray:
-    return _run(case, config=case.config.replace(renormalize=True))
+def _top1_renormalized(case: HFBlockCase) -> tuple[MoEConfig, MoEParams]:
+    return case.config.replace(renormalize=True), case.params64
 
 
-def _renormalization_flipped(case: HFBlockCase) -> np.ndarray:
-    return _run(case, config=case.config.replace(renormalize=not case.config.renormalize))
+def _renormalization_flipped(case: HFBlockCase) -> tuple[MoEConfig, MoEParams]:
+    return case.config.replace(renormalize=not case.config.renormalize), case.params64
 
 
 def _kept_groups(case: HFBlockCase, group_score: Callable[[np.ndarray], np.ndarray]
@@ -249,10 +277,10 @@ def _groups_masked_with_zero_resolutions(case: HFBlockCase) -> np.ndarray:
     return np.stack(outputs)
 
 
-def _bias_in_bfloat16(case: HFBlockCase) -> np.ndarray:
-    s = _scores(case)
+def _bias_in_bfloat16(case: HFBlockCase) -> tuple[MoEConfig, MoEParams]:
     # The mistake: the bias kept in bfloat16 (8 significant bits): far from zero, nearby experts' biases merge.
-    return _run(case, routing=_route(case, s, _bias(case).astype(ml_dtypes.bfloat16).astype(np.float64)))
+    rounded = _bias(case).astype(ml_dtypes.bfloat16).astype(np.float64)
+    return case.config, _with(case, **{"gate.e_score_correction_bias": rounded})
 
 
 def _weight_on_expert_input(case: HFBlockCase) -> np.ndarray:
@@ -272,7 +300,7 @@ def _weight_on_expert_input(case: HFBlockCase) -> np.ndarray:
 _K3_ABSENT = {"routed_scaling_factor": 1.0, "num_shared_experts": 0, "renormalize": True}
 
 
-def _absent_keys_as_k3(case: HFBlockCase) -> np.ndarray:
+def _absent_keys_as_k3(case: HFBlockCase) -> tuple[MoEConfig, MoEParams]:
     fields = _absent_k3_fields(case)
     params = case.params64
     if fields.get("num_shared_experts") == 0:  # no shared experts: K3's code builds none
@@ -280,7 +308,7 @@ def _absent_keys_as_k3(case: HFBlockCase) -> np.ndarray:
         params = _with(case, **{"shared_experts.gate_proj.weight": np.zeros((0, d)),
                                 "shared_experts.up_proj.weight": np.zeros((0, d)),
                                 "shared_experts.down_proj.weight": np.zeros((d, 0))})
-    return _run(case, config=case.config.replace(**fields), params=params)
+    return case.config.replace(**fields), params
 
 
 def _absent_k3_fields(case: HFBlockCase) -> dict[str, object]:
@@ -292,15 +320,14 @@ def _absent_k3_fields(case: HFBlockCase) -> dict[str, object]:
             if field in keys and keys[field].key not in case.text_config and getattr(case.config, field) != value}
 
 
-def _bias_subtracted(case: HFBlockCase) -> np.ndarray:
-    s = _scores(case)
-    # The mistake: selection by $$s - b$$ (a bias stored as $b = -\beta$ read with the other sign).
-    return _run(case, routing=_route(case, s, -_bias(case)))
+def _bias_subtracted(case: HFBlockCase) -> tuple[MoEConfig, MoEParams]:
+    # The mistake: selection by $$s - b$$ (a bias stored as $b = -\beta$ read with the other sign). The bias
+    # only selects, so selecting by s - b is the layer with the bias negated.
+    return case.config, _with(case, **{"gate.e_score_correction_bias": -_bias(case)})
 
 
-def _bias_ignored(case: HFBlockCase) -> np.ndarray:
-    s = _scores(case)
-    return _run(case, routing=_route(case, s, np.zeros_like(_bias(case))))
+def _bias_ignored(case: HFBlockCase) -> tuple[MoEConfig, MoEParams]:
+    return case.config, _with(case, **{"gate.e_score_correction_bias": np.zeros_like(_bias(case))})
 
 
 def _bias_on_logits(case: HFBlockCase) -> np.ndarray:
@@ -312,9 +339,9 @@ def _bias_on_logits(case: HFBlockCase) -> np.ndarray:
     return _run(case, routing=(index, _weights(case, np.take_along_axis(s, index, axis=1))))
 
 
-def _score_function_flipped(case: HFBlockCase) -> np.ndarray:
+def _score_function_flipped(case: HFBlockCase) -> tuple[MoEConfig, MoEParams]:
     other = "softmax" if case.config.score_function == "sigmoid" else "sigmoid"
-    return _run(case, config=case.config.replace(score_function=other))
+    return case.config.replace(score_function=other), case.params64
 
 
 def _bf16_router(case: HFBlockCase) -> np.ndarray:
@@ -331,33 +358,33 @@ def _bf16_router(case: HFBlockCase) -> np.ndarray:
 # Activation, norm, weights
 # ---------------------------------------------------------------------------
 
-def _up_cap_flipped(case: HFBlockCase) -> np.ndarray:
+def _up_cap_flipped(case: HFBlockCase) -> tuple[MoEConfig, MoEParams]:
     c = case.config
-    return _run(case, config=c.replace(situ_linear_beta=25.0 if c.situ_linear_beta is None else None))
+    return c.replace(situ_linear_beta=25.0 if c.situ_linear_beta is None else None), case.params64
 
 
-def _gate_cap_k3_default(case: HFBlockCase) -> np.ndarray:
-    return _run(case, config=case.config.replace(situ_beta=4.0))
+def _gate_cap_k3_default(case: HFBlockCase) -> tuple[MoEConfig, MoEParams]:
+    return case.config.replace(situ_beta=4.0), case.params64
 
 
-def _silu_for_situ(case: HFBlockCase) -> np.ndarray:
-    return _run(case, config=case.config.replace(activation="swiglu"))
+def _silu_for_situ(case: HFBlockCase) -> tuple[MoEConfig, MoEParams]:
+    return case.config.replace(activation="swiglu"), case.params64
 
 
-def _latent_norm_dropped(case: HFBlockCase) -> np.ndarray:
+def _latent_norm_dropped(case: HFBlockCase) -> tuple[MoEConfig, MoEParams]:
     params = MoEParams((k, v) for k, v in case.params64.items() if k != "routed_expert_norm.weight")
-    return _run(case, config=case.config.replace(use_latent_norm=False), params=params)
+    return case.config.replace(use_latent_norm=False), params
 
 
-def _gate_up_swapped(case: HFBlockCase) -> np.ndarray:
+def _gate_up_swapped(case: HFBlockCase) -> tuple[MoEConfig, MoEParams]:
     p = case.params64
-    return _run(case, params=_with(case, **{"experts.w1": p["experts.w3"], "experts.w3": p["experts.w1"]}))
+    return case.config, _with(case, **{"experts.w1": p["experts.w3"], "experts.w3": p["experts.w1"]})
 
 
-def _shared_experts_dropped(case: HFBlockCase) -> np.ndarray:
+def _shared_experts_dropped(case: HFBlockCase) -> tuple[MoEConfig, MoEParams]:
     p = case.params64
-    return _run(case, params=_with(case, **{"shared_experts.down_proj.weight":
-                                            np.zeros_like(p["shared_experts.down_proj.weight"])}))
+    return case.config, _with(case, **{"shared_experts.down_proj.weight":
+                                       np.zeros_like(p["shared_experts.down_proj.weight"])})
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
@@ -408,11 +435,11 @@ def _experts_summed_in_bfloat16(case: HFBlockCase) -> np.ndarray:
     return np.asarray(out.y_shared) + np.asarray(y_routed)
 
 
-def _norm_eps_other(case: HFBlockCase) -> np.ndarray:
+def _norm_eps_other(case: HFBlockCase) -> tuple[MoEConfig, MoEParams]:
     c = case.config
     # The mistake: $$\operatorname{rms}(u) = \sqrt{\operatorname{mean}(u^2) + \varepsilon'}$$ with the other
     # common epsilon, 1e-5 for 1e-6 or the reverse (a default taken from another model's config).
-    return _run(case, config=c.replace(rms_norm_eps=1e-5 if c.rms_norm_eps != 1e-5 else 1e-6))
+    return c.replace(rms_norm_eps=1e-5 if c.rms_norm_eps != 1e-5 else 1e-6), case.params64
 
 
 # ---------------------------------------------------------------------------
@@ -471,24 +498,34 @@ def _top1_with_renormalize_key(case: HFBlockCase) -> bool:
     return case.config.top_k == 1 and case.text_config.get(key, absent) is not False
 
 
+def _changing(name: str, summary: str, issue: str | None, applies: Callable[[HFBlockCase], bool],
+              change: Change) -> Convention:
+    """An entry that is a change of the config or the weights: its output is the layer computed with the change
+    made, so it can be assumed (`assume`) and composed with the others."""
+    def output(case: HFBlockCase) -> np.ndarray:
+        config, params = change(case)
+        return _run(case, config=config, params=params)
+    return Convention(name, summary, issue, applies, output, change=change)
+
+
 #: Every catalogued convention difference, in the order a report lists them.
 CATALOGUE: tuple[Convention, ...] = (
     Convention("bias_in_weights", "the mixture weights taken from the biased scores s + b instead of the raw s",
                "vLLM #12002; transformers #41647", _always, _bias_in_weights),
-    Convention("scale_applied_twice", "routed_scaling_factor multiplied into the weights twice",
+    _changing("scale_applied_twice", "routed_scaling_factor multiplied into the weights twice",
                "vLLM #24119; kvcache-ai/sglang #86", _scaled, _scale_applied_twice),
-    Convention("scale_skipped_without_renormalization",
+    _changing("scale_skipped_without_renormalization",
                "routed_scaling_factor dropped on the path that does not renormalize the weights",
                "sglang-jax #1282", lambda c: _scaled(c) and not c.config.renormalize, _scale_never_applied),
-    Convention("scale_never_applied", "routed_scaling_factor never applied", None, _scaled, _scale_never_applied),
-    Convention("top1_renormalized",
+    _changing("scale_never_applied", "routed_scaling_factor never applied", None, _scaled, _scale_never_applied),
+    _changing("top1_renormalized",
                "with top_k = 1 the single weight renormalized to 1 (the reference keeps the raw score)", None,
                lambda c: c.k3_rules and _top1_with_renormalize_key(c), _top1_renormalized),
-    Convention("top1_kept_raw",
+    _changing("top1_kept_raw",
                "with top_k = 1 the single weight kept raw, as K3's code does (this model renormalizes it to 1)",
                None, lambda c: not c.k3_rules and c.config.top_k == 1 and c.config.renormalize,
                _renormalization_flipped),
-    Convention("renormalization_flipped", "the renormalization switch (moe_renormalize, norm_topk_prob) read the "
+    _changing("renormalization_flipped", "the renormalization switch (moe_renormalize, norm_topk_prob) read the "
                "other way", None, lambda c: c.config.top_k > 1 or not c.k3_rules,
                _renormalization_flipped),
     Convention("groups_by_max", "a group scored by its best expert instead of the sum of its two best",
@@ -496,49 +533,49 @@ CATALOGUE: tuple[Convention, ...] = (
     Convention("groups_masked_with_zero", "the experts of dropped groups masked with 0 instead of -inf (with "
                "negative biased scores they are chosen)", None, _grouped, _groups_masked_with_zero,
                _groups_masked_with_zero_resolutions),
-    Convention("bias_subtracted", "experts selected by s - b instead of s + b", None, _always, _bias_subtracted),
-    Convention("bias_in_bfloat16", "the selection bias e_score_correction_bias kept in bfloat16 (far from zero, "
+    _changing("bias_subtracted", "experts selected by s - b instead of s + b", None, _always, _bias_subtracted),
+    _changing("bias_in_bfloat16", "the selection bias e_score_correction_bias kept in bfloat16 (far from zero, "
                "nearby biases merge)", None, _always, _bias_in_bfloat16),
-    Convention("bias_ignored", "experts selected by s alone (e_score_correction_bias not loaded or not added)",
+    _changing("bias_ignored", "experts selected by s alone (e_score_correction_bias not loaded or not added)",
                None, _always, _bias_ignored),
     Convention("bias_on_logits", "experts selected by the raw logits plus the bias, z + b, instead of the scores "
                "s + b (the weights still from s)", "Megatron-Core's Quantile Balancing router", _always,
                _bias_on_logits),
-    Convention("score_function_flipped", "moe_router_activation_func ignored: sigmoid for softmax or the reverse",
+    _changing("score_function_flipped", "moe_router_activation_func ignored: sigmoid for softmax or the reverse",
                None, _always, _score_function_flipped),
     Convention("bf16_router", "the router logits computed in bfloat16 instead of float32", "SGLang PR #33764",
                _always, _bf16_router),
     Convention("router_in_bfloat16", "the whole router in bfloat16: logits, scores, s + b and the selection, "
                "and the weights, each rounded to bfloat16", "MaxText's default router dtype", _always,
                _router_in_bfloat16),
-    Convention("up_cap_flipped", "the up branch capped at 25 when activation_situ_linear_beta is absent, or "
+    _changing("up_cap_flipped", "the up branch capped at 25 when activation_situ_linear_beta is absent, or "
                "left uncapped when it is set", None, _situ, _up_cap_flipped),
-    Convention("gate_cap_k3_default", "an absent activation_situ_beta read as K3's 4.0 instead of the "
+    _changing("gate_cap_k3_default", "an absent activation_situ_beta read as K3's 4.0 instead of the "
                "reference's 1.0", None,
                lambda c: _situ(c) and not c.text_config.get("activation_situ_beta"), _gate_cap_k3_default),
-    Convention("silu_for_situ", "SiLU (SwiGLU) in place of SiTU", "Megatron-LM discussion #6673", _situ,
+    _changing("silu_for_situ", "SiLU (SwiGLU) in place of SiTU", "Megatron-LM discussion #6673", _situ,
                _silu_for_situ),
-    Convention("latent_norm_dropped", "the latent RMSNorm skipped", "a Megatron-LM fork, #94",
+    _changing("latent_norm_dropped", "the latent RMSNorm skipped", "a Megatron-LM fork, #94",
                lambda c: c.config.use_latent_norm, _latent_norm_dropped),
     Convention("norm_after_up_projection", "the latent RMSNorm applied after the up-projection, to u W_up, "
                "instead of to the latent sum u", None,
                lambda c: c.config.use_latent_norm and c.config.latent_size == c.config.hidden_size,
                _norm_after_up_projection),
-    Convention("norm_eps_other", "the latent norm's epsilon taken as 1e-5 where the config says 1e-6, or the "
+    _changing("norm_eps_other", "the latent norm's epsilon taken as 1e-5 where the config says 1e-6, or the "
                "reverse", None, lambda c: c.config.use_latent_norm, _norm_eps_other),
     Convention("experts_summed_in_bfloat16", "the routed experts' weighted outputs added into a bfloat16 "
                "buffer, expert by expert, instead of summed in float32", None,
                _always, _experts_summed_in_bfloat16),
-    Convention("gate_up_swapped", "w1 read as the up projection and w3 as the gate", None, _always,
+    _changing("gate_up_swapped", "w1 read as the up projection and w3 as the gate", None, _always,
                _gate_up_swapped),
     Convention("weight_on_expert_input", "the routing weight applied to the expert's input, E(p x), instead of "
                "its output, p E(x) (Llama 4's convention)", None,
                lambda c: not c.config.use_latent_projection and c.config.activation == "swiglu",
                _weight_on_expert_input),
-    Convention("absent_keys_as_k3", "absent keys read with K3's code's meaning (routed_scaling_factor 1.0, no "
+    _changing("absent_keys_as_k3", "absent keys read with K3's code's meaning (routed_scaling_factor 1.0, no "
                "shared experts, renormalized) instead of the model's configuration class defaults", None,
                lambda c: bool(_absent_k3_fields(c)), _absent_keys_as_k3),
-    Convention("shared_experts_dropped", "the shared experts left out", None,
+    _changing("shared_experts_dropped", "the shared experts left out", None,
                lambda c: c.config.num_shared_experts > 0, _shared_experts_dropped),
     Convention("mxfp4_nibbles_swapped", "MXFP4: the high nibble of each byte read as the even column", None,
                lambda c: c.mxfp4, _nibbles_swapped),
@@ -556,3 +593,23 @@ def convention(name: str) -> Convention:
     if name not in _BY_NAME:
         raise ValueError(f"no catalogued convention {name!r}; the catalogue holds {sorted(_BY_NAME)}")
     return _BY_NAME[name]
+
+
+def assume(case: HFBlockCase, differences: Iterable[str | Convention]) -> HFBlockCase:
+    """`case` with catalogued `differences` assumed, in order: its `expected()` is the output of a block that has
+    them all (each one computed on what the ones before it left).
+
+    The tokens and the `state_dict` a block is handed are unchanged. Only entries that are a change of the config
+    or the weights (`Convention.composable`) can be assumed; another is a `ValueError` naming it. A difference
+    that does not apply to the case (`top1_renormalized` on a top-2 case) changes nothing. The entries run on the
+    result give the output of a block with the assumed differences and theirs: how a check names a second
+    difference behind a first one that changes every output.
+    """
+    entries = tuple(convention(d) if isinstance(d, str) else d for d in differences)
+    for entry in entries:
+        if not isinstance(entry, Convention):
+            raise TypeError(f"differences must be catalogue names or entries, got {type(entry).__name__}")
+        if not entry.composable:
+            raise ValueError(f"{entry.name} cannot be assumed: its variant computes a route or an output another "
+                             "way, not a change of the config or the weights")
+    return replace(case, assumed=case.assumed + entries)

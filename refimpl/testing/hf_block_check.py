@@ -144,6 +144,17 @@ print(y - case.expected())
 
 Each failed property's violation also carries the names it matched, as
 `violation.conventions`, for a test that wants to assert on them.
+
+**Every difference, not the first.** A named difference is then assumed: the
+comparison runs again against the reference computed with it
+(`conventions.assume`), on every case, and a remaining difference is named
+against variants that have both, so a second difference behind one that
+changes every output is still found, with its own case (the report's
+expected output is `refimpl.testing.conventions.assume(case, [...]).expected()`).
+An entry that is not a change of the config or weights is scoped out instead:
+the next round leaves out the cases on which it shows, and fails, saying so,
+when that leaves too few. The round names say which: `matches the reference
+block, with gate_up_swapped assumed`, `..., with bias_in_weights scoped out`.
 """
 
 from __future__ import annotations
@@ -162,7 +173,7 @@ from .._lib.values import switch_value
 from .._lib.xp import dtype_name
 from ..layer.latent_moe import stable_latent_moe
 from ..layer.routing import biased_scores
-from .conventions import CATALOGUE, Convention, convention
+from .conventions import CATALOGUE, Convention, assume, convention
 from .hf_cases import (
     CONDITIONING,
     GROWTH,
@@ -344,9 +355,10 @@ def _diagnose(v: _Mismatch, run: Callable[[HFBlockCase], np.ndarray],
     """
     matches, closest, tried = _matching_entries(v.case, v.y, v.ref)
     scale = _scale_factor(v.y, v.ref)
-    confirmed, differing, scale_holds = list(matches), 0, []
+    confirmed, differing, scoped, scale_holds = list(matches), 0, 0, []
     for other in _confirming_cases(v.case) if matches or scale is not None else []:
         if not in_scope(other):
+            scoped += 1
             continue
         try:
             y = run(other)
@@ -367,6 +379,8 @@ def _diagnose(v: _Mismatch, run: Callable[[HFBlockCase], np.ndarray],
                          "scaling factor applied where it should not be, or missed")
     if confirmed:
         seen = (f"confirmed on {differing} more cases of this configuration" if differing
+                else f"on this case only: of the other seeds tried, {scoped} were scoped out (a difference named "
+                     "before shows on them) and the block agreed with the reference on the rest" if scoped
                 else "on this case only: the block agreed with the reference on the other seeds tried")
         v.details.append(f"known convention differences that reproduce this output (to the same tolerance; {seen}):")
         v.details += [f"  - {entry.describe()}" for entry in confirmed]
@@ -386,7 +400,7 @@ def _diagnose(v: _Mismatch, run: Callable[[HFBlockCase], np.ndarray],
 # ---------------------------------------------------------------------------
 
 def _shapes(case: HFBlockCase) -> str:
-    c = case.config
+    c = case.drawn_config
     if case.model_type is not None:
         w = "l" if c.use_latent_projection else "d"  # the width the experts see
         fused = (f"experts.up_proj [n, f, {w}] and experts.down_proj [n, {w}, f] (ungated)" if c.activation == "relu2"
@@ -401,9 +415,13 @@ def _shapes(case: HFBlockCase) -> str:
 
 
 def _inputs(case: HFBlockCase) -> dict[str, Any]:
+    """The pasteable case; for a round with differences assumed, the expected output names them."""
+    expected = "case.expected()"
+    if case.assumed:
+        expected = f"refimpl.testing.conventions.assume(case, {[entry.name for entry in case.assumed]!r}).expected()"
     return {"text_config": Code(f"json.loads({json.dumps(case.text_config)!r})"),
             "case": Code(case.code()),
-            "y": Code("build(text_config, case.state_dict)(case.x)  # compare with case.expected()")}
+            "y": Code(f"build(text_config, case.state_dict)(case.x)  # compare with {expected}")}
 
 
 def _family_semantics(model_type: str) -> str:
@@ -441,7 +459,7 @@ def _family_semantics(model_type: str) -> str:
 
 
 #: At most this many further rounds of "matches the reference block", each with the differences named so far
-#: scoped out, look for more differences after the first.
+#: assumed (or scoped out), look for more differences after the first.
 MAX_DIFFERENCES = 4
 
 #: The invariant that compares the block with the reference, and its rounds.
@@ -502,11 +520,16 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
        a build that writes into the `state_dict` or `text_config` it was
        handed (then, or later from `forward`) fails, naming it;
     3. **matches the reference block** on every compared token; when a
-       catalogued difference is named, the invariant runs again with the
-       cases on which that difference shows scoped out, and so on, so that
-       every distinct difference is reported, each with its own case (a
-       difference that shows on nearly every case leaves such a round too few
-       cases: it fails, saying it could check nothing beyond that difference);
+       catalogued difference is named, the invariant runs again with that
+       difference assumed: the port is compared with the reference computed
+       with it (`conventions.assume`), and a further difference is named
+       against variants that have both. So every distinct difference is
+       reported, each named and with its own case, even behind one that
+       changes every output. The entries that are not a change of the config
+       or weights (a route or output computed another way) cannot be assumed:
+       the round leaves out the cases on which they show, and when that
+       leaves too few cases it fails, saying it could check nothing beyond
+       them. At most `MAX_DIFFERENCES` further rounds run;
     4. **unchanged when every bias shifts by one constant** (for blocks with
        a selection bias): the same case with every expert's bias moved by 8
        or by -40 gives the same output. Trained biases sit far from zero; a
@@ -629,50 +652,106 @@ _K3_SEMANTICS = ("the reference KimiSparseMoeBlock: float32 gate, top-k of s + b
                  "SiTU-GLU experts on the latent, summed in float32, RMSNorm, up-projection, plus the shared experts")
 
 
-def _every_difference(port: _Port, cases: st.SearchStrategy, why: str, settings: Settings) -> list[Outcome]:
-    """"matches the reference block", then again with each named difference scoped out, until none is new.
+@dataclass(frozen=True)
+class _Round:
+    """What one round of "matches the reference block" takes as given: the differences named before it.
 
-    A round whose failure is named (a catalogue entry reproduces the port) leaves out, in the next round,
-    the cases on which that entry changes the output; a port computing in float32 checked at float64 is
-    held at float32's tolerance in the next round. The rounds stop at a pass, at a failure no entry names,
-    or after `MAX_DIFFERENCES` further rounds.
+    `assumed`: differences that are a change of the config or the weights (`Convention.composable`); the
+    round compares the port with the reference computed with them (`conventions.assume`), on every case, so a
+    further difference shows wherever it changes the output and is named against variants that have the
+    assumed ones too. `scoped`: the others, which do not compose; the round leaves out the cases on which they
+    show. `relative`: float32's tolerance, for a port computing in float32 checked at float64.
+    """
+
+    assumed: tuple[Convention, ...] = ()
+    scoped: tuple[Convention, ...] = ()
+    relative: float | None = None
+
+    @property
+    def first(self) -> bool:
+        """Whether this is the first round: nothing assumed, nothing left out, the tolerance of the dtype."""
+        return not self.assumed and not self.scoped and self.relative is None
+
+    @property
+    def named(self) -> tuple[Convention, ...]:
+        """Every difference named before this round, assumed or scoped out."""
+        return self.assumed + self.scoped
+
+    @property
+    def name(self) -> str:
+        """The round's invariant name: `MATCHES`, then what it assumed and what it scoped out."""
+        parts = []
+        if self.assumed:
+            parts.append(f"{_names(self.assumed)} assumed")
+        scoped = [entry.name for entry in self.scoped] + (["float32 precision"] if self.relative is not None else [])
+        if scoped:
+            parts.append(f"{', '.join(scoped)} scoped out")
+        return f"{MATCHES}, with {' and '.join(parts)}" if parts else MATCHES
+
+    def after(self, named: Sequence[Convention]) -> _Round:
+        """The next round, once `named` (the entries that reproduce this round's failure) are taken as given.
+
+        Several entries named at once are alternatives for one difference (`scale_never_applied` and
+        `scale_skipped_without_renormalization` on a case that does not renormalize), not several differences:
+        the first composable one is assumed and the others are scoped out, so that the cases on which the
+        alternatives still disagree are left out instead of being compared with a guess. When none is
+        composable, all are scoped out.
+        """
+        new = [entry for entry in named if entry not in self.named]
+        chosen = next((entry for entry in new if entry.composable), None)
+        assumed = self.assumed + ((chosen,) if chosen is not None else ())
+        return replace(self, assumed=assumed, scoped=self.scoped + tuple(e for e in new if e is not chosen))
+
+
+def _names(entries: Sequence[Convention]) -> str:
+    return ", ".join(entry.name for entry in entries)
+
+
+def _every_difference(port: _Port, cases: st.SearchStrategy, why: str, settings: Settings) -> list[Outcome]:
+    """"matches the reference block", then again with each named difference assumed (or scoped out).
+
+    A round whose failure is named (a catalogue entry reproduces the port) is followed by one that takes that
+    difference as given (`_Round.after`): assumed where it composes, so the next round checks every case and
+    can name a second difference even when the first changes every output; scoped out where it does not. A
+    port computing in float32 checked at float64 is held at float32's tolerance in the next round. The rounds
+    stop at a pass, at a failure no new entry names, at a round left too few cases to check anything (it
+    fails, `_nothing_left`), or after `MAX_DIFFERENCES` further rounds.
     """
     outcomes: list[Outcome] = []
-    scope: list[Convention] = []
-    relative: float | None = None
+    given = _Round()
     for _ in range(MAX_DIFFERENCES + 1):
-        name = MATCHES
-        if scope or relative is not None:
-            assumed = [entry.name for entry in scope] + (["float32 precision"] if relative is not None else [])
-            name = f"{MATCHES}, with {', '.join(assumed)} scoped out"
-        outcome = run_invariant(Invariant(name, why, cases, port.matches(scope, relative), describe=_inputs),
-                                settings)
+        outcome = run_invariant(Invariant(given.name, why, cases, port.matches(given), describe=_inputs), settings)
         outcomes.append(outcome)
         v = outcome.violation
-        if v is not None and not isinstance(v, _Mismatch) and outcome.coverage.scoped_out and scope:
-            # Too few cases left: the differences named so far show on (nearly) every case drawn.
-            names = ", ".join(entry.name for entry in scope)
-            v.summary = (f"could not check anything beyond {names}: it shows on {outcome.coverage.scoped_out} of "
-                         f"the cases drawn, which were scoped out ({outcome.coverage.covered} covered); a further "
-                         "difference would not show here")
-            v.args = (v.summary,)
-            v.details.append(f"correct {names} (or pin config keys on which it does not show) and run the check "
-                             "again to look for other differences")
+        if v is not None and not isinstance(v, _Mismatch) and outcome.coverage.scoped_out and given.named:
+            _nothing_left(v, outcome, given)
         if not isinstance(v, _Mismatch):
             break
         if "computed_in_float32" in v.conventions:
-            relative = tolerance(np.float32)
+            given = replace(given, relative=tolerance(np.float32))
             continue
-        _diagnose(v, port.run, in_scope=_outside(tuple(scope)))
-        new = [entry for entry in CATALOGUE if entry.name in v.conventions and entry not in scope]
-        if not new:
+        _diagnose(v, port.run, in_scope=_outside(given.scoped))
+        following = given.after([entry for entry in CATALOGUE if entry.name in v.conventions])
+        if following.named == given.named:
             break
-        scope += new
+        given = following
     return outcomes
 
 
+def _nothing_left(v: Violation, outcome: Outcome, given: _Round) -> None:
+    """Say why a round covered too few cases: differences that cannot be assumed show on nearly every case."""
+    assumed = f" (with {_names(given.assumed)} assumed)" if given.assumed else ""
+    v.summary = (f"could not check anything beyond {_names(given.named)}: {_names(given.scoped)} cannot be "
+                 f"assumed (a route or an output computed another way, not a change of the config or the weights), "
+                 f"so the cases on which it shows were scoped out{assumed}: {outcome.coverage.scoped_out} of those "
+                 f"drawn ({outcome.coverage.covered} covered); a further difference would not show here")
+    v.args = (v.summary,)
+    v.details.append(f"correct {_names(given.scoped)} (or pin config keys on which it does not show) and run the "
+                     "check again to look for other differences")
+
+
 def _outside(scope: tuple[Convention, ...]) -> Callable[[HFBlockCase], bool]:
-    """Whether a case is one on which none of the differences in `scope` shows."""
+    """Whether a case (with the round's differences assumed) is one on which none of those in `scope` shows."""
     def in_scope(case: HFBlockCase) -> bool:
         ref = reference_output(case)
         return not any(_visible(entry, case, ref) for entry in scope)
@@ -718,18 +797,18 @@ class _Port:
             raise Violation(f"y must be finite, got {int(np.sum(~np.isfinite(y)))} NaN or inf entries",
                             [_shapes(case)])
 
-    def matches(self, scope: Sequence[Convention] = (), relative: float | None = None
-                ) -> Callable[[HFBlockCase], None]:
-        """The body of "matches the reference block", with the cases where `scope` shows left out."""
-        first = not scope and relative is None
+    def matches(self, given: _Round = _Round()) -> Callable[[HFBlockCase], None]:
+        """The body of "matches the reference block": the port against the reference with `given.assumed`
+        applied, on the cases where none of `given.scoped` shows."""
         top1 = convention("top1_renormalized")
 
         def body(case: HFBlockCase) -> None:
-            ref = reference_output(case, relative)
-            if any(_visible(entry, case, ref) for entry in scope):
+            case = assume(case, given.assumed)
+            ref = reference_output(case, given.relative)
+            if any(_visible(entry, case, ref) for entry in given.scoped):
                 raise OutOfScope
             _compare(self.run(case), case, ref)
-            if first and top1.applies(case):
+            if given.first and top1.applies(case):
                 self.single_weight["covered"] += 1
                 self.single_weight["visible"] += _visible(top1, case, ref)
         return body
@@ -822,6 +901,8 @@ def _compare(y: np.ndarray, case: HFBlockCase, ref: ReferenceOutput, which: str 
                        "latent sum were not compared")
     details.append(_shapes(case))
     summary = f"{which}{bad.size} of {case.tokens} tokens differ from the reference block"
+    if case.assumed:
+        summary += f" with {_names(case.assumed)} assumed"
     float32 = (achieved == "float32" and ref.relative < tolerance(np.float32))
     if float32:
         summary += (": the block computes in float32, not in the float64 it was asked for (its error fits "

@@ -3,9 +3,9 @@ r"""The cases of the block check: a reference configuration and a seed, and ever
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from hypothesis import HealthCheck, Phase, find, reject
@@ -22,6 +22,9 @@ from ..families import ALL_RECORDS, FAMILIES, HFFamily, read_family_fields
 from ..layer.latent_moe import MoEParams, init_params, stable_latent_moe
 from ..mx import mxfp4_decode, mxfp4_encode
 from .strategies import checked_switches
+
+if TYPE_CHECKING:
+    from .conventions import Convention
 
 __all__ = ["CONDITIONING", "GROWTH", "K3_AUTO_MAP", "ROUTING_RESOLUTION", "UNIT_ROUNDOFF", "HFBlockCase", "check_pinned",
            "draft_moe_config", "pinned_keys", "pinned_reader_keys", "hf_block_case", "hf_block_cases", "hf_family_text_configs", "hf_text_configs",
@@ -146,14 +149,36 @@ class HFBlockCase:
     #: which batch of tokens: 0 is drawn from `seed` after the weights, another from `(seed, batch)` (the same
     #: weights, other tokens: one build is asked several inputs)
     batch: int = 0
+    #: Catalogued differences assumed, in order (`refimpl.testing.conventions.assume`): `config`, `params64`
+    #: and `expected()` are then those of a block that has them, while `state_dict` and `x`, what a block is
+    #: handed, stay the drawn ones. Empty for the reference itself.
+    assumed: tuple[Convention, ...] = ()
 
     @cached_property
-    def config(self) -> MoEConfig:
+    def drawn_config(self) -> MoEConfig:
         """The `MoEConfig` the reference code builds from `text_config`: K3's code, the family's class, or, for a
         draft of K3 (`draft_moe_config`), its keys with K3's code's rules."""
         if self.model_type is not None and kit_family(self.model_type).draft_config is not None:
             return draft_moe_config(self.text_config, kit_family(self.model_type))
         return MoEConfig.from_hf_config(self.text_config, code="transformers" if self.model_type else "k3")
+
+    @cached_property
+    def _computed(self) -> tuple[MoEConfig, MoEParams]:
+        """The config and float64 weights the layer is computed with: the drawn ones, changed by each difference
+        of `assumed` in turn (each sees the case as the ones before it left it; one that does not apply to that
+        case changes nothing)."""
+        if not self.assumed:
+            return self.drawn_config, self._drawn[1]
+        before = replace(self, assumed=self.assumed[:-1])
+        last = self.assumed[-1]
+        if last.change is None:
+            raise ValueError(f"{last.name} cannot be assumed: its variant is not a change of the config or weights")
+        return last.change(before) if last.applies(before) else (before.config, before.params64)
+
+    @property
+    def config(self) -> MoEConfig:
+        """The config of the layer computed on this case: `drawn_config`, with the `assumed` differences."""
+        return self._computed[0] if self.assumed else self.drawn_config
 
     @property
     def k3_rules(self) -> bool:
@@ -166,12 +191,12 @@ class HFBlockCase:
         if self.model_type is None:
             return HF_KEYS["renormalize"], True
         spec = keys_family(kit_family(self.model_type)).keys.get("renormalize")
-        return (spec.key, spec.default) if spec is not None else (HF_KEYS["renormalize"], self.config.renormalize)
+        return (spec.key, spec.default) if spec is not None else (HF_KEYS["renormalize"], self.drawn_config.renormalize)
 
     @cached_property
     def _drawn(self) -> tuple[MoEParams, MoEParams, np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
         """(weights as handed over, the same in float64, tokens in `dtype`, the MXFP4 bytes of each stack)."""
-        config, dtype = self.config, np.dtype(self.dtype)
+        config, dtype = self.drawn_config, np.dtype(self.dtype)
         rng = np.random.default_rng(self.seed)
         # Matrices N(0, 1/fan_in), so every product keeps unit scale; a nonzero bias, on the scale of the
         # scores (sigmoid scores spread over about 0.2, softmax scores over about 1/n).
@@ -206,8 +231,9 @@ class HFBlockCase:
 
     @property
     def params64(self) -> MoEParams:
-        """The weights as float64 `MoEParams` (MXFP4 experts decoded), exactly the values handed over."""
-        return self._drawn[1]
+        """The weights as float64 `MoEParams` (MXFP4 experts decoded), exactly the values handed over (changed by
+        the `assumed` differences, if any)."""
+        return self._computed[1] if self.assumed else self._drawn[1]
 
     @property
     def x(self) -> np.ndarray:
@@ -233,8 +259,8 @@ class HFBlockCase:
         width 0 and the tensors are zero-element, as that module's `state_dict()` holds them.
         """
         if self.model_type is not None:
-            return hf_state_dict_from_params(self._drawn[0], self.config, model_type=self.model_type)
-        tensors = hf_state_dict_from_params(self._drawn[0], self.config, mxfp4=self.mxfp4)
+            return hf_state_dict_from_params(self._drawn[0], self.drawn_config, model_type=self.model_type)
+        tensors = hf_state_dict_from_params(self._drawn[0], self.drawn_config, mxfp4=self.mxfp4)
         if self.shared_module_absent:
             tensors = {name: value for name, value in tensors.items() if not name.startswith("shared_experts.")}
         return tensors
@@ -246,11 +272,13 @@ class HFBlockCase:
                 and self.text_config["num_shared_experts"] is None)
 
     def expected(self) -> np.ndarray:
-        """This package's `y` `[m, d]`, float64, on exactly the values handed over."""
+        """This package's `y` `[m, d]`, float64, on exactly the values handed over (with the `assumed` differences:
+        the output of a block that has them)."""
         return np.asarray(stable_latent_moe(self.x64, self.params64, self.config))
 
     def code(self, name: str = "text_config") -> str:
-        """The call that rebuilds this case, given its text config under `name`."""
+        """The call that rebuilds this case, given its text config under `name` (the drawn case: `assume` adds the
+        assumed differences back)."""
         dtype = dtype_name(np.dtype(self.dtype))
         dtype = "ml_dtypes.bfloat16" if dtype == "bfloat16" else f"np.{dtype}"
         family = "" if self.model_type is None else f", model_type={self.model_type!r}"
