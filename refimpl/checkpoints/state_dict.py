@@ -121,7 +121,8 @@ import ml_dtypes
 import numpy as np
 
 from .._lib.validation import check_float_dtype
-from .._lib.xp import dtype_name
+from .._lib.values import switch_value
+from .._lib.xp import dtype_name, is_array
 from ..config import MoEConfig
 from ..families import EXPERT_ROLES, HFFamily, family_prefix, record_of
 from ..layer.latent_moe import MoEParams, check_params, parameter_shapes
@@ -196,6 +197,7 @@ def hf_tensor_shapes(config: MoEConfig, *, mxfp4: bool = False, model_type: str 
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    mxfp4 = switch_value(mxfp4, "mxfp4")
     if model_type is not None:
         if mxfp4:
             raise ValueError(f"mxfp4=True is K3's packed layout; model_type={model_type!r} stores float experts")
@@ -239,10 +241,12 @@ def as_numpy(value: Any, name: str = "value") -> np.ndarray:
         return value
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
-        if value.is_meta or value.layout != torch.strided or value.is_quantized:  # no values to read as they are
-            raise ValueError(f"tensor {name!r} must be a dense tensor with values, got a PyTorch "
-                             f"{'meta' if value.is_meta else str(value.layout).removeprefix('torch.')} tensor")
-        return _torch_to_numpy(torch, value)
+        if value.is_meta or value.layout != torch.strided or value.is_quantized or value.is_nested:
+            # No values to read as they are: say which kind of tensor came.
+            kind = ("meta" if value.is_meta else "quantized" if value.is_quantized else "nested" if value.is_nested
+                    else str(value.layout).removeprefix("torch."))
+            raise ValueError(f"tensor {name!r} must be a dense tensor with values, got a PyTorch {kind} tensor")
+        return _torch_to_numpy(torch, value, name)
     if hasattr(value, "__array__"):
         return np.asarray(value)
     if hasattr(value, "__dlpack__"):
@@ -254,7 +258,7 @@ def as_numpy(value: Any, name: str = "value") -> np.ndarray:
             return np.from_dlpack(value, device="cpu", copy=True)
         except (BufferError, RuntimeError, TypeError, ValueError) as exc:
             if torch is not None:  # PyTorch reads every DLPack dtype, bfloat16 included
-                return _torch_to_numpy(torch, torch.from_dlpack(value))
+                return _torch_to_numpy(torch, torch.from_dlpack(value), name)
             raise TypeError(f"tensor {name!r}: NumPy cannot read this DLPack tensor ({exc}); convert it to "
                             "a NumPy array (float32 for bfloat16) before passing it") from None
     raise TypeError(f"tensor {name!r} must be an array (NumPy, PyTorch, or anything with __array__ or "
@@ -263,17 +267,28 @@ def as_numpy(value: Any, name: str = "value") -> np.ndarray:
 
 # PyTorch dtypes NumPy has no name for, read through an integer view of the same width.
 _TORCH_BITS = {"bfloat16": ("int16", ml_dtypes.bfloat16), "float8_e4m3fn": ("uint8", ml_dtypes.float8_e4m3fn),
-               "float8_e5m2": ("uint8", ml_dtypes.float8_e5m2), "float8_e8m0fnu": ("uint8", ml_dtypes.float8_e8m0fnu)}
+               "float8_e5m2": ("uint8", ml_dtypes.float8_e5m2), "float8_e8m0fnu": ("uint8", ml_dtypes.float8_e8m0fnu),
+               "float8_e4m3fnuz": ("uint8", ml_dtypes.float8_e4m3fnuz),
+               "float8_e5m2fnuz": ("uint8", ml_dtypes.float8_e5m2fnuz)}
 
 
-def _torch_to_numpy(torch: Any, tensor: Any) -> np.ndarray:
-    """A PyTorch tensor as a NumPy array: detached, on the CPU, contiguous, bit for bit."""
+def _torch_to_numpy(torch: Any, tensor: Any, name: str = "value") -> np.ndarray:
+    """A PyTorch tensor as a NumPy array: detached, on the CPU, contiguous, bit for bit.
+
+    A dtype neither NumPy nor `_TORCH_BITS` can hold (`complex32`, `bits8`,
+    the packed `float4_e2m1fn_x2`) is a `TypeError` naming the tensor `name`
+    and its dtype.
+    """
     t = tensor.detach().to("cpu").contiguous()
     kind = dtype_name(t.dtype)
     if kind in _TORCH_BITS:
         through, dtype = _TORCH_BITS[kind]
         return t.view(getattr(torch, through)).numpy().view(dtype)
-    return t.resolve_conj().resolve_neg().numpy()
+    try:
+        return t.resolve_conj().resolve_neg().numpy()
+    except (TypeError, RuntimeError) as exc:
+        raise TypeError(f"tensor {name!r} has the PyTorch dtype {kind}, which has no NumPy counterpart to read "
+                        f"it as ({exc}); convert it to a float dtype (float32, bfloat16, float8_*) first") from None
 
 
 def _float_dtype(stored: Any, dtype: Any, *, bias: bool = False) -> Any:
@@ -313,13 +328,18 @@ class _Problems:
 
 
 def _group_expert_names(names: list[str]) -> list[str]:
-    """Names with their expert ids folded into ranges: `experts.{0-3,7}.w1.weight`."""
+    """Names with their expert ids folded into ranges: `experts.{0-3,7}.w1.weight`.
+
+    Only ids written as `str(e)` are folded; a name that spells its id another
+    way (`experts.01.w1.weight`) is listed as it is, so that the error shows
+    the key the state dict holds.
+    """
     pattern = re.compile(r"^(?P<head>.*experts\.)(?P<e>\d+)(?P<tail>\..*)$")
     groups: dict[tuple[str, str], list[int]] = {}
     plain: list[str] = []
     for name in names:
         match = pattern.match(name)
-        if match is None:
+        if match is None or str(int(match["e"])) != match["e"]:
             plain.append(name)
         else:
             groups.setdefault((match["head"], match["tail"]), []).append(int(match["e"]))
@@ -494,6 +514,21 @@ def _read_stack(module: str, out: int, inp: int, n: int, ours: Mapping[str, str]
 # Writing: MoEParams -> HF names
 # ---------------------------------------------------------------------------
 
+def _host_params(params: Any) -> Any:
+    """`params` with every array read into NumPy by `as_numpy`, as the reader reads a state dict.
+
+    A PyTorch tensor that requires grad is detached, a bfloat16 or float8 one
+    read bit for bit (as `ml_dtypes`), one on another device copied to the
+    host; a meta, sparse, nested or quantized tensor is refused by name.
+    Packed `ExpertStack`s and what is not an array are left as they are, for
+    `check_params` to judge.
+    """
+    if not isinstance(params, Mapping):
+        return params
+    return {name: as_numpy(value, str(name)) if is_array(value) and not isinstance(value, ExpertStack) else value
+            for name, value in params.items()}
+
+
 def hf_state_dict_from_params(params: Mapping[str, Any], config: MoEConfig, *, layer: int | None = None,
                               prefix: str = "", mxfp4: bool = False, model_type: str | None = None,
                               expert_layout: str = "fused", tid2eid: Any = None) -> dict[str, np.ndarray]:
@@ -520,6 +555,8 @@ def hf_state_dict_from_params(params: Mapping[str, Any], config: MoEConfig, *, l
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    mxfp4 = switch_value(mxfp4, "mxfp4")
+    params = _host_params(params)
     check_params(params, config)
     _check_layout(expert_layout)
     base = block_prefix(layer, prefix, model_type, expert_layout)
@@ -671,7 +708,9 @@ def _k3_names_from_family(values: Mapping[str, np.ndarray], config: MoEConfig, f
     n, d, f = config.num_experts, config.hidden_size, config.intermediate_size
     on_disk = layout == "per_expert"
     out = {ours: values[theirs] for theirs, ours in _k3_names_of(family, config, on_disk).items() if theirs in values}
-    if family.has_shared and not family.gated:  # an ungated shared expert: the GLU relu(a) b, gate and up one matrix
+    if family.has_shared and not family.gated and "shared_experts.up_proj.weight" in out:
+        # An ungated shared expert: the GLU relu(a) b, gate and up one matrix. (A zero-width one's
+        # zero-element tensors may be left out of the state dict: then neither is there.)
         out["shared_experts.gate_proj.weight"] = out["shared_experts.up_proj.weight"]
     for e in range(n):
         if on_disk:
@@ -750,7 +789,8 @@ def _params_from_family_state_dict(state_dict: Mapping[str, Any], config: MoECon
         where = f"{family.block_class}'s names, {layout}" + (f", under {base!r}" if base else "")
         raise problems.error(where)
     if hash_layer:
-        _checked_table(as_numpy(state_dict[ours[table]], base + table), config, base + table, model_type)
+        _checked_table(as_numpy(state_dict[ours[table]], base + table), config, base + table, model_type,
+                       distinct=True)
     k3 = _k3_names_from_family(values, config, family, layout)
     if hash_layer:
         k3["gate.e_score_correction_bias"] = np.zeros(config.num_experts, dtype=np.float32)
@@ -819,7 +859,8 @@ def hf_hash_table(state_dict: Mapping[str, Any], config: MoEConfig, *, layer: in
     if table not in ours:
         raise ValueError(f"the state dict holds no hash-layer table {base}{table} (a {family.model_type} layer "
                          "routed by a table holds one)")
-    return _checked_table(as_numpy(state_dict[ours[table]], base + table), config, base + table, model_type)
+    return _checked_table(as_numpy(state_dict[ours[table]], base + table), config, base + table, model_type,
+                          distinct=True)
 
 
 def _family_state_dict_from_params(k3: Mapping[str, np.ndarray], config: MoEConfig, model_type: str, base: str,

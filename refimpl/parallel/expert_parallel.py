@@ -109,7 +109,11 @@ whole batch. The exchanges of the backward carry $\ell$-wide vectors too.
 gathers from every rank what must be the same everywhere (the
 configuration, the dtype, the shard layout, a digest of the bias and of
 every replicated weight) together with any error a rank met while checking
-its own inputs, in one small `allgather`. If a rank failed or two ranks
+its own inputs, in one small `allgather`. A rank's own inputs include its
+`token_ids` (required by a hash-routed layer, integers, one per token) and
+what is computed from its tokens alone before the first exchange: its
+router scores and its choice of experts (scores that underflow to zero
+under hash routing, say), and the one array library of `x` and `params`. If a rank failed or two ranks
 disagree, every rank raises the same error, naming the rank and the values,
 instead of some ranks waiting in an exchange for ever. An error of any
 class counts: a `MemoryError` or a `ZeroDivisionError` on one rank is
@@ -137,7 +141,7 @@ from typing import Any
 import numpy as np
 
 from .._lib.values import switch_value
-from .._lib.xp import Array, array_namespace, compute_dtype, dtype_name, to_numpy
+from .._lib.xp import Array, array_namespace, compute_dtype, dtype_name, is_array, to_numpy
 from ..balancing.histogram import BiasHistogram
 from ..config import MoEConfig
 from ..layer.activations import rms_norm
@@ -310,16 +314,38 @@ class _EPSaved:
 
 def _ep_layer(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, *, padded: bool,
               reduce_before_norm: bool, token_ids: Array | None, mxfp8_inputs: bool, save: bool,
-              what: str) -> tuple[Array, EPStats, _EPSaved | None]:
-    """The expert-parallel layer, for `ep_forward` and `ep_vjp`: `(y, stats, saved)`."""
+              what: str, return_intermediates: bool = False) -> tuple[Array, EPStats, _EPSaved | None]:
+    """The expert-parallel layer, for `ep_forward` and `ep_vjp`: `(y, stats, saved)`.
+
+    Everything that depends on one rank's own data (its inputs, its token ids,
+    its router scores and its local choice of experts) is checked or computed
+    inside the checked block, so a rank that fails there reports it through
+    `check_ranks_agree` and every rank raises, instead of some waiting in an
+    exchange for ever. `return_intermediates` is `ep_vjp`'s switch, checked
+    there for the same reason.
+    """
     size, rank = check_comm(comm)
     error: Exception | None = None
     try:
         per_rank = check_ep_inputs(x, params, config, size)
         padded, mxfp8_inputs = switch_value(padded, "padded"), switch_value(mxfp8_inputs, "mxfp8_inputs")
         reduce_before_norm = switch_value(reduce_before_norm, "reduce_before_norm")
+        switch_value(return_intermediates, "return_intermediates")
         if mxfp8_inputs and padded:
             raise ValueError("mxfp8_inputs=True runs the grouped expert loop: pass padded=False")
+        xp = _one_namespace(x, params)
+        check_token_ids(token_ids, int(x.shape[0]), config)
+        dtype = compute_dtype(xp, x)
+        h = xp.astype(x, dtype, copy=save)  # [m, d]; a copy when kept for the backward (the caller may reuse x)
+        # 1. Route locally, with the replicated router and bias: the layer's own selection (Eq. 13).
+        # $$s = \sigma(x W_r^\top), \qquad \mathcal{T}_i = \operatorname{argtopk}_k(s_i + b)$$
+        # The scores and this rank's choice depend on its own tokens only (a score that overflows, a
+        # hash-routed token whose experts all scored 0): computed here, where an error reaches every rank.
+        scores = router_scores(h, xp.astype(params["gate.weight"], dtype, copy=False),
+                               config.score_function)  # [m, n]
+        choice = select_experts(scores, params["gate.e_score_correction_bias"],
+                                config if config.capacity_factor is None else config.replace(capacity_factor=None),
+                                token_ids=token_ids)  # [m, k] each, before any capacity
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the first exchange
         error = exc
     fingerprint = {} if error is not None else {
@@ -334,18 +360,12 @@ def _ep_layer(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: An
         "token_ids given": token_ids is not None, "reduce_before_norm": bool(reduce_before_norm),
         "mxfp8_inputs": bool(mxfp8_inputs)}
     check_ranks_agree(comm, what, fingerprint, error)
-    xp = array_namespace(x, *params.values())
-    dtype = compute_dtype(xp, x)
     seconds: dict[str, float] = {}
 
     def weight(name: str) -> Array:
         return xp.astype(params[name], dtype, copy=False)
 
-    h = xp.astype(x, dtype, copy=save)  # [m, d]; a copy when kept for the backward (the caller may reuse x)
-    # 1. Route locally, with the replicated router and bias: the layer's own selection (Eq. 13).
-    # $$s = \sigma(x W_r^\top), \qquad \mathcal{T}_i = \operatorname{argtopk}_k(s_i + b)$$
-    scores = router_scores(h, weight("gate.weight"), config.score_function)  # [m, n]
-    selection = _select_across_ranks(comm, scores, params["gate.e_score_correction_bias"], config, token_ids)
+    selection = _select_across_ranks(comm, choice, config, int(scores.shape[0]))
     weights = xp.astype(selection.weights, dtype)  # [m, k]
     # The latent, once per token, before anything is sent: $$z = x W_\downarrow^\top$$
     z = down_project(h, weight, config)  # [m, l]
@@ -406,27 +426,65 @@ def _ep_layer(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: An
     return y, stats, saved
 
 
-def _select_across_ranks(comm: Any, scores: Array, bias: Array, config: MoEConfig,
-                         token_ids: Array | None) -> Selection:
-    """The layer's selection of this rank's tokens, as the single-process layer makes it for the whole batch.
+def _select_across_ranks(comm: Any, choice: Selection, config: MoEConfig, m: int) -> Selection:
+    """The layer's selection of this rank's `m` tokens, as the single-process layer makes it for the whole batch.
 
-    Every rule but a capacity looks at one token at a time, so the local
-    `select_experts` is already the right one. A capacity serves assignments
-    in the order of the whole batch: the ranks gather their routes (in rank
-    order, the order of the union of their tokens), each applies the serving
-    rule to the whole batch, and keeps its own rows.
+    `choice` is this rank's `select_experts` without a capacity. Every rule
+    but a capacity looks at one token at a time, so it is already the right
+    one. A capacity serves assignments in the order of the whole batch: the
+    ranks gather their routes (in rank order, the order of the union of their
+    tokens), each applies the serving rule to the whole batch, and keeps its
+    own rows.
     """
     if config.capacity_factor is None:
-        return select_experts(scores, bias, config, token_ids=token_ids)
-    choice = select_experts(scores, bias, config.replace(capacity_factor=None), token_ids=token_ids)
-    xp = array_namespace(scores)
+        return choice
+    xp = array_namespace(choice.weights)
     routes = comm.allgather(np.asarray(to_numpy(choice.index), dtype=np.int64))  # P arrays [m_p, k]
     whole = np.concatenate(routes, axis=0)  # [m, k], the whole batch in rank order
     first = sum(route.shape[0] for route in routes[:int(comm.Get_rank())])
     _, kept = serving_rule("capacity")(whole, np.ones(whole.shape, dtype=np.float64), config)  # [m, k] bool
-    mine = xp.asarray(np.asarray(kept[first:first + scores.shape[0]]))  # [m_r, k]
+    mine = xp.asarray(np.asarray(kept[first:first + m]))  # [m_r, k]
     # Dropped assignments contribute nothing (no renormalization), as in the single-process layer.
     return Selection(choice.index, choice.weights * xp.astype(mine, choice.weights.dtype), mine)
+
+
+def _one_namespace(x: Array, params: Mapping[str, Array]) -> Any:
+    """The one array library of `x` and every entry of `params`, or a `TypeError` naming those that differ."""
+    try:
+        return array_namespace(x, *params.values())
+    except TypeError:
+        pass
+    libraries = {name: type(value).__module__.split(".")[0] for name, value in {"x": x, **params}.items()}
+    others = ", ".join(f"params[{name!r}] is a {library} {type(params[name]).__name__}"
+                       for name, library in libraries.items() if name != "x" and library != libraries["x"])
+    raise TypeError(f"x and params must come from one array library: x is a {libraries['x']} "
+                    f"{type(x).__name__}, but {others or 'their libraries do not mix'}")
+
+
+def check_token_ids(token_ids: Array | None, m: int, config: MoEConfig) -> None:
+    """This rank's `token_ids`: required when `config.hash_routing`; when given, integers of shape `[m]`.
+
+    A hash-routed layer hashes ids in $[0, 2^{32})$ (`hash_route`); the
+    range is checked then. A `TypeError` or `ValueError` naming `token_ids`,
+    with what was expected and what came.
+    """
+    if token_ids is None:
+        if config.hash_routing:
+            raise ValueError(f"token_ids must be given (one integer id per token of x, shape [{m}]) "
+                             f"when config.hash_routing is True, got None")
+        return
+    if not is_array(token_ids):
+        raise TypeError(f"token_ids must be an integer array of shape [{m}], got {type(token_ids).__name__}")
+    xp = array_namespace(token_ids)
+    if not xp.isdtype(token_ids.dtype, "integral"):
+        raise TypeError(f"token_ids must be an integer array of shape [{m}], got dtype {dtype_name(token_ids.dtype)}")
+    if tuple(token_ids.shape) != (m,):
+        raise ValueError(f"token_ids must have shape [{m}] (one id per token of x), got {list(token_ids.shape)}")
+    if config.hash_routing and m:
+        low, high = int(xp.min(token_ids)), int(xp.max(token_ids))
+        if low < 0 or high >= 2**32:
+            raise ValueError(f"token_ids must hold integers in [0, {2**32}) for hash routing, "
+                             f"got values in [{low}, {high}]")
 
 
 # ---------------------------------------------------------------------------
@@ -472,7 +530,8 @@ def ep_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, 
     `router_backward`, `shared_experts_backward`).
     """
     y, stats, saved = _ep_layer(x, params, config, comm, padded=False, reduce_before_norm=True,
-                                token_ids=token_ids, mxfp8_inputs=False, save=True, what="ep_vjp")
+                                token_ids=token_ids, mxfp8_inputs=False, save=True, what="ep_vjp",
+                                return_intermediates=return_intermediates)
     xp = array_namespace(x, *params.values())
     dtype = compute_dtype(xp, x)
     m, d = x.shape
@@ -530,7 +589,7 @@ def ep_vjp(x: Array, params: Mapping[str, Array], config: MoEConfig, comm: Any, 
         x_bar = xp.astype(x_bar, x.dtype, copy=False)  # [m, d]
         return x_bar, MoEParams((name, grads[name]) for name in params)
 
-    if not return_intermediates:
+    if not switch_value(return_intermediates, "return_intermediates"):  # checked on every rank by _ep_layer
         return y, stats, backward
     selection = saved.selection
     out = MoEOutput(y=y, scores=saved.scores, index=selection.index, weights=xp.astype(selection.weights, dtype),
