@@ -214,6 +214,25 @@ def test_a_forward_one_call_behind_is_named_stale_output():
     assert summary.startswith("stale output"), summary
 
 
+def one_buffer(text_config, state_dict):
+    """Each call's answer is right, written into the one output buffer every call returns."""
+    forward, buffers = build_block(text_config, state_dict), {}
+
+    def refilled(x):
+        y = np.asarray(forward(x))
+        out = buffers.setdefault(y.shape, np.empty_like(y))
+        out[...] = y
+        return out
+    return refilled
+
+
+def test_a_forward_that_refills_the_buffer_it_returned_is_named_stale_output():
+    """Every answer is right when it comes back, so only re-reading an earlier answer shows it."""
+    failure = _failure(check_hf_moe_block, one_buffer, mxfp4=False, settings=FEW)
+    summary = _violation(failure, "one build answers every input").summary
+    assert summary.startswith("stale output: forward returned a buffer that its later calls write over"), summary
+
+
 # ---------------------------------------------------------------------------
 # Bad arguments are refused by name
 # ---------------------------------------------------------------------------

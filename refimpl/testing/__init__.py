@@ -161,7 +161,8 @@ check that saw almost nothing never passes for one that saw enough.
 ## What the kit refuses to be fooled by
 
 A block is built once and asked several batches: a forward that returns its
-answer to an earlier input ("stale output"), or whose answer to the same
+answer to an earlier input, or one output buffer that its next call writes
+over, the caller's earlier answer with it ("stale output"), or whose answer to the same
 input changes from call to call ("drift"), fails, and so does a build that
 writes into the `state_dict` or `text_config` it was handed, then or later
 from its forward. A check asked for float64 holds float64's tolerance, and

@@ -515,8 +515,10 @@ def check_hf_moe_block(build: Callable[[dict[str, Any], dict[str, np.ndarray]], 
     2. **one build answers every input**: one build is asked three batches,
        `x`, another `x'` and `x` again: each answer matches the reference, a
        forward that returns an earlier answer for a new input (the first one's,
-       or the previous call's) is a *stale output*, one whose answer to the
-       same input changes otherwise is a *drift*, and
+       or the previous call's), or one buffer that its next call writes over
+       (the array returned for `x` is read again after `x'`), is a *stale
+       output*, one whose answer to the same input changes otherwise is a
+       *drift*, and
        a build that writes into the `state_dict` or `text_config` it was
        handed (then, or later from `forward`) fails, naming it;
     3. **matches the reference block** on every compared token; when a
@@ -818,8 +820,10 @@ class _Port:
         forward, given, kept = self.forward_of(case)
         other = replace(case, batch=1)
         ref, ref_other = reference_output(case), reference_output(other)
-        y_first = self.answer(forward, case.x)
+        returned = call_user(forward, case.x)  # kept as returned: a later call must not change it
+        y_first = float_output("y", returned, case.x.shape, "[m, d]", finite=False)
         y_other = self.answer(forward, other.x)
+        reread = float_output("y", returned, case.x.shape, "[m, d]", finite=False)  # before x is asked again
         y_again = self.answer(forward, case.x)
         written = written_inputs(self.build, kept, given)
         inputs = {**_inputs(case), "x_other": Code(other.code("text_config") + ".x")}
@@ -827,6 +831,12 @@ class _Port:
             raise Violation(f"build kept what it was handed and wrote into {', '.join(written)} later, when "
                             "forward ran: a build must leave its inputs as they were (the caller loads the "
                             "same state dict into other blocks)", [_shapes(case)], inputs)
+        if _distance(reread, y_first, ref) > 1.0 or not np.array_equal(np.isfinite(reread), np.isfinite(y_first)):
+            raise Violation("stale output: forward returned a buffer that its later calls write over",
+                            ["asked x and then another batch x', the array it returned for x changed under "
+                             "the caller: a forward that returns one output buffer and refills it on each "
+                             "call (the caller's earlier answers change; keep a fresh output per call)",
+                             _shapes(case)], inputs)
         both = replace(ref_other, compared=ref_other.compared & ref.compared)
         drift = _distance(y_again, y_first, ref)
         if drift > 1.0 or (np.isfinite(y_first).all() and not np.isfinite(y_again).all()):
