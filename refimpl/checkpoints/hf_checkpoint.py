@@ -168,6 +168,7 @@ from .safetensors import (
     SINGLE_FILE,
     Shards,
     inside_folder,
+    non_finite,
     read_json,
     to_dtype,
 )
@@ -646,11 +647,10 @@ def _check_finite_params(params: Mapping[str, Any]) -> None:
     for name, value in params.items():
         if is_packed_stack(value):
             continue
-        bad = ~np.isfinite(np.asarray(value))
-        if np.any(bad):
-            raise ValueError(f"params[{name!r}] holds {int(np.sum(bad))} non-finite value(s) (NaN or infinity), the "
-                             f"first at index {tuple(int(i) for i in np.argwhere(bad)[0])}: a checkpoint holding "
-                             "it could not be read back (load_hf_layer refuses it as damaged), so nothing was written")
+        found = non_finite(value)
+        if found:
+            raise ValueError(f"params[{name!r}] holds {found}: a checkpoint holding it could not be read back "
+                             "(load_hf_layer refuses it as damaged), so nothing was written")
 
 
 def _k3_checkpoint(config: MoEConfig, params: Mapping[str, Any], layer: Any, expert_layout: Any, mxfp4: bool,

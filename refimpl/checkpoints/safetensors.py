@@ -20,7 +20,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-__all__ = ["CONFIG_FILE", "INDEX_FILE", "SINGLE_FILE", "Shards", "inside_folder", "open_safetensors",
+__all__ = ["CONFIG_FILE", "INDEX_FILE", "SINGLE_FILE", "Shards", "inside_folder", "non_finite", "open_safetensors",
            "read_json", "read_safetensors_header", "to_dtype"]
 
 # safetensors dtype names -> NumPy dtypes.
@@ -243,6 +243,15 @@ class Shards:
         return np.fromfile(self.path / file, dtype=view.dtype, count=view.size, offset=offset).reshape(view.shape)
 
 
+def non_finite(array: Any) -> str:
+    """"N non-finite value(s) (NaN or infinity), the first at index (i, j)" for `array`, or "" when all are finite."""
+    bad = ~np.isfinite(np.asarray(array).astype(np.float64))
+    if not np.any(bad):
+        return ""
+    return (f"{int(np.sum(bad))} non-finite value(s) (NaN or infinity), the first at index "
+            f"{tuple(int(i) for i in np.argwhere(bad)[0])}")
+
+
 def to_dtype(array: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
     """`array` as a fresh array of `dtype`; a `ValueError` naming tensor `name` if it holds NaN or an
     infinity (a weight never does: the forward would spread it to every token that reaches it silently), or
@@ -250,11 +259,9 @@ def to_dtype(array: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
     with np.errstate(over="ignore"):
         out = np.array(array, dtype=dtype)
     if out.size and not math.isfinite(float(np.sum(out, dtype=np.float64))):  # one sum; the count if it fails
-        bad = ~np.isfinite(np.asarray(array).astype(np.float64))
-        if np.any(bad):
-            raise ValueError(f"tensor {name!r} holds {int(np.sum(bad))} non-finite value(s) (NaN or infinity), "
-                             f"the first at index {tuple(int(i) for i in np.argwhere(bad)[0])}: the checkpoint "
-                             "is damaged")
+        found = non_finite(array)
+        if found:
+            raise ValueError(f"tensor {name!r} holds {found}: the checkpoint is damaged")
     if ml_dtypes.finfo(dtype).max < ml_dtypes.finfo(array.dtype).max:  # a narrowing cast: look for overflow
         overflow = np.isinf(out) & np.isfinite(array)
         if np.any(overflow):
