@@ -86,10 +86,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import copy
 import importlib.util
 import os
 import re
+import shutil
 import sys
 import tempfile
 import textwrap
@@ -517,16 +519,57 @@ def execute(nb, folder: Path, timeout: int = TIMEOUT):
     """Run every cell of `nb` in a fresh Python kernel whose working folder is `folder`; the executed copy.
 
     A failing cell raises `nbclient.exceptions.CellExecutionError` with the cell's traceback.
+
+    The kernel talks to this process over Unix sockets in a private folder where the system has them. Over TCP
+    (Jupyter's default, and the fallback elsewhere) the client picks five free ports, frees them and hands their
+    numbers to the kernel, which binds them a moment later; another process starting a kernel or a server in that
+    moment can take one, and the kernel dies before it answers ("Kernel died before replying to kernel_info").
+    Several notebooks run at once in the test suite, so that race is met, not hypothetical. A socket file named
+    after a folder of this run's own cannot be taken by anyone else.
     """
     from nbclient import NotebookClient
 
     nb = copy.deepcopy(nb)
-    # The kernel's own log (its warning that it talks to this process over local TCP) is not the example's.
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
-                            extra_arguments=["--IPKernelApp.log_level=ERROR"],
-                            resources={"metadata": {"path": str(folder)}})
-    client.execute()
+    with _unix_sockets() as config:
+        # The kernel's own log (its start-up warnings) is not the example's.
+        client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False, config=config,
+                                extra_arguments=["--IPKernelApp.log_level=ERROR"],
+                                resources={"metadata": {"path": str(folder)}})
+        client.execute()
     return nb
+
+
+#: The longest folder the kernel's socket files may be put in: a Unix socket's path holds at most 104 bytes
+#: (macOS; 108 on Linux), and the files are named `<folder>/refimpl-kernel-XXXXXXXX/kernel-ipc-N` below it.
+SOCKET_FOLDER_LIMIT = 60
+
+
+def _socket_folder() -> str | None:
+    """Where the kernel's socket files go: the system's temporary folder, or /tmp where that is too long to
+    hold them; None where neither will do (no Unix sockets then, Jupyter's TCP)."""
+    if os.name != "posix":
+        return None
+    for folder in (tempfile.gettempdir(), "/tmp"):
+        if len(os.fsencode(folder)) <= SOCKET_FOLDER_LIMIT and os.path.isdir(folder) and os.access(folder, os.W_OK):
+            return folder
+    return None
+
+
+@contextlib.contextmanager
+def _unix_sockets():
+    """Configuration for a kernel manager whose sockets are files in a folder of its own, removed afterwards with
+    whatever the kernel left in it; empty (Jupyter's TCP default) where no such folder can be made."""
+    from traitlets.config import Config
+
+    base = _socket_folder()
+    if base is None:
+        yield Config()
+        return
+    sockets = tempfile.mkdtemp(prefix="refimpl-kernel-", dir=base)
+    try:
+        yield Config({"KernelManager": {"transport": "ipc", "connection_file": os.path.join(sockets, "kernel.json")}})
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def coalesce_streams(nb) -> None:

@@ -217,6 +217,48 @@ def test_a_failing_cell_stops_the_record(nb, tmp_path):
         nb.record(script, timeout=120)
 
 
+def run_printing_the_kernels_transport(nb, tmp_path) -> tuple[str, str]:
+    """Run a notebook whose kernel prints its transport and where its sockets are: (transport, socket prefix)."""
+    script = write_script(tmp_path, '"""Sockets."""\n\n# %%\nimport json\nimport ipykernel.connect\n'
+                                    'info = json.load(open(ipykernel.connect.get_connection_file()))\n'
+                                    'print(info["transport"], info["ip"])\n')
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    executed = nb.execute(nb.notebook(nb.script_cells(script), script.name), empty, timeout=120)
+    printed = "".join(o.get("text", "") for c in executed.cells if c.cell_type == "code" for o in c.outputs
+                      if o.output_type == "stream")
+    transport, ip = printed.split()
+    return transport, ip
+
+
+@pytest.mark.skipif(os.name != "posix", reason="Unix sockets only where the system has them")
+def test_the_kernel_talks_over_sockets_of_its_own_not_ports_anyone_can_take(nb, tmp_path):
+    """The kernel binds Unix socket files in a private folder, removed afterwards, never TCP ports.
+
+    Over TCP the client frees five ports and the kernel binds them a moment later; a notebook or server starting
+    beside it in that moment took one, and the kernel died before replying to kernel_info (a test of the suite
+    failed that way). A socket file in a folder of this run's own cannot be taken.
+    """
+    transport, ip = run_printing_the_kernels_transport(nb, tmp_path)
+    assert transport == "ipc"
+    folder = Path(ip).parent
+    assert folder.name.startswith("refimpl-kernel-")
+    assert not folder.exists()  # removed with the sockets' files
+
+
+@pytest.mark.skipif(os.name != "posix", reason="Unix sockets only where the system has them")
+def test_a_temporary_folder_too_long_for_a_socket_path_moves_the_sockets_to_tmp(nb, tmp_path, monkeypatch):
+    """A socket's path holds about a hundred bytes: under a long temporary folder the sockets go to /tmp."""
+    import tempfile
+
+    long = tmp_path / ("x" * 80)
+    long.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    transport, ip = run_printing_the_kernels_transport(nb, tmp_path)
+    assert transport == "ipc"
+    assert Path(ip).parent.parent == Path("/tmp")
+
+
 def test_a_record_that_holds_a_machine_path_is_refused(nb, tmp_path):
     script = write_script(tmp_path, '"""Leaky."""\n\n# %%\nimport os\nprint(os.getcwd())\n')
     with pytest.raises(ValueError, match="paths of this machine"):
