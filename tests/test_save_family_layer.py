@@ -110,6 +110,29 @@ def _refused(tmp_path, match: str, config, params, layer=1, **kwargs) -> None:
     assert not folder.exists()  # nothing written
 
 
+@pytest.mark.parametrize("model_type", sorted(name for name, f in ALL_RECORDS.items() if f.saved_layout == "fused"))
+def test_per_expert_names_of_a_fused_only_family_are_refused_in_memory_as_on_disk(model_type):
+    """The state-dict writer, its reader and the list of names refuse what the folder writer refuses.
+
+    The writer made per-expert names for K3 in transformers' draft (no checkpoint has them), which
+    `save_hf_layer` then refused to write: the same names were offered in memory and refused on disk.
+    """
+    from refimpl.checkpoints import family_tensor_shapes, hf_state_dict_from_params, params_from_hf_state_dict
+
+    config, params = _layer(ALL_RECORDS[model_type])
+    refusal = rf"expert_layout='per_expert': {model_type}'s folders hold its fused names only"
+    with pytest.raises(ValueError, match=refusal):
+        hf_state_dict_from_params(params, config, model_type=model_type, expert_layout="per_expert", layer=1)
+    with pytest.raises(ValueError, match=refusal):
+        family_tensor_shapes(config, model_type, "per_expert")
+    fused = hf_state_dict_from_params(params, config, model_type=model_type)
+    with pytest.raises(ValueError, match=refusal):
+        params_from_hf_state_dict(fused, config, model_type=model_type, expert_layout="per_expert")
+    again = params_from_hf_state_dict(fused, config, model_type=model_type)  # the fused names read as before
+    for name in params:
+        np.testing.assert_array_equal(np.asarray(again[name]), np.asarray(params[name]), err_msg=name)
+
+
 def test_what_a_family_cannot_express_is_refused_by_name_and_nothing_is_written(tmp_path):
     k3 = refimpl.MoEConfig.tiny(num_moe_layers=3)
     k3_params = refimpl.init_params(k3, 0)

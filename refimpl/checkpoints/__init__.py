@@ -140,7 +140,8 @@ for DeepSeek-V3, SiTU for any of them); a nonzero selection bias for a router wi
 Mixtral); unequal gate and up matrices for Nemotron-H's ungated experts; a DeepSeek-V4 hash layer
 without its table, a table for a layer routed by scores, or a table that names an expert twice in a
 row; `mxfp4=True` or a `prefix` with a `model_type`; per-expert names for `kimi_k3`, whose folders hold
-its fused names only; `expert_layout="per_expert"` without a `model_type`; a layer index whose
+its fused names only (refused in memory too: `hf_state_dict_from_params`, `params_from_hf_state_dict` and
+`family_tensor_shapes` with `expert_layout="per_expert"`); `expert_layout="per_expert"` without a `model_type`; a layer index whose
 `config.json` would list more than 100,000 layers one by one (Qwen3-MoE's `mlp_only_layers`, Kimi
 Linear's and DeepSeek-V4's `mlp_layer_types`, Nemotron-H's `layers_block_type`: the list grows with the
 index, and no model has a thousand layers), while a family whose keys say it in closed form

@@ -694,7 +694,7 @@ def _family_checkpoint(config: MoEConfig, params: Mapping[str, Any], layer: Any,
                        expert_layout: Any, mxfp4: bool | None, prefix: str | None, tid2eid: Any
                        ) -> tuple[dict[str, Any], Callable[[], dict[str, np.ndarray]]]:
     """A family's layout: its `config.json` and the layer's tensors under its names, or a `ValueError`."""
-    from .state_dict import EXPERT_LAYOUTS, hf_state_dict_from_params  # that module imports this one
+    from .state_dict import EXPERT_LAYOUTS, check_saved_layout, hf_state_dict_from_params  # imports this one
 
     family = record_of(model_type)
     if mxfp4:
@@ -707,9 +707,7 @@ def _family_checkpoint(config: MoEConfig, params: Mapping[str, Any], layer: Any,
     if layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be None (as the family saves) or one of {EXPERT_LAYOUTS}, "
                          f"got {expert_layout!r}")
-    if layout == "per_expert" and family.saved_layout == "fused":
-        raise ValueError(f"expert_layout='per_expert': {model_type}'s folders hold its fused names only (no "
-                         "per-expert names of its checkpoints are known); write expert_layout='fused'")
+    check_saved_layout(family, layout)
     hf = family_hf_config(config, model_type, layer)  # raises for a layer the family's keys cannot express
     text = hf.get("text_config", hf)
     _, layer_keys = read_layer_keys(text, "config.json", family)

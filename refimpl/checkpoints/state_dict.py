@@ -547,7 +547,8 @@ def hf_state_dict_from_params(params: Mapping[str, Any], config: MoEConfig, *, l
     With a `model_type` of `refimpl.families.ALL_RECORDS`, the names of that family's block
     (`family_tensor_shapes`, and with `layer` its prefix), the experts `expert_layout="fused"` (they load
     into transformers' block with `strict=True`) or `"per_expert"`, the names and prefix `save_pretrained`
-    writes, so that the family's `from_pretrained` reloads them; a nonzero
+    writes, so that the family's `from_pretrained` reloads them (refused for a family known in its fused
+    names only, `kimi_k3`: its per-expert names would be made up); a nonzero
     selection bias for a family whose router has none is a `ValueError`, and
     so is `mxfp4=True`. A DeepSeek-V4 hash layer is written with its table,
     `tid2eid` `[vocab, k]` (expert ids), as `gate.tid2eid` in place of the bias,
@@ -602,7 +603,8 @@ def family_tensor_shapes(config: MoEConfig, model_type: str, expert_layout: str 
 
     `expert_layout="fused"` gives the block's `state_dict()` as transformers 5 holds it (and as
     `save_pretrained(..., save_original_format=False)` writes it); `"per_expert"` the names `save_pretrained`
-    writes by default, one module per expert under the original checkpoint's names. Each family's record
+    writes by default, one module per expert under the original checkpoint's names (a `ValueError` for
+    `kimi_k3`, whose checkpoints are known in their fused names only). Each family's record
     (`refimpl.families`) gives the names; for a family with a latent of width $\ell$ ($\ell = d$ without one):
 
     | name | shape | when |
@@ -625,6 +627,7 @@ def family_tensor_shapes(config: MoEConfig, model_type: str, expert_layout: str 
     family = record_of(model_type)
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
+    check_saved_layout(family, expert_layout)
     _check_family_config(config, family)
     n, d, f, shared, ell = (config.num_experts, config.hidden_size, config.intermediate_size, config.shared_size,
                             config.latent_size)
@@ -649,6 +652,17 @@ def family_tensor_shapes(config: MoEConfig, model_type: str, expert_layout: str 
     for role, name in _shared_names(family, on_disk).items():
         shapes[name] = shared_shapes[role]
     return shapes
+
+
+def check_saved_layout(family: HFFamily, expert_layout: str) -> None:
+    """A `ValueError` for per-expert names of a family whose checkpoints are known in their fused names only.
+
+    Its per-expert names would be made up (K3 in transformers' draft: no conversion from another layout is
+    known), so neither a state dict nor a folder is written or read under them.
+    """
+    if expert_layout == "per_expert" and family.saved_layout == "fused":
+        raise ValueError(f"expert_layout='per_expert': {family.model_type}'s folders hold its fused names only "
+                         "(no per-expert names of its checkpoints are known); use expert_layout='fused'")
 
 
 #: The shared MLP's modules in memory, by role (every family spells them so in transformers 5).
