@@ -194,6 +194,26 @@ def test_ep_token_ids_are_checked_by_name(token_ids, error, message):
         ep_forward(x, refimpl.init_params(config, 0), config, MPI.COMM_SELF, token_ids=token_ids)
 
 
+@pytest.mark.parametrize("hash_routing", [False, True])
+@pytest.mark.parametrize(("token_ids", "error", "message"), [
+    (np.arange(3), ValueError, r"token_ids must have shape \[5\] \(one id per token of x\), got \[3\]"),
+    (np.arange(5.0), TypeError, r"token_ids must be an integer array of shape \[5\], got dtype float64"),
+    ([0, 1, 2, 3, 4], TypeError, r"token_ids must be an integer array of shape \[5\], got list"),
+])
+def test_bad_token_ids_are_refused_alike_on_one_process_and_across_ranks(hash_routing, token_ids, error, message):
+    """The one-process layer ignored malformed ids when hash routing was off, where ep_forward refused them."""
+    config = _config(hash_routing=hash_routing)
+    x = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
+    params = refimpl.init_params(config, 0)
+    with pytest.raises(error, match=message):
+        refimpl.stable_latent_moe(x, params, config, token_ids=token_ids)
+    with pytest.raises(error, match=rf"ep_forward: rank 0 of 1: {message}"):
+        ep_forward(x, params, config, MPI.COMM_SELF, token_ids=token_ids)
+    good = np.arange(5)  # well-formed ids: the same layer on both
+    np.testing.assert_allclose(ep_forward(x, params, config, MPI.COMM_SELF, token_ids=good)[0],
+                               refimpl.stable_latent_moe(x, params, config, token_ids=good), rtol=1e-5, atol=1e-6)
+
+
 def test_ep_mixed_array_libraries_are_named():
     config = _config()
     with pytest.raises(TypeError, match=r"x and params must come from one array library: x is a torch Tensor, "

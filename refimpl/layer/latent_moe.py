@@ -135,7 +135,7 @@ def stable_latent_moe(x: Array, params: Mapping[str, Array], config: MoEConfig, 
 
     The keywords are the extension points of the end of the page:
     `token_ids` (`[m]` integers) are read by a hash-routed layer
-    (`config.hash_routing`); `mxfp8_inputs=True` runs the routed experts at
+    (`config.hash_routing`), and checked whenever given; `mxfp8_inputs=True` runs the routed experts at
     K3's deployment precision for activations (each expert product's input
     rounded to MXFP8 and back, the arithmetic in float32; NumPy only, and
     `latent_size`, `intermediate_size` multiples of 32); `routing=(index,

@@ -24,13 +24,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .._lib.xp import Array
+from .._lib.xp import Array, array_namespace, dtype_name, is_array
 from ..config import MoEConfig
 from .baselines import capacity_serving, hash_choice
 from .routing import route
 
-__all__ = ["EXPERT_CHOICE", "SERVING", "ChoiceRule", "Selection", "ServingRule", "biased_top_k", "select_experts",
-           "serving_rule"]
+__all__ = ["EXPERT_CHOICE", "SERVING", "ChoiceRule", "Selection", "ServingRule", "biased_top_k", "check_token_ids",
+           "select_experts", "serving_rule"]
 
 # ---------------------------------------------------------------------------
 # A layer's selection, and its extension points
@@ -82,6 +82,35 @@ def serving_rule(name: str) -> ServingRule:
     return _registered(SERVING, name, f"the serving rule {name!r}")
 
 
+def check_token_ids(token_ids: Array | None, m: int, config: MoEConfig) -> None:
+    """The `token_ids` of `m` tokens: required when `config.hash_routing`; when given, integers of shape `[m]`.
+
+    Checked whenever they are given, hash routing or not, so that a call is
+    refused or accepted the same on one process and across ranks (where a
+    rank's bad ids must be known before the ranks exchange anything). A
+    hash-routed layer hashes ids in $[0, 2^{32})$ (`hash_route`); the range
+    is checked then. A `TypeError` or `ValueError` naming `token_ids`, with
+    what was expected and what came.
+    """
+    if token_ids is None:
+        if config.hash_routing:
+            raise ValueError(f"token_ids must be given (one integer id per token of x, shape [{m}]) "
+                             f"when config.hash_routing is True, got None")
+        return
+    if not is_array(token_ids):
+        raise TypeError(f"token_ids must be an integer array of shape [{m}], got {type(token_ids).__name__}")
+    xp = array_namespace(token_ids)
+    if not xp.isdtype(token_ids.dtype, "integral"):
+        raise TypeError(f"token_ids must be an integer array of shape [{m}], got dtype {dtype_name(token_ids.dtype)}")
+    if tuple(token_ids.shape) != (m,):
+        raise ValueError(f"token_ids must have shape [{m}] (one id per token of x), got {list(token_ids.shape)}")
+    if config.hash_routing and m:
+        low, high = int(xp.min(token_ids)), int(xp.max(token_ids))
+        if low < 0 or high >= 2**32:
+            raise ValueError(f"token_ids must hold integers in [0, {2**32}) for hash routing, "
+                             f"got values in [{low}, {high}]")
+
+
 def select_experts(scores: Array, bias: Array, config: MoEConfig, *, token_ids: Array | None = None) -> Selection:
     r"""Step 2 of a layer with the switches of `config`: the experts of each token and their weights.
 
@@ -100,6 +129,7 @@ def select_experts(scores: Array, bias: Array, config: MoEConfig, *, token_ids: 
     """
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    check_token_ids(token_ids, int(scores.shape[0]), config)
     if config.hash_routing:
         choose = _registered(EXPERT_CHOICE, "hash", "config.hash_routing=True")
     else:

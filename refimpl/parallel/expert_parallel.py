@@ -141,7 +141,7 @@ from typing import Any
 import numpy as np
 
 from .._lib.values import switch_value
-from .._lib.xp import Array, array_namespace, compute_dtype, dtype_name, is_array, to_numpy
+from .._lib.xp import Array, array_namespace, compute_dtype, dtype_name, to_numpy
 from ..balancing.histogram import BiasHistogram
 from ..config import MoEConfig
 from ..layer.activations import rms_norm
@@ -161,7 +161,7 @@ from ..layer.latent_moe import (
     shared_experts,
 )
 from ..layer.routing import router_scores
-from ..layer.selection import Selection, select_experts, serving_rule
+from ..layer.selection import Selection, check_token_ids, select_experts, serving_rule
 from .exchange import (
     EXPERT_STACKS,
     LocalSlots,
@@ -459,32 +459,6 @@ def _one_namespace(x: Array, params: Mapping[str, Array]) -> Any:
                        for name, library in libraries.items() if name != "x" and library != libraries["x"])
     raise TypeError(f"x and params must come from one array library: x is a {libraries['x']} "
                     f"{type(x).__name__}, but {others or 'their libraries do not mix'}")
-
-
-def check_token_ids(token_ids: Array | None, m: int, config: MoEConfig) -> None:
-    """This rank's `token_ids`: required when `config.hash_routing`; when given, integers of shape `[m]`.
-
-    A hash-routed layer hashes ids in $[0, 2^{32})$ (`hash_route`); the
-    range is checked then. A `TypeError` or `ValueError` naming `token_ids`,
-    with what was expected and what came.
-    """
-    if token_ids is None:
-        if config.hash_routing:
-            raise ValueError(f"token_ids must be given (one integer id per token of x, shape [{m}]) "
-                             f"when config.hash_routing is True, got None")
-        return
-    if not is_array(token_ids):
-        raise TypeError(f"token_ids must be an integer array of shape [{m}], got {type(token_ids).__name__}")
-    xp = array_namespace(token_ids)
-    if not xp.isdtype(token_ids.dtype, "integral"):
-        raise TypeError(f"token_ids must be an integer array of shape [{m}], got dtype {dtype_name(token_ids.dtype)}")
-    if tuple(token_ids.shape) != (m,):
-        raise ValueError(f"token_ids must have shape [{m}] (one id per token of x), got {list(token_ids.shape)}")
-    if config.hash_routing and m:
-        low, high = int(xp.min(token_ids)), int(xp.max(token_ids))
-        if low < 0 or high >= 2**32:
-            raise ValueError(f"token_ids must hold integers in [0, {2**32}) for hash routing, "
-                             f"got values in [{low}, {high}]")
 
 
 # ---------------------------------------------------------------------------
