@@ -57,6 +57,13 @@ Two scale bytes need care, and the decoder refuses to guess:
   are the only ones that can overflow). compressed-tensors returns infinity
   there; `mxfp4_decode` raises a `ValueError` that names the byte, the value
   and the fix, `dtype=np.float64`, in which every MXFP4 value is exact.
+* **The bottom of the range does not fit in float16.** Its smallest value is
+  $2^{-24}$, and a block's values are multiples of half its scale, so blocks
+  with scale bytes below 104 can hold values that float16 rounds or flushes to
+  zero. `mxfp4_decode(..., dtype=np.float16)` raises a `ValueError` for such a
+  value, naming the block, the value and what float16 makes of it, instead of
+  returning the weight changed (bfloat16, float32 and float64 hold every
+  small value).
 
 ## Encoding: which scale
 
@@ -82,7 +89,8 @@ the nearest E2M1 value, ties to the even code (magnitudes in $(6, 7)$ round
 down to 6). An all-zero block gets scale byte 0 (the exponent $-\infty$
 clamped to E8M0's smallest, $2^{-127}$); blocks of values so small that
 their exponent would fall below $-127$ get that smallest scale too, and their
-values round to the nearest multiple of $2^{-128}$ (most to zero).
+values round to the nearest E2M1 value times $2^{-127}$ (multiples of
+$2^{-128}$ up to $2^{-126}$, coarser above; most such values round to zero).
 
 ## MXFP8 for the activations
 
@@ -272,9 +280,26 @@ def mxfp4_scale_exponent(amax: np.ndarray) -> np.ndarray:
 
     $e = \lfloor \log_2 a \rfloor - 2$, plus one when $a \ge 1.75 \cdot 2^{\lfloor \log_2 a \rfloor}$
     (the maximum would round to 8 or more), clamped to E8M0's $[-127, 127]$;
-    an all-zero block gets $-127$. Returns int32 exponents.
+    an all-zero block gets $-127$. Returns int32 exponents. `amax` must hold
+    finite, non-negative real numbers (a block's largest magnitude): anything
+    else is a `TypeError` or `ValueError` naming it.
     """
-    return np.clip(_mxfp4_exponent(amax), _E8M0_MIN, _E8M0_MAX).astype(np.int32)
+    return np.clip(_mxfp4_exponent(_check_maxima(amax)), _E8M0_MIN, _E8M0_MAX).astype(np.int32)
+
+
+def _check_maxima(amax: Any) -> np.ndarray:
+    """`amax` as an array of finite, non-negative real numbers: blocks' largest magnitudes, or an error naming it."""
+    a = np.asarray(amax)
+    if a.dtype == np.bool_ or not (np.issubdtype(a.dtype, np.integer) or a.dtype.newbyteorder("=") in FLOAT_DTYPES):
+        raise TypeError(f"amax must hold real numbers (blocks' largest magnitudes), got dtype {a.dtype}")
+    if np.issubdtype(a.dtype, np.integer) or a.dtype == ml_dtypes.bfloat16:
+        a = a.astype(np.float64)  # exactly (frexp needs a NumPy float)
+    bad = ~np.isfinite(a) | (a < 0)
+    if np.any(bad):
+        first = tuple(int(i) for i in np.argwhere(bad)[0]) if a.ndim else ()
+        raise ValueError(f"amax must hold finite, non-negative values (blocks' largest magnitudes), got "
+                         f"{float(a[first])} at index {list(first)} ({int(bad.sum())} such entries)")
+    return a
 
 
 # ---------------------------------------------------------------------------
@@ -373,8 +398,11 @@ def mxfp4_decode(packed: Any, scale: Any, dtype: Any = np.float32) -> np.ndarray
     Raises `ValueError` for a scale byte 255 (E8M0's NaN: the block has no
     value) and for a value `dtype` cannot hold (scale bytes 253 and 254 in
     float32 or bfloat16 can reach $6 \cdot 2^{127}$; decode those with
-    `dtype=np.float64`), naming the block; `TypeError` for a `dtype` that is
-    not floating.
+    `dtype=np.float64`), too large or too small: float16 cannot hold some
+    values of blocks with scale bytes below 104 (scales under $2^{-23}$), and
+    a value it would round, or flush to zero, is refused rather than returned
+    changed. Each names the block; `TypeError` for a `dtype` that is not
+    floating.
     """
     packed = _check_blocks("packed", packed, kind="uint8")
     scale = _check_blocks("scale", scale, kind="uint8")
@@ -398,7 +426,35 @@ def mxfp4_decode(packed: Any, scale: Any, dtype: Any = np.float32) -> np.ndarray
         out = values.reshape(*packed.shape[:-1], packed.shape[-1] * 2).astype(dtype, copy=False)
     if scale.size and int(scale.max()) >= _first_overflowing_byte(dtype):
         _refuse_overflow(out, scale, dtype)
+    if scale.size and int(scale.min()) < _first_exact_byte(dtype):
+        _refuse_underflow(out, values.reshape(out.shape), scale, dtype)
     return out
+
+
+def _first_exact_byte(dtype: np.dtype) -> int:
+    r"""The smallest scale byte $s$ whose every value `dtype` holds exactly.
+
+    A block's values are $P \cdot 2^{s - 127}$ with $P$ an E2M1 magnitude, whose lowest bit is $2^{-1}$ (0.5,
+    1.5), so each is a multiple of $2^{s - 128}$: `dtype` holds them all when that is at least its smallest
+    subnormal (float16's $2^{-24}$: bytes from 104; bfloat16, float32 and float64 hold every byte's).
+    """
+    _, exponent = np.frexp(float(ml_dtypes.finfo(dtype).smallest_subnormal))  # = 0.5 * 2^exponent
+    return 128 + int(exponent) - 1
+
+
+def _refuse_underflow(out: np.ndarray, exact: np.ndarray, scale: np.ndarray, dtype: np.dtype) -> None:
+    """Raise if a decoded value lost bits in `dtype` (rounded, or flushed to zero), naming the block."""
+    lost = out.astype(exact.dtype) != exact
+    if not np.any(lost):
+        return
+    where = tuple(int(i) for i in np.argwhere(lost)[0])
+    block = where[:-1] + (where[-1] // MX_BLOCK,)
+    s = int(scale[block])
+    raise ValueError(
+        f"MXFP4 values too small for {dtype.name}: the block at scale index {list(block)} has scale byte {s} "
+        f"(2^{s - 127}), and its value {float(exact[where]):.6g} becomes {float(out[where]):.6g} in "
+        f"{dtype.name} (whose smallest value is {float(ml_dtypes.finfo(dtype).smallest_subnormal):.6g}); "
+        f"decode with dtype=np.float32, which holds every MXFP4 value below 2^128 exactly")
 
 
 def _first_overflowing_byte(dtype: np.dtype) -> int:
@@ -432,9 +488,10 @@ def mxfp8_scale_exponent(amax: np.ndarray) -> np.ndarray:
 
     $\lfloor \log_2 a \rfloor - 8$, plus one when the mantissa of $a$ exceeds
     1.75 ($448 = 1.75 \cdot 2^8$), clamped to E8M0's $[-127, 127]$; an all-zero
-    block gets $-127$. Returns int32 exponents.
+    block gets $-127$. Returns int32 exponents. `amax` must hold finite,
+    non-negative real numbers, as for `mxfp4_scale_exponent`.
     """
-    amax = np.asarray(amax)
+    amax = _check_maxima(amax)
     positive = amax > 0
     safe = np.where(positive, amax, 1.0)
     e = _floor_log2(safe)
@@ -453,16 +510,22 @@ def mxfp8_round(x: Any) -> np.ndarray:
     that is not a multiple of 32 is an error: the format has no partial
     blocks. Idempotent: `mxfp8_round(mxfp8_round(x)) == mxfp8_round(x)`.
 
-    Computes in float32: non-finite input, and finite input beyond float32's
-    range (a float64 1e39), is a `ValueError`. An element that would round up
-    past float32's largest value saturates to the next E4M3 value down, so a
-    finite input never comes back infinite.
+    Returns float32: non-finite input, and finite input beyond float32's
+    range (a float64 1e39), is a `ValueError`. Each element is rounded once,
+    from its own value (a float64 is not rounded to float32 on the way, which
+    would round twice), and the scale is that of the block's exact maximum.
+    An element that would round up past float32's largest value saturates to
+    the next E4M3 value down, so a finite input never comes back infinite.
     """
     x = _check_blocks("x", x, kind="float")
     K = x.shape[-1]
     if K % MX_BLOCK:
         raise ValueError(f"x must have a last axis that is a multiple of {MX_BLOCK}, got shape {list(x.shape)}")
-    blocks = _in_working_dtype("x", x, np.float32).reshape(*x.shape[:-1], K // MX_BLOCK, MX_BLOCK)  # [..., K/32, 32]
+    checked = _in_working_dtype("x", x, np.float32)  # non-finite input, and values float32 cannot hold, refused
+    # A float64 element is scaled and rounded to E4M3 from its own value: rounding it to float32 first would
+    # round twice (1.0625 + 2^-30 becomes the tie 1.0625, then 1.0, where E4M3's nearest value is 1.125).
+    exact = x if x.dtype == np.float64 else checked
+    blocks = exact.reshape(*x.shape[:-1], K // MX_BLOCK, MX_BLOCK)  # [..., K/32, 32]
     e = mxfp8_scale_exponent(np.max(np.abs(blocks), axis=-1))[..., None]  # [..., K/32, 1]
     # $$x_j \approx X \operatorname{round}_{\text{E4M3}}(x_j / X)$$ (the clip only guards the E8M0 clamp)
     scaled = np.clip(np.ldexp(blocks, -e), -_E4M3_MAX, _E4M3_MAX)
