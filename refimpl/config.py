@@ -91,6 +91,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from ._lib.values import (
     FLOAT32_RANGE,
     factor_value,
@@ -131,6 +133,24 @@ SCORE_FUNCTIONS = ("sigmoid", "softmax", "sqrtsoftplus")
 #: accepting their names would silently compute something else.
 TOPK_METHODS = ("noaux_tc",)
 
+# The names each of `MoEConfig`'s named fields may hold.
+_NAMES_OF: dict[str, tuple[str, ...]] = {"score_function": SCORE_FUNCTIONS, "activation": ACTIVATIONS,
+                                         "topk_method": TOPK_METHODS}
+
+
+def _name_value(value: Any, label: str, names: tuple[str, ...]) -> str:
+    """`value` as a plain `str` if it is a string: a `str`, a NumPy string scalar (`np.str_`) or a 0-d NumPy
+    string array (`np.array("situ")`, what indexing a string array or loading one from a file gives). A
+    `TypeError` naming `label` for anything else: an array or a non-string stored in a frozen, hashed
+    config would make it unhashable, and `b"situ"` or `["situ"]` is no name. Whether it is one of `names`
+    is the caller's check."""
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind == "U":
+        value = value.item()
+    if not isinstance(value, str):
+        raise TypeError(f"{label} must be a string (one of {names}), got {type(value).__name__} {shown(value)}")
+    return str(value)  # a str subclass (np.str_) becomes a str
+
+
 #: Hugging Face configuration key for each field of `MoEConfig`.
 HF_KEYS: dict[str, str] = {
     "hidden_size": "hidden_size",
@@ -169,7 +189,8 @@ class HFSynonym(NamedTuple):
 # the expected keys are absent or their product disagrees.
 _ABSENT_OR_DIFFERENT = "the expected key is absent or holds another value"
 _ABSENT = "the expected key is absent"
-_SHARED_WIDTH = "num_shared_experts is absent, or num_shared_experts x moe_intermediate_size differs"
+_SHARED_WIDTH = ("num_shared_experts is absent, or num_shared_experts x moe_intermediate_size differs (a null "
+                 "num_shared_experts counts as 0, its meaning)")
 
 #: Keys of other MoE configurations that name a quantity `from_hf_config` reads under its Kimi name.
 #: Meeting one is a `ValueError` naming both keys (when `refused_when` holds), never a silent default.
@@ -212,8 +233,10 @@ class MoEConfig:
     construction: sizes are positive integers of any integral type (NumPy's
     included, not bool) and are stored as Python ints; factors are positive
     reals of any type that float32 holds, stored as Python floats;
-    `top_k <= num_experts`, `latent_size <= hidden_size`, and the activation
-    and score function are ones this package implements.
+    `top_k <= num_experts`, `latent_size <= hidden_size`, and the activation,
+    score function and top-k method are ones this package implements, given
+    as strings (a NumPy string scalar or 0-d string array is stored as a
+    `str`; any other type is a `TypeError`).
     """
 
     hidden_size: int = 7168
@@ -315,8 +338,7 @@ class MoEConfig:
                 "MoEConfig.use_latent_projection=False needs latent_size == hidden_size (alpha = 1), "
                 f"got latent_size={self.latent_size}, hidden_size={self.hidden_size}")
         for name in ("score_function", "activation", "topk_method"):
-            if isinstance(getattr(self, name), str):
-                self._store(name, str(getattr(self, name)))  # a str subclass (np.str_) becomes a str
+            self._store(name, _name_value(getattr(self, name), f"MoEConfig.{name}", _NAMES_OF[name]))
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"MoEConfig.topk_method must be one of {TOPK_METHODS}, got {self.topk_method!r}")
         if self.score_function not in SCORE_FUNCTIONS:
@@ -658,6 +680,9 @@ _HF_NULL: dict[str, Any] = {
     "topk_group": 1,
 }
 
+# What leaving a key out means, in words, where the value that stands for it (None) would not say it.
+_HF_ABSENT_MEANS: dict[str, str] = {"num_hidden_layers": "one MoE layer, described on its own"}
+
 # How each key's value is checked: ("integer", lower bound), ("factor", None), ("switch", None) or
 # ("choice", the names allowed).
 _HF_KINDS: dict[str, tuple[str, Any]] = {
@@ -697,8 +722,8 @@ def _read_hf_key(text: Mapping[str, Any], key: str, where: str, absent: Any = No
     if value is None:
         if key in _HF_NULL:
             return _HF_NULL[key]
-        default = HF_ABSENT.get(key, absent)
-        raise ValueError(f"{label} must not be null: write its value, or leave the key out (meaning {default!r})")
+        meaning = _HF_ABSENT_MEANS.get(key, repr(HF_ABSENT.get(key, absent)))
+        raise ValueError(f"{label} must not be null: write its value, or leave the key out (meaning {meaning})")
     kind, option = _HF_KINDS[key]
     if kind == "integer":
         return integer_value(value, label, low=option)
@@ -729,10 +754,17 @@ HF_CODES = ("k3", "transformers")
 
 def hf_reading_family(hf: Mapping[str, Any], *, code: str | None = None) -> HFFamily | None:
     """The family record whose code reads the configuration `hf` (`MoEConfig.from_hf_config`'s choice), or None
-    for K3's own modeling code. A multimodal model's record (Kimi K2.5) when `hf` is one that wraps the family."""
-    text = hf.get("text_config", hf) if isinstance(hf, Mapping) else hf
+    for K3's own modeling code. A multimodal model's record (Kimi K2.5) when `hf` is one that wraps the family.
+
+    As `from_hf_config`: a `TypeError` when `hf` is not a mapping, a `ValueError` naming the key for a
+    `text_config` that is not one, a `model_type` that is not a string, or a `code` it does not know.
+    """
+    if not isinstance(hf, Mapping):
+        raise TypeError(f"hf must be a mapping of Hugging Face config keys, got {type(hf).__name__}")
+    text = hf.get("text_config", hf)
     if not isinstance(text, Mapping):
-        raise ValueError(f"hf['text_config'] must be a mapping of the language model's keys, got {shown(text)}")
+        raise ValueError(f"hf['text_config'] must be a mapping of the language model's keys, got "
+                         f"{type(text).__name__} {shown(text)}")
     family = _reading_code(hf, text, "hf['text_config']" if text is not hf else "hf", code)
     wrapper = _record_named(hf.get("model_type")) if "text_config" in hf else None
     if family is not None and wrapper is not None and wrapper.wraps == family.model_type:
@@ -786,16 +818,23 @@ def _refuse_synonyms(text: Mapping[str, Any], where: str) -> None:
         elif synonym.refused_when == _ABSENT_OR_DIFFERENT and not same_json_value(value, text[expected]):
             problems.append(f"{spelled} disagrees with {where}[{expected!r}] = {shown(text[expected])}")
         elif synonym.refused_when == _SHARED_WIDTH:
-            shared, width = text[expected], text.get("moe_intermediate_size")
+            # A null num_shared_experts is compared by its meaning (none, `_HF_NULL`), as 0 is.
+            shared = _HF_NULL[expected] if text[expected] is None else text[expected]
+            width = text.get("moe_intermediate_size")
             if is_integer(shared) and is_integer(width) and not same_json_value(value, shared * width):
+                given = "null (meaning 0)" if text[expected] is None else shared
                 problems.append(f"{spelled} is not num_shared_experts x moe_intermediate_size = "
-                                f"{shared} x {width} = {shared * width}")
+                                f"{given} x {width} = {shared * width}")
     if problems:
         raise ValueError(f"{where} uses keys of other MoE configurations: " + "; ".join(problems))
 
 
 def _count_hf_moe_layers(text: Mapping[str, Any], where: str) -> int:
-    """`count_moe_layers` of the keys in `text`, each checked; 1 when `num_hidden_layers` is absent or null."""
+    """`count_moe_layers` of the keys in `text`, each checked; 1 when `num_hidden_layers` is absent.
+
+    An absent `num_hidden_layers` describes one MoE layer on its own; null is refused (`_read_hf_key`), since
+    the reference code has no meaning for it.
+    """
     total = _read_hf_key(text, "num_hidden_layers", where)
     first_dense = _read_hf_key(text, "first_k_dense_replace", where, absent=0)
     freq = _read_hf_key(text, "moe_layer_freq", where, absent=1)
@@ -809,6 +848,16 @@ def _count_hf_moe_layers(text: Mapping[str, Any], where: str) -> int:
     return count
 
 
+def _layer_number(value: Any, name: str, low: int) -> int:
+    """`value` as a Python int if it is an integer >= `low` (NumPy's integers included, not bool): a `TypeError`
+    naming `name` for what is not an integer (10.5 is not rounded, "10" not parsed), a `ValueError` below `low`."""
+    if not is_integer(value):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {shown(value)}")
+    if value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value}")
+    return int(value)
+
+
 def count_moe_layers(num_hidden_layers: int, first_k_dense_replace: int = 0, moe_layer_freq: int = 1) -> int:
     r"""How many of the layers $0, \dots, N - 1$ are MoE layers (`is_moe_layer`), in closed form.
 
@@ -816,15 +865,28 @@ def count_moe_layers(num_hidden_layers: int, first_k_dense_replace: int = 0, moe
     (`moe_layer_freq`) divides $L$: the multiples of $q$ in $[f, N - 1]$.
     Counting them instead of looping keeps a configuration with $10^{18}$
     layers as quick to read as K3's 93.
+
+    The arguments are checked as the keys of a `config.json` are: integers of any integral type (not bool),
+    $N \ge 1$, $f \ge 0$ and $q \ge 1$; a `TypeError` for what is not an integer, a `ValueError` for one out of
+    range, each naming the argument. The count is a Python int.
     """
-    N, f, q = num_hidden_layers, first_k_dense_replace, moe_layer_freq
+    N = _layer_number(num_hidden_layers, "num_hidden_layers", 1)
+    f = _layer_number(first_k_dense_replace, "first_k_dense_replace", 0)
+    q = _layer_number(moe_layer_freq, "moe_layer_freq", 1)
     # $$\#\{L < N : L \ge f,\ q \mid L\} = \max\left(0,\ \lfloor (N-1)/q \rfloor - \lceil f/q \rceil + 1\right)$$
     return max(0, (N - 1) // q - (-(-f // q)) + 1)
 
 
 def is_moe_layer(layer: int, first_k_dense_replace: int = 0, moe_layer_freq: int = 1) -> bool:
-    """Whether decoder layer `layer` holds an MoE block (the reference code's rule); the others are dense."""
-    return layer >= first_k_dense_replace and layer % moe_layer_freq == 0
+    """Whether decoder layer `layer` holds an MoE block (the reference code's rule); the others are dense.
+
+    Checked as `count_moe_layers`: integers (not bool), `layer >= 0`, `first_k_dense_replace >= 0` and
+    `moe_layer_freq >= 1`, else a `TypeError` or `ValueError` naming the argument.
+    """
+    layer = _layer_number(layer, "layer", 0)
+    first = _layer_number(first_k_dense_replace, "first_k_dense_replace", 0)
+    freq = _layer_number(moe_layer_freq, "moe_layer_freq", 1)
+    return layer >= first and layer % freq == 0
 
 
 def family_hf_config(config: MoEConfig, model_type: str, layer: int) -> dict[str, Any]:
@@ -874,11 +936,41 @@ def family_layer_keys(model_type: str, **fields: Any) -> dict[str, Any]:
     `hidden_size=16`, `n_group=4`, ...) applied wherever the family has a key for them (and `latent_size`
     where it has a latent); the rest is left as the family has it. This is how the measurements choose one
     configuration for every family without a list of families: Qwen3-MoE simply has no key for `n_group`.
+
+    The keys are those of the family's configuration class (`HFFamily.config_class`; a wrapper's are its
+    text model's), without `model_type`: `MoEConfig.from_hf_config({"model_type": model_type, **keys})`
+    reads them back as the layer asked for (Kimi K2.5's go in its `text_config`, beside the wrapped model's
+    `model_type`). K3 (`"kimi_k3"`), whose configuration K3's own code reads, has a key for every field of
+    `HF_KEYS`: its keys are `MoEConfig.to_hf_config`'s, with layer 0 the one MoE layer.
+
+    Nothing is written unchecked. A name that is no `MoEConfig` field (`hiddn_size`) is a `TypeError`
+    listing the fields; the values applied are checked by `MoEConfig` itself, as the layer is built (a
+    `hidden_size="16"` is refused, an `np.int64` written as an int); and a layer the family's keys would
+    read back as another (`family_hf_config`'s check) is a `ValueError` naming the fields. A field the family
+    has no key for is not written, and so not checked beyond its name.
     """
     family = record_of(model_type)
-    values = asdict(MoEConfig.from_hf_config({"model_type": model_type, **family.test_keys}))
-    for name, value in fields.items():
-        if name in family.keys or (name == "latent_size" and family.latent_projections is not None):
-            values[name] = value
-    values.update(num_moe_layers=1, num_hash_layers=0)
-    return write_family_keys(values, family, 0)
+    known = list(MoEConfig.__dataclass_fields__)
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise TypeError(f"family_layer_keys() got fields MoEConfig has not: {unknown} (the fields are {known})")
+    if family.k3_configuration:
+        held = set(HF_KEYS)
+    else:
+        held = set(family.keys) | ({"latent_size"} if family.latent_projections is not None else set())
+    applied = {name: value for name, value in fields.items() if name in held}
+    config = MoEConfig.from_hf_config({"model_type": model_type, **family.test_keys})
+    if not config.use_latent_projection:  # a plain MoE: its experts see the full width, whatever it is set to
+        applied["latent_size"] = applied.get("hidden_size", config.hidden_size)
+    config = config.replace(**applied, num_moe_layers=1, num_hash_layers=0)
+    if family.k3_configuration:
+        keys = config.to_hf_config()  # refuses, by name, what K3's keys cannot hold
+        del keys["model_type"]
+        keys.update(num_hidden_layers=1, first_k_dense_replace=0, moe_layer_freq=1)
+        return keys
+    try:
+        hf = family_hf_config(config, model_type, 0)
+    except ValueError as exc:
+        raise ValueError(f"family_layer_keys({model_type!r}, ...): {exc}") from None
+    text = hf if family.wraps is None else hf["text_config"]
+    return {key: value for key, value in text.items() if key != "model_type"}

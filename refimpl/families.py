@@ -314,13 +314,25 @@ def _mlp_layer_types_is_moe(layer: int, keys: Mapping[str, Any]) -> bool:
     return layer >= keys["first_k_dense_replace"] if kinds is None else kinds[layer] == "sparse"
 
 
+# The letters of Nemotron-H's `hybrid_override_pattern`, one per layer, and the layer kind each stands for.
+_PATTERN_LETTERS = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+
+
 def _block_type_keys(text: Mapping[str, Any], where: str, family: HFFamily, total: int) -> dict[str, Any]:
-    """Nemotron-H: `layers_block_type` (or `layer_types`, or the letters of `hybrid_override_pattern`)."""
+    """Nemotron-H: `layers_block_type` (or `layer_types`, or the letters of `hybrid_override_pattern`).
+
+    As `NemotronHConfig` reads them: the pattern, the older spelling, only when no list is given (next to a
+    list the class ignores it); present without a list, it must be a non-empty string of the letters M, E, *
+    and - (the class would crash on anything else), never passed over for the class's default layout.
+    """
     kinds = text.get("layers_block_type", text.get("layer_types"))
-    pattern = text.get("hybrid_override_pattern")
-    if kinds is None and isinstance(pattern, str):  # the older spelling: one letter per layer, E for MoE
-        letters = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
-        kinds = [letters.get(char, char) for char in pattern]
+    if kinds is None and "hybrid_override_pattern" in text:
+        pattern = text["hybrid_override_pattern"]
+        if not isinstance(pattern, str) or not pattern or any(char not in _PATTERN_LETTERS for char in pattern):
+            raise ValueError(f"{where}['hybrid_override_pattern'] must be a string of one letter per layer "
+                             f"({', '.join(_PATTERN_LETTERS)}; E for an MoE layer), got {type(pattern).__name__} "
+                             f"{shown(pattern)}")
+        kinds = [_PATTERN_LETTERS[char] for char in pattern]
     if kinds is None:
         kinds = family.layer_defaults["layers_block_type"]
     allowed = ("linear_attention", "moe", "full_attention", "mlp")
@@ -707,7 +719,7 @@ def _value(text: Mapping[str, Any], where: str, spec: HFFamilyKey) -> Any:
     if spec.kind == "factor":
         return factor_value(value, label)
     if spec.kind == "score":  # the router's score function, by its transformers activation name
-        if value not in _SCORES_OF:
+        if not isinstance(value, str) or value not in _SCORES_OF:  # a list or a mapping is no name (nor hashable)
             raise ValueError(f"{label} must be one of {sorted(_SCORES_OF)} (the score functions of this family "
                              f"this package computes), got {shown(value)}")
         return _SCORES_OF[value]
