@@ -166,7 +166,15 @@ over, the caller's earlier answer with it ("stale output"), or whose answer to t
 input changes from call to call ("drift"), fails, and so does a build that
 writes into the `state_dict` or `text_config` it was handed, then or later
 from its forward. A check asked for float64 holds float64's tolerance, and
-its report says the precision the port achieved. A router that declares the
+its report says the precision the port achieved; the router, forward,
+update and histogram checks do too, by default: their tolerances are the
+float32 ones scaled by float64's unit roundoff over float32's, $2^{-29}$, so a
+port that computes in float32 fails a float64 check (in a half dtype, pass the
+tolerance your port needs). A bfloat16 router is not failed for the ties the
+cast to bfloat16 itself makes: such a token is held to a valid top-$k$. A
+balancer is started from a nonzero initial bias, so one that ignores it
+fails, and a balancer whose steps write into that bias or into the batches
+it was handed is reported, naming them. A router that declares the
 lower id first on ties is tried on rows of 17 to 32 experts as well as short
 ones: sorts that are unstable in general (`np.argsort`'s default kind where
 NumPy has no vectorized sort for the CPU, libstdc++'s `std::sort`) order a

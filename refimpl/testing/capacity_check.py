@@ -39,10 +39,12 @@ import numpy as np
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
+from .._lib.validation import check_int
 from ..layer.baselines import capacity_keep
 from .outputs import user_array
 from .profiles import kit_settings
 from .report import CheckResult, Invariant, Violation, call_user, errors, run_check
+from .router_check import _tolerance_value
 
 __all__ = ["CAPACITY_ORDERS", "CapacityCase", "capacity_cases", "check_capacity", "token_major_keep"]
 
@@ -295,10 +297,17 @@ def check_capacity(fn: Callable[[np.ndarray, np.ndarray, int, int], Any], *, rto
     8. **the same as the reference** (`same_as_reference`): `refimpl.layer.baselines.capacity_keep`, or
        `token_major_keep` for token-major.
 
-    `rtol`, `atol` apply to the weights (the kept ones must come back as they went in).
+    `rtol`, `atol` apply to the weights (the kept ones must come back as they went in). Bad arguments are a
+    `TypeError` or `ValueError` naming them.
     """
-    if order not in CAPACITY_ORDERS:
+    if not callable(fn):
+        raise TypeError(f"fn must be the capacity rule, a function, got {type(fn).__name__} {fn!r:.60}")
+    if not isinstance(order, str) or order not in CAPACITY_ORDERS:
         raise ValueError(f"order must be one of {sorted(CAPACITY_ORDERS)}, got {order!r}")
+    rtol, atol = _tolerance_value("rtol", rtol), _tolerance_value("atol", atol)
+    max_tokens = check_int("max_tokens", max_tokens, low=1)
+    max_experts = check_int("max_experts", max_experts, low=1)
+    resolved = kit_settings(settings)  # a bad profile name is an error before anything runs
     port = _Capacity(fn, order, rtol, atol)
     cases = capacity_cases(max_tokens=max_tokens, max_experts=max_experts)
     ample = st.integers(1, max_tokens).flatmap(
@@ -324,4 +333,4 @@ def check_capacity(fn: Callable[[np.ndarray, np.ndarray, int, int], Any], *, rto
         named("same as capacity_keep" if order == "rank_major" else "same as token_major_keep", cases,
               same_as_reference),
     ]
-    return run_check("check_capacity", invariants, kit_settings(settings))
+    return run_check("check_capacity", invariants, resolved)

@@ -9,6 +9,7 @@ import numpy as np
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
+from .._lib.validation import check_float_dtype, check_int
 from .._lib.xp import dtype_name
 from ..config import MoEConfig
 from ..layer.activations import sigmoid
@@ -24,6 +25,7 @@ from .report import (
     call_user,
     run_check,
 )
+from .router_check import dtype_tolerances
 
 __all__ = ["ConfigRepr", "check_forward", "dtype_expr", "reference_forward"]
 
@@ -62,7 +64,7 @@ def reference_forward(case: rst.ForwardCase, dtype: Any) -> tuple[np.ndarray, np
 
 
 def check_forward(fn: Callable[[np.ndarray, dict[str, np.ndarray], MoEConfig], Any], *,
-                  rtol: float = 1e-4, atol: float = 1e-5, dtype: Any = np.float32,
+                  rtol: float | None = None, atol: float | None = None, dtype: Any = np.float32,
                   configs: st.SearchStrategy[MoEConfig] | MoEConfig | None = None, max_tokens: int = 6,
                   settings: str | Settings | None = None) -> CheckResult:
     r"""Check a layer `fn(x, params, config) -> y` against `stable_latent_moe` (Eq. 11).
@@ -71,7 +73,9 @@ def check_forward(fn: Callable[[np.ndarray, dict[str, np.ndarray], MoEConfig], A
     `parameter_shapes`) arrive as NumPy arrays of `dtype`; `y` `[m, d]` must
     come back. The reference is computed in float64 from the very same
     (rounded) inputs, so `rtol`/`atol` measure only the error of the user's
-    arithmetic: about 1e-4 suits float32, a few 1e-2 bfloat16.
+    arithmetic: about 1e-4 suits float32, a few 1e-2 bfloat16. By default (`None`) they are 1e-4 and 1e-5,
+    and $2^{-29}$ times those for float64 (`router_check.dtype_tolerances`): a layer that computes in float32
+    fails a float64 check. A half dtype has no default of its own: pass the tolerance it needs.
 
     `configs` is a strategy of `MoEConfig` (default: small layers with K3's
     switches, see `strategies.configs`) or one fixed config.
@@ -80,8 +84,17 @@ def check_forward(fn: Callable[[np.ndarray, dict[str, np.ndarray], MoEConfig], A
     stable_latent_moe** on every token whose routing is unambiguous at that
     precision (see `reference_forward`).
     """
+    if not callable(fn):
+        raise TypeError(f"fn must be the layer, a function, got {type(fn).__name__} {fn!r:.60}")
+    dtype = check_float_dtype(dtype, "dtype")
+    rtol, atol = dtype_tolerances(dtype, rtol, atol, 1e-4, 1e-5)
+    max_tokens = check_int("max_tokens", max_tokens, low=1)
+    resolved = kit_settings(settings)  # a bad profile name is an error before anything runs
     if configs is None:
         configs = rst.configs()
+    elif not isinstance(configs, MoEConfig | st.SearchStrategy):
+        raise TypeError(f"configs must be a MoEConfig or a strategy of them, got {type(configs).__name__} "
+                        f"{configs!r:.60}")
     cases = rst.forward_cases(config=configs, max_tokens=max_tokens)
 
     def run(case: rst.ForwardCase) -> np.ndarray:
@@ -117,7 +130,7 @@ def check_forward(fn: Callable[[np.ndarray, dict[str, np.ndarray], MoEConfig], A
                   "Eq. (11): y = shared(x) + W_up RMSNorm(sum_e p_e E_e(W_down x)), reduced before the norm",
                   cases, matches, describe=inputs),
     ]
-    return run_check("check_forward", invariants, kit_settings(settings))
+    return run_check("check_forward", invariants, resolved)
 
 
 class ConfigRepr:

@@ -11,6 +11,7 @@ import numpy as np
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
+from .._lib.validation import check_int
 from . import strategies as rst
 from .outputs import bias_output, count, error_sizes, fmt
 from .profiles import kit_settings
@@ -21,7 +22,7 @@ from .report import (
     call_user,
     run_check,
 )
-from .update_check import bias_invariants
+from .update_check import bias_invariants, update_arguments
 
 __all__ = ["check_histogram_update"]
 
@@ -150,7 +151,7 @@ def _partition_inputs(update: _Histogram, drawn: tuple[rst.RoutingCase, rst.Part
 # ---------------------------------------------------------------------------
 
 def check_histogram_update(fn: Callable[[list[np.ndarray], np.ndarray, int], Any], *, bins: int = 1000,
-                           dtype: Any = np.float32, rtol: float = 1e-5, atol: float = 1e-6,
+                           dtype: Any = np.float32, rtol: float | None = None, atol: float | None = None,
                            max_tokens: int = 12, max_experts: int = 8, max_ranks: int = 4,
                            max_micro_batches: int = 3, settings: str | Settings | None = None) -> CheckResult:
     r"""Check a histogram update `fn(blocks, bias, top_k) -> new_bias` against Appendix D.
@@ -180,7 +181,16 @@ def check_histogram_update(fn: Callable[[list[np.ndarray], np.ndarray, int], Any
     rounded down, the $\lceil q \rceil$-th required bias (Megatron-Core's
     `global_batch` mode and torchtitan's `QuantileBalancer`), a fixed range
     $[-1, 1]$ of 512 bins, quantiles averaged over the blocks.
+
+    `rtol` and `atol` (the float part of the tolerance, beyond the bin) default as for
+    `check_balancing_update`: 1e-5 and 1e-6, $2^{-29}$ times those for float64. Bad arguments are a
+    `TypeError` or `ValueError` naming them.
     """
+    dtype, rtol, atol, max_tokens, max_experts = update_arguments(fn, dtype, rtol, atol, max_tokens, max_experts)
+    bins = check_int("bins", bins, low=1)
+    max_ranks = check_int("max_ranks", max_ranks, low=1)
+    max_micro_batches = check_int("max_micro_batches", max_micro_batches, low=1)
+    resolved = kit_settings(settings)  # a bad profile name is an error before anything runs
     update = _Histogram(fn, bins, dtype, rtol, atol)
     sizes = dict(max_tokens=max_tokens, max_experts=max_experts, for_update=True)
     cases = st.one_of(rst.routing_cases(distinct=True, **sizes), rst.routing_cases(ties=True, **sizes))
@@ -196,4 +206,4 @@ def check_histogram_update(fn: Callable[[list[np.ndarray], np.ndarray, int], Any
     invariants.insert(3, Invariant("partition invariance", partition_invariance.__doc__.strip(),
                                    cases.flatmap(with_partition), partial(partition_invariance, update),
                                    describe=partial(_partition_inputs, update)))
-    return run_check("check_histogram_update", invariants, kit_settings(settings))
+    return run_check("check_histogram_update", invariants, resolved)

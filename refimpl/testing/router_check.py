@@ -35,7 +35,7 @@ from .outputs import error_line, fmt, route_output, sorted_route, token_lines, w
 from .profiles import kit_settings
 from .report import CheckResult, Invariant, Violation, call_user, run_check
 
-__all__ = ["FamilyRouterCase", "check_router", "family_router_cases"]
+__all__ = ["FamilyRouterCase", "check_router", "dtype_tolerances", "family_router_cases"]
 
 #: The numbers of experts of the longer rows on which the declared tie order is also tried: more than the 16
 #: values that a sort may order by insertion (libstdc++'s `std::sort`, and NumPy's `np.argsort` where NumPy has
@@ -328,16 +328,34 @@ def _shifted_half(router: _Router, case: Any, c: float) -> None:
 
 
 def selection(router: _Router, case: Any) -> None:
-    r"""Eq. (13): $T_i = \operatorname{argtopk}_k(s_i + b)$ (within the chosen groups, for a family with groups)."""
+    r"""Eq. (13): $T_i = \operatorname{argtopk}_k(s_i + b)$ (within the chosen groups, for a family with groups).
+
+    The scores and bias the router receives are cast to its dtype, and a half dtype may round two biased
+    scores of a token to the same value (bfloat16 cannot tell apart values $2^{-14}$ apart near 1/2). A token
+    whose $k$-th and $(k+1)$-th received biased scores tie, to float32's resolution, is held to a valid top-$k$
+    of them instead of `route`'s lower-id choice: the tie order is the business of `lower_id_ties`, declared.
+    """
     ids, _ = sorted_route(*_run(router, case))
     if router.model_type is not None:
         expected = np.sort(case.reference()[0], axis=1)
         compared = case.allowed_groups()[1]
+        differs = np.any(ids != expected, axis=1)
     else:
         expected = np.sort(route(_scores(router, case), case.bias.astype(router.dtype).astype(np.float64),
                                  case.top_k)[0], axis=1)
         compared = np.ones(case.m, dtype=bool)
-    wrong = np.flatnonzero(compared & np.any(ids != expected, axis=1))
+        differs = np.any(ids != expected, axis=1)
+        if case.top_k < case.n:
+            sb = _biased(router, case)
+            ordered = -np.sort(-sb, axis=1)
+            edge = ordered[:, case.top_k - 1]
+            tied = edge - ordered[:, case.top_k] <= 4 * np.finfo(np.float32).eps * np.maximum(1.0, np.abs(edge))
+            chosen = np.zeros(sb.shape, dtype=bool)
+            np.put_along_axis(chosen, ids, True, axis=1)
+            valid = np.where(chosen, sb, np.inf).min(axis=1) >= np.where(chosen, -np.inf, sb).max(axis=1) - (
+                4 * np.finfo(np.float32).eps * np.maximum(1.0, np.abs(edge)))
+            differs = np.where(tied, ~valid, differs)
+    wrong = np.flatnonzero(compared & differs)
     if wrong.size:
         sb = _biased(router, case)
         what = "s + b" if router.model_type is None or case.bias is not None else "s"
@@ -420,6 +438,24 @@ def lower_id_ties(router: _Router, case: Any) -> None:
 # The check
 # ---------------------------------------------------------------------------
 
+#: The unit roundoff of the dtypes whose default tolerances are derived from float32's.
+_UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24}
+
+
+def dtype_tolerances(dtype: Any, rtol: Any, atol: Any, rtol32: float, atol32: float) -> tuple[float, float]:
+    r"""`(rtol, atol)` checked (`_tolerance_value`), a `None` one replaced by the default for `dtype`.
+
+    The defaults are a check's float32 ones (`rtol32`, `atol32`) scaled by the unit roundoff of `dtype` over
+    float32's, as `check_hf_moe_block` scales its tolerance with $u$: float64 is held $2^{29}$ times tighter,
+    so a port computing in float32 fails a float64 check. A half dtype keeps float32's defaults: scaled by
+    its roundoff they would pass weights off by tenths, and a half-precision port states the tolerance it
+    needs (a few 1e-2 for bfloat16).
+    """
+    scale = _UNIT_ROUNDOFF.get(dtype_name(np.dtype(dtype)), _UNIT_ROUNDOFF["float32"]) / _UNIT_ROUNDOFF["float32"]
+    return (rtol32 * scale if rtol is None else _tolerance_value("rtol", rtol),
+            atol32 * scale if atol is None else _tolerance_value("atol", atol))
+
+
 def _tolerance_value(name: str, value: Any) -> float:
     """`value` as a float if it is a finite real number >= 0 (a tolerance); else an error naming `name`.
 
@@ -438,7 +474,8 @@ def _tolerance_value(name: str, value: Any) -> float:
 
 
 def check_router(fn: Callable[..., tuple[Any, Any]], *, renormalize: bool = True, scaling_factor: float = 1.0,
-                 tie_order: str | None = None, dtype: Any = np.float32, rtol: float = 1e-5, atol: float = 1e-6,
+                 tie_order: str | None = None, dtype: Any = np.float32, rtol: float | None = None,
+                 atol: float | None = None,
                  max_tokens: int = 12, max_experts: int = 10, settings: str | Settings | None = None,
                  model_type: str | None = None) -> CheckResult:
     r"""Check a router against Eq. (13), or against a transformers family's router with `model_type`.
@@ -478,7 +515,10 @@ def check_router(fn: Callable[..., tuple[Any, Any]], *, renormalize: bool = True
 
     Inputs for 3-7 have no two nearly equal biased scores in a token (see `strategies.routing_cases`; a
     family's token whose group scores nearly tie is not compared for its groups), so any correct float32 router
-    agrees. `rtol` and `atol` apply to the weights (finite, at least 0). `settings` is a profile name or a
+    agrees (in a half dtype the cast itself may tie two of them exactly: such a token is held to a valid top-$k$,
+    the choice among the tied experts left open). `rtol` and `atol` apply to the weights (finite, at least 0;
+    by default 1e-5 and 1e-6, and $2^{-29}$ times those for float64, see `dtype_tolerances`, so a router that
+    computes in float32 fails a float64 check). `settings` is a profile name or a
     `hypothesis.settings`. `dtype` is float32 (default), float64, float16 or bfloat16; in a half dtype the
     shifted bias $b + c$ is itself rounded when it is handed over, so invariant 5 holds the shifted call to the
     reference on the bias it received (a valid top-$k$ of $s + \operatorname{round}(b + c)$, weights from its raw
@@ -489,7 +529,7 @@ def check_router(fn: Callable[..., tuple[Any, Any]], *, renormalize: bool = True
     renormalize = switch_value(renormalize, "renormalize")
     scaling_factor = check_positive("scaling_factor", scaling_factor)
     dtype = check_float_dtype(dtype, "dtype")
-    rtol, atol = _tolerance_value("rtol", rtol), _tolerance_value("atol", atol)
+    rtol, atol = dtype_tolerances(dtype if model_type is None else np.float32, rtol, atol, 1e-5, 1e-6)
     max_tokens = check_int("max_tokens", max_tokens, low=1)
     max_experts = check_int("max_experts", max_experts, low=2)  # a choice needs two experts to choose from
     resolved = kit_settings(settings)  # a bad profile name is an error before anything runs

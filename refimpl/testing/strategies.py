@@ -39,7 +39,8 @@ token are equal, and any two differ by at least $1/((N+1)(n+1))$. The grid
 may also be squeezed into a narrow band around 1/2 (scale $s - 1/2$ and $b$ by
 the same factor), down to a guaranteed gap of $2^{-14}$: still far more than
 float32 rounding, even after a common shift of the bias by 100, and far less
-than bfloat16 can resolve.
+than bfloat16 can resolve. A batch too large for one such grid to keep that
+gap gets a grid per token instead (see `routing_cases`).
 
 **Inputs with many ties.** `ties=True` cases put scores and biases on a grid
 of eighths, which float32 and bfloat16 represent exactly, so ties are exact
@@ -316,11 +317,32 @@ def bias_shifts(max_abs: float = 100.0) -> st.SearchStrategy[float]:
     Eq. (13) selects by $s_i + b$, so $b + c$ selects the same experts; a
     router that stores or adds the bias in low precision does not.
     """
+    if isinstance(max_abs, bool) or not isinstance(max_abs, int | float) or not 0 < max_abs < float("inf"):
+        raise ValueError(f"bias_shifts: max_abs must be a finite number > 0 (a shift of zero checks nothing), "
+                         f"got {max_abs!r}")
     special = st.sampled_from([v for v in (10.0, -10.0, 100.0, 0.5) if abs(v) <= max_abs])
     general = st.floats(-max_abs, max_abs).map(lambda c: c if c != 0.0 else max_abs)
     return st.one_of(special, general)
 
 
+def _checked_routing_sizes(strategy: Callable[..., Any]) -> Callable[..., Any]:
+    """Check `routing_cases`' sizes and resolution when the strategy is built, naming the argument at fault."""
+    @functools.wraps(strategy)
+    def built(*args: Any, **kwargs: Any) -> Any:
+        high = kwargs.get("max_experts", 10)  # min_experts is `routing_sizes`' to refuse, with the sizes drawn
+        if kwargs.get("for_update", False) and high < 2:
+            raise ValueError(f"routing_cases: for_update=True needs top_k < n, so max_experts >= 2, got {high}")
+        if kwargs.get("distinct", True) and not kwargs.get("ties", False):
+            resolution = kwargs.get("resolution", 2.0**-14)
+            if not 0 < resolution or (high + 1.0) ** 2 * resolution > 1.0:
+                raise ValueError(f"routing_cases: a gap of resolution={resolution!r} between the biased scores of "
+                                 f"max_experts={high} experts does not fit scores in (0, 1): it needs "
+                                 "0 < resolution <= 1 / (max_experts + 1)^2")
+        return strategy(*args, **kwargs)
+    return built
+
+
+@_checked_routing_sizes
 @checked_switches("distinct", "ties", "allow_all_experts", "integer_q", "for_update")
 @st.composite
 def routing_cases(draw: st.DrawFn, *, max_tokens: int = 12, min_experts: int = 2, max_experts: int = 10,
@@ -335,7 +357,12 @@ def routing_cases(draw: st.DrawFn, *, max_tokens: int = 12, min_experts: int = 2
       band around 1/2 whose gaps are exactly `resolution`: trained routers'
       scores crowd together like that, and it is where low precision bites.
       The default $2^{-14}$ is wide enough for any float32 router, even with
-      the bias shifted by 100, and far too fine for bfloat16.
+      the bias shifted by 100, and far too fine for bfloat16. When one grid
+      over the batch cannot keep that gap ($(mn + 1)(n + 1)$ above
+      1/`resolution`), each token gets a grid of its own over its $n$
+      experts, which keeps it for up to 1/sqrt(`resolution`) - 1 experts
+      (127 for the default); more is a `ValueError` naming
+      `max_experts`, refused when the strategy is built.
     * `ties=True`: scores and bias on a grid of eighths, with exact ties;
     * both false: independent floats (near-ties possible).
 
@@ -348,13 +375,27 @@ def routing_cases(draw: st.DrawFn, *, max_tokens: int = 12, min_experts: int = 2
     if ties:
         s = draw(scores(m, n, ties=True))
         b = np.array(draw(st.lists(st.integers(-4, 4), min_size=n, max_size=n), label="bias eighths")) / 8.0
+    elif distinct and resolution * (m * n + 1.0) * (n + 1.0) > 1.0:
+        # Too many entries for one grid over the batch to keep `resolution` within (0, 1): each token gets a
+        # grid of its own, $(\pi_{i,j} + 1)/(n + 1)$ with $\pi_i$ a permutation of $0, \dots, n-1$, and the
+        # bias $(c_j + \tau_j/(n + 1))/(n + 1)$, so two biased scores of a token differ by $1/(n + 1)^2$ or more.
+        step = n + 1.0
+        grid = np.array([draw(st.permutations(range(n)), label=f"score ranks of token {i}") for i in range(m)],
+                        dtype=np.float64).reshape(m, n)
+        grid = (grid + 1.0) / step
+        c = np.array(draw(st.lists(st.integers(-n, n), min_size=n, max_size=n), label="bias steps"))
+        tau = np.array(draw(st.permutations(range(1, n + 1)), label="bias fractions"), dtype=np.float64)
+        width = draw(st.sampled_from([1.0, resolution * step * step]), label="band width")
+        s = 0.5 + width * (grid - 0.5)
+        b = width * (c + tau / step) / step
     elif distinct:
         big_n = m * n + 1.0
         grid = draw(scores(m, n, distinct=True))  # (pi + 1) / (mn + 1)
         c = np.array(draw(st.lists(st.integers(-m * n, m * n), min_size=n, max_size=n), label="bias steps"))
         tau = np.array(draw(st.permutations(range(1, n + 1)), label="bias fractions"), dtype=np.float64)
-        # Width of the band the grid is squeezed into: 1 (all of (0, 1)) or just enough for `resolution`.
-        narrow = min(1.0, resolution * big_n * (n + 1.0))
+        # Width of the band the grid is squeezed into: 1 (all of (0, 1)) or just enough for `resolution` (at
+        # most 1: the batch's grid is used only when it keeps `resolution`, see the branch above).
+        narrow = resolution * big_n * (n + 1.0)
         width = draw(st.sampled_from([1.0, narrow]), label="band width")
         # $$s_{i,j} = \tfrac12 + w\,\bigl((\pi_{i,j} + 1)/(mn + 1) - \tfrac12\bigr)$$
         s = 0.5 + width * (grid - 0.5)
@@ -456,7 +497,7 @@ def batch_sequences(draw: st.DrawFn, n: int, *, steps: int = 3, min_tokens: int 
 @st.composite
 def balancer_cases(draw: st.DrawFn, *, max_experts: int = 8, steps: int = 3, max_tokens: int = 8,
                    dtype: Any = np.float64) -> BalancerCase:
-    """A `BalancerCase`: `steps` batches over the same experts, `top_k < n`, a zero initial bias.
+    """A `BalancerCase`: `steps` batches over the same experts, `top_k < n`, a centred nonzero initial bias.
 
     Every batch has at least `min_tokens_for_update(n, k)` tokens, so Eq. (14)
     is defined on each.
@@ -465,4 +506,10 @@ def balancer_cases(draw: st.DrawFn, *, max_experts: int = 8, steps: int = 3, max
     k = draw(st.integers(1, n - 1), label="k")
     low = min_tokens_for_update(n, k)
     batches = draw(batch_sequences(n, steps=steps, min_tokens=low, max_tokens=max(low, max_tokens), dtype=dtype))
-    return BalancerCase(batches, k, np.zeros(n, dtype=dtype))
+    # Multiples of 1/8 in [-1/2, 1/2], centred as Eq. (14) keeps a bias, and never all equal: as large as the
+    # spread of the sigmoid scores, so a balancer that ignores or negates its initial bias routes other experts.
+    eighths = np.array(draw(st.lists(st.integers(-4, 4), min_size=n, max_size=n), label="initial bias eighths"))
+    if np.all(eighths == eighths[0]):
+        eighths[0], eighths[-1] = 2, -2
+    initial = eighths / 8.0 - eighths.mean() / 8.0
+    return BalancerCase(batches, k, initial.astype(dtype))

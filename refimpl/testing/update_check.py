@@ -11,6 +11,7 @@ import numpy as np
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
+from .._lib.validation import check_float_dtype, check_int
 from .._lib.values import switch_value
 from . import strategies as rst
 from .outputs import bias_output, error_sizes, fmt
@@ -22,6 +23,7 @@ from .report import (
     call_user,
     run_check,
 )
+from .router_check import dtype_tolerances
 
 __all__ = [
     "BiasUpdate",
@@ -233,8 +235,24 @@ def bias_invariants(update: BiasUpdate, cases: st.SearchStrategy, reference_name
 # The check
 # ---------------------------------------------------------------------------
 
+def update_arguments(fn: Any, dtype: Any, rtol: Any, atol: Any, max_tokens: Any,
+                     max_experts: Any) -> tuple[np.dtype, float, float, int, int]:
+    """The arguments an update check shares, checked before anything runs (each error names its argument).
+
+    `dtype` a float dtype (an integer one would round every bias to whole numbers and test nothing), the
+    tolerances those of `router_check.dtype_tolerances`, at least one token and two experts (Eq. 14 needs
+    $k < n$).
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be the update, a function, got {type(fn).__name__} {fn!r:.60}")
+    dtype = check_float_dtype(dtype, "dtype")
+    rtol, atol = dtype_tolerances(dtype, rtol, atol, 1e-5, 1e-6)
+    return (dtype, rtol, atol, check_int("max_tokens", max_tokens, low=1),
+            check_int("max_experts", max_experts, low=2))
+
+
 def check_balancing_update(fn: Callable[[np.ndarray, np.ndarray, int], Any], *, dtype: Any = np.float32,
-                           rtol: float = 1e-5, atol: float = 1e-6, integer_q_only: bool = False,
+                           rtol: float | None = None, atol: float | None = None, integer_q_only: bool = False,
                            max_tokens: int = 12, max_experts: int = 8,
                            settings: str | Settings | None = None) -> CheckResult:
     r"""Check an exact Quantile Balancing update `fn(scores, bias, top_k) -> new_bias` against Eq. (14).
@@ -242,7 +260,9 @@ def check_balancing_update(fn: Callable[[np.ndarray, np.ndarray, int], Any], *, 
     `scores` `[m, n]` and `bias` `[n]` arrive as NumPy arrays of `dtype`
     with $k < n$ and at least `min_tokens_for_update(n, k)` tokens. Values are
     compared within `atol + rtol * (1 + max|b|)`: float32 arithmetic on a
-    bias near 10 is only good to about 1e-6.
+    bias near 10 is only good to about 1e-6. By default (`None`) `rtol` and `atol` are 1e-5 and 1e-6, and
+    $2^{-29}$ times those for float64 (`router_check.dtype_tolerances`): an update that computes or returns
+    float32 fails a float64 check.
 
     Invariants, in the order they run (each a function of this module, named in the report):
 
@@ -265,9 +285,11 @@ def check_balancing_update(fn: Callable[[np.ndarray, np.ndarray, int], Any], *, 
     the logits read for the scores, a fractional target rounded down, and the
     $\lceil q \rceil$-th required bias read for the $(q+1)$-th.
     """
+    dtype, rtol, atol, max_tokens, max_experts = update_arguments(fn, dtype, rtol, atol, max_tokens, max_experts)
+    resolved = kit_settings(settings)  # a bad profile name is an error before anything runs
     update = ExactUpdate(fn, dtype, rtol, atol)
     cases = update_cases(switch_value(integer_q_only, "integer_q_only"), max_tokens, max_experts)
     invariants = bias_invariants(
         update, cases, "matches Eq. (14)",
         "b~_j = -(the (q+1)-th largest margin s_ij - alpha_i of expert j), alpha_i the (k+1)-th of s_i + b")
-    return run_check("check_balancing_update", invariants, kit_settings(settings))
+    return run_check("check_balancing_update", invariants, resolved)
