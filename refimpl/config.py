@@ -403,13 +403,17 @@ class MoEConfig:
         d=7168, 256 routed experts of hidden size 2048, one shared expert,
         top-8, sigmoid scores with the `noaux_tc` bias, group-limited routing
         (8 groups, the best 4), routed scaling factor 2.5, SwiGLU experts, 58
-        MoE layers (61 layers, the first 3 dense). No latent projection and no
-        latent norm: a plain DeepSeekMoE layer.
+        MoE layers (61 layers, the first 3 dense), $\varepsilon = 10^{-6}$. No
+        latent projection and no latent norm: a plain DeepSeekMoE layer. The
+        file reads back as this preset (`MoEConfig.from_hf_config`), and the
+        preset writes as the file (`family_hf_config`): SiTU's caps, which the
+        file cannot hold, are left unset (`situ_linear_beta=None`).
         """
         fields: dict[str, Any] = dict(
             hidden_size=7168, latent_size=7168, use_latent_projection=False, use_latent_norm=False,
             num_experts=256, top_k=8, intermediate_size=2048, num_shared_experts=1, activation="swiglu",
-            n_group=8, topk_group=4, routed_scaling_factor=2.5, num_moe_layers=58)
+            n_group=8, topk_group=4, routed_scaling_factor=2.5, num_moe_layers=58, rms_norm_eps=1e-6,
+            situ_linear_beta=None)
         fields.update(overrides)
         return cls(**fields)
 

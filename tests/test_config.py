@@ -546,7 +546,17 @@ def test_deepseek_v3_config_read_as_k3s_keys_is_refused_key_by_key():
 
 
 def test_deepseek_v3_config_is_read_as_deepseek_v3_and_is_the_preset():
-    assert MoEConfig.from_hf_config(DEEPSEEK_V3_JSON) == MoEConfig.deepseek_v3(rms_norm_eps=1e-6, situ_linear_beta=None)
+    assert MoEConfig.from_hf_config(DEEPSEEK_V3_JSON) == MoEConfig.deepseek_v3()
+
+
+def test_the_deepseek_v3_preset_writes_as_its_family_and_reads_back():
+    """The preset differed from its file (epsilon 1e-5, a SiTU cap of 25), so its family refused to write it."""
+    from refimpl.config import family_hf_config
+
+    preset = MoEConfig.deepseek_v3()
+    for model_type in ("deepseek_v3", "kimi_k25"):
+        written = family_hf_config(preset, model_type, 3)
+        assert MoEConfig.from_hf_config(written) == preset, model_type
 
 
 def test_deepseek_v3_renamed_is_the_preset():
