@@ -398,7 +398,7 @@ class MoEConfig:
 
     @classmethod
     def deepseek_v3(cls, **overrides: Any) -> MoEConfig:
-        """A DeepSeek-V3 MoE layer, from its published `config.json`.
+        r"""A DeepSeek-V3 MoE layer, from its published `config.json`.
 
         d=7168, 256 routed experts of hidden size 2048, one shared expert,
         top-8, sigmoid scores with the `noaux_tc` bias, group-limited routing
