@@ -447,14 +447,19 @@ def _refuse_underflow(out: np.ndarray, exact: np.ndarray, scale: np.ndarray, dty
     lost = out.astype(exact.dtype) != exact
     if not np.any(lost):
         return
-    where = tuple(int(i) for i in np.argwhere(lost)[0])
-    block = where[:-1] + (where[-1] // MX_BLOCK,)
-    s = int(scale[block])
+    where, block, s = _first_block(lost, scale)
     raise ValueError(
         f"MXFP4 values too small for {dtype.name}: the block at scale index {list(block)} has scale byte {s} "
         f"(2^{s - 127}), and its value {float(exact[where]):.6g} becomes {float(out[where]):.6g} in "
         f"{dtype.name} (whose smallest value is {float(ml_dtypes.finfo(dtype).smallest_subnormal):.6g}); "
         f"decode with dtype=np.float32, which holds every MXFP4 value below 2^128 exactly")
+
+
+def _first_block(mask: np.ndarray, scale: np.ndarray) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """The first element where `mask` (`[..., K]`) holds, its block's index in `scale` and that block's byte."""
+    where = tuple(int(i) for i in np.argwhere(mask)[0])
+    block = where[:-1] + (where[-1] // MX_BLOCK,)
+    return where, block, int(scale[block])
 
 
 def _first_overflowing_byte(dtype: np.dtype) -> int:
@@ -469,9 +474,7 @@ def _refuse_overflow(out: np.ndarray, scale: np.ndarray, dtype: np.dtype) -> Non
     overflow = np.isinf(out)
     if not np.any(overflow):
         return
-    where = tuple(int(i) for i in np.argwhere(overflow)[0])  # one element of a block that overflowed
-    block = where[:-1] + (where[-1] // MX_BLOCK,)
-    s = int(scale[block])
+    _, block, s = _first_block(overflow, scale)
     raise ValueError(
         f"MXFP4 values overflow {dtype.name}: the block at scale index {list(block)} has scale byte {s} "
         f"(2^{s - 127}), and one of its values is beyond {dtype.name}'s largest "
