@@ -23,7 +23,7 @@ from .report import (
     run_check,
     written_inputs,
 )
-from .router_check import _tolerance_value
+from .router_check import tolerance_value
 
 __all__ = ["check_balancer"]
 
@@ -78,7 +78,7 @@ def check_balancer(make_balancer: Callable[[np.ndarray, int], Callable[[np.ndarr
     steps = check_int("steps", steps, low=1)  # a history of at least one batch, and one batch after it
     max_tokens = check_int("max_tokens", max_tokens, low=1)
     max_experts = check_int("max_experts", max_experts, low=2)  # k < n needs two experts
-    margin = _tolerance_value("margin", margin)
+    margin = tolerance_value("margin", margin)
     resolved = kit_settings(settings)  # a bad profile name is an error before anything runs
     update = follows
     cases = rst.balancer_cases(max_experts=max_experts, steps=steps + 1, max_tokens=max_tokens)

@@ -44,7 +44,7 @@ from ..layer.baselines import capacity_keep
 from .outputs import user_array
 from .profiles import kit_settings
 from .report import CheckResult, Invariant, Violation, call_user, errors, run_check
-from .router_check import _tolerance_value
+from .router_check import tolerance_value
 
 __all__ = ["CAPACITY_ORDERS", "CapacityCase", "capacity_cases", "check_capacity", "token_major_keep"]
 
@@ -304,7 +304,7 @@ def check_capacity(fn: Callable[[np.ndarray, np.ndarray, int, int], Any], *, rto
         raise TypeError(f"fn must be the capacity rule, a function, got {type(fn).__name__} {fn!r:.60}")
     if not isinstance(order, str) or order not in CAPACITY_ORDERS:
         raise ValueError(f"order must be one of {sorted(CAPACITY_ORDERS)}, got {order!r}")
-    rtol, atol = _tolerance_value("rtol", rtol), _tolerance_value("atol", atol)
+    rtol, atol = tolerance_value("rtol", rtol), tolerance_value("atol", atol)
     max_tokens = check_int("max_tokens", max_tokens, low=1)
     max_experts = check_int("max_experts", max_experts, low=1)
     resolved = kit_settings(settings)  # a bad profile name is an error before anything runs

@@ -35,7 +35,7 @@ from .outputs import error_line, fmt, route_output, sorted_route, token_lines, w
 from .profiles import kit_settings
 from .report import CheckResult, Invariant, Violation, call_user, run_check
 
-__all__ = ["FamilyRouterCase", "check_router", "dtype_tolerances", "family_router_cases"]
+__all__ = ["FamilyRouterCase", "check_router", "dtype_tolerances", "family_router_cases", "tolerance_value"]
 
 #: The numbers of experts of the longer rows on which the declared tie order is also tried: more than the 16
 #: values that a sort may order by insertion (libstdc++'s `std::sort`, and NumPy's `np.argsort` where NumPy has
@@ -443,7 +443,7 @@ _UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24}
 
 
 def dtype_tolerances(dtype: Any, rtol: Any, atol: Any, rtol32: float, atol32: float) -> tuple[float, float]:
-    r"""`(rtol, atol)` checked (`_tolerance_value`), a `None` one replaced by the default for `dtype`.
+    r"""`(rtol, atol)` checked (`tolerance_value`), a `None` one replaced by the default for `dtype`.
 
     The defaults are a check's float32 ones (`rtol32`, `atol32`) scaled by the unit roundoff of `dtype` over
     float32's, as `check_hf_moe_block` scales its tolerance with $u$: float64 is held $2^{29}$ times tighter,
@@ -452,11 +452,11 @@ def dtype_tolerances(dtype: Any, rtol: Any, atol: Any, rtol32: float, atol32: fl
     needs (a few 1e-2 for bfloat16).
     """
     scale = _UNIT_ROUNDOFF.get(dtype_name(np.dtype(dtype)), _UNIT_ROUNDOFF["float32"]) / _UNIT_ROUNDOFF["float32"]
-    return (rtol32 * scale if rtol is None else _tolerance_value("rtol", rtol),
-            atol32 * scale if atol is None else _tolerance_value("atol", atol))
+    return (rtol32 * scale if rtol is None else tolerance_value("rtol", rtol),
+            atol32 * scale if atol is None else tolerance_value("atol", atol))
 
 
-def _tolerance_value(name: str, value: Any) -> float:
+def tolerance_value(name: str, value: Any) -> float:
     """`value` as a float if it is a finite real number >= 0 (a tolerance); else an error naming `name`.
 
     A negative or NaN tolerance would fail a correct router on every case, and a string would fail inside
